@@ -1,0 +1,126 @@
+"""Create every process group of a ``Topology`` once, and hand the result around explicitly.
+
+``torch.distributed.new_group`` must be called by every rank for every group, in the same order,
+even for groups the rank is not in; this module is the one place that does it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.topology import Coord, Topology
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    topology: Topology
+    rank: int
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+    embedding_group: dist.ProcessGroup
+    pp_ranks: tuple[int, ...]  # global ranks of this rank's pipeline, first stage first
+
+    @property
+    def coord(self) -> Coord:
+        return self.topology.coord(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord.dp
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord.tp
+
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord.pp
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == self.topology.logging_rank
+
+
+def _build(groups: list[list[int]], rank: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    assert mine is not None, f"rank {rank} is in none of {groups}"
+    return mine
+
+
+def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> ProcessGroups:
+    """Build the dp, tp, pp, model-parallel and embedding groups. The default group must exist."""
+    topology.check_world_size(dist.get_world_size())
+    rank = dist.get_rank()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    pp_ranks = next(g for g in topology.pp_groups() if rank in g)
+    return ProcessGroups(
+        topology=topology,
+        rank=rank,
+        dp_group=_build(topology.dp_groups(), rank, timeout),
+        tp_group=_build(topology.tp_groups(), rank, timeout),
+        pp_group=_build(topology.pp_groups(), rank, timeout),
+        model_parallel_group=_build(topology.model_parallel_groups(), rank, timeout),
+        embedding_group=_build(topology.embedding_groups(), rank, timeout),
+        pp_ranks=tuple(pp_ranks),
+    )
+
+
+def pick_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the default process group; return (rank, world_size).
+
+    Under torchrun the env:// rendezvous is used. A plain ``python train.py`` gets a one-process group
+    over an in-memory store, so the rest of the code has a single path for every world size.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = pick_backend(backend)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def launch_world_size() -> int:
+    """World size as the launcher announced it, readable before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))

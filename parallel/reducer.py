@@ -1,0 +1,130 @@
+"""Data-parallel gradient reduction over flat, bucketed gradient buffers.
+
+Every parameter's ``.grad`` is a view into one flat buffer, laid out in reverse registration order
+(roughly the order backward produces gradients) and cut into buckets of about ``bucket_mb``. During
+the backward of the last micro-batch, a bucket's all-reduce starts asynchronously as soon as all of
+its gradients have been accumulated, so communication overlaps the rest of backward; earlier
+micro-batches only accumulate locally (no_sync). ``finish`` waits for the in-flight reductions.
+
+Each bucket is padded to a multiple of dp_size, so a ZeRO stage can later swap the all-reduce of a
+bucket for a reduce-scatter into equal contiguous shards without moving any gradient.
+
+The loss is pre-divided by the global token count, so the reduction is a plain SUM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    offset: int  # start in the flat buffer
+    numel: int  # padded to a multiple of dp_size
+    ready: int = 0
+    work: dist.Work | None = field(default=None, repr=False)
+
+
+def plan_buckets(numels: list[int], bucket_numel: int, dp_size: int) -> list[tuple[list[int], int]]:
+    """Greedily group consecutive parameters; return (param indices, padded numel) per bucket.
+
+    A parameter larger than a bucket gets a bucket of its own.
+    """
+    buckets, current, size = [], [], 0
+    for i, n in enumerate(numels):
+        if current and size + n > bucket_numel:
+            buckets.append((current, size))
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append((current, size))
+    return [(idx, -(-size // dp_size) * dp_size) for idx, size in buckets]
+
+
+class GradReducer:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        dp_group: dist.ProcessGroup,
+        bucket_mb: float = 25.0,
+        grad_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise ValueError("GradReducer needs at least one trainable parameter")
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        device = params[0].device
+        element = torch.tensor([], dtype=grad_dtype).element_size()
+        bucket_numel = max(1, int(bucket_mb * 2**20 / element))
+
+        order = list(reversed(params))
+        plan = plan_buckets([p.numel() for p in order], bucket_numel, self.dp_size)
+        self.buffer = torch.zeros(sum(n for _, n in plan), dtype=grad_dtype, device=device)
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        offset = 0
+        for idx, numel in plan:
+            bucket = Bucket(params=[order[i] for i in idx], offset=offset, numel=numel)
+            start = offset
+            for p in bucket.params:
+                p.grad = self.buffer[start : start + p.numel()].view_as(p)
+                start += p.numel()
+                self._bucket_of[p] = bucket
+            self.buckets.append(bucket)
+            offset += numel
+
+        self._sync = True
+        self._next = 0  # index of the next bucket to launch
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def bucket_view(self, bucket: Bucket) -> torch.Tensor:
+        return self.buffer[bucket.offset : bucket.offset + bucket.numel]
+
+    def set_sync(self, enabled: bool) -> None:
+        """Call before each micro-batch's backward: True only for the last one of the step."""
+        self._sync = enabled
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync or self.dp_size == 1:
+            return
+        self._bucket_of[param].ready += 1
+        # Collectives must be issued in the same order on every rank, so buckets start strictly in
+        # bucket order (as torch DDP does), even if autograd finishes a later one first.
+        while self._next < len(self.buckets) and self._is_ready(self.buckets[self._next]):
+            self._launch(self.buckets[self._next])
+
+    @staticmethod
+    def _is_ready(bucket: Bucket) -> bool:
+        return bucket.ready == len(bucket.params)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.work = dist.all_reduce(self.bucket_view(bucket), group=self.dp_group, async_op=True)
+        self._next += 1
+
+    def finish(self) -> None:
+        """Wait for every bucket's reduction; buckets whose parameters got no gradient are reduced now."""
+        if self.dp_size == 1:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work = None
+            bucket.ready = 0
+        self._next = 0
+
+    def zero_grad(self) -> None:
+        # Gradients stay views of the buffer: never set them to None.
+        self.buffer.zero_()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

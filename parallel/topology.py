@@ -1,0 +1,98 @@
+"""Pure rank arithmetic for a dp x pp x tp layout. No torch.distributed here.
+
+Ranks are laid out as ``arange(world).view(pp, dp, tp)``: tp varies fastest so a tensor-parallel
+group sits on neighbouring ranks (one NVLink island), dp next, pp slowest (Megatron's order).
+With 16 ranks, tp=2, pp=4, dp=2:
+
+    tp groups:   [0, 1] [2, 3] [4, 5] ... [14, 15]
+    dp groups:   [0, 2] [1, 3] [4, 6] [5, 7] ... [13, 15]
+    pp groups:   [0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]
+    embedding:   [0, 12] [1, 13] [2, 14] [3, 15]      (first + last stage of each pp group)
+    model-par.:  [0, 1, 4, 5, 8, 9, 12, 13] [2, 3, 6, 7, 10, 11, 14, 15]   (tp x pp, one dp replica)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from trident.errors import ConfigError
+
+
+class Coord(NamedTuple):
+    dp: int
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    dp: int
+    pp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "pp", "tp"):
+            if getattr(self, axis) < 1:
+                raise ConfigError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ConfigError(
+                f"world size {world_size} != dp {self.dp} x tp {self.tp} x pp {self.pp} = {self.world_size}; "
+                f"set parallel.dp or launch {self.world_size} processes"
+            )
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp):
+            raise ValueError(f"coordinate (dp={dp}, pp={pp}, tp={tp}) is outside {self}")
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coord(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coord(dp=dp, pp=pp, tp=tp)
+
+    def _groups_varying(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Groups of ranks that share every coordinate except those in ``axes``."""
+        fixed = [a for a in ("dp", "pp", "tp") if a not in axes]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coord(rank)
+            groups.setdefault(tuple(getattr(c, a) for a in fixed), []).append(rank)
+        return sorted(groups.values())
+
+    def dp_groups(self) -> list[list[int]]:
+        return self._groups_varying(("dp",))
+
+    def tp_groups(self) -> list[list[int]]:
+        return self._groups_varying(("tp",))
+
+    def pp_groups(self) -> list[list[int]]:
+        return self._groups_varying(("pp",))
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        """tp x pp: every rank that holds a piece of one model replica."""
+        return self._groups_varying(("pp", "tp"))
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last stage of each pipeline: they hold the tied embedding / LM head."""
+        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
+
+    def is_first_stage(self, rank: int) -> bool:
+        return self.coord(rank).pp == 0
+
+    def is_last_stage(self, rank: int) -> bool:
+        return self.coord(rank).pp == self.pp - 1
+
+    @property
+    def logging_rank(self) -> int:
+        """The one rank that writes metrics: it holds the loss (last stage) of dp replica 0, tp rank 0."""
+        return self.rank_of(dp=0, pp=self.pp - 1, tp=0)

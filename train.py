@@ -1,0 +1,129 @@
+"""Pretrain a GPT.
+
+    python train.py [overrides]                          # one process
+    torchrun --nproc-per-node 8 train.py [overrides]     # data parallel over 8 ranks
+
+Build config -> topology -> data -> process groups -> model -> optimizer -> loop. Everything that can be
+wrong with the config or the data is found before the first collective, so it never hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from models.checkpointing import apply_activation_checkpointing
+from models.gpt import GPT, flops_per_token, init_weights
+from parallel.groups import build_process_groups, init_distributed, launch_world_size, pick_backend
+from parallel.reducer import GradReducer
+from parallel.topology import Topology
+from trident.checkpoint import Checkpointer
+from trident.config import Config, register_configs, validate
+from trident.data.dataset import TokenDataset
+from trident.data.prepare import resolve_dataset
+from trident.device import local_rank, local_world_size, pick_device, set_cpu_threads
+from trident.errors import TridentError
+from trident.loop import Trainer
+from trident.metrics import MetricsLogger, device_peak_tflops
+from trident.optim import build_optimizer
+
+
+def run(cfg: Config, run_dir: Path) -> None:
+    # Checks and data preparation need no process group: a problem ends every rank the same way.
+    dp = validate(cfg, launch_world_size())
+    topology = Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
+    backend = pick_backend(cfg.parallel.backend)
+    device = pick_device(cfg.train.device, backend)
+    dataset = TokenDataset(resolve_dataset(cfg.data, cfg.model.vocab_size))
+    train_data, val_data = dataset.split(cfg.model.seq_len, cfg.data.val_fraction, cfg.train.global_batch_size)
+    if device.type == "cpu":
+        set_cpu_threads()
+
+    init_distributed(backend, cfg.parallel.timeout_s)
+    groups = build_process_groups(topology, cfg.parallel.timeout_s)
+    agreed = [str(run_dir)]
+    dist.broadcast_object_list(agreed, src=0)  # ranks started a second apart must share rank 0's run dir
+    run_dir = Path(agreed[0])
+
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model, tp=topology.tp)
+    init_weights(model, cfg.model, cfg.train.seed)
+    model.to(device)
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    optimizer = build_optimizer(model, cfg.optim)
+    reducer = GradReducer(list(model.parameters()), groups.dp_group, cfg.parallel.bucket_mb)
+
+    config_dict = dataclasses.asdict(cfg)
+    checkpointer = Checkpointer(
+        root=Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else run_dir / "checkpoints",
+        every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        resume=cfg.checkpoint.resume,
+        groups=groups,
+        model=model,
+        optimizer=optimizer,
+        config=config_dict,
+        tokenizer=dataset.tokenizer_path,
+    )
+    peak = device_peak_tflops(
+        device, cfg.train.precision, cfg.logging.peak_tflops, cfg.logging.cpu_peak_tflops, local_world_size()
+    )
+
+    def make_logger(start_step: int) -> MetricsLogger | None:
+        if not groups.is_logging_rank:
+            return None
+        w = cfg.wandb
+        return MetricsLogger(
+            run_dir, cfg.train.steps, cfg.logging.interval, w.mode, w.project, w.name, w.entity, config_dict, start_step
+        )
+
+    if groups.is_logging_rank:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(
+            f"trident: {cfg.model.name} ({n_params / 1e6:.2f}M params), world {topology.world_size} "
+            f"(dp {topology.dp} x tp {topology.tp} x pp {topology.pp}), {backend} on {device.type}, "
+            f"{len(train_data)} train windows, run dir {run_dir}",
+            flush=True,
+        )
+    Trainer(
+        cfg.train,
+        cfg.optim,
+        groups,
+        model,
+        optimizer,
+        reducer,
+        train_data,
+        val_data,
+        device,
+        flops_per_token(cfg.model),
+        peak * 1e12,
+        checkpointer,
+        make_logger,
+    ).fit()
+    dist.destroy_process_group()
+
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    try:
+        cfg: Config = OmegaConf.to_object(hydra_cfg)
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except TridentError as e:
+        # One line per node (every rank reaches the same verdict), and a non-zero exit on every rank.
+        if local_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""trident: GPT pretraining with data, tensor and pipeline parallelism in plain PyTorch."""

@@ -1,0 +1,328 @@
+"""Typed configuration: one dataclass per concern, registered with Hydra's ConfigStore.
+
+The YAML under ``conf/`` fills these in; ``train.py`` converts the Hydra tree to ``Config`` once
+and passes the sub-configs down. ``validate`` is the single place every rule lives: it runs on every
+rank before the first collective, so a bad config ends all ranks with the same clear message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from trident.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-mini"
+    n_layers: int = 4
+    d_model: int = 256
+    n_heads: int = 4
+    seq_len: int = 256
+    vocab_size: int = 8192
+    # Feed-forward width; None means 4 * d_model as in GPT-2.
+    d_ff: int | None = None
+    bias: bool = True
+    init_std: float = 0.02
+    ln_eps: float = 1e-5
+    # The embedding table is padded to a multiple of this times tp (Megatron's
+    # make-vocab-size-divisible-by); padded logits are masked, so the loss never changes.
+    vocab_multiple: int = 64
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class OffloadConfig:
+    optimizer: str = "none"  # none | cpu
+    ratio: float = 1.0  # fraction of optimizer state stepped on the CPU
+
+
+@dataclass
+class ParallelConfig:
+    dp: int | None = None  # None: world_size / (tp * pp)
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    schedule: str | None = None  # gpipe | 1f1b | interleaved; None: 1f1b, or interleaved when vpp > 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    backend: str = "auto"  # auto | nccl | gloo
+    bucket_mb: float = 25.0  # gradient all-reduce bucket size
+    timeout_s: int = 600  # collective timeout: a stuck rank fails instead of hanging forever
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8
+    global_batch_size: int = 32
+    steps: int = 300
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    activation_checkpointing: str = "none"  # none | full | selective
+    eval_every: int = 50  # 0 disables periodic validation
+    eval_batches: int = 4  # global batches of validation data per evaluation
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class DataConfig:
+    # Text files, directories (searched for data.suffixes) or globs. None: the embedded corpus,
+    # the Python standard library's own source (tests excluded).
+    text: list[str] | None = None
+    suffixes: list[str] = field(default_factory=lambda: [".txt", ".md", ".py", ".rst"])
+    # A directory written by tools/prepare_data.py; when set, data.text is not used.
+    dataset_dir: str | None = None
+    # Where prepared datasets of data.text (or the embedded corpus) are cached.
+    cache_dir: str = "~/.cache/trident"
+    val_fraction: float = 0.01
+    # Lines sampled to train the tokenizer (the whole text is tokenized either way).
+    tokenizer_lines: int = 200_000
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <run dir>/checkpoints
+    every: int = 0  # save every N steps (0: only at the end); always saved after the last step
+    resume: str = "auto"  # auto | none | <path to a checkpoint directory>
+    keep_last: int = 0  # 0 keeps every checkpoint
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10  # console line every N steps
+    # Peak dense TFLOP/s of one device for MFU; None: looked up for known GPUs.
+    peak_tflops: float | None = None
+    # Peak TFLOP/s of a whole CPU node, shared by the ranks on it.
+    cpu_peak_tflops: float = 0.2
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "trident"
+    name: str | None = None
+    entity: str | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def launch_time() -> str:
+    """The launcher's start time as ``YYYY-MM-DD/HH-MM-SS``.
+
+    Under torchrun every rank is a child of the same agent, so using the parent's start time gives all
+    local ranks one run directory even when they start a second apart.
+    """
+    stamp = time.time()
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        try:
+            with open(f"/proc/{os.getppid()}/stat") as f:
+                start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            with open("/proc/stat") as f:
+                boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+            stamp = boot + start_ticks / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, StopIteration):
+            pass
+    return datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def register_configs() -> None:
+    """Register the schema (so conf/config.yaml can name it) and the resolvers the YAML uses."""
+    cs = ConfigStore.instance()
+    cs.store(name="trident_schema", node=Config)
+    if not OmegaConf.has_resolver("launch_time"):
+        OmegaConf.register_new_resolver("launch_time", launch_time)
+
+
+# Capabilities that have a config key but no implementation yet: a user asking for them gets a
+# clear error rather than a run that silently ignores the setting.
+NOT_YET_IMPLEMENTED: dict[str, str] = {
+    "parallel.tp": "tensor parallelism is not implemented yet; use parallel.tp=1",
+    "parallel.pp": "pipeline parallelism is not implemented yet; use parallel.pp=1",
+    "parallel.zero": "ZeRO sharding is not implemented yet; use parallel.zero=0",
+}
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _one_of(key: str, value: object, allowed: tuple) -> None:
+    _need(value in allowed, f"{key}={value!r} is not valid; use one of {', '.join(map(str, allowed))}")
+
+
+def resolve_dp(par: ParallelConfig, world_size: int) -> int:
+    """dp may be left out: it is world_size / (tp * pp)."""
+    _need(par.tp >= 1 and par.pp >= 1, f"parallel.tp={par.tp} and parallel.pp={par.pp} must be >= 1")
+    mp = par.tp * par.pp
+    if par.dp is None:
+        _need(
+            world_size % mp == 0,
+            f"world size {world_size} is not divisible by tp {par.tp} x pp {par.pp} = {mp}; "
+            f"launch a multiple of {mp} processes or change parallel.tp / parallel.pp",
+        )
+        return world_size // mp
+    _need(par.dp >= 1, f"parallel.dp={par.dp} must be >= 1")
+    _need(
+        par.dp * mp == world_size,
+        f"world size {world_size} != dp {par.dp} x tp {par.tp} x pp {par.pp} = {par.dp * mp}; "
+        f"set parallel.dp={world_size // mp if world_size % mp == 0 else '?'} or launch {par.dp * mp} processes",
+    )
+    return par.dp
+
+
+def grad_accum_steps(train: TrainConfig, dp: int) -> int:
+    """Gradient-accumulation micro-batches per rank per optimizer step."""
+    return train.global_batch_size // (train.micro_batch_size * dp)
+
+
+def resolve_schedule(par: ParallelConfig) -> str:
+    if par.schedule is not None:
+        return par.schedule
+    return "interleaved" if par.vpp > 1 else "1f1b"
+
+
+def validate(cfg: Config, world_size: int) -> int:
+    """Check every rule that can be checked before any collective; return the resolved dp size."""
+    m, par, tr, opt, ck = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.checkpoint
+
+    for key in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "vocab_multiple"):
+        _need(getattr(m, key) >= 1, f"model.{key}={getattr(m, key)} must be >= 1")
+    _need(m.ffn_dim >= 1, f"model.d_ff={m.d_ff} must be >= 1")
+    _need(
+        m.d_model % m.n_heads == 0,
+        f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+        "choose n_heads that divides d_model",
+    )
+
+    dp = resolve_dp(par, world_size)
+    _one_of("parallel.backend", par.backend, ("auto", "nccl", "gloo"))
+    _one_of("parallel.zero", par.zero, (0, 1, 2, 3))
+    _need(par.vpp >= 1, f"parallel.vpp={par.vpp} must be >= 1")
+    _need(par.vpp == 1 or par.pp > 1, f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")
+    schedule = resolve_schedule(par)
+    _one_of("parallel.schedule", schedule, ("gpipe", "1f1b", "interleaved"))
+    _need(
+        schedule != "interleaved" or par.vpp > 1,
+        "parallel.schedule=interleaved needs parallel.vpp > 1 model chunks per pipeline rank",
+    )
+    _need(
+        par.vpp == 1 or schedule == "interleaved",
+        f"parallel.vpp={par.vpp} needs parallel.schedule=interleaved (got {schedule})",
+    )
+    _need(par.bucket_mb > 0, f"parallel.bucket_mb={par.bucket_mb} must be > 0")
+    _need(par.timeout_s > 0, f"parallel.timeout_s={par.timeout_s} must be > 0")
+    _one_of("parallel.offload.optimizer", par.offload.optimizer, ("none", "cpu"))
+    _need(0.0 <= par.offload.ratio <= 1.0, f"parallel.offload.ratio={par.offload.ratio} must be in [0, 1]")
+    _need(
+        par.offload.optimizer == "none" or par.zero >= 1,
+        "parallel.offload.optimizer=cpu needs a ZeRO stage (parallel.zero >= 1)",
+    )
+    _need(
+        not par.sequence_parallel or par.tp > 1,
+        "parallel.sequence_parallel=true needs parallel.tp > 1",
+    )
+
+    # Divisibility rules of the model split.
+    chunks = par.pp * par.vpp
+    _need(
+        m.n_layers % chunks == 0,
+        f"model.n_layers={m.n_layers} is not divisible by pp {par.pp} x vpp {par.vpp} = {chunks}; "
+        "change the layer count or the pipeline layout",
+    )
+    _need(
+        m.n_heads % par.tp == 0,
+        f"model.n_heads={m.n_heads} is not divisible by parallel.tp={par.tp}",
+    )
+    _need(m.ffn_dim % par.tp == 0, f"model.d_ff={m.ffn_dim} is not divisible by parallel.tp={par.tp}")
+    _need(
+        not par.sequence_parallel or m.seq_len % par.tp == 0,
+        f"model.seq_len={m.seq_len} is not divisible by parallel.tp={par.tp} (sequence parallelism)",
+    )
+
+    # Batch arithmetic.
+    _need(tr.micro_batch_size >= 1, f"train.micro_batch_size={tr.micro_batch_size} must be >= 1")
+    _need(tr.global_batch_size >= 1, f"train.global_batch_size={tr.global_batch_size} must be >= 1")
+    per_step = tr.micro_batch_size * dp
+    _need(
+        tr.global_batch_size % per_step == 0,
+        f"train.global_batch_size={tr.global_batch_size} is not divisible by micro_batch_size "
+        f"{tr.micro_batch_size} x dp {dp} = {per_step}; use a multiple of {per_step}",
+    )
+    gas = grad_accum_steps(tr, dp)
+    _need(
+        schedule != "interleaved" or gas % par.pp == 0,
+        f"the interleaved schedule needs the micro-batch count {gas} to be a multiple of pp {par.pp}; "
+        "change train.global_batch_size or train.micro_batch_size",
+    )
+    _need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
+    _one_of("train.precision", tr.precision, ("fp32", "bf16", "fp16"))
+    _one_of("train.activation_checkpointing", tr.activation_checkpointing, ("none", "full", "selective"))
+    _one_of("train.device", tr.device, ("auto", "cpu", "cuda"))
+    _need(tr.eval_every >= 0, f"train.eval_every={tr.eval_every} must be >= 0 (0 disables evaluation)")
+    _need(tr.eval_batches >= 1, f"train.eval_batches={tr.eval_batches} must be >= 1")
+
+    _need(opt.lr > 0 and math.isfinite(opt.lr), f"optim.lr={opt.lr} must be a positive number")
+    _need(0 <= opt.min_lr <= opt.lr, f"optim.min_lr={opt.min_lr} must be between 0 and optim.lr={opt.lr}")
+    _need(opt.warmup_steps >= 0, f"optim.warmup_steps={opt.warmup_steps} must be >= 0")
+    _need(opt.weight_decay >= 0, f"optim.weight_decay={opt.weight_decay} must be >= 0")
+    _need(opt.grad_clip >= 0, f"optim.grad_clip={opt.grad_clip} must be >= 0 (0 disables clipping)")
+    _need(0 <= opt.beta1 < 1 and 0 <= opt.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    _need(opt.eps > 0, f"optim.eps={opt.eps} must be > 0")
+
+    _need(0 < cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
+    _need(cfg.data.tokenizer_lines >= 1000, "data.tokenizer_lines must be >= 1000")
+    _need(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0: only at the end)")
+    _need(ck.keep_last >= 0, f"checkpoint.keep_last={ck.keep_last} must be >= 0 (0 keeps all)")
+    _need(ck.resume != "", "checkpoint.resume must be auto, none or a checkpoint path")
+    _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
+    _need(cfg.logging.interval >= 1, f"logging.interval={cfg.logging.interval} must be >= 1")
+    _need(
+        cfg.logging.peak_tflops is None or cfg.logging.peak_tflops > 0,
+        "logging.peak_tflops must be > 0 (or null to look it up)",
+    )
+    _need(cfg.logging.cpu_peak_tflops > 0, "logging.cpu_peak_tflops must be > 0")
+
+    for key, why in NOT_YET_IMPLEMENTED.items():
+        section, name = key.split(".", 1)
+        value = getattr(getattr(cfg, section), name)
+        default = getattr(type(getattr(cfg, section))(), name)
+        _need(value == default, f"{key}={value!r}: {why}")
+    return dp

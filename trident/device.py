@@ -1,0 +1,40 @@
+"""Which device a rank drives, and how many CPU threads it may use."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from trident.errors import ConfigError
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def pick_device(requested: str, backend: str) -> torch.device:
+    """Checked before any process group exists, so a mismatch fails on every rank at once."""
+    has_cuda = torch.cuda.is_available()
+    if requested == "cuda" and not has_cuda:
+        raise ConfigError("train.device=cuda but no GPU is visible; use train.device=auto or train.device=cpu")
+    use_cuda = requested == "cuda" or (requested == "auto" and has_cuda)
+    if backend == "nccl" and not use_cuda:
+        raise ConfigError("parallel.backend=nccl needs GPUs; use parallel.backend=auto or gloo on CPU")
+    if use_cuda:
+        if local_rank() >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {local_rank()} has no GPU ({torch.cuda.device_count()} visible); "
+                "launch at most one process per GPU"
+            )
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def set_cpu_threads() -> None:
+    """Share the node's cores between its ranks instead of every rank oversubscribing all of them."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))

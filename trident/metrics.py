@@ -1,0 +1,150 @@
+"""Per-step metrics: ``metrics.jsonl``, a console line per interval, and wandb, all from one rank."""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s) of known GPUs; fp32 runs use the TF32 peak, half of these.
+GPU_PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 125.0,
+    "A10": 125.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+    "V100": 125.0,
+}
+
+
+def device_peak_tflops(
+    device: torch.device, precision: str, override: float | None, cpu_node_peak: float, ranks_per_node: int
+) -> float:
+    """Peak TFLOP/s of the device one rank drives (on CPU: its share of the node)."""
+    if override is not None:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_BF16_TFLOPS.items():  # most specific names first
+            if key in name:
+                return peak if precision != "fp32" else peak / 2
+        raise ValueError(f"unknown GPU {name!r}: set logging.peak_tflops to its dense peak TFLOP/s for MFU")
+    return cpu_node_peak / max(1, ranks_per_node)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # Linux reports ru_maxrss in KiB: the peak resident size of this process.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """On resume, rows past the checkpoint are about to be recomputed: keep a backup and drop them."""
+    if not path.is_file():
+        return
+    rows = path.read_text().splitlines()
+    keep = [r for r in rows if r.strip() and json.loads(r)["step"] <= last_step]
+    if len(keep) != len(rows):
+        shutil.copyfile(path, path.with_name(f"{path.name}.{int(time.time())}.bak"))
+        path.write_text("".join(r + "\n" for r in keep))
+
+
+class MetricsLogger:
+    """Only the logging rank constructs one of these (the others get ``None``)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        interval: int,
+        wandb_mode: str,
+        wandb_project: str,
+        wandb_name: str | None,
+        wandb_entity: str | None,
+        config: dict,
+        start_step: int = 0,
+    ) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        trim_metrics(self.path, start_step)
+        self.file = open(self.path, "a")
+        self.total_steps = total_steps
+        self.interval = interval
+        self.start_step = start_step
+        self.start_time = time.perf_counter()
+        self.wandb = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(
+                project=wandb_project,
+                name=wandb_name,
+                entity=wandb_entity,
+                mode=wandb_mode,
+                dir=str(run_dir),
+                config=config,
+                settings=wandb.Settings(console="off", quiet=True),
+            )
+
+    def log(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        step = row["step"]
+        if step % self.interval == 0 or step == self.total_steps or step == self.start_step + 1 or "val_loss" in row:
+            print(self.console_line(row), flush=True)
+
+    def console_line(self, row: dict) -> str:
+        step = row["step"]
+        elapsed = time.perf_counter() - self.start_time
+        done = step - self.start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else 0.0
+        parts = [
+            f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}",
+            f"loss {row['loss']:.4f}",
+        ]
+        if "val_loss" in row:
+            parts.append(f"val {row['val_loss']:.4f}")
+        parts += [
+            f"lr {row['lr']:.2e}",
+            f"grad_norm {row['grad_norm']:.3f}",
+            f"{row['tokens_per_s']:,.0f} tok/s",
+            f"mfu {100 * row['mfu']:.2f}%",
+            f"mem {row['peak_mem_mb']:,.0f} MB",
+        ]
+        if "loss_scale" in row:
+            parts.append(f"scale {row['loss_scale']:g}")
+        parts.append(f"eta {format_duration(eta)}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def info(msg: str) -> None:
+    print(msg, file=sys.stdout, flush=True)
