@@ -21,7 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.checkpointing import apply_activation_checkpointing
 from models.gpt import GPT, flops_per_token, init_weights
-from parallel.groups import build_process_groups, init_distributed, launch_world_size, pick_backend
+from parallel.groups import (
+    build_process_groups,
+    init_distributed,
+    launch_world_size,
+    pick_backend,
+    shutdown_distributed,
+)
 from parallel.reducer import GradReducer
 from parallel.topology import Topology
 from trident.checkpoint import Checkpointer
@@ -81,7 +87,15 @@ def run(cfg: Config, run_dir: Path) -> None:
             return None
         w = cfg.wandb
         return MetricsLogger(
-            run_dir, cfg.train.steps, cfg.logging.interval, w.mode, w.project, w.name, w.entity, config_dict, start_step
+            run_dir,
+            cfg.train.steps,
+            cfg.logging.interval,
+            w.mode,
+            w.project,
+            w.name,
+            w.entity,
+            config_dict,
+            start_step,
         )
 
     if groups.is_logging_rank:
@@ -107,7 +121,8 @@ def run(cfg: Config, run_dir: Path) -> None:
         checkpointer,
         make_logger,
     ).fit()
-    dist.destroy_process_group()
+    reducer.remove_hooks()
+    shutdown_distributed()
 
 
 register_configs()
@@ -122,6 +137,7 @@ def main(hydra_cfg: DictConfig) -> None:
         # One line per node (every rank reaches the same verdict), and a non-zero exit on every rank.
         if local_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        shutdown_distributed(barrier=False)
         sys.exit(2)
 
 

@@ -124,3 +124,17 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
 def launch_world_size() -> int:
     """World size as the launcher announced it, readable before any process group exists."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def shutdown_distributed(barrier: bool = True) -> None:
+    """Destroy the groups before the interpreter exits.
+
+    gloo's worker threads free a finished collective's tensors a moment after wait() returns; if the
+    interpreter is already finalizing, that needs the GIL and aborts the process ("terminate called
+    without an active exception"). Destroying the groups first ends those threads while Python is alive.
+    ``barrier=False`` is for error paths, where the other ranks may not reach a barrier.
+    """
+    if dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
     params: list[nn.Parameter]
     offset: int  # start in the flat buffer
     numel: int  # padded to a multiple of dp_size
+    grads: torch.Tensor  # the bucket's slice of the flat buffer
     ready: int = 0
     work: dist.Work | None = field(default=None, repr=False)
 
@@ -71,7 +72,9 @@ class GradReducer:
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         offset = 0
         for idx, numel in plan:
-            bucket = Bucket(params=[order[i] for i in idx], offset=offset, numel=numel)
+            # Made once and kept alive with the reducer (see finish() on why ownership matters).
+            view = self.buffer[offset : offset + numel]
+            bucket = Bucket(params=[order[i] for i in idx], offset=offset, numel=numel, grads=view)
             start = offset
             for p in bucket.params:
                 p.grad = self.buffer[start : start + p.numel()].view_as(p)
@@ -83,9 +86,6 @@ class GradReducer:
         self._sync = True
         self._next = 0  # index of the next bucket to launch
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-
-    def bucket_view(self, bucket: Bucket) -> torch.Tensor:
-        return self.buffer[bucket.offset : bucket.offset + bucket.numel]
 
     def set_sync(self, enabled: bool) -> None:
         """Call before each micro-batch's backward: True only for the last one of the step."""
@@ -105,7 +105,7 @@ class GradReducer:
         return bucket.ready == len(bucket.params)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.work = dist.all_reduce(self.bucket_view(bucket), group=self.dp_group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.grads, group=self.dp_group, async_op=True)
         self._next += 1
 
     def finish(self) -> None:
@@ -115,8 +115,11 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for bucket in self.buckets:
+            # Keep the handle until the next launch replaces it. Whoever drops the last reference to a
+            # finished work frees its tensors, which takes the GIL; on gloo's worker thread that aborts
+            # the process if the interpreter is shutting down ("terminate called without an active
+            # exception"). Held here, the last reference is always dropped on this thread.
             bucket.work.wait()
-            bucket.work = None
             bucket.ready = 0
         self._next = 0
 

@@ -51,7 +51,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
-def find_resume_path(resume: str, root: Path) -> Path | None:
+def find_resume_path(resume: str, root: Path, what: str = "checkpoint.resume") -> Path | None:
     """Interpret checkpoint.resume: ``none``, ``auto`` (newest complete checkpoint in root, if any) or a path."""
     if resume == "none":
         return None
@@ -64,7 +64,7 @@ def find_resume_path(resume: str, root: Path) -> Path | None:
     if path.is_dir() and list_checkpoints(path):
         return list_checkpoints(path)[-1]
     raise CheckpointError(
-        f"checkpoint.resume={resume!r} is not a complete checkpoint (a step_XXXXXXXX directory with meta.json) "
+        f"{what}={resume!r} is not a complete checkpoint (a step_XXXXXXXX directory with meta.json) "
         "nor a directory holding one; use auto, none or a valid path"
     )
 

@@ -68,9 +68,9 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 8
+    micro_batch_size: int = 4
     global_batch_size: int = 32
-    steps: int = 300
+    steps: int = 200
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16
     activation_checkpointing: str = "none"  # none | full | selective
@@ -228,8 +228,7 @@ def validate(cfg: Config, world_size: int) -> int:
     _need(m.ffn_dim >= 1, f"model.d_ff={m.d_ff} must be >= 1")
     _need(
         m.d_model % m.n_heads == 0,
-        f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
-        "choose n_heads that divides d_model",
+        f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; choose n_heads that divides d_model",
     )
 
     dp = resolve_dp(par, world_size)

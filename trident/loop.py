@@ -100,12 +100,13 @@ class Trainer:
         ids = self.sampler.micro_batches(step, g.dp_rank, g.dp_size, self.cfg.micro_batch_size)
         return [self._to_device(self.train_data.batch(i)) for i in ids]
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int, micro_batches: list[Batch]) -> StepResult:
+        """One optimizer step over this rank's micro-batches of the global batch."""
         set_lr(self.optimizer, lr_at(step, self.optim_cfg, self.cfg.steps))
         scale = self.scaler.scale if self.scaler else 1.0
         self.model.train()
         loss_sum = forward_backward(
-            self.model, self.micro_batches(step), self.reducer, scale / self.tokens_per_step, self.cfg.precision
+            self.model, micro_batches, self.reducer, scale / self.tokens_per_step, self.cfg.precision
         )
         self.reducer.finish()
 
@@ -168,10 +169,12 @@ class Trainer:
             return
         logger = self.make_logger(self.step)
         total = self.cfg.steps
+        # Ranks start at different moments; line them up so the first step's time is not one rank's wait.
+        dist.barrier()
         try:
             for step in range(self.step, total):
                 start = time.perf_counter()
-                result = self.train_step(step)
+                result = self.train_step(step, self.micro_batches(step))  # ends in a dp all-reduce
                 elapsed = time.perf_counter() - start
                 self.step = step + 1
                 row = self._row(result, step, elapsed)

@@ -1,0 +1,1 @@
+"""Test package: makes ``from tests.dist import run_distributed`` work under pytest and in spawned ranks."""

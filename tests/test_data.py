@@ -1,0 +1,309 @@
+"""Dataset preparation, caching and windows, on a small corpus copied from the standard library."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trident.config import DataConfig
+from trident.data import prepare
+from trident.data.dataset import TokenDataset
+from trident.data.prepare import (
+    collect_text_files,
+    default_corpus_files,
+    load_meta,
+    load_tokenizer,
+    prepare_dataset,
+    resolve_dataset,
+)
+from trident.errors import DataError
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 512
+
+
+def quiet(msg: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for pkg in ("json", "email", "logging"):
+        shutil.copytree(stdlib / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+@pytest.fixture(scope="session")
+def dataset(corpus, tmp_path_factory) -> Path:
+    files = collect_text_files([str(corpus)], [".py"])
+    return prepare_dataset(files, tmp_path_factory.mktemp("ds") / "ds", VOCAB, log=quiet)
+
+
+def test_roundtrip(dataset):
+    meta = load_meta(dataset)
+    sp = load_tokenizer(dataset)
+    tokens = np.fromfile(dataset / "tokens.bin", dtype=meta["dtype"])
+    docs = np.split(tokens, np.flatnonzero(tokens == meta["eos_id"]) + 1)[:-1]
+    texts = [t for t in (Path(p).read_text() for p in meta["sources"]) if t]
+    assert len(docs) == len(texts) == meta["n_documents"]
+    for ids, text in zip(docs, texts, strict=True):
+        assert ids[-1] == meta["eos_id"]
+        assert sp.decode(ids[:-1].tolist()) == text
+    # Indentation, tabs, blank lines and characters outside the tokenizer's pieces survive.
+    tricky = "def f():\n\tif x:\n        return 'héllo ☃'\n\n\n  \r\n"
+    assert sp.decode(sp.encode(tricky)) == tricky
+
+
+def test_meta(dataset, corpus):
+    meta = load_meta(dataset)
+    files = collect_text_files([str(corpus)], [".py"])
+    assert meta["format"] == 1
+    assert meta["vocab_size"] == VOCAB
+    assert meta["dtype"] == "uint16"
+    assert meta["eos_id"] == 1
+    assert meta["sources"] == [str(p) for p in files]
+    assert meta["source_bytes"] == sum(p.stat().st_size for p in files)
+    assert (dataset / "tokens.bin").stat().st_size == 2 * meta["n_tokens"]
+    assert sorted(p.name for p in dataset.iterdir()) == ["meta.json", "tokenizer.model", "tokens.bin"]
+    assert np.fromfile(dataset / "tokens.bin", dtype=np.uint16).max() < VOCAB
+
+
+def test_prepare_is_deterministic(dataset, corpus, tmp_path):
+    """Every node that prepares the same text must get the same tokenizer and tokens."""
+    again = prepare_dataset(collect_text_files([str(corpus)], [".py"]), tmp_path / "again", VOCAB, log=quiet)
+    for name in ("tokenizer.model", "tokens.bin"):
+        assert (again / name).read_bytes() == (dataset / name).read_bytes()
+
+
+def test_failed_prepare_leaves_nothing(corpus, tmp_path, monkeypatch):
+    def crash(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "_encode", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(collect_text_files([str(corpus / "json")], [".py"]), tmp_path / "d", VOCAB, log=quiet)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prepare_replaces_only_a_dataset(dataset, corpus, tmp_path):
+    files = collect_text_files([str(corpus / "json")], [".py"])
+    out = tmp_path / "out"
+    shutil.copytree(dataset, out)
+    prepare_dataset(files, out, VOCAB, log=quiet)
+    assert load_meta(out)["sources"] == [str(p) for p in files]
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="not a trident dataset"):
+        prepare_dataset(files, out, VOCAB, log=quiet)
+
+
+def _cfg(corpus: Path, cache: Path, **kw) -> DataConfig:
+    return DataConfig(text=[str(corpus / "json")], suffixes=[".py"], cache_dir=str(cache), **kw)
+
+
+def test_cache_reuse(corpus, tmp_path):
+    cfg = _cfg(corpus, tmp_path / "cache")
+    logs: list[str] = []
+    first = resolve_dataset(cfg, VOCAB, log=logs.append)
+    mtime = (first / "tokens.bin").stat().st_mtime_ns
+    assert resolve_dataset(cfg, VOCAB, log=logs.append) == first
+    assert (first / "tokens.bin").stat().st_mtime_ns == mtime
+    assert sum("preparing dataset" in line for line in logs) == 1
+    assert first.parent == tmp_path / "cache"
+    # Another vocab size is another dataset.
+    assert resolve_dataset(cfg, VOCAB + 64, log=quiet) != first
+
+
+def test_leftover_tmp_dir_is_not_a_dataset(dataset, corpus, tmp_path):
+    cfg = _cfg(corpus, tmp_path / "cache")
+    files = collect_text_files(cfg.text, cfg.suffixes)
+    key = prepare._cache_key(files, VOCAB, cfg.tokenizer_lines)[:16]
+    # What a process killed before its final rename leaves behind.
+    leftover = tmp_path / "cache" / f"{key}.tmp-999-dead"
+    leftover.mkdir(parents=True)
+    shutil.copy(dataset / "tokenizer.model", leftover)
+    with pytest.raises(DataError, match="not a prepared dataset"):
+        resolve_dataset(DataConfig(dataset_dir=str(leftover)), VOCAB)
+    out = resolve_dataset(cfg, VOCAB, log=quiet)
+    assert out == tmp_path / "cache" / key
+    assert TokenDataset(out).n_tokens > 0
+    assert not leftover.exists()
+
+
+def test_default_corpus():
+    files = default_corpus_files()
+    assert len(files) > 500 and files == sorted(files)
+    assert all(p.suffix == ".py" for p in files)
+    assert not any({"test", "tests", "idle_test", "site-packages"} & set(p.parts) for p in files)
+    assert 5e6 < sum(p.stat().st_size for p in files) < 5e7
+
+
+def test_collect_text_files(corpus):
+    json_files = collect_text_files([str(corpus / "json")], [".py"])
+    names = ["__init__.py", "decoder.py", "encoder.py", "scanner.py", "tool.py"]
+    assert [p.name for p in json_files] == names
+    mixed = [str(corpus / "json" / "*.py"), str(corpus / "json"), str(corpus / "json" / "tool.py")]
+    assert collect_text_files(mixed, [".py"]) == json_files
+    with pytest.raises(DataError, match="has no files ending in .txt, .md"):
+        collect_text_files([str(corpus / "json")], [".txt", ".md"])
+
+
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        ("missing", "'.*missing' does not exist"),
+        ("empty", "has no files ending in .py"),
+        ("*.nope", "matches no files"),
+    ],
+)
+def test_collect_errors(tmp_path, entry, match):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("text")
+    with pytest.raises(DataError, match=match) as e:
+        collect_text_files([str(tmp_path / entry)], [".py"])
+    assert "\n" not in str(e.value)
+
+
+def test_prepare_errors(tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("hello world\n" * 20)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("  \n\n")
+    with pytest.raises(DataError, match="vocab_size 512 is too large for this text"):
+        prepare_dataset([tiny], tmp_path / "a", VOCAB, log=quiet)
+    with pytest.raises(DataError, match="too small"):
+        prepare_dataset([tiny], tmp_path / "a", 200, log=quiet)
+    for files in ([], [empty], [blank]):
+        with pytest.raises(DataError, match="no text files|empty"):
+            prepare_dataset(files, tmp_path / "a", VOCAB, log=quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt", "empty.txt", "tiny.txt"]
+
+
+def test_dataset_dir_errors(dataset, tmp_path):
+    assert resolve_dataset(DataConfig(dataset_dir=str(dataset)), VOCAB) == dataset
+    assert resolve_dataset(DataConfig(dataset_dir=str(dataset)), 1024) == dataset
+    with pytest.raises(DataError, match=f"dataset vocab {VOCAB} > model.vocab_size 300"):
+        resolve_dataset(DataConfig(dataset_dir=str(dataset)), 300)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(dataset / "tokens.bin", partial)
+    with pytest.raises(DataError, match=r"missing meta.json, tokenizer.model\); run tools/prepare_data.py"):
+        resolve_dataset(DataConfig(dataset_dir=str(partial)), VOCAB)
+
+
+def _resolve_in_child(cfg: DataConfig, barrier, results) -> None:
+    logs: list[str] = []
+    barrier.wait()
+    path = resolve_dataset(cfg, VOCAB, log=logs.append)
+    results.put((str(path), sum("preparing dataset" in line for line in logs)))
+
+
+def test_concurrent_resolve(corpus, tmp_path):
+    """Ranks on one node resolve together: one prepares, the other waits on the lock and reuses it."""
+    cfg = _cfg(corpus, tmp_path / "cache")
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_resolve_in_child, args=(cfg, barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    out = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    (path_a, prepared_a), (path_b, prepared_b) = out
+    assert path_a == path_b
+    assert prepared_a + prepared_b == 1
+    key = Path(path_a).name
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [key, f"{key}.lock"]
+    assert TokenDataset(path_a).n_tokens > 0
+
+
+def _fake_dataset(root: Path, n_tokens: int) -> Path:
+    """A dataset whose token at position i is i, so windows show exactly which tokens they read."""
+    root.mkdir()
+    np.arange(n_tokens, dtype=np.uint16).tofile(root / "tokens.bin")
+    (root / "tokenizer.model").write_bytes(b"")
+    meta = {"format": 1, "vocab_size": 65536, "dtype": "uint16", "n_tokens": n_tokens, "eos_id": 1}
+    (root / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+def test_windows(tmp_path):
+    ds = TokenDataset(_fake_dataset(tmp_path / "ds", 1001))
+    train, val = ds.split(seq_len=10, val_fraction=0.1)
+    assert (len(train), len(val)) == (89, 10)  # 100 windows: 10 validation, 1 gap
+    x, y = train.batch(torch.tensor([0, 5, 88]))
+    assert x.dtype == y.dtype == torch.long and x.shape == y.shape == (3, 10)
+    assert x[1].tolist() == list(range(50, 60))
+    assert torch.equal(y, x + 1)
+    vx, vy = val.batch(torch.tensor([9]))
+    assert vy[0, -1].item() == 1000  # the last window ends on the last token
+    train_read = set(torch.cat(train.batch(torch.arange(len(train)))).flatten().tolist())
+    val_read = set(torch.cat(val.batch(torch.arange(len(val)))).flatten().tolist())
+    assert not train_read & val_read
+    with pytest.raises(IndexError):
+        train.batch(torch.tensor([89]))
+
+
+def test_windows_fraction_rounds_to_at_least_one(tmp_path):
+    ds = TokenDataset(_fake_dataset(tmp_path / "ds", 101))
+    train, val = ds.split(seq_len=10, val_fraction=0.01)
+    assert (len(train), len(val)) == (8, 1)
+
+
+def test_too_small(tmp_path):
+    ds = TokenDataset(_fake_dataset(tmp_path / "ds", 1001))
+    ds.split(seq_len=10, val_fraction=0.1, min_train_windows=89)
+    with pytest.raises(DataError, match="only 89 training windows of seq_len 10, fewer than one global"):
+        ds.split(seq_len=10, val_fraction=0.1, min_train_windows=90)
+    with pytest.raises(DataError, match="only 0 training windows"):
+        ds.split(seq_len=1000, val_fraction=0.1)
+
+
+def test_damaged_tokens(tmp_path):
+    root = _fake_dataset(tmp_path / "ds", 1001)
+    with open(root / "tokens.bin", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(DataError, match="damaged"):
+        TokenDataset(root)
+
+
+def test_real_dataset_windows(dataset):
+    ds = TokenDataset(dataset)
+    assert ds.vocab_size == VOCAB and ds.eos_id == 1 and ds.tokenizer_path.is_file()
+    train, val = ds.split(seq_len=64, val_fraction=0.05, min_train_windows=32)
+    x, y = train.batch(torch.arange(4))
+    assert int(x.max()) < VOCAB and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_cli(corpus, tmp_path):
+    # Run from elsewhere: the script must find the package without it being installed.
+    out = tmp_path / "ds"
+    r = _cli("--text", str(corpus / "json"), "--out", str(out), "--vocab-size", "512", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "5 files" in r.stdout and "bytes/token" in r.stdout
+    assert TokenDataset(out).vocab_size == 512
+
+
+def test_cli_error(tmp_path):
+    r = _cli("--text", str(tmp_path / "nope"), "--out", str(tmp_path / "ds"), "--vocab-size", "512", cwd=REPO)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: data.text:")
+    assert not (tmp_path / "ds").exists()

@@ -1,0 +1,151 @@
+"""The GPT against its own definition: shapes, name-seeded init, vocab padding, FLOPs, recomputation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from models.checkpointing import apply_activation_checkpointing
+from models.gpt import GPT, count_params, flops_per_token, init_weights, lm_loss_sum, padded_vocab_size
+from trident.config import ModelConfig
+
+TINY = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100, vocab_multiple=64)
+
+
+def build(cfg: ModelConfig = TINY, seed: int = 0, tp: int = 1) -> GPT:
+    model = GPT(cfg, tp=tp)
+    init_weights(model, cfg, seed)
+    return model
+
+
+def batch(cfg: ModelConfig = TINY, b: int = 3, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_logits_shape_and_initial_loss_near_uniform():
+    x, y = batch()
+    logits = build()(x)
+    assert logits.shape == (3, TINY.seq_len, TINY.vocab_size)
+    mean_loss = lm_loss_sum(logits, y).item() / y.numel()
+    assert abs(mean_loss - math.log(TINY.vocab_size)) < 0.1
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(100, 64) == 128
+    assert padded_vocab_size(128, 64) == 128
+    assert padded_vocab_size(50257, 128, tp=2) == 50432
+    assert build().wte.weight.shape[0] == 128
+
+
+def test_same_seed_same_weights_other_seed_different():
+    a, b, c = build(seed=3), build(seed=3), build(seed=4)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        if pa.dim() >= 2:
+            assert not torch.equal(pa, pc), name
+
+
+def test_init_depends_on_name_not_on_which_layers_a_rank_builds():
+    """A pipeline stage that builds only layers 2..3 must get exactly the full model's weights for them."""
+    cfg = dataclasses.replace(TINY, n_layers=4)
+    full = build(cfg)
+    stage = GPT(cfg)
+    del stage.layers["0"], stage.layers["1"]
+    init_weights(stage, cfg, seed=0)
+    full_params = dict(full.named_parameters())
+    for name, p in stage.named_parameters():
+        assert torch.equal(p, full_params[name]), name
+
+
+def test_residual_projections_get_scaled_init():
+    cfg = dataclasses.replace(TINY, d_model=256, n_layers=8)
+    model = build(cfg)
+    std_proj = model.layers["0"].attn.proj.weight.std().item()
+    std_qkv = model.layers["0"].attn.qkv.weight.std().item()
+    assert std_qkv == pytest.approx(0.02, rel=0.05)
+    assert std_proj == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+
+
+@pytest.mark.parametrize("multiple,tp", [(1, 1), (64, 1), (64, 2), (128, 4)])
+def test_vocab_padding_never_changes_loss_or_real_gradients(multiple, tp):
+    ref_cfg = dataclasses.replace(TINY, vocab_multiple=1)
+    ref = build(ref_cfg)
+    padded = build(dataclasses.replace(TINY, vocab_multiple=multiple), tp=tp)
+    x, y = batch()
+    loss_ref = lm_loss_sum(ref(x), y)
+    loss_pad = lm_loss_sum(padded(x), y)
+    assert torch.equal(loss_ref, loss_pad)
+    loss_ref.backward()
+    loss_pad.backward()
+    v = TINY.vocab_size
+    assert torch.allclose(ref.wte.weight.grad, padded.wte.weight.grad[:v])
+    assert torch.count_nonzero(padded.wte.weight.grad[v:]) == 0
+    assert torch.count_nonzero(padded.wte.weight[v:]) == 0
+
+
+def test_count_params_matches_module():
+    model = build()
+    pad_rows = model.padded_vocab - TINY.vocab_size
+    n = sum(p.numel() for p in model.parameters()) - pad_rows * TINY.d_model
+    assert count_params(TINY) == n
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    model = build()
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    matmul += TINY.vocab_size * TINY.d_model  # the tied LM head
+    attention = 12 * TINY.n_layers * TINY.d_model * TINY.seq_len
+    assert flops_per_token(TINY) == 6 * matmul + attention
+
+
+def test_gpt2_small_shape_has_124m_parameters():
+    cfg = ModelConfig(n_layers=12, d_model=768, n_heads=12, seq_len=1024, vocab_size=50257)
+    assert count_params(cfg) == 124_439_808  # GPT-2 small, as published
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_activation_checkpointing_keeps_math_and_names(policy):
+    x, y = batch()
+    ref, ckpt = build(), build()
+    apply_activation_checkpointing(ckpt, policy)
+    assert list(ref.state_dict()) == list(ckpt.state_dict())
+    loss_ref, loss_ckpt = lm_loss_sum(ref(x), y), lm_loss_sum(ckpt(x), y)
+    assert torch.equal(loss_ref, loss_ckpt)
+    loss_ref.backward()
+    loss_ckpt.backward()
+    for (name, a), b in zip(ref.named_parameters(), ckpt.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-7), name
+
+
+def test_selective_checkpointing_stores_less_than_none():
+    """Selective recomputation must actually drop saved activations, not only keep the math."""
+    cfg = dataclasses.replace(TINY, seq_len=64)
+    x, _ = batch(cfg, b=4)
+
+    def saved_bytes(model: GPT) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x).sum()
+        return total
+
+    plain, selective, full = build(cfg), build(cfg), build(cfg)
+    apply_activation_checkpointing(selective, "selective")
+    apply_activation_checkpointing(full, "full")
+    assert saved_bytes(full) < saved_bytes(selective) < saved_bytes(plain)
+
+
+def test_sequence_longer_than_context_is_rejected():
+    x = torch.zeros(1, TINY.seq_len + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="seq_len"):
+        build()(x)

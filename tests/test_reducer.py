@@ -1,0 +1,100 @@
+"""The data-parallel gradient reducer against a one-process full-batch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from models.gpt import GPT, init_weights, lm_loss_sum
+from parallel.reducer import GradReducer, plan_buckets
+from tests.dist import run_distributed
+from trident.config import ModelConfig
+
+CFG = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100)
+
+
+def test_plan_buckets_groups_in_order_and_pads_to_dp():
+    plan = plan_buckets([10, 10, 10, 50, 3], bucket_numel=25, dp_size=4)
+    assert [idx for idx, _ in plan] == [[0, 1], [2], [3], [4]]
+    assert [n for _, n in plan] == [20, 12, 52, 4]
+    assert all(n % 4 == 0 for _, n in plan)
+
+
+def test_grads_are_views_of_one_flat_buffer_and_survive_zero_grad():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = GPT(CFG)
+        reducer = GradReducer(list(model.parameters()), dist.group.WORLD, bucket_mb=0.01)
+        assert len(reducer.buckets) > 1
+        lo, hi = reducer.buffer.data_ptr(), reducer.buffer.data_ptr() + reducer.buffer.numel() * 4
+        x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+        lm_loss_sum(model(x), x).backward()
+        for p in model.parameters():
+            assert lo <= p.grad.data_ptr() < hi
+        assert reducer.buffer.abs().sum() > 0
+        reducer.zero_grad()
+        assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+        lm_loss_sum(model(x), x).backward()
+        assert all(lo <= p.grad.data_ptr() < hi for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference_grads(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    model = GPT(CFG)
+    init_weights(model, CFG, seed=0)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    (lm_loss_sum(model(x), y) / y.numel()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _dp_matches_full_batch(rank: int, world: int, micro: int, bucket_mb: float) -> None:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len + 1))
+    expected = _reference_grads(tokens)
+
+    model = GPT(CFG)
+    init_weights(model, CFG, seed=0)
+    reducer = GradReducer(list(model.parameters()), dist.group.WORLD, bucket_mb=bucket_mb)
+    mine = tokens.chunk(world)[rank].split(micro)
+    n_tokens = tokens.shape[0] * CFG.seq_len
+    for i, chunk in enumerate(mine):
+        last = i == len(mine) - 1
+        reducer.set_sync(last)
+        lm_loss_sum(model(chunk[:, :-1]), chunk[:, 1:]).div(n_tokens).backward()
+        if last:
+            # Every bucket was launched from the backward hooks, before finish() is called.
+            assert reducer._next == len(reducer.buckets)
+        else:
+            # No communication yet: the gradient is this rank's local partial sum, which differs across ranks.
+            other = reducer.buffer.clone()
+            dist.broadcast(other, src=1 - rank)
+            assert not torch.allclose(other, reducer.buffer)
+    reducer.finish()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("micro,bucket_mb", [(4, 25.0), (1, 0.005)])
+def test_dp2_gradients_equal_full_batch_gradients(micro, bucket_mb):
+    run_distributed(_dp_matches_full_batch, 2, micro, bucket_mb)
+
+
+def _unused_parameter_does_not_hang(rank: int, world: int) -> None:
+    model = GPT(CFG)
+    extra = torch.nn.Parameter(torch.zeros(7))  # never used in forward
+    reducer = GradReducer([extra, *model.parameters()], dist.group.WORLD, bucket_mb=0.001)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    reducer.set_sync(True)
+    lm_loss_sum(model(x), x).backward()
+    reducer.finish()
+    assert torch.count_nonzero(extra.grad) == 0
+    # The buffer is identical on both ranks after the reduction.
+    other = reducer.buffer.clone()
+    dist.broadcast(other, src=0)
+    assert torch.equal(other, reducer.buffer)
+
+
+def test_unused_parameter_is_reduced_at_finish():
+    run_distributed(_unused_parameter_does_not_hang, 2)

@@ -1,0 +1,204 @@
+"""End to end: train.py as a user runs it, one process and under torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.dist import free_port
+
+KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    return env
+
+
+def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, str(REPO / "train.py")]
+    if nproc > 1:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+        ]
+        launcher.append(str(REPO / "train.py"))
+    cmd = [*launcher, f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=run_dir.parent)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    return proc
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny(dataset: Path, *extra: str) -> list[str]:
+    return [
+        "model=gpt-tiny",
+        f"data.dataset_dir={dataset}",
+        "wandb.mode=disabled",
+        "train.global_batch_size=16",
+        "train.eval_every=4",
+        "train.eval_batches=1",
+        "optim.warmup_steps=2",
+        *extra,
+    ]
+
+
+def assert_same_curve(a: list[dict], b: list[dict], rel: float = 1e-5) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in ra or key in rb:
+                assert ra[key] == pytest.approx(rb[key], rel=rel), (key, ra["step"], ra[key], rb[key])
+
+
+def test_default_corpus_run_logs_every_key_and_learns(tmp_path):
+    """The issue's acceptance command, on the embedded corpus, with wandb in its default offline mode."""
+    run_dir = tmp_path / "run"
+    proc = train(run_dir, "model=gpt-tiny", "train.steps=40", f"data.cache_dir={tmp_path / 'cache'}")
+    metrics = rows(run_dir)
+    assert [r["step"] for r in metrics] == list(range(1, 41))
+    for r in metrics:
+        assert KEYS <= set(r), set(KEYS) - set(r)
+        assert all(math.isfinite(r[k]) for k in KEYS)
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_mem_mb"] > 0
+    first = sum(r["loss"] for r in metrics[:5]) / 5
+    last = sum(r["loss"] for r in metrics[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    assert "step 40/40" in proc.stdout and "eta" in proc.stdout
+    assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
+    assert (run_dir / "checkpoints" / "step_00000040" / "meta.json").is_file()
+
+    sample = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "generate.py"), str(run_dir / "checkpoints"), "--tokens", "20"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("def ") and len(sample.stdout) > 10
+
+
+def test_dp2_gives_the_same_loss_curve_as_one_process(tiny_dataset, tmp_path):
+    one = tmp_path / "one"
+    train(one, *tiny(tiny_dataset, "train.steps=8", "train.micro_batch_size=8"))
+    for mbs in (8, 2):  # dp=2 with 1 and with 4 micro-batches per rank
+        two = tmp_path / f"two_mbs{mbs}"
+        train(two, *tiny(tiny_dataset, "train.steps=8", f"train.micro_batch_size={mbs}"), nproc=2)
+        assert_same_curve(rows(one), rows(two))
+
+
+def test_resume_gives_the_same_next_losses(tiny_dataset, tmp_path):
+    full = tmp_path / "full"
+    train(full, *tiny(tiny_dataset, "train.steps=8", "checkpoint.every=4", "train.micro_batch_size=4"))
+
+    # Same layout: a copy of the run that "crashed" after step 4's checkpoint.
+    same = tmp_path / "same"
+    shutil.copytree(full, same)
+    shutil.rmtree(same / "checkpoints" / "step_00000008")
+    proc = train(same, *tiny(tiny_dataset, "train.steps=8", "checkpoint.every=4", "train.micro_batch_size=4"))
+    assert "resumed from" in proc.stdout and "step_00000004" in proc.stdout
+    assert_same_curve(rows(full), rows(same), rel=1e-6)
+    assert list(same.glob("metrics.jsonl.*.bak")), "superseded rows must be kept in a backup"
+
+    # Another layout: resume the one-process checkpoint under dp=2 with other micro-batches.
+    other = tmp_path / "other"
+    train(
+        other,
+        *tiny(tiny_dataset, "train.steps=8", "train.micro_batch_size=2"),
+        f"checkpoint.resume={full / 'checkpoints' / 'step_00000004'}",
+        nproc=2,
+    )
+    assert_same_curve(rows(full)[4:], rows(other))
+
+
+def test_mixed_precision_runs(tiny_dataset, tmp_path):
+    for precision in ("bf16", "fp16"):
+        run_dir = tmp_path / precision
+        train(
+            run_dir,
+            *tiny(tiny_dataset, "train.steps=4", "train.micro_batch_size=8", f"train.precision={precision}"),
+        )
+        metrics = rows(run_dir)
+        assert all(math.isfinite(r["loss"]) for r in metrics)
+        assert ("loss_scale" in metrics[0]) == (precision == "fp16")
+
+
+def _launch_ranks(run_dir: Path, overrides: list[str], world: int = 2, timeout: float = 90) -> list[tuple[int, str]]:
+    """Start every rank by hand (no torchrun to kill the others): each must exit on its own."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = _env()
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append((p.returncode, err))
+    finally:
+        for p in procs:
+            p.kill()
+    return results
+
+
+BAD = [
+    (["parallel.dp=3"], "world size 2 != dp 3"),
+    (["train.global_batch_size=10"], "train.global_batch_size=10"),
+    (["model.n_heads=5"], "model.n_heads=5"),
+    (["parallel.tp=2"], "parallel.tp=2"),
+    (["train.precision=fp8"], "train.precision='fp8'"),
+    (["optim.min_lr=1"], "optim.min_lr=1"),
+    (["data.dataset_dir=/nonexistent/data"], "/nonexistent/data"),
+    (["data.dataset_dir=null", "data.text=[/nonexistent/text]"], "/nonexistent/text"),
+    (["model.seq_len=60000"], "training windows"),
+    (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume='/nonexistent/ckpt'"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_fails_fast_on_every_rank(tiny_dataset, tmp_path, overrides, message):
+    start = time.monotonic()
+    results = _launch_ranks(tmp_path / "run", tiny(tiny_dataset, "train.steps=2", *overrides))
+    assert time.monotonic() - start < 60
+    assert [code for code, _ in results] == [2, 2], results
+    lines = [line for line in results[0][1].splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_unknown_key_is_rejected_before_training(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path}", "parallel.foo=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
+    assert proc.returncode != 0
+    assert "foo" in proc.stderr

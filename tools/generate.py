@@ -1,0 +1,84 @@
+"""Sample text from a trident checkpoint, with the tokenizer saved inside it.
+
+    python tools/generate.py outputs/2026-01-01/12-00-00/checkpoints --prompt "def main(" --tokens 200
+
+CHECKPOINT is one checkpoint (``step_XXXXXXXX``) or a directory of them (the newest is used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import sentencepiece as spm  # noqa: E402
+import torch  # noqa: E402
+
+from models.gpt import GPT  # noqa: E402
+from trident.checkpoint import find_resume_path  # noqa: E402
+from trident.config import ModelConfig  # noqa: E402
+from trident.errors import TridentError  # noqa: E402
+
+
+def load_model(checkpoint: Path, device: torch.device) -> tuple[GPT, spm.SentencePieceProcessor]:
+    config = json.loads((checkpoint / "config.json").read_text())
+    cfg = ModelConfig(**config["model"])
+    model = GPT(cfg)
+    model.load_state_dict(torch.load(checkpoint / "model.pt", map_location="cpu", weights_only=True))
+    tokenizer = spm.SentencePieceProcessor(model_file=str(checkpoint / "tokenizer.model"))
+    return model.to(device).eval(), tokenizer
+
+
+@torch.no_grad()
+def sample(
+    model: GPT, prompt: list[int], n_tokens: int, temperature: float, top_k: int, generator: torch.Generator
+) -> list[int]:
+    """Autoregressive sampling; the context is cropped to the model's window."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    for _ in range(n_tokens):
+        logits = model(ids[:, -model.cfg.seq_len :])[0, -1].float()
+        if temperature == 0:
+            nxt = logits.argmax().view(1)
+        else:
+            logits = logits / temperature
+            if top_k > 0:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits[logits < kth] = -float("inf")
+            probs = torch.softmax(logits, dim=-1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=generator).to(device)
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
+    parser.add_argument("--top-k", type=int, default=50, help="0 keeps the whole vocabulary")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    try:
+        path = find_resume_path(str(args.checkpoint), args.checkpoint, what="checkpoint")
+        if args.temperature < 0 or args.tokens < 0:
+            raise TridentError("--temperature and --tokens must be >= 0")
+        model, tokenizer = load_model(path, torch.device(args.device))
+        prompt = tokenizer.encode(args.prompt)
+        if not prompt:
+            raise TridentError("--prompt encodes to no tokens; give some text")
+        out = sample(model, prompt, args.tokens, args.temperature, args.top_k, torch.Generator().manual_seed(args.seed))
+    except TridentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"# {path}", file=sys.stderr)
+    print(tokenizer.decode(prompt + out))
+
+
+if __name__ == "__main__":
+    main()
