@@ -17,7 +17,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from models.checkpointing import apply_activation_checkpointing
 from models.gpt import GPT, flops_per_token, init_weights
@@ -31,7 +31,7 @@ from parallel.groups import (
 from parallel.reducer import GradReducer
 from parallel.topology import Topology
 from trident.checkpoint import Checkpointer
-from trident.config import Config, register_configs, validate
+from trident.config import Config, register_configs, to_config, validate
 from trident.data.dataset import TokenDataset
 from trident.data.prepare import resolve_dataset
 from trident.device import local_rank, local_world_size, pick_device, set_cpu_threads
@@ -49,6 +49,9 @@ def run(cfg: Config, run_dir: Path) -> None:
     device = pick_device(cfg.train.device, backend)
     dataset = TokenDataset(resolve_dataset(cfg.data, cfg.model.vocab_size))
     train_data, val_data = dataset.split(cfg.model.seq_len, cfg.data.val_fraction, cfg.train.global_batch_size)
+    peak = device_peak_tflops(
+        device, cfg.train.precision, cfg.logging.peak_tflops, cfg.logging.cpu_peak_tflops, local_world_size()
+    )
     if device.type == "cpu":
         set_cpu_threads()
 
@@ -78,25 +81,11 @@ def run(cfg: Config, run_dir: Path) -> None:
         config=config_dict,
         tokenizer=dataset.tokenizer_path,
     )
-    peak = device_peak_tflops(
-        device, cfg.train.precision, cfg.logging.peak_tflops, cfg.logging.cpu_peak_tflops, local_world_size()
-    )
 
     def make_logger(start_step: int) -> MetricsLogger | None:
         if not groups.is_logging_rank:
             return None
-        w = cfg.wandb
-        return MetricsLogger(
-            run_dir,
-            cfg.train.steps,
-            cfg.logging.interval,
-            w.mode,
-            w.project,
-            w.name,
-            w.entity,
-            config_dict,
-            start_step,
-        )
+        return MetricsLogger(run_dir, cfg.train.steps, cfg.logging, cfg.wandb, config_dict, start_step)
 
     if groups.is_logging_rank:
         n_params = sum(p.numel() for p in model.parameters())
@@ -107,19 +96,19 @@ def run(cfg: Config, run_dir: Path) -> None:
             flush=True,
         )
     Trainer(
-        cfg.train,
-        cfg.optim,
-        groups,
-        model,
-        optimizer,
-        reducer,
-        train_data,
-        val_data,
-        device,
-        flops_per_token(cfg.model),
-        peak * 1e12,
-        checkpointer,
-        make_logger,
+        train_cfg=cfg.train,
+        optim_cfg=cfg.optim,
+        groups=groups,
+        model=model,
+        optimizer=optimizer,
+        reducer=reducer,
+        train_data=train_data,
+        val_data=val_data,
+        device=device,
+        flops_per_token=flops_per_token(cfg.model),
+        peak_flops=peak * 1e12,
+        checkpointer=checkpointer,
+        make_logger=make_logger,
     ).fit()
     reducer.remove_hooks()
     shutdown_distributed()
@@ -131,7 +120,7 @@ register_configs()
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> None:
     try:
-        cfg: Config = OmegaConf.to_object(hydra_cfg)
+        cfg = to_config(hydra_cfg)
         run(cfg, Path(HydraConfig.get().runtime.output_dir))
     except TridentError as e:
         # One line per node (every rank reaches the same verdict), and a non-zero exit on every rank.

@@ -24,7 +24,7 @@ class ProcessGroups:
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     model_parallel_group: dist.ProcessGroup
-    embedding_group: dist.ProcessGroup
+    embedding_group: dist.ProcessGroup | None  # None on middle pipeline stages
     pp_ranks: tuple[int, ...]  # global ranks of this rank's pipeline, first stage first
 
     @property
@@ -68,13 +68,15 @@ class ProcessGroups:
         return self.rank == self.topology.logging_rank
 
 
-def _build(groups: list[list[int]], rank: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+def _build(
+    groups: list[list[int]], rank: int, timeout: datetime.timedelta, required: bool = True
+) -> dist.ProcessGroup | None:
     mine = None
     for ranks in groups:
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
-    assert mine is not None, f"rank {rank} is in none of {groups}"
+    assert mine is not None or not required, f"rank {rank} is in none of {groups}"
     return mine
 
 
@@ -91,7 +93,7 @@ def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> Proces
         tp_group=_build(topology.tp_groups(), rank, timeout),
         pp_group=_build(topology.pp_groups(), rank, timeout),
         model_parallel_group=_build(topology.model_parallel_groups(), rank, timeout),
-        embedding_group=_build(topology.embedding_groups(), rank, timeout),
+        embedding_group=_build(topology.embedding_groups(), rank, timeout, required=False),
         pp_ranks=tuple(pp_ranks),
     )
 

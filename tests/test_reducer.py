@@ -68,9 +68,9 @@ def _dp_matches_full_batch(rank: int, world: int, micro: int, bucket_mb: float) 
             assert reducer._next == len(reducer.buckets)
         else:
             # No communication yet: the gradient is this rank's local partial sum, which differs across ranks.
-            other = reducer.buffer.clone()
-            dist.broadcast(other, src=1 - rank)
-            assert not torch.allclose(other, reducer.buffer)
+            both = [torch.empty_like(reducer.buffer) for _ in range(world)]
+            dist.all_gather(both, reducer.buffer)
+            assert not torch.allclose(both[0], both[1])
     reducer.finish()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -192,9 +192,10 @@ def test_bad_input_fails_fast_on_every_rank(tiny_dataset, tmp_path, overrides, m
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
-def test_unknown_key_is_rejected_before_training(tmp_path):
+@pytest.mark.parametrize("override", ["parallel.foo=1", "+parallel.foo=1", "+foo=1"])
+def test_unknown_key_is_rejected_before_training(tmp_path, override):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path}", "parallel.foo=1"],
+        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path}", override],
         capture_output=True,
         text=True,
         timeout=60,

@@ -7,6 +7,7 @@ rank before the first collective, so a bad config ends all ranks with the same c
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -14,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from trident.errors import ConfigError
 
@@ -177,6 +178,25 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "parallel.pp": "pipeline parallelism is not implemented yet; use parallel.pp=1",
     "parallel.zero": "ZeRO sharding is not implemented yet; use parallel.zero=0",
 }
+
+
+def to_config(node: DictConfig) -> Config:
+    """Convert Hydra's tree to the typed ``Config``, refusing keys the schema does not have.
+
+    Plain overrides of unknown keys are already refused by Hydra; ``+key=value`` appends would slip
+    through and be silently ignored, so they are caught here.
+    """
+
+    def check(sub: DictConfig, schema: object, prefix: str) -> None:
+        for key in sub.keys():
+            if not hasattr(schema, str(key)):
+                raise ConfigError(f"unknown config key {prefix}{key}; the valid keys are in trident/config.py")
+            default = getattr(schema, str(key))
+            if dataclasses.is_dataclass(default):
+                check(sub[key], default, f"{prefix}{key}.")
+
+    check(node, Config(), "")
+    return OmegaConf.to_object(node)
 
 
 def _need(ok: bool, msg: str) -> None:

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+from trident.config import LoggingConfig, WandbConfig
+from trident.errors import ConfigError
+
 # Dense bf16 tensor-core peaks (TFLOP/s) of known GPUs; fp32 runs use the TF32 peak, half of these.
 GPU_PEAK_BF16_TFLOPS = {
     "H200": 989.0,
@@ -43,7 +46,7 @@ def device_peak_tflops(
         for key, peak in GPU_PEAK_BF16_TFLOPS.items():  # most specific names first
             if key in name:
                 return peak if precision != "fp32" else peak / 2
-        raise ValueError(f"unknown GPU {name!r}: set logging.peak_tflops to its dense peak TFLOP/s for MFU")
+        raise ConfigError(f"unknown GPU {name!r}: set logging.peak_tflops to its dense peak TFLOP/s for MFU")
     return cpu_node_peak / max(1, ranks_per_node)
 
 
@@ -79,11 +82,8 @@ class MetricsLogger:
         self,
         run_dir: Path,
         total_steps: int,
-        interval: int,
-        wandb_mode: str,
-        wandb_project: str,
-        wandb_name: str | None,
-        wandb_entity: str | None,
+        logging_cfg: LoggingConfig,
+        wandb_cfg: WandbConfig,
         config: dict,
         start_step: int = 0,
     ) -> None:
@@ -91,18 +91,18 @@ class MetricsLogger:
         trim_metrics(self.path, start_step)
         self.file = open(self.path, "a")
         self.total_steps = total_steps
-        self.interval = interval
+        self.interval = logging_cfg.interval
         self.start_step = start_step
         self.start_time = time.perf_counter()
         self.wandb = None
-        if wandb_mode != "disabled":
+        if wandb_cfg.mode != "disabled":
             import wandb
 
             self.wandb = wandb.init(
-                project=wandb_project,
-                name=wandb_name,
-                entity=wandb_entity,
-                mode=wandb_mode,
+                project=wandb_cfg.project,
+                name=wandb_cfg.name,
+                entity=wandb_cfg.entity,
+                mode=wandb_cfg.mode,
                 dir=str(run_dir),
                 config=config,
                 settings=wandb.Settings(console="off", quiet=True),

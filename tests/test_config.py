@@ -1,0 +1,289 @@
+"""trident/config.py: every validation rule, the batch arithmetic, and the Hydra presets under conf/."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from trident import config
+from trident.config import Config, TrainConfig, grad_accum_steps, resolve_schedule, validate
+from trident.errors import ConfigError
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+REAL_NOT_YET_IMPLEMENTED = dict(config.NOT_YET_IMPLEMENTED)
+
+
+@pytest.fixture(autouse=True)
+def _no_feature_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules are tested on their own, whatever features (tp, pp, zero...) are still gated off."""
+    monkeypatch.setattr(config, "NOT_YET_IMPLEMENTED", {})
+
+
+def make(overrides: dict[str, object] | None = None) -> Config:
+    """The default Config with dotted-key overrides, e.g. {"parallel.tp": 2}."""
+    cfg = Config()
+    for key, value in (overrides or {}).items():
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        assert hasattr(node, name), f"no config key {key}"  # a typo here must not pass silently
+        setattr(node, name, value)
+    return cfg
+
+
+# --- configurations that must be accepted, with the dp size validate() resolves.
+
+VALID = [
+    pytest.param({}, 1, 1, id="defaults-world1"),
+    pytest.param({}, 2, 2, id="defaults-world2"),
+    pytest.param({}, 4, 4, id="defaults-world4"),
+    pytest.param({}, 8, 8, id="defaults-world8"),
+    pytest.param({"train.micro_batch_size": 2, "train.global_batch_size": 64}, 8, 8, id="world8-gas4"),
+    pytest.param({"parallel.tp": 2, "parallel.pp": 2}, 8, 2, id="world8-tp2-pp2-dp-inferred"),
+    pytest.param({"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2}, 8, 2, id="world8-dp-explicit"),
+    pytest.param({"parallel.pp": 2, "parallel.vpp": 2}, 2, 1, id="interleaved-by-vpp"),
+    pytest.param({"parallel.pp": 2, "parallel.schedule": "gpipe"}, 4, 2, id="gpipe"),
+    pytest.param({"parallel.zero": 1, "parallel.offload.optimizer": "cpu"}, 2, 2, id="zero1-offload"),
+    pytest.param({"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, 1, id="sequence-parallel"),
+    pytest.param({"train.precision": "bf16", "train.activation_checkpointing": "selective"}, 1, 1, id="bf16"),
+    pytest.param({"optim.min_lr": 1e-3, "optim.warmup_steps": 0, "optim.grad_clip": 0.0}, 1, 1, id="edges"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "world", "dp"), VALID)
+def test_valid_configs(overrides: dict, world: int, dp: int) -> None:
+    assert validate(make(overrides), world) == dp
+
+
+# --- every rule: (overrides, world size, fragments the message must contain; the first names the key).
+
+INVALID = [
+    # Fit of the layout to the launch.
+    pytest.param({"parallel.dp": 2}, 4, ["parallel.dp", "world size 4", "= 2"], id="world!=dp*tp*pp"),
+    pytest.param({"parallel.tp": 2, "parallel.pp": 2}, 6, ["parallel.tp", "world size 6"], id="world%(tp*pp)"),
+    pytest.param({"parallel.dp": 0}, 1, ["parallel.dp=0"], id="dp<1"),
+    pytest.param({"parallel.tp": 0}, 1, ["parallel.tp=0"], id="tp<1"),
+    pytest.param({"parallel.pp": 0}, 1, ["parallel.pp=0"], id="pp<1"),
+    pytest.param({"parallel.vpp": 0}, 1, ["parallel.vpp=0"], id="vpp<1"),
+    # Model split.
+    pytest.param({"parallel.pp": 3}, 3, ["model.n_layers=4", "pp 3"], id="layers%pp"),
+    pytest.param({"parallel.pp": 2, "parallel.vpp": 4}, 2, ["model.n_layers=4", "vpp 4"], id="layers%(pp*vpp)"),
+    pytest.param({"parallel.tp": 3}, 3, ["model.n_heads=4", "parallel.tp=3"], id="heads%tp"),
+    pytest.param({"model.n_heads": 3}, 1, ["model.d_model=256", "model.n_heads=3"], id="d_model%heads"),
+    pytest.param({"parallel.tp": 2, "model.d_ff": 1023}, 2, ["model.d_ff=1023"], id="d_ff%tp"),
+    pytest.param(
+        {"parallel.tp": 2, "parallel.sequence_parallel": True, "model.seq_len": 255},
+        2,
+        ["model.seq_len=255"],
+        id="seq_len%tp-with-sp",
+    ),
+    # Schedules.
+    pytest.param(
+        {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "1f1b"},
+        2,
+        ["parallel.vpp=2", "interleaved"],
+        id="vpp-without-interleaved",
+    ),
+    pytest.param({"parallel.vpp": 2}, 1, ["parallel.vpp=2", "parallel.pp > 1"], id="vpp-without-pp"),
+    pytest.param({"parallel.schedule": "interleaved"}, 1, ["parallel.schedule", "vpp"], id="interleaved-vpp1"),
+    pytest.param({"parallel.schedule": "zb"}, 1, ["parallel.schedule='zb'"], id="unknown-schedule"),
+    pytest.param(
+        {"parallel.pp": 2, "parallel.vpp": 2, "train.micro_batch_size": 8, "train.global_batch_size": 24},
+        2,
+        ["train.global_batch_size", "micro-batch count 3", "pp 2"],
+        id="interleaved-gas%pp",
+    ),
+    # Batch arithmetic.
+    pytest.param(
+        {"train.micro_batch_size": 8, "train.global_batch_size": 20},
+        1,
+        ["train.global_batch_size=20", "= 8"],
+        id="gbs%micro",
+    ),
+    pytest.param(
+        {"train.micro_batch_size": 16, "train.global_batch_size": 32},
+        4,
+        ["train.global_batch_size=32", "16 x dp 4 = 64"],
+        id="gbs%(micro*dp)",
+    ),
+    pytest.param({"train.micro_batch_size": 0}, 1, ["train.micro_batch_size=0"], id="micro<1"),
+    pytest.param({"train.global_batch_size": 0}, 1, ["train.global_batch_size=0", ">= 1"], id="gbs<1"),
+    # Choices.
+    pytest.param({"train.precision": "fp8"}, 1, ["train.precision='fp8'"], id="precision"),
+    pytest.param({"parallel.backend": "mpi"}, 1, ["parallel.backend='mpi'"], id="backend"),
+    pytest.param({"parallel.zero": 4}, 1, ["parallel.zero=4"], id="zero"),
+    pytest.param({"train.activation_checkpointing": "some"}, 1, ["train.activation_checkpointing"], id="ckpt"),
+    pytest.param({"wandb.mode": "dryrun"}, 1, ["wandb.mode='dryrun'"], id="wandb-mode"),
+    pytest.param({"train.device": "tpu"}, 1, ["train.device='tpu'"], id="device"),
+    pytest.param({"parallel.offload.optimizer": "nvme"}, 1, ["parallel.offload.optimizer='nvme'"], id="offload"),
+    # Feature combinations.
+    pytest.param(
+        {"parallel.offload.optimizer": "cpu"}, 1, ["parallel.offload.optimizer", "parallel.zero"], id="offload-zero0"
+    ),
+    pytest.param({"parallel.offload.ratio": 1.5}, 1, ["parallel.offload.ratio=1.5"], id="offload-ratio"),
+    pytest.param({"parallel.sequence_parallel": True}, 1, ["parallel.sequence_parallel", "tp"], id="sp-tp1"),
+    pytest.param({"parallel.bucket_mb": 0.0}, 1, ["parallel.bucket_mb"], id="bucket"),
+    pytest.param({"parallel.timeout_s": 0}, 1, ["parallel.timeout_s"], id="timeout"),
+    # Model sizes.
+    pytest.param({"model.n_layers": 0}, 1, ["model.n_layers=0"], id="n_layers<1"),
+    pytest.param({"model.d_model": 0}, 1, ["model.d_model=0"], id="d_model<1"),
+    pytest.param({"model.n_heads": 0}, 1, ["model.n_heads=0"], id="n_heads<1"),
+    pytest.param({"model.seq_len": 0}, 1, ["model.seq_len=0"], id="seq_len<1"),
+    pytest.param({"model.vocab_size": 0}, 1, ["model.vocab_size=0"], id="vocab<1"),
+    pytest.param({"model.vocab_multiple": 0}, 1, ["model.vocab_multiple=0"], id="vocab_multiple<1"),
+    pytest.param({"model.d_ff": 0}, 1, ["model.d_ff=0"], id="d_ff<1"),
+    # Optimizer and schedule.
+    pytest.param({"optim.lr": 0.0}, 1, ["optim.lr=0.0"], id="lr=0"),
+    pytest.param({"optim.lr": -1e-3}, 1, ["optim.lr"], id="lr<0"),
+    pytest.param({"optim.lr": math.nan}, 1, ["optim.lr=nan"], id="lr-nan"),
+    pytest.param({"optim.lr": math.inf}, 1, ["optim.lr=inf"], id="lr-inf"),
+    pytest.param({"optim.min_lr": 1e-2}, 1, ["optim.min_lr=0.01"], id="min_lr>lr"),
+    pytest.param({"optim.min_lr": -1e-5}, 1, ["optim.min_lr"], id="min_lr<0"),
+    pytest.param({"train.steps": -1}, 1, ["train.steps=-1"], id="steps<0"),
+    pytest.param({"train.steps": 0}, 1, ["train.steps=0"], id="steps=0"),
+    pytest.param({"optim.warmup_steps": -1}, 1, ["optim.warmup_steps=-1"], id="warmup<0"),
+    pytest.param({"optim.weight_decay": -0.1}, 1, ["optim.weight_decay"], id="wd<0"),
+    pytest.param({"optim.grad_clip": -1.0}, 1, ["optim.grad_clip"], id="clip<0"),
+    pytest.param({"optim.beta1": 1.0}, 1, ["optim.beta1"], id="beta1=1"),
+    pytest.param({"optim.beta2": -0.1}, 1, ["optim.beta2"], id="beta2<0"),
+    pytest.param({"optim.eps": 0.0}, 1, ["optim.eps"], id="eps=0"),
+    # Evaluation, data, checkpoints, logging.
+    pytest.param({"train.eval_every": -1}, 1, ["train.eval_every=-1"], id="eval_every<0"),
+    pytest.param({"train.eval_batches": 0}, 1, ["train.eval_batches=0"], id="eval_batches<1"),
+    pytest.param({"data.val_fraction": 0.0}, 1, ["data.val_fraction"], id="val_fraction=0"),
+    pytest.param({"data.val_fraction": 1.0}, 1, ["data.val_fraction"], id="val_fraction=1"),
+    pytest.param({"data.tokenizer_lines": 999}, 1, ["data.tokenizer_lines"], id="tokenizer_lines"),
+    pytest.param({"checkpoint.every": -1}, 1, ["checkpoint.every=-1"], id="ckpt-every"),
+    pytest.param({"checkpoint.keep_last": -1}, 1, ["checkpoint.keep_last=-1"], id="keep_last"),
+    pytest.param({"checkpoint.resume": ""}, 1, ["checkpoint.resume"], id="resume-empty"),
+    pytest.param({"logging.interval": 0}, 1, ["logging.interval=0"], id="log-interval"),
+    pytest.param({"logging.peak_tflops": 0.0}, 1, ["logging.peak_tflops"], id="peak_tflops"),
+    pytest.param({"logging.cpu_peak_tflops": 0.0}, 1, ["logging.cpu_peak_tflops"], id="cpu_peak_tflops"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "world", "fragments"), INVALID)
+def test_invalid_configs(overrides: dict, world: int, fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        validate(make(overrides), world)
+    message = str(excinfo.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_feature_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "NOT_YET_IMPLEMENTED", {"parallel.zero": "ZeRO is not here yet"})
+    assert validate(make(), 1) == 1  # the default value passes the gate
+    with pytest.raises(ConfigError, match=r"^parallel\.zero=1: ZeRO is not here yet$"):
+        validate(make({"parallel.zero": 1}), 1)
+
+
+def test_real_feature_gate_names_real_keys_and_passes_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "NOT_YET_IMPLEMENTED", REAL_NOT_YET_IMPLEMENTED)
+    for key in REAL_NOT_YET_IMPLEMENTED:
+        section, name = key.split(".", 1)
+        assert hasattr(getattr(Config(), section), name), key
+    assert validate(Config(), 1) == 1
+
+
+@pytest.mark.parametrize(
+    ("micro", "global_batch", "dp", "steps"),
+    [(8, 32, 1, 4), (8, 32, 2, 2), (8, 32, 4, 1), (2, 64, 4, 8), (1, 1, 1, 1), (3, 36, 3, 4)],
+)
+def test_grad_accum_steps(micro: int, global_batch: int, dp: int, steps: int) -> None:
+    train = TrainConfig(micro_batch_size=micro, global_batch_size=global_batch)
+    assert grad_accum_steps(train, dp) == steps
+    assert steps * micro * dp == global_batch
+
+
+def test_resolve_schedule() -> None:
+    assert resolve_schedule(make().parallel) == "1f1b"
+    assert resolve_schedule(make({"parallel.vpp": 2}).parallel) == "interleaved"
+    assert resolve_schedule(make({"parallel.schedule": "gpipe"}).parallel) == "gpipe"
+
+
+# --- Hydra: conf/ composes into the typed schema.
+
+PRESETS = {
+    # name: (n_layers, d_model, n_heads, seq_len, vocab_size)
+    "gpt-tiny": (2, 64, 4, 64, 512),
+    "gpt-mini": (4, 256, 4, 256, 8192),
+    "gpt-small": (12, 768, 12, 1024, 50257),
+    "gpt-medium": (24, 1024, 16, 1024, 50257),
+    "gpt-1.3b": (24, 2048, 16, 2048, 50257),
+}
+
+
+@pytest.fixture
+def hydra_conf():
+    config.register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        yield
+
+
+def _compose(*overrides: str) -> Config:
+    cfg = OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_model_presets(hydra_conf, preset: str) -> None:
+    cfg = _compose(f"model={preset}")
+    m = cfg.model
+    assert m.name == preset
+    assert (m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size) == PRESETS[preset]
+    assert m.d_ff is None and m.ffn_dim == 4 * m.d_model
+    assert validate(cfg, 1) == 1
+
+
+def test_default_model_is_gpt_mini(hydra_conf) -> None:
+    cfg = _compose()
+    assert cfg.model.name == "gpt-mini"
+    assert cfg.parallel.dp is None and cfg.train == TrainConfig()
+
+
+def test_overrides_are_typed(hydra_conf) -> None:
+    cfg = _compose(
+        "model=gpt-small",
+        "model.d_ff=1024",
+        "parallel.dp=2",
+        "parallel.sequence_parallel=true",
+        "train.precision=bf16",
+        "optim.lr=3e-4",
+        "data.text=[a.txt,b/]",
+    )
+    assert cfg.model.name == "gpt-small" and cfg.model.d_ff == 1024
+    assert cfg.parallel.dp == 2 and cfg.parallel.sequence_parallel is True
+    assert cfg.train.precision == "bf16"
+    assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.data.text == ["a.txt", "b/"]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "parallel.tp=abc",
+        "model.n_layers=1.5",
+        "train.steps=many",
+        "parallel.sequence_parallel=maybe",
+        "parallel.nonexistent=1",
+        "nonexistent=1",
+        "model.n_layer=4",
+    ],
+)
+def test_bad_override_is_rejected(hydra_conf, override: str) -> None:
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigCompositionException, match=key.replace(".", r"\.")):
+        compose(config_name="config", overrides=[override])
+
+
+def test_unknown_model_preset_is_rejected(hydra_conf) -> None:
+    with pytest.raises(MissingConfigException, match="model/gpt-huge"):
+        compose(config_name="config", overrides=["model=gpt-huge"])
