@@ -7,6 +7,7 @@ even for groups the rank is not in; this module is the one place that does it.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -137,6 +138,8 @@ def shutdown_distributed(barrier: bool = True) -> None:
     ``barrier=False`` is for error paths, where the other ranks may not reach a barrier.
     """
     if dist.is_initialized():
+        # Reference cycles (e.g. through gradient hooks) can hold groups alive past destroy, so break them first.
+        gc.collect()
         if barrier:
             dist.barrier()
         dist.destroy_process_group()

@@ -22,6 +22,7 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -30,6 +31,8 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from parallel.groups import shutdown_distributed
 
 
 def free_port() -> int:
@@ -46,13 +49,20 @@ def _worker(rank, fn, world_size, port, backend, timeout_s, args, err_dir) -> No
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
         fn(rank, world_size, *args)
-        dist.destroy_process_group()
+        shutdown_distributed()
     except BaseException:
         # Written before we exit: our exit is what makes the other ranks' collectives fail next.
         with open(os.path.join(err_dir, f"{rank}.tmp"), "w") as f:
             f.write(f"{time.monotonic()}\n{traceback.format_exc()}")
         os.replace(os.path.join(err_dir, f"{rank}.tmp"), os.path.join(err_dir, str(rank)))
-        raise SystemExit(1) from None
+        code = 1
+    else:
+        code = 0
+    # Skip interpreter finalization: a gloo worker thread may still be releasing the last collective's
+    # tensors, which needs the GIL and aborts a finalizing interpreter (see parallel/groups.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_distributed(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120) -> None:
