@@ -25,7 +25,6 @@ from parallel.groups import (
     build_process_groups,
     init_distributed,
     launch_world_size,
-    pick_backend,
     shutdown_distributed,
 )
 from parallel.reducer import GradReducer
@@ -34,7 +33,7 @@ from trident.checkpoint import Checkpointer
 from trident.config import Config, register_configs, to_config, validate
 from trident.data.dataset import TokenDataset
 from trident.data.prepare import resolve_dataset
-from trident.device import local_rank, local_world_size, pick_device, set_cpu_threads
+from trident.device import local_rank, local_world_size, pick_backend, pick_device, set_cpu_threads
 from trident.errors import TridentError
 from trident.loop import Trainer
 from trident.metrics import MetricsLogger, device_peak_tflops
@@ -45,8 +44,12 @@ def run(cfg: Config, run_dir: Path) -> None:
     # Checks and data preparation need no process group: a problem ends every rank the same way.
     dp = validate(cfg, launch_world_size())
     topology = Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
-    backend = pick_backend(cfg.parallel.backend)
-    device = pick_device(cfg.train.device, backend)
+    device = pick_device(cfg.train.device)
+    backend = pick_backend(cfg.parallel.backend, device)
+    if device.type == "cuda":
+        # "fp32" trains with TF32 tensor-core matmuls on GPU (as Megatron and torchtitan do); the MFU peak assumes it.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     dataset = TokenDataset(resolve_dataset(cfg.data, cfg.model.vocab_size))
     train_data, val_data = dataset.split(cfg.model.seq_len, cfg.data.val_fraction, cfg.train.global_batch_size)
     peak = device_peak_tflops(
@@ -82,9 +85,7 @@ def run(cfg: Config, run_dir: Path) -> None:
         tokenizer=dataset.tokenizer_path,
     )
 
-    def make_logger(start_step: int) -> MetricsLogger | None:
-        if not groups.is_logging_rank:
-            return None
+    def make_logger(start_step: int) -> MetricsLogger:
         return MetricsLogger(run_dir, cfg.train.steps, cfg.logging, cfg.wandb, config_dict, start_step)
 
     if groups.is_logging_rank:

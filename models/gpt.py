@@ -76,16 +76,25 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings: what the first pipeline stage does before its blocks."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        return self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final LayerNorm and the tied LM head: what the last pipeline stage does after its blocks.
+
+        The padded rows of wte never become logits, so padding cannot change the loss.
+        """
+        return F.linear(self.ln_f(x), self.wte.weight[: self.cfg.vocab_size])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
         for block in self.layers.values():
             x = block(x)
-        # Tied LM head; the padded rows of wte never become logits, so padding cannot change the loss.
-        return F.linear(self.ln_f(x), self.wte.weight[: self.cfg.vocab_size])
+        return self.head(x)
 
 
 def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

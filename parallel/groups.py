@@ -99,13 +99,7 @@ def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> Proces
     )
 
 
-def pick_backend(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int]:
+def init_distributed(backend: str, timeout_s: float = 600.0) -> tuple[int, int]:
     """Join the default process group; return (rank, world_size).
 
     Under torchrun the env:// rendezvous is used. A plain ``python train.py`` gets a one-process group
@@ -113,7 +107,6 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    backend = pick_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":

@@ -54,20 +54,20 @@ class GradReducer:
         params: list[nn.Parameter],
         dp_group: dist.ProcessGroup,
         bucket_mb: float = 25.0,
-        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         params = [p for p in params if p.requires_grad]
         if not params:
             raise ValueError("GradReducer needs at least one trainable parameter")
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
-        device = params[0].device
-        element = torch.tensor([], dtype=grad_dtype).element_size()
+        # A .grad must match its parameter's dtype: the fp32 master weights give fp32 gradients to reduce.
+        device, dtype = params[0].device, params[0].dtype
+        element = torch.tensor([], dtype=dtype).element_size()
         bucket_numel = max(1, int(bucket_mb * 2**20 / element))
 
         order = list(reversed(params))
         plan = plan_buckets([p.numel() for p in order], bucket_numel, self.dp_size)
-        self.buffer = torch.zeros(sum(n for _, n in plan), dtype=grad_dtype, device=device)
+        self.buffer = torch.zeros(sum(n for _, n in plan), dtype=dtype, device=device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         offset = 0

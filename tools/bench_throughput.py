@@ -34,7 +34,7 @@ from parallel.reducer import GradReducer  # noqa: E402
 from parallel.topology import Topology  # noqa: E402
 from trident.config import ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 from trident.data.dataset import TokenWindows  # noqa: E402
-from trident.device import pick_device, set_cpu_threads  # noqa: E402
+from trident.device import pick_backend, pick_device, set_cpu_threads  # noqa: E402
 from trident.loop import Trainer  # noqa: E402
 from trident.optim import build_optimizer  # noqa: E402
 from trident.precision import autocast  # noqa: E402
@@ -63,10 +63,10 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     args = p.parse_args()
 
-    init_distributed("auto")
+    device = pick_device("auto")
+    init_distributed(pick_backend("auto", device))
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
-    device = pick_device("auto", "nccl" if torch.cuda.is_available() else "gloo")
     if device.type == "cpu":
         set_cpu_threads()
     cfg = model_config(args.model)

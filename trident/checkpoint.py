@@ -23,11 +23,13 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.agree import on_one_rank
 from parallel.groups import ProcessGroups
 from trident.errors import CheckpointError
 
@@ -39,8 +41,20 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _read_meta(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and _NAME.match(path.name) is not None and (path / "meta.json").is_file()
+    """A finished checkpoint: a step_XXXXXXXX directory whose meta.json (written last) parses."""
+    return path.is_dir() and _NAME.match(path.name) is not None and _read_meta(path) is not None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -48,7 +62,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if is_complete(p)]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    return sorted(found, key=checkpoint_step)
 
 
 def find_resume_path(resume: str, root: Path, what: str = "checkpoint.resume") -> Path | None:
@@ -94,9 +108,9 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, saved: dict, 
         for i, name in zip(ids, mine, strict=True):
             if name in saved["state"]:
                 state[i] = saved["state"][name]
-        # Kernel choices (fused / foreach) belong to this machine, not to the one that saved.
-        local = {k: group[k] for k in ("fused", "foreach", "capturable") if k in group}
-        groups.append({**saved_group, **local, "params": ids})
+        # Only the state is restored: hyper-parameters (betas, eps, weight decay, kernels) come from this
+        # run's config, so what the user asked for is what runs.
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         index += len(mine)
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -107,6 +121,13 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _save(obj: object, path: Path) -> None:
@@ -135,11 +156,11 @@ def write_checkpoint(
         _save({k: v.detach().cpu() for k, v in model_state.items()}, tmp / "model.pt")
         _save(optimizer_state, tmp / "optimizer.pt")
         _save(trainer_state, tmp / "trainer.pt")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _write_text(tmp / "config.json", json.dumps(config, indent=2))
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.model")
         meta = {"format": FORMAT, "step": step, "layout": layout, "time": time.time()}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        _write_text(tmp / "meta.json", json.dumps(meta, indent=2))
         _fsync_dir(tmp)
         if final.exists():
             # Re-saving a step (e.g. after a resume): swap the old one aside only once the new one is whole.
@@ -156,25 +177,40 @@ def write_checkpoint(
     return final
 
 
-def prune_checkpoints(root: Path, keep_last: int) -> None:
+def prune_checkpoints(root: Path, keep_last: int, current_step: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints up to ``current_step``; never touch newer ones."""
     if keep_last <= 0:
         return
-    for path in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(path)
+    mine = [p for p in list_checkpoints(root) if checkpoint_step(p) <= current_step]
+    for path in mine[:-keep_last]:
+        # Renamed first, so a crash mid-delete never leaves a damaged checkpoint that still looks complete.
+        trash = root / f".{path.name}.trash-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)
+        shutil.rmtree(trash)
 
 
 def _load(path: Path) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: ranks read what they need instead of each holding a full copy in memory.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from e
     except Exception as e:  # a corrupted or foreign file: say which one, never run code from it
         raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from e
 
 
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from e
+
+
 def read_checkpoint(path: Path) -> dict:
     """Load every part of a checkpoint onto the CPU."""
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _read_meta(path)
+    if meta is None:
+        raise CheckpointError(f"checkpoint {path} has no readable meta.json; it is incomplete")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}; this trident reads {FORMAT}")
     return {
@@ -182,7 +218,7 @@ def read_checkpoint(path: Path) -> dict:
         "model": _load(path / "model.pt"),
         "optimizer": _load(path / "optimizer.pt"),
         "trainer": _load(path / "trainer.pt"),
-        "config": json.loads((path / "config.json").read_text()),
+        "config": _read_config(path),
     }
 
 
@@ -190,8 +226,22 @@ def read_checkpoint(path: Path) -> dict:
 _SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "d_ff", "bias")
 
 
+class Trainable(Protocol):
+    """What the checkpointer needs of the training loop."""
+
+    step: int
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class Checkpointer:
-    """When to save, what goes in, and how a run resumes. Every rank calls ``save`` and ``maybe_resume``."""
+    """When to save, what goes in, and how a run resumes. Every rank calls ``save`` and ``maybe_resume``.
+
+    Saved tensors are canonical: full shapes and the unpadded vocab (the embedding is padded to a multiple
+    of tp at run time), so a checkpoint loads into any layout.
+    """
 
     def __init__(
         self,
@@ -209,55 +259,84 @@ class Checkpointer:
         self.groups, self.model, self.optimizer = groups, model, optimizer
         self.config, self.tokenizer = config, tokenizer
         self.names = {p: n for n, p in model.named_parameters()}
+        self.vocab_size = config["model"]["vocab_size"]
 
     def due(self, step: int, total: int) -> bool:
         return step == total or (self.every > 0 and step % self.every == 0)
 
-    def _writer(self) -> bool:
-        # With data parallelism alone every replica is identical: rank 0 writes the whole state.
-        return self.groups.rank == 0
+    # With data parallelism alone every replica is identical: rank 0 writes the whole state.
+    _WRITER = 0
 
-    def save(self, trainer) -> None:
+    def _canonical(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return t[: self.vocab_size] if name == "wte.weight" else t
+
+    def _local(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if name != "wte.weight" or t.shape == like.shape:
+            return t
+        padded = torch.zeros(like.shape, dtype=t.dtype)
+        padded[: t.shape[0]] = t
+        return padded
+
+    def _optimizer_state(self) -> dict:
+        saved = optimizer_state_by_name(self.optimizer, self.names)
+        for name, s in saved["state"].items():
+            for k, v in s.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    s[k] = self._canonical(name, v)
+        return saved
+
+    def prepare(self) -> None:
+        """Before step 0: a checkpoint directory that cannot be written fails now, not after hours."""
+
+        def probe() -> None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe_file = self.root / f".write-test-{os.getpid()}"
+            probe_file.write_text("ok")
+            probe_file.unlink()
+
+        on_one_rank(probe, self._WRITER, f"write to checkpoint.dir {self.root}")
+
+    def save(self, trainer: Trainable) -> None:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         all_rng: list[dict | None] = [None] * dist.get_world_size()
         dist.all_gather_object(all_rng, rng)
-        if self._writer():
-            topo = self.groups.topology
+        topo = self.groups.topology
+
+        def write() -> None:
             write_checkpoint(
                 self.root,
                 trainer.step,
-                self.model.state_dict(),
-                optimizer_state_by_name(self.optimizer, self.names),
+                {n: self._canonical(n, t) for n, t in self.model.state_dict().items()},
+                self._optimizer_state(),
                 {**trainer.state_dict(), "rng": all_rng},
                 self.config,
                 self.tokenizer,
                 layout={"dp": topo.dp, "tp": topo.tp, "pp": topo.pp},
             )
-            prune_checkpoints(self.root, self.keep_last)
-        dist.barrier()
+            prune_checkpoints(self.root, self.keep_last, trainer.step)
 
-    def _agreed_resume_path(self) -> Path | None:
-        """Rank 0 decides; an error travels to every rank instead of leaving them waiting."""
-        decision: list[object] = [None]
-        if dist.get_rank() == 0:
-            try:
-                path = find_resume_path(self.resume, self.root)
-                decision = [("ok", str(path) if path else None)]
-            except CheckpointError as e:
-                decision = [("error", str(e))]
-        dist.broadcast_object_list(decision, src=0)
-        kind, value = decision[0]
-        if kind == "error":
-            raise CheckpointError(value)
-        return Path(value) if value else None
+        on_one_rank(write, self._WRITER, f"write checkpoint {checkpoint_name(trainer.step)} in {self.root}")
 
-    def maybe_resume(self, trainer) -> int | None:
+    def _find(self) -> str | None:
+        if self.resume == "none" and list_checkpoints(self.root):
+            raise CheckpointError(
+                f"checkpoint.dir {self.root} already holds checkpoints (newest "
+                f"{list_checkpoints(self.root)[-1].name}) and checkpoint.resume=none would mix a new run into "
+                "them; use checkpoint.resume=auto to continue, or another checkpoint.dir"
+            )
+        path = find_resume_path(self.resume, self.root)
+        return str(path) if path else None
+
+    def maybe_resume(self, trainer: Trainable) -> int | None:
         """Restore model, optimizer and trainer state from checkpoint.resume; return the step, or None."""
-        path = self._agreed_resume_path()
-        if path is None:
+        # Rank 0 decides and every rank agrees, so an error can never leave the others waiting.
+        found = [on_one_rank(self._find, 0, "look for checkpoints")]
+        dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
             return None
+        path = Path(found[0])
         state = read_checkpoint(path)
         saved_model = state["config"]["model"]
         for key in _SHAPE_KEYS:
@@ -267,8 +346,14 @@ class Checkpointer:
                     f"checkpoint {path} has model.{key}={saved_model.get(key)} but this run has {mine}; "
                     "resume with the same model shape or set checkpoint.resume=none"
                 )
-        self.model.load_state_dict(state["model"])
-        load_optimizer_state_by_name(self.optimizer, state["optimizer"], self.names)
+        local = self.model.state_dict()
+        self.model.load_state_dict({n: self._local(n, t, local[n]) for n, t in state["model"].items()})
+        saved_opt = state["optimizer"]
+        for name, s in saved_opt["state"].items():
+            for k, v in s.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    s[k] = self._local(name, v, local[name])
+        load_optimizer_state_by_name(self.optimizer, saved_opt, self.names)
         trainer.load_state_dict(state["trainer"])
         rng = state["trainer"].get("rng") or []
         if len(rng) == dist.get_world_size():

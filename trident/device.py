@@ -17,22 +17,28 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def pick_device(requested: str, backend: str) -> torch.device:
+def pick_device(requested: str) -> torch.device:
     """Checked before any process group exists, so a mismatch fails on every rank at once."""
     has_cuda = torch.cuda.is_available()
     if requested == "cuda" and not has_cuda:
         raise ConfigError("train.device=cuda but no GPU is visible; use train.device=auto or train.device=cpu")
-    use_cuda = requested == "cuda" or (requested == "auto" and has_cuda)
-    if backend == "nccl" and not use_cuda:
+    if requested == "cpu" or not has_cuda:
+        return torch.device("cpu")
+    if local_rank() >= torch.cuda.device_count():
+        raise ConfigError(
+            f"local rank {local_rank()} has no GPU ({torch.cuda.device_count()} visible); "
+            "launch at most one process per GPU"
+        )
+    return torch.device("cuda", local_rank())
+
+
+def pick_backend(requested: str, device: torch.device) -> str:
+    """``auto`` follows the device: nccl for GPUs, gloo for CPUs."""
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
         raise ConfigError("parallel.backend=nccl needs GPUs; use parallel.backend=auto or gloo on CPU")
-    if use_cuda:
-        if local_rank() >= torch.cuda.device_count():
-            raise ConfigError(
-                f"local rank {local_rank()} has no GPU ({torch.cuda.device_count()} visible); "
-                "launch at most one process per GPU"
-            )
-        return torch.device("cuda", local_rank())
-    return torch.device("cpu")
+    return requested
 
 
 def set_cpu_threads() -> None:

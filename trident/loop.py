@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.gpt import lm_loss_sum
+from parallel.agree import on_one_rank
 from parallel.groups import ProcessGroups
 from parallel.reducer import GradReducer
 from trident.checkpoint import Checkpointer
@@ -25,34 +26,43 @@ from trident.data.dataset import TokenWindows
 from trident.data.sampler import GlobalBatchSampler, ValidationBatches
 from trident.errors import CheckpointError
 from trident.metrics import MetricsLogger, peak_memory_mb
-from trident.optim import lr_at, set_lr
+from trident.optim import GradStep, lr_at, set_lr
 from trident.precision import LossScaler, autocast
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def forward_backward(
-    model: nn.Module,
-    micro_batches: list[Batch],
-    reducer: GradReducer,
-    loss_multiplier: float,
-    precision: str,
-) -> torch.Tensor:
-    """Run every micro-batch forward and backward; return the summed token loss (detached).
+class LocalRunner:
+    """Runs micro-batches through the whole model held by this rank (no pipeline parallelism).
 
-    Gradient sync is switched on for the last micro-batch only, so its all-reduces overlap its backward.
-    This is the seam a pipeline schedule replaces.
+    The seam a pipeline schedule replaces: the trainer only calls ``forward_backward`` and ``forward_only``
+    and gets back this rank's summed token loss.
     """
-    device = micro_batches[0][0].device
-    total = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(micro_batches):
-        reducer.set_sync(i == len(micro_batches) - 1)
-        with autocast(precision, device):
-            logits = model(x)
-        loss = lm_loss_sum(logits, y)
-        (loss * loss_multiplier).backward()
-        total += loss.detach()
-    return total
+
+    def __init__(self, model: nn.Module, reducer: GradReducer, precision: str) -> None:
+        self.model, self.reducer, self.precision = model, reducer, precision
+
+    def forward_backward(self, micro_batches: list[Batch], loss_multiplier: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch; gradient sync runs during the last one's backward."""
+        self.model.train()
+        total = torch.zeros((), device=micro_batches[0][0].device)
+        for i, (x, y) in enumerate(micro_batches):
+            self.reducer.set_sync(i == len(micro_batches) - 1)
+            with autocast(self.precision, x.device):
+                logits = self.model(x)
+            loss = lm_loss_sum(logits, y)
+            (loss * loss_multiplier).backward()
+            total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[Batch]) -> torch.Tensor:
+        self.model.eval()
+        total = torch.zeros((), device=micro_batches[0][0].device)
+        for x, y in micro_batches:
+            with autocast(self.precision, x.device):
+                total += lm_loss_sum(self.model(x), y)
+        return total
 
 
 @dataclass
@@ -78,7 +88,7 @@ class Trainer:
         flops_per_token: float,
         peak_flops: float,
         checkpointer: Checkpointer,
-        make_logger: Callable[[int], MetricsLogger | None],
+        make_logger: Callable[[int], MetricsLogger],
     ) -> None:
         self.cfg, self.optim_cfg, self.groups = train_cfg, optim_cfg, groups
         self.model, self.optimizer, self.reducer = model, optimizer, reducer
@@ -88,7 +98,9 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(train_data), train_cfg.global_batch_size, train_cfg.seed)
         self.seq_len = train_data.seq_len
         self.tokens_per_step = train_cfg.global_batch_size * self.seq_len
+        self.runner = LocalRunner(model, reducer, train_cfg.precision)
         self.scaler = LossScaler() if train_cfg.precision == "fp16" else None
+        self.grad_step = GradStep(optimizer, reducer, optim_cfg.grad_clip, fp16=self.scaler is not None)
         self.step = 0  # optimizer steps completed
 
     def _to_device(self, batch: Batch) -> Batch:
@@ -104,43 +116,24 @@ class Trainer:
         """One optimizer step over this rank's micro-batches of the global batch."""
         set_lr(self.optimizer, lr_at(step, self.optim_cfg, self.cfg.steps))
         scale = self.scaler.scale if self.scaler else 1.0
-        self.model.train()
-        loss_sum = forward_backward(
-            self.model, micro_batches, self.reducer, scale / self.tokens_per_step, self.cfg.precision
-        )
+        loss_sum = self.runner.forward_backward(micro_batches, scale / self.tokens_per_step)
         self.reducer.finish()
-
-        grads = self.reducer.buffer  # every parameter's .grad is a view into it
-        if scale != 1.0:
-            grads.mul_(1.0 / scale)
-        grad_norm = grads.norm(2)  # bucket padding is zero, so this is the global norm
-        found_inf = not bool(torch.isfinite(grad_norm))
-        if not found_inf:
-            clip = self.optim_cfg.grad_clip
-            if clip > 0:
-                grads.mul_(torch.clamp(clip / (grad_norm + 1e-6), max=1.0))
-            self.optimizer.step()
+        grad_norm, found_inf = self.grad_step.step(scale)
         if self.scaler:
             self.scaler.update(found_inf)
-        self.reducer.zero_grad()
 
         dist.all_reduce(loss_sum, group=self.groups.dp_group)
         loss = loss_sum.item() / self.tokens_per_step
-        return StepResult(loss=loss, grad_norm=grad_norm.item(), loss_scale=scale, skipped=found_inf)
+        return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=found_inf)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over a fixed set of validation windows (the same at every evaluation)."""
         g, mbs = self.groups, self.cfg.micro_batch_size
         batches = ValidationBatches(len(self.val_data), self.cfg.global_batch_size, self.cfg.eval_batches)
-        self.model.eval()
         total = torch.zeros((), device=self.device)
         for b in range(len(batches)):
-            for ids in batches.micro_batches(b, g.dp_rank, g.dp_size, mbs):
-                x, y = self._to_device(self.val_data.batch(ids))
-                with autocast(self.cfg.precision, self.device):
-                    logits = self.model(x)
-                total += lm_loss_sum(logits, y)
+            ids = batches.micro_batches(b, g.dp_rank, g.dp_size, mbs)
+            total += self.runner.forward_only([self._to_device(self.val_data.batch(i)) for i in ids])
         dist.all_reduce(total, group=g.dp_group)
         return total.item() / (len(batches) * self.tokens_per_step)
 
@@ -150,24 +143,33 @@ class Trainer:
             "consumed_samples": self.step * self.cfg.global_batch_size,
             "global_batch_size": self.cfg.global_batch_size,
             "seed": self.cfg.seed,
+            "train_windows": len(self.train_data),
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["global_batch_size"] != self.cfg.global_batch_size:
-            raise CheckpointError(
-                f"the checkpoint was trained with train.global_batch_size={state['global_batch_size']}; resuming "
-                f"with {self.cfg.global_batch_size} would change which samples come next: keep it the same"
-            )
+        # Each of these fixes which samples come next: resuming with another value would silently
+        # train on a different stream than the run that was interrupted.
+        mine = {"global_batch_size": self.cfg.global_batch_size, "seed": self.cfg.seed}
+        mine["train_windows"] = len(self.train_data)
+        keys = {"global_batch_size": "train.global_batch_size", "seed": "train.seed", "train_windows": "data.*"}
+        for key, value in mine.items():
+            if state[key] != value:
+                raise CheckpointError(
+                    f"the checkpoint was trained with {keys[key]} giving {key}={state[key]}, this run has {value}; "
+                    "resume with the same settings (and data), or set checkpoint.resume=none in a new checkpoint.dir"
+                )
         self.step = state["step"]
         if self.scaler and state.get("loss_scaler"):
             self.scaler.load_state_dict(state["loss_scaler"])
 
     def fit(self) -> None:
+        self.checkpointer.prepare()
         self.checkpointer.maybe_resume(self)
         if self.step >= self.cfg.steps:
             return
-        logger = self.make_logger(self.step)
+        # Created on the logging rank alone (files, wandb); a failure there ends every rank, not just one.
+        logger = on_one_rank(lambda: self.make_logger(self.step), self.groups.topology.logging_rank, "start logging")
         total = self.cfg.steps
         # Ranks start at different moments; line them up so the first step's time is not one rank's wait.
         dist.barrier()

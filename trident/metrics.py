@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from trident.config import LoggingConfig, WandbConfig
-from trident.errors import ConfigError
+from trident.errors import ConfigError, TridentError
 
 # Dense bf16 tensor-core peaks (TFLOP/s) of known GPUs; fp32 runs use the TF32 peak, half of these.
 GPU_PEAK_BF16_TFLOPS = {
@@ -64,12 +64,19 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # e.g. the half-written last line of a crashed run
+
+
 def trim_metrics(path: Path, last_step: int) -> None:
     """On resume, rows past the checkpoint are about to be recomputed: keep a backup and drop them."""
     if not path.is_file():
         return
     rows = path.read_text().splitlines()
-    keep = [r for r in rows if r.strip() and json.loads(r)["step"] <= last_step]
+    keep = [r for r in rows if (step := _step_of(r)) is not None and step <= last_step]
     if len(keep) != len(rows):
         shutil.copyfile(path, path.with_name(f"{path.name}.{int(time.time())}.bak"))
         path.write_text("".join(r + "\n" for r in keep))
@@ -87,6 +94,7 @@ class MetricsLogger:
         config: dict,
         start_step: int = 0,
     ) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)  # the logging rank may be on another node than rank 0
         self.path = run_dir / "metrics.jsonl"
         trim_metrics(self.path, start_step)
         self.file = open(self.path, "a")
@@ -98,18 +106,25 @@ class MetricsLogger:
         if wandb_cfg.mode != "disabled":
             import wandb
 
-            self.wandb = wandb.init(
-                project=wandb_cfg.project,
-                name=wandb_cfg.name,
-                entity=wandb_cfg.entity,
-                mode=wandb_cfg.mode,
-                dir=str(run_dir),
-                config=config,
-                settings=wandb.Settings(console="off", quiet=True),
-            )
+            try:
+                self.wandb = wandb.init(
+                    project=wandb_cfg.project,
+                    name=wandb_cfg.name,
+                    entity=wandb_cfg.entity,
+                    mode=wandb_cfg.mode,
+                    dir=str(run_dir),
+                    config=config,
+                    settings=wandb.Settings(console="off", quiet=True),
+                )
+            except Exception as e:  # wandb raises its own types (no network, bad key): one line for the user
+                raise TridentError(
+                    f"wandb.init failed in mode {wandb_cfg.mode}: {e}; use wandb.mode=offline or disabled"
+                ) from e
 
     def log(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
+        # JSON has no Infinity/NaN: a skipped fp16 step's norm is written as null so every parser reads the file.
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
@@ -144,7 +159,3 @@ class MetricsLogger:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def info(msg: str) -> None:
-    print(msg, file=sys.stdout, flush=True)

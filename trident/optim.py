@@ -7,7 +7,9 @@ import math
 import torch
 from torch import nn
 
+from parallel.reducer import GradReducer
 from trident.config import OptimConfig
+from trident.errors import TridentError
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -46,3 +48,38 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+class GradStep:
+    """Unscale, measure, clip and apply the gradients in the data-parallel reducer's flat buffer.
+
+    Every parameter's ``.grad`` is a view into that buffer and it is identical on every dp rank after
+    the reduction, so the global norm is one local norm (bucket padding is zero). A ZeRO optimizer
+    offers the same ``step(loss_scale) -> (grad_norm, found_inf)`` over its gradient shards.
+    """
+
+    # Non-finite gradients without fp16 loss scaling mean the run has diverged; stop rather than skip forever.
+    MAX_BAD_STEPS = 5
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer: GradReducer, grad_clip: float, fp16: bool) -> None:
+        self.optimizer, self.reducer, self.grad_clip, self.fp16 = optimizer, reducer, grad_clip, fp16
+        self.bad_steps = 0
+
+    def step(self, loss_scale: float) -> tuple[float, bool]:
+        grads = self.reducer.buffer
+        if loss_scale != 1.0:
+            grads.mul_(1.0 / loss_scale)
+        norm = grads.norm(2)
+        found_inf = not bool(torch.isfinite(norm))
+        if not found_inf:
+            if self.grad_clip > 0:
+                grads.mul_(torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0))
+            self.optimizer.step()
+        self.reducer.zero_grad()
+        self.bad_steps = self.bad_steps + 1 if found_inf and not self.fp16 else 0
+        if self.bad_steps >= self.MAX_BAD_STEPS:
+            raise TridentError(
+                f"gradients were not finite for {self.bad_steps} steps in a row: the run diverged; "
+                "lower optim.lr, raise optim.warmup_steps or use train.precision=fp32"
+            )
+        return norm.item(), found_inf
