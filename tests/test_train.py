@@ -127,6 +127,13 @@ def test_resume_gives_the_same_next_losses(tiny_dataset, tmp_path):
     )
     assert_same_curve(rows(full)[4:], rows(other))
 
+    # A resume that would silently train on another sample stream is refused.
+    results = _launch_ranks(
+        tmp_path / "seed", tiny(tiny_dataset, "train.steps=8", "train.seed=7", f"checkpoint.dir={full / 'checkpoints'}")
+    )
+    assert [code for code, _ in results] == [2, 2], results
+    assert "train.seed" in results[0][1]
+
 
 def test_mixed_precision_runs(tiny_dataset, tmp_path):
     for precision in ("bf16", "fp16"):
@@ -179,6 +186,7 @@ BAD = [
     (["data.dataset_dir=null", "data.text=[/nonexistent/text]"], "/nonexistent/text"),
     (["model.seq_len=60000"], "training windows"),
     (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume='/nonexistent/ckpt'"),
+    (["checkpoint.dir=/proc/trident-ckpt"], "cannot write to checkpoint.dir /proc/trident-ckpt"),
 ]
 
 
