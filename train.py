@@ -10,6 +10,7 @@ wrong with the config or the data is found before the first collective, so it ne
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from models.checkpointing import apply_activation_checkpointing
 from models.gpt import GPT, flops_per_token, init_weights
@@ -34,7 +37,7 @@ from trident.config import Config, register_configs, to_config, validate
 from trident.data.dataset import TokenDataset
 from trident.data.prepare import resolve_dataset
 from trident.device import local_rank, local_world_size, pick_backend, pick_device, set_cpu_threads
-from trident.errors import TridentError
+from trident.errors import TridentError, one_line
 from trident.loop import Trainer
 from trident.metrics import MetricsLogger, device_peak_tflops
 from trident.optim import build_optimizer
@@ -118,18 +121,46 @@ def run(cfg: Config, run_dir: Path) -> None:
 register_configs()
 
 
+def fail(message: str) -> None:
+    """One line per node (every rank reaches the same verdict), and exit code 2 on every rank."""
+    if local_rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    shutdown_distributed(barrier=False)
+    sys.exit(2)
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> None:
     try:
         cfg = to_config(hydra_cfg)
         run(cfg, Path(HydraConfig.get().runtime.output_dir))
     except TridentError as e:
-        # One line per node (every rank reaches the same verdict), and a non-zero exit on every rank.
-        if local_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        shutdown_distributed(barrier=False)
-        sys.exit(2)
+        fail(str(e))
+    except OSError as e:  # a full disk, a directory that cannot be written: the environment, not a bug
+        fail(f"{e}; free space or point the path at a writable directory")
+
+
+def cli() -> None:
+    """Hydra's own errors (an unknown preset, a value of the wrong type, an unwritable hydra.run.dir) end
+    the same way as ours. Hydra prints them over several lines unless HYDRA_FULL_ERROR=1 makes it raise;
+    a user who set that themselves gets the full traceback."""
+    wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    # Hydra's branch comes first: its MissingConfigException (an unknown preset) is an IOError too.
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        if wants_traceback:
+            raise
+        cause = e.__cause__
+        detail = f"\n{str(cause).splitlines()[0]}" if isinstance(cause, OmegaConfBaseException) else ""
+        # Hydra appends its search path to a missing-preset message: noise for the user.
+        fail(one_line(str(e).split("Config search path:")[0] + detail))
+    except OSError as e:  # main() handles its own, so this is Hydra making the run directory
+        if wants_traceback:
+            raise
+        fail(f"cannot create the run directory: {e}; set hydra.run.dir to a writable directory")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from trident import config
 from trident.config import Config, TrainConfig, grad_accum_steps, resolve_schedule, validate
-from trident.errors import ConfigError
+from trident.errors import ConfigError, one_line
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 REAL_NOT_YET_IMPLEMENTED = dict(config.NOT_YET_IMPLEMENTED)
@@ -287,3 +287,9 @@ def test_bad_override_is_rejected(hydra_conf, override: str) -> None:
 def test_unknown_model_preset_is_rejected(hydra_conf) -> None:
     with pytest.raises(MissingConfigException, match="model/gpt-huge"):
         compose(config_name="config", overrides=["model=gpt-huge"])
+
+
+def test_one_line_folds_indented_items_into_the_line_above() -> None:
+    text = "In 'config': Could not find 'model/x'\n\nAvailable options in 'model':\n\tgpt-tiny\n\tgpt-mini\n"
+    assert one_line(text) == "In 'config': Could not find 'model/x'; Available options in 'model': gpt-tiny, gpt-mini"
+    assert one_line("Could not override 'a.b'.\nKey 'b' not in 'A'") == "Could not override 'a.b'; Key 'b' not in 'A'"

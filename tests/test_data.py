@@ -307,3 +307,9 @@ def test_cli_error(tmp_path):
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: data.text:")
     assert not (tmp_path / "ds").exists()
+
+
+def test_cli_unwritable_out(corpus, tmp_path):
+    r = _cli("--text", str(corpus / "json"), "--out", "/proc/trident-ds", "--vocab-size", "512", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: cannot write /proc/trident-ds: ")

@@ -187,6 +187,13 @@ BAD = [
     (["model.seq_len=60000"], "training windows"),
     (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume='/nonexistent/ckpt'"),
     (["checkpoint.dir=/proc/trident-ckpt"], "cannot write to checkpoint.dir /proc/trident-ckpt"),
+    (
+        ["data.dataset_dir=null", f"data.text=[{REPO / 'README.md'}]", "data.cache_dir=/proc/trident-cache"],
+        "cannot write the dataset cache data.cache_dir=/proc/trident-cache",
+    ),
+    # Hydra's own errors, before any of trident's code runs, end the same way.
+    (["model=gpt-huge"], "Could not find 'model/gpt-huge'; Available options in 'model': gpt-1.3b, gpt-medium"),
+    (["train.steps=abc"], "train.steps=abc; Value 'abc' of type 'str' could not be converted to Integer"),
 ]
 
 
@@ -209,5 +216,22 @@ def test_unknown_key_is_rejected_before_training(tmp_path, override):
         timeout=60,
         env=_env(),
     )
-    assert proc.returncode != 0
-    assert "foo" in proc.stderr
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "foo" in lines[0], lines
+
+
+def test_unwritable_run_dir_is_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "hydra.run.dir=/proc/trident-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: cannot create the run directory: [Errno 2] No such file or directory: '/proc/trident-run'; "
+        "set hydra.run.dir to a writable directory"
+    ]

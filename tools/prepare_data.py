@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: cannot write {args.out}: {e.strerror}; point --out at a writable place", file=sys.stderr)
+        return 2
     meta = load_meta(out)
     n_bytes, n_tokens = meta["source_bytes"], meta["n_tokens"]
     print(

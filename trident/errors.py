@@ -15,3 +15,19 @@ class DataError(TridentError):
 
 class CheckpointError(TridentError):
     """A checkpoint cannot be found or does not fit the model."""
+
+
+def one_line(text: str) -> str:
+    """Fold a multi-line message (Hydra's, say) into one line: indented lines are items of the line above.
+
+    "Available options in 'model':\\n\\tgpt-tiny\\n\\tgpt-mini" -> "Available options in 'model': gpt-tiny, gpt-mini"
+    """
+    out: list[str] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line[0].isspace() and out:
+            out[-1] += (" " if out[-1].endswith(":") else ", ") + line.strip()
+        else:
+            out.append(line.strip())
+    return "; ".join(line.rstrip(".") for line in out)

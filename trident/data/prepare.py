@@ -317,8 +317,15 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path
     out_dir = cache / key
     if (out_dir / "meta.json").is_file():
         return out_dir
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"{key}.lock", "w") as lock:
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(cache / f"{key}.lock", "w")
+    except OSError as e:
+        raise DataError(
+            f"cannot write the dataset cache data.cache_dir={data.cache_dir}: {e.strerror}; "
+            "set data.cache_dir to a writable directory"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not (out_dir / "meta.json").is_file():
