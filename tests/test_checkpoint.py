@@ -8,6 +8,7 @@ exact files left on disk.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import json
 import os
@@ -32,6 +33,7 @@ from trident.checkpoint import (
     optimizer_state_by_name,
     prune_checkpoints,
     read_checkpoint,
+    schedule_changes,
     write_checkpoint,
 )
 from trident.config import ModelConfig, OptimConfig
@@ -484,6 +486,10 @@ def _checkpointer_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: st
     trainer = FakeTrainer()
     assert resumer.maybe_resume(trainer) == 2
     assert trainer.step == 2
+    # Nothing of the checkpoint stays memory-mapped: a pruned checkpoint's space must be freed.
+    del state, rngs  # this test's own read above
+    gc.collect()
+    assert [line for line in Path("/proc/self/maps").read_text().splitlines() if str(root) in line] == []
     assert_tensors_equal(clone_state(fresh), weights)
     for n, p in fresh.named_parameters():
         assert torch.equal(fresh_opt.state[p]["exp_avg"], exp_avg[n]), n
@@ -510,6 +516,20 @@ def _checkpointer_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: st
     with pytest.raises(CheckpointError, match="n_layers"):
         wrong_shape.maybe_resume(FakeTrainer())
 
+    # A checkpoint only one rank cannot read (a node without the shared filesystem): every rank stops
+    # with that rank's reason instead of the others waiting in the next collective.
+    _, _, partial = make("auto", seed=7)
+
+    def missing(path: Path) -> dict:
+        raise CheckpointError(f"{path} not here")
+
+    real_read = ckpt_mod.read_checkpoint
+    if rank == 1:
+        ckpt_mod.read_checkpoint = missing
+    with pytest.raises(CheckpointError, match=r"^rank 1: .*step_00000002 not here$"):
+        partial.maybe_resume(FakeTrainer())
+    ckpt_mod.read_checkpoint = real_read
+
     # keep_last prunes after a later save; every rank still returns.
     _, _, pruner = make("auto", seed=1, keep_last=1)
     pruner.save(FakeTrainer(step=4))
@@ -521,3 +541,10 @@ def test_checkpointer_two_ranks(tmp_path: Path) -> None:
     tokenizer = tmp_path / "tok.model"
     tokenizer.write_bytes(b"tokenizer bytes")
     run_distributed(_checkpointer_ranks, 2, str(tmp_path / "ckpts"), str(tokenizer), timeout_s=90)
+
+
+def test_schedule_changes_names_each_changed_setting() -> None:
+    saved = {"train": {"steps": 100, "seed": 1}, "optim": {"lr": 1e-3, "min_lr": 1e-4}, "model": {"d_model": 8}}
+    assert schedule_changes(saved, saved) == []
+    current = {"train": {"steps": 200, "seed": 1}, "optim": {"lr": 1e-3, "min_lr": 0.0}, "model": {"d_model": 8}}
+    assert schedule_changes(saved, current) == ["train.steps 100 -> 200", "optim.min_lr 0.0001 -> 0.0"]

@@ -18,7 +18,7 @@ import sentencepiece as spm  # noqa: E402
 import torch  # noqa: E402
 
 from models.gpt import GPT  # noqa: E402
-from trident.checkpoint import find_resume_path  # noqa: E402
+from trident.checkpoint import find_resume_path, load_file, load_model_state  # noqa: E402
 from trident.config import ModelConfig  # noqa: E402
 from trident.errors import TridentError  # noqa: E402
 
@@ -27,7 +27,8 @@ def load_model(checkpoint: Path, device: torch.device) -> tuple[GPT, spm.Sentenc
     config = json.loads((checkpoint / "config.json").read_text())
     cfg = ModelConfig(**config["model"])
     model = GPT(cfg)
-    model.load_state_dict(torch.load(checkpoint / "model.pt", map_location="cpu", weights_only=True))
+    # Saved without the vocab padding; this model pads its embedding again (to a multiple of vocab_multiple).
+    load_model_state(model, load_file(checkpoint / "model.pt"))
     tokenizer = spm.SentencePieceProcessor(model_file=str(checkpoint / "tokenizer.model"))
     return model.to(device).eval(), tokenizer
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.agree import on_one_rank
+from parallel.agree import on_every_rank, on_one_rank
 from parallel.groups import ProcessGroups
 from trident.errors import CheckpointError
 
@@ -189,7 +189,7 @@ def prune_checkpoints(root: Path, keep_last: int, current_step: int) -> None:
         shutil.rmtree(trash)
 
 
-def _load(path: Path) -> dict:
+def load_file(path: Path) -> dict:
     try:
         # mmap: ranks read what they need instead of each holding a full copy in memory.
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -215,11 +215,31 @@ def read_checkpoint(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}; this trident reads {FORMAT}")
     return {
         "meta": meta,
-        "model": _load(path / "model.pt"),
-        "optimizer": _load(path / "optimizer.pt"),
-        "trainer": _load(path / "trainer.pt"),
+        "model": load_file(path / "model.pt"),
+        "optimizer": load_file(path / "optimizer.pt"),
+        "trainer": load_file(path / "trainer.pt"),
         "config": _read_config(path),
     }
+
+
+def canonical(name: str, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The layout-free form of a parameter (or of its optimizer state): the embedding without tp padding."""
+    return t[:vocab_size] if name == "wte.weight" else t
+
+
+def to_layout(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A canonical tensor in this run's layout: the embedding gets zero padding rows up to ``like``'s."""
+    if name != "wte.weight" or t.shape == like.shape:
+        return t
+    padded = torch.zeros(like.shape, dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded
+
+
+def load_model_state(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's canonical tensors into ``model`` (copied in, so nothing stays mapped)."""
+    local = model.state_dict()
+    model.load_state_dict({n: to_layout(n, t, local[n]) for n, t in saved.items()})
 
 
 # Model settings that fix parameter shapes: a checkpoint only loads into the same ones.
@@ -267,22 +287,12 @@ class Checkpointer:
     # With data parallelism alone every replica is identical: rank 0 writes the whole state.
     _WRITER = 0
 
-    def _canonical(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        return t[: self.vocab_size] if name == "wte.weight" else t
-
-    def _local(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        if name != "wte.weight" or t.shape == like.shape:
-            return t
-        padded = torch.zeros(like.shape, dtype=t.dtype)
-        padded[: t.shape[0]] = t
-        return padded
-
     def _optimizer_state(self) -> dict:
         saved = optimizer_state_by_name(self.optimizer, self.names)
         for name, s in saved["state"].items():
             for k, v in s.items():
                 if torch.is_tensor(v) and v.dim() > 0:
-                    s[k] = self._canonical(name, v)
+                    s[k] = canonical(name, v, self.vocab_size)
         return saved
 
     def prepare(self) -> None:
@@ -308,7 +318,7 @@ class Checkpointer:
             write_checkpoint(
                 self.root,
                 trainer.step,
-                {n: self._canonical(n, t) for n, t in self.model.state_dict().items()},
+                {n: canonical(n, t, self.vocab_size) for n, t in self.model.state_dict().items()},
                 self._optimizer_state(),
                 {**trainer.state_dict(), "rng": all_rng},
                 self.config,
@@ -337,6 +347,27 @@ class Checkpointer:
         if found[0] is None:
             return None
         path = Path(found[0])
+        # Every rank reads the files itself (on several nodes checkpoint.dir must be a shared filesystem);
+        # one that cannot makes them all stop with its reason instead of leaving the rest waiting.
+        saved_config, rng = on_every_rank(lambda: self._load(path, trainer), f"read checkpoint {path}")
+        if len(rng) == dist.get_world_size():
+            mine = rng[dist.get_rank()]
+            torch.set_rng_state(mine["cpu"])
+            if "cuda" in mine and torch.cuda.is_available():
+                torch.cuda.set_rng_state(mine["cuda"])
+        if self.groups.is_logging_rank:
+            print(f"resumed from {path} at step {trainer.step}", flush=True)
+            changed = schedule_changes(saved_config, self.config)
+            if changed:
+                print(
+                    f"note: resuming with {', '.join(changed)}: the steps from here differ from the interrupted run's",
+                    flush=True,
+                )
+        return trainer.step
+
+    def _load(self, path: Path, trainer: Trainable) -> tuple[dict, list[dict]]:
+        """Load every part into this rank's model, optimizer and trainer; return the saved config and the
+        saved RNG states (one per rank of the run that saved)."""
         state = read_checkpoint(path)
         saved_model = state["config"]["model"]
         for key in _SHAPE_KEYS:
@@ -346,21 +377,31 @@ class Checkpointer:
                     f"checkpoint {path} has model.{key}={saved_model.get(key)} but this run has {mine}; "
                     "resume with the same model shape or set checkpoint.resume=none"
                 )
+        load_model_state(self.model, state["model"])
         local = self.model.state_dict()
-        self.model.load_state_dict({n: self._local(n, t, local[n]) for n, t in state["model"].items()})
         saved_opt = state["optimizer"]
         for name, s in saved_opt["state"].items():
             for k, v in s.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    s[k] = self._local(name, v, local[name])
+                if torch.is_tensor(v):
+                    # Cloned: torch keeps CPU state tensors as given, and these are views of the mmap'd file,
+                    # which would pin a pruned checkpoint's disk space (and break its removal on NFS).
+                    s[k] = to_layout(name, v, local[name]).clone() if v.dim() > 0 else v.clone()
         load_optimizer_state_by_name(self.optimizer, saved_opt, self.names)
         trainer.load_state_dict(state["trainer"])
-        rng = state["trainer"].get("rng") or []
-        if len(rng) == dist.get_world_size():
-            mine = rng[dist.get_rank()]
-            torch.set_rng_state(mine["cpu"])
-            if "cuda" in mine and torch.cuda.is_available():
-                torch.cuda.set_rng_state(mine["cuda"])
-        if self.groups.is_logging_rank:
-            print(f"resumed from {path} at step {trainer.step}", flush=True)
-        return trainer.step
+        return state["config"], state["trainer"].get("rng") or []
+
+
+# Settings that shape every later step without changing parameter shapes: changing them on resume is
+# allowed (extending a run is common), but the user is told the curve will not match the original.
+_SCHEDULE_KEYS = {"train": ("steps",), "optim": ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")}
+
+
+def schedule_changes(saved: dict, current: dict) -> list[str]:
+    """``key old -> new`` for each schedule setting that differs between two run configs."""
+    changes = []
+    for section, keys in _SCHEDULE_KEYS.items():
+        for key in keys:
+            old, new = saved.get(section, {}).get(key), current.get(section, {}).get(key)
+            if old is not None and old != new:
+                changes.append(f"{section}.{key} {old} -> {new}")
+    return changes
