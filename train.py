@@ -61,7 +61,7 @@ def run(cfg: Config, run_dir: Path) -> None:
     if device.type == "cpu":
         set_cpu_threads()
 
-    init_distributed(backend, cfg.parallel.timeout_s)
+    init_distributed(backend, device, cfg.parallel.timeout_s)
     groups = build_process_groups(topology, cfg.parallel.timeout_s)
     agreed = [str(run_dir)]
     dist.broadcast_object_list(agreed, src=0)  # ranks started a second apart must share rank 0's run dir
@@ -99,6 +99,12 @@ def run(cfg: Config, run_dir: Path) -> None:
             f"{len(train_data)} train windows, run dir {run_dir}",
             flush=True,
         )
+        if peak is None:
+            print(
+                f"note: no peak TFLOP/s known for {torch.cuda.get_device_name(device)}; mfu is logged as null. "
+                "Set logging.peak_tflops to its dense peak for MFU",
+                flush=True,
+            )
     Trainer(
         train_cfg=cfg.train,
         optim_cfg=cfg.optim,
@@ -110,7 +116,7 @@ def run(cfg: Config, run_dir: Path) -> None:
         val_data=val_data,
         device=device,
         flops_per_token=flops_per_token(cfg.model),
-        peak_flops=peak * 1e12,
+        peak_flops=peak * 1e12 if peak else None,
         checkpointer=checkpointer,
         make_logger=make_logger,
     ).fit()
@@ -121,9 +127,11 @@ def run(cfg: Config, run_dir: Path) -> None:
 register_configs()
 
 
-def fail(message: str) -> None:
-    """One line per node (every rank reaches the same verdict), and exit code 2 on every rank."""
-    if local_rank() == 0:
+def fail(message: str, every_rank: bool = False) -> None:
+    """Print ``error: message`` and exit 2. An error every rank reaches alike is printed once per node;
+    one that only some ranks hit is printed by each of them, so it is never lost when the launcher
+    kills the rest."""
+    if every_rank or local_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     shutdown_distributed(barrier=False)
     sys.exit(2)
@@ -135,9 +143,9 @@ def main(hydra_cfg: DictConfig) -> None:
         cfg = to_config(hydra_cfg)
         run(cfg, Path(HydraConfig.get().runtime.output_dir))
     except TridentError as e:
-        fail(str(e))
+        fail(str(e), every_rank=not e.agreed)
     except OSError as e:  # a full disk, a directory that cannot be written: the environment, not a bug
-        fail(f"{e}; free space or point the path at a writable directory")
+        fail(f"{e}; free space or point the path at a writable directory", every_rank=True)
 
 
 def cli() -> None:

@@ -99,18 +99,19 @@ def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> Proces
     )
 
 
-def init_distributed(backend: str, timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the default process group; return (rank, world_size).
+def init_distributed(backend: str, device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the default process group on ``device``; return (rank, world_size).
 
     Under torchrun the env:// rendezvous is used. A plain ``python train.py`` gets a one-process group
     over an in-memory store, so the rest of the code has a single path for every world size.
     """
+    if device.type == "cuda":
+        # Before the group exists: NCCL binds its communicators to the current device.
+        torch.cuda.set_device(device)
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -175,36 +175,42 @@ def _launch_ranks(run_dir: Path, overrides: list[str], world: int = 2, timeout: 
     return results
 
 
+# (overrides, what the error line says, whether every rank prints it). An error that every rank reaches
+# alike (a config rule, or an outcome the ranks exchanged) is printed once per node; an error a rank meets
+# on its own (reading data) is printed by that rank, so it survives the launcher killing the others.
 BAD = [
-    (["parallel.dp=3"], "world size 2 != dp 3"),
-    (["train.global_batch_size=10"], "train.global_batch_size=10"),
-    (["model.n_heads=5"], "model.n_heads=5"),
-    (["parallel.tp=2"], "parallel.tp=2"),
-    (["train.precision=fp8"], "train.precision='fp8'"),
-    (["optim.min_lr=1"], "optim.min_lr=1"),
-    (["data.dataset_dir=/nonexistent/data"], "/nonexistent/data"),
-    (["data.dataset_dir=null", "data.text=[/nonexistent/text]"], "/nonexistent/text"),
-    (["model.seq_len=60000"], "training windows"),
-    (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume='/nonexistent/ckpt'"),
-    (["checkpoint.dir=/proc/trident-ckpt"], "cannot write to checkpoint.dir /proc/trident-ckpt"),
+    (["parallel.dp=3"], "world size 2 != dp 3", False),
+    (["train.global_batch_size=10"], "train.global_batch_size=10", False),
+    (["model.n_heads=5"], "model.n_heads=5", False),
+    (["parallel.tp=2"], "parallel.tp=2", False),
+    (["train.precision=fp8"], "train.precision='fp8'", False),
+    (["optim.min_lr=1"], "optim.min_lr=1", False),
+    (["data.dataset_dir=/nonexistent/data"], "/nonexistent/data", True),
+    (["data.dataset_dir=null", "data.text=[/nonexistent/text]"], "/nonexistent/text", True),
+    (["model.seq_len=60000"], "training windows", True),
+    (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume='/nonexistent/ckpt'", False),
+    (["checkpoint.dir=/proc/trident-ckpt"], "cannot write to checkpoint.dir /proc/trident-ckpt", False),
     (
         ["data.dataset_dir=null", f"data.text=[{REPO / 'README.md'}]", "data.cache_dir=/proc/trident-cache"],
         "cannot write the dataset cache data.cache_dir=/proc/trident-cache",
+        True,
     ),
     # Hydra's own errors, before any of trident's code runs, end the same way.
-    (["model=gpt-huge"], "Could not find 'model/gpt-huge'; Available options in 'model': gpt-1.3b, gpt-medium"),
-    (["train.steps=abc"], "train.steps=abc; Value 'abc' of type 'str' could not be converted to Integer"),
+    (["model=gpt-huge"], "Could not find 'model/gpt-huge'; Available options in 'model': gpt-1.3b, gpt-medium", False),
+    (["train.steps=abc"], "train.steps=abc; Value 'abc' of type 'str' could not be converted to Integer", False),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
-def test_bad_input_fails_fast_on_every_rank(tiny_dataset, tmp_path, overrides, message):
+@pytest.mark.parametrize("overrides,message,every_rank", BAD, ids=[" ".join(o) for o, _, _ in BAD])
+def test_bad_input_fails_fast_on_every_rank(tiny_dataset, tmp_path, overrides, message, every_rank):
     start = time.monotonic()
     results = _launch_ranks(tmp_path / "run", tiny(tiny_dataset, "train.steps=2", *overrides))
     assert time.monotonic() - start < 60
     assert [code for code, _ in results] == [2, 2], results
     lines = [line for line in results[0][1].splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    # Both ranks are local rank 0..1 of one node: rank 1 speaks only for an error of its own.
+    assert [line for line in results[1][1].splitlines() if line.strip()] == (lines if every_rank else [])
 
 
 @pytest.mark.parametrize("override", ["parallel.foo=1", "+parallel.foo=1", "+foo=1"])
@@ -235,3 +241,25 @@ def test_unwritable_run_dir_is_one_line(tmp_path):
         "error: cannot create the run directory: [Errno 2] No such file or directory: '/proc/trident-run'; "
         "set hydra.run.dir to a writable directory"
     ]
+
+
+def _generate(checkpoint: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "tools" / "generate.py"), str(checkpoint), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+
+
+def test_generate_from_a_model_whose_vocab_is_padded(tiny_dataset, tmp_path):
+    """vocab 600 runs with a 640-row embedding; the checkpoint holds the 600 real rows, as every preset's
+    50257 does. Sampling from it must load them into a padded table again."""
+    run_dir = tmp_path / "run"
+    train(run_dir, *tiny(tiny_dataset, "train.steps=2", "model.vocab_size=600", "train.eval_every=0"))
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    greedy = [_generate(checkpoint, "--tokens", "8", "--temperature", "0") for _ in range(2)]
+    assert greedy[0].returncode == 0, greedy[0].stderr
+    assert greedy[0].stdout == greedy[1].stdout and greedy[0].stdout.startswith("def ")
+
+    (checkpoint / "model.pt").write_bytes(b"not a checkpoint")
+    broken = _generate(checkpoint)
+    assert broken.returncode == 2
+    assert len(broken.stderr.splitlines()) == 1
+    assert broken.stderr.startswith(f"error: cannot read checkpoint file {checkpoint / 'model.pt'}")

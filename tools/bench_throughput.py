@@ -64,7 +64,7 @@ def main() -> None:
     args = p.parse_args()
 
     device = pick_device("auto")
-    init_distributed(pick_backend("auto", device))
+    init_distributed(pick_backend("auto", device), device)
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
     if device.type == "cpu":

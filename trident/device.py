@@ -18,16 +18,22 @@ def local_world_size() -> int:
 
 
 def pick_device(requested: str) -> torch.device:
-    """Checked before any process group exists, so a mismatch fails on every rank at once."""
+    """Checked before any process group exists, and alike on every rank of a node, so a mismatch fails
+    on all of them at once (a check of this rank's index alone would end some ranks and strand the rest).
+    """
     has_cuda = torch.cuda.is_available()
     if requested == "cuda" and not has_cuda:
         raise ConfigError("train.device=cuda but no GPU is visible; use train.device=auto or train.device=cpu")
     if requested == "cpu" or not has_cuda:
         return torch.device("cpu")
-    if local_rank() >= torch.cuda.device_count():
+    count, ranks = torch.cuda.device_count(), local_world_size()
+    if count == 1 and (ranks == 1 or "CUDA_VISIBLE_DEVICES" in os.environ):
+        # One process per GPU, or a scheduler that shows each process only its own GPU (SLURM, k8s).
+        return torch.device("cuda", 0)
+    if ranks > count:
         raise ConfigError(
-            f"local rank {local_rank()} has no GPU ({torch.cuda.device_count()} visible); "
-            "launch at most one process per GPU"
+            f"{ranks} processes on this node but {count} GPU(s) visible; launch at most one process per GPU "
+            f"(--nproc-per-node {count})"
         )
     return torch.device("cuda", local_rank())
 

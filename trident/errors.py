@@ -2,11 +2,19 @@
 
 
 class TridentError(Exception):
-    """Base class: the message says what is wrong and how to fix it."""
+    """Base class: the message says what is wrong and how to fix it.
+
+    ``agreed`` marks an error that every rank raises alike, so one rank per node is enough to print it;
+    any other error is printed by the rank that hit it, so no message is lost when only some ranks fail.
+    """
+
+    agreed = False
 
 
 class ConfigError(TridentError):
     """The configuration (or its fit to the launch) is invalid. Same on every rank."""
+
+    agreed = True
 
 
 class DataError(TridentError):

@@ -86,7 +86,7 @@ class Trainer:
         val_data: TokenWindows,
         device: torch.device,
         flops_per_token: float,
-        peak_flops: float,
+        peak_flops: float | None,
         checkpointer: Checkpointer,
         make_logger: Callable[[int], MetricsLogger],
     ) -> None:
@@ -199,7 +199,7 @@ class Trainer:
             "lr": lr_at(step, self.optim_cfg, self.cfg.steps),
             "grad_norm": result.grad_norm,
             "tokens_per_s": tokens_per_s,
-            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * world),
+            "mfu": tokens_per_s * self.flops_per_token / (self.peak_flops * world) if self.peak_flops else None,
             "peak_mem_mb": peak_memory_mb(self.device),
             "step_time_s": elapsed,
             "tokens": (step + 1) * self.tokens_per_step,

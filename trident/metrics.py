@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import resource
 import shutil
 import time
@@ -12,41 +13,61 @@ from pathlib import Path
 import torch
 
 from trident.config import LoggingConfig, WandbConfig
-from trident.errors import ConfigError, TridentError
+from trident.errors import TridentError
 
-# Dense bf16 tensor-core peaks (TFLOP/s) of known GPUs; fp32 runs use the TF32 peak, half of these.
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s; fp32 runs use the TF32 peak, half of these.
+# Keys match whole words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
+# the more specific first, so "L40" is never read as "L4".
 GPU_PEAK_BF16_TFLOPS = {
     "H200": 989.0,
-    "H100 SXM": 989.0,
+    "GH200": 989.0,
     "H100 NVL": 835.0,
     "H100 PCIe": 756.0,
     "H100": 989.0,
-    "GH200": 989.0,
+    "H800 PCIe": 756.0,
+    "H800": 989.0,
+    "H20": 148.0,
     "B200": 2250.0,
     "A100": 312.0,
     "A800": 312.0,
     "L40S": 362.0,
+    "L40": 181.0,
     "L4": 121.0,
+    "A40": 150.0,
+    "RTX A6000": 155.0,
     "A10G": 125.0,
     "A10": 125.0,
     "RTX 4090": 165.0,
     "RTX 3090": 71.0,
-    "V100": 125.0,
+    "V100": 125.0,  # fp16: V100 has no bf16
+    "T4": 65.0,  # fp16
+    "MI300X": 1307.0,
+    "MI250X": 383.0,
 }
+
+
+def gpu_peak_bf16_tflops(name: str) -> float | None:
+    """The table's peak for a device name, or None for a GPU it does not know."""
+    for key, peak in GPU_PEAK_BF16_TFLOPS.items():
+        if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", name):
+            return peak
+    return None
 
 
 def device_peak_tflops(
     device: torch.device, precision: str, override: float | None, cpu_node_peak: float, ranks_per_node: int
-) -> float:
-    """Peak TFLOP/s of the device one rank drives (on CPU: its share of the node)."""
+) -> float | None:
+    """Peak TFLOP/s of the device one rank drives (on CPU: its share of the node); None if unknown.
+
+    An unknown GPU only costs the MFU figure (logged as null), never the run.
+    """
     if override is not None:
         return override
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16_TFLOPS.items():  # most specific names first
-            if key in name:
-                return peak if precision != "fp32" else peak / 2
-        raise ConfigError(f"unknown GPU {name!r}: set logging.peak_tflops to its dense peak TFLOP/s for MFU")
+        peak = gpu_peak_bf16_tflops(torch.cuda.get_device_name(device))
+        if peak is None:
+            return None
+        return peak if precision != "fp32" else peak / 2
     return cpu_node_peak / max(1, ranks_per_node)
 
 
@@ -147,7 +168,7 @@ class MetricsLogger:
             f"lr {row['lr']:.2e}",
             f"grad_norm {row['grad_norm']:.3f}",
             f"{row['tokens_per_s']:,.0f} tok/s",
-            f"mfu {100 * row['mfu']:.2f}%",
+            f"mfu {100 * row['mfu']:.2f}%" if row["mfu"] is not None else "mfu n/a",
             f"mem {row['peak_mem_mb']:,.0f} MB",
         ]
         if "loss_scale" in row:

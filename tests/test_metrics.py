@@ -1,0 +1,230 @@
+"""trident/metrics.py: the GPU peak table, the per-rank peak, metrics.jsonl, the console line and resume trimming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trident import metrics
+from trident.config import LoggingConfig, WandbConfig
+from trident.metrics import MetricsLogger, device_peak_tflops, gpu_peak_bf16_tflops
+
+# Names as torch.cuda.get_device_name() reports them on real machines, with the peak each must get.
+# Several are chosen because a plain substring test gets them wrong: "L40" contains "L4",
+# "A100" contains "A10", "GH200" contains "H200", "H100 PCIe" starts with "H100".
+GPU_NAMES = [
+    ("NVIDIA L40", 181.0),
+    ("NVIDIA L4", 121.0),
+    ("NVIDIA L40S", 362.0),
+    ("NVIDIA H100 80GB HBM3", 989.0),
+    ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A10", 125.0),
+    ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA GH200 480GB", 989.0),
+    ("Tesla V100-SXM2-16GB", 125.0),
+    ("AMD Instinct MI300X", 1307.0),
+]
+
+
+@pytest.mark.parametrize(("name", "peak"), GPU_NAMES, ids=[name for name, _ in GPU_NAMES])
+def test_gpu_peak_matches_whole_words(name: str, peak: float) -> None:
+    """Each real device name maps to its own table entry, not to a shorter key it happens to contain."""
+    assert gpu_peak_bf16_tflops(name) == peak
+
+
+def test_gpu_peak_unknown_is_none() -> None:
+    """A GPU missing from the table gives None (MFU logged as null), not a guess."""
+    assert gpu_peak_bf16_tflops("NVIDIA RTX PRO 9999") is None
+    # A Quadro T400 is not a T4: only whole-word matching keeps "T4" from claiming it.
+    assert gpu_peak_bf16_tflops("NVIDIA T400 4GB") is None
+
+
+# One-word keys that are prefixes or suffixes of one another. The table lists the longer key first, which alone
+# would hide a prefix match; trying both orders shows the whole-word rule itself tells them apart.
+ONE_WORD_KEYS = [
+    ("NVIDIA L40", "L40"),
+    ("NVIDIA L4", "L4"),
+    ("NVIDIA A100 80GB PCIe", "A100"),
+    ("NVIDIA A10", "A10"),
+    ("NVIDIA GH200 480GB", "GH200"),
+    ("NVIDIA H200", "H200"),
+    ("NVIDIA H20", "H20"),
+]
+
+
+@pytest.mark.parametrize("order", ["table", "reversed"])
+@pytest.mark.parametrize(("name", "key"), ONE_WORD_KEYS, ids=[name for name, _ in ONE_WORD_KEYS])
+def test_gpu_peak_whole_words_in_any_order(monkeypatch: pytest.MonkeyPatch, name: str, key: str, order: str) -> None:
+    """Each one-word name finds its own key with the table in either order. The peaks are replaced by each
+    key's position, so a neighbour with the same peak (H200 for GH200) cannot pass for it."""
+    keys = list(metrics.GPU_PEAK_BF16_TFLOPS)
+    if order == "reversed":
+        keys.reverse()
+    monkeypatch.setattr(metrics, "GPU_PEAK_BF16_TFLOPS", {k: float(i) for i, k in enumerate(keys)})
+    assert gpu_peak_bf16_tflops(name) == float(keys.index(key))
+
+
+def test_device_peak_override_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit logging.peak_tflops is used as is, on CPU and on a GPU the table knows."""
+    assert device_peak_tflops(torch.device("cpu"), "bf16", 42.0, cpu_node_peak=0.2, ranks_per_node=4) == 42.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA H100 80GB HBM3")
+    assert device_peak_tflops(torch.device("cuda", 0), "bf16", 42.0, cpu_node_peak=0.2, ranks_per_node=4) == 42.0
+
+
+def test_device_peak_cpu_is_share_of_node() -> None:
+    """On CPU each rank gets the node's peak divided by the ranks sharing that node."""
+    peak = device_peak_tflops(torch.device("cpu"), "fp32", None, cpu_node_peak=0.2, ranks_per_node=4)
+    assert peak == pytest.approx(0.05)
+
+
+def test_device_peak_gpu_from_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the table is used; fp32 (TF32) runs get half the bf16 peak; an unknown GPU gives None."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA A100-SXM4-80GB")
+    cuda = torch.device("cuda", 0)
+    assert device_peak_tflops(cuda, "bf16", None, cpu_node_peak=0.2, ranks_per_node=8) == 312.0
+    assert device_peak_tflops(cuda, "fp32", None, cpu_node_peak=0.2, ranks_per_node=8) == 156.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA RTX PRO 9999")
+    assert device_peak_tflops(cuda, "bf16", None, cpu_node_peak=0.2, ranks_per_node=8) is None
+
+
+# --- MetricsLogger, with wandb disabled so nothing leaves the run directory.
+
+
+def make_row(step: int, **extra: object) -> dict:
+    """A row with every key the console line reads; extra keys override or add."""
+    row: dict = {
+        "step": step,
+        "loss": 3.5,
+        "lr": 1e-3,
+        "grad_norm": 0.75,
+        "tokens_per_s": 12345.0,
+        "mfu": 0.25,
+        "peak_mem_mb": 512.0,
+    }
+    row.update(extra)
+    return row
+
+
+def make_logger(run_dir: Path, total_steps: int = 7, start_step: int = 0) -> MetricsLogger:
+    return MetricsLogger(
+        run_dir,
+        total_steps=total_steps,
+        logging_cfg=LoggingConfig(interval=2),
+        wandb_cfg=WandbConfig(mode="disabled"),
+        config={},
+        start_step=start_step,
+    )
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Parse metrics.jsonl strictly: one JSON object per line, no Infinity/NaN tokens allowed."""
+
+    def reject(token: str) -> None:
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return [json.loads(line, parse_constant=reject) for line in path.read_text().splitlines()]
+
+
+def test_every_row_is_one_json_line(tmp_path: Path) -> None:
+    """Each logged row is written, in order, as one JSON object per line with its values intact."""
+    logger = make_logger(tmp_path)
+    logged = [make_row(step, loss=10.0 - step) for step in range(1, 8)]
+    for row in logged:
+        logger.log(row)
+    logger.close()
+    assert read_rows(tmp_path / "metrics.jsonl") == logged
+
+
+def test_non_finite_and_missing_values_are_null(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """inf/nan become null (standard JSON); mfu=None is null in the file and "mfu n/a" on the console."""
+    logger = make_logger(tmp_path)
+    logger.log(make_row(1, grad_norm=float("inf"), loss=float("nan"), mfu=None))
+    logger.close()
+    (row,) = read_rows(tmp_path / "metrics.jsonl")
+    assert row["grad_norm"] is None
+    assert row["loss"] is None
+    assert row["mfu"] is None
+    assert row["step"] == 1  # finite values are untouched
+    out = capsys.readouterr().out
+    assert "mfu n/a" in out
+
+
+def test_console_line_on_first_interval_and_last_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With interval 2 over 7 steps the console shows steps 1 (first), 2, 4, 6 (interval) and 7 (last) only."""
+    logger = make_logger(tmp_path, total_steps=7)
+    printed: list[int] = []
+    for step in range(1, 8):
+        logger.log(make_row(step))
+        if capsys.readouterr().out.strip():
+            printed.append(step)
+    logger.close()
+    assert printed == [1, 2, 4, 6, 7]
+
+
+def test_console_first_step_after_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After resuming at step 4 the first step run (5, off the interval) is still shown."""
+    logger = make_logger(tmp_path, total_steps=7, start_step=4)
+    printed: list[int] = []
+    for step in range(5, 8):
+        logger.log(make_row(step))
+        if capsys.readouterr().out.strip():
+            printed.append(step)
+    logger.close()
+    assert printed == [5, 6, 7]
+
+
+def test_console_line_shows_loss_scale(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An fp16 row carries loss_scale and the console shows it; a row without it shows no scale."""
+    logger = make_logger(tmp_path)
+    logger.log(make_row(1, loss_scale=65536.0))
+    with_scale = capsys.readouterr().out
+    logger.log(make_row(2))
+    without_scale = capsys.readouterr().out
+    logger.close()
+    assert "scale 65536" in with_scale
+    assert without_scale.strip() and "scale" not in without_scale
+
+
+# --- resume: rows past the checkpoint step are dropped, with a backup of the original file.
+
+
+def test_resume_trims_rows_past_checkpoint(tmp_path: Path) -> None:
+    """Rows <= start_step stay, later rows and a half-written last line go, and a .bak keeps the original."""
+    path = tmp_path / "metrics.jsonl"
+    kept = [make_row(step) for step in (1, 2, 3)]
+    dropped = [make_row(step) for step in (4, 5)]
+    original = "".join(json.dumps(row) + "\n" for row in kept + dropped) + '{"step": 6, "loss": 3.'
+    path.write_text(original)
+
+    logger = make_logger(tmp_path, total_steps=7, start_step=3)
+    assert read_rows(path) == kept
+    # The resumed run appends after the kept rows, so the file reads as one clean history.
+    logger.log(make_row(4, loss=1.0))
+    logger.close()
+    assert [row["step"] for row in read_rows(path)] == [1, 2, 3, 4]
+    assert read_rows(path)[-1]["loss"] == 1.0
+
+    backups = list(tmp_path.glob("metrics.jsonl.*.bak"))
+    assert len(backups) == 1
+    assert backups[0].read_text() == original
+
+
+def test_resume_with_nothing_to_trim_keeps_file(tmp_path: Path) -> None:
+    """If no row lies past start_step the file is left alone and no backup is made."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [make_row(step) for step in (1, 2, 3)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    make_logger(tmp_path, start_step=3).close()
+    assert read_rows(path) == rows
+    assert not list(tmp_path.glob("*.bak"))
+
+
+def test_trim_without_file_is_a_no_op(tmp_path: Path) -> None:
+    """A fresh run (no metrics.jsonl yet) trims nothing and creates nothing."""
+    metrics.trim_metrics(tmp_path / "metrics.jsonl", 5)
+    assert list(tmp_path.iterdir()) == []
