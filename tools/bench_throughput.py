@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=6, help="alternating timed blocks per side; the median is reported")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     args = p.parse_args()
 
