@@ -154,28 +154,25 @@ def test_non_finite_and_missing_values_are_null(tmp_path: Path, capsys: pytest.C
     assert "mfu n/a" in out
 
 
-def test_console_line_on_first_interval_and_last_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """With interval 2 over 7 steps the console shows steps 1 (first), 2, 4, 6 (interval) and 7 (last) only."""
-    logger = make_logger(tmp_path, total_steps=7)
-    printed: list[int] = []
-    for step in range(1, 8):
+def printed_steps(logger: MetricsLogger, steps: range, capsys: pytest.CaptureFixture[str]) -> list[int]:
+    """Log a row for each step and return the steps that printed a console line."""
+    printed = []
+    for step in steps:
         logger.log(make_row(step))
         if capsys.readouterr().out.strip():
             printed.append(step)
     logger.close()
-    assert printed == [1, 2, 4, 6, 7]
+    return printed
+
+
+def test_console_line_on_first_interval_and_last_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With interval 2 over 7 steps the console shows steps 1 (first), 2, 4, 6 (interval) and 7 (last) only."""
+    assert printed_steps(make_logger(tmp_path, total_steps=7), range(1, 8), capsys) == [1, 2, 4, 6, 7]
 
 
 def test_console_first_step_after_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """After resuming at step 4 the first step run (5, off the interval) is still shown."""
-    logger = make_logger(tmp_path, total_steps=7, start_step=4)
-    printed: list[int] = []
-    for step in range(5, 8):
-        logger.log(make_row(step))
-        if capsys.readouterr().out.strip():
-            printed.append(step)
-    logger.close()
-    assert printed == [5, 6, 7]
+    assert printed_steps(make_logger(tmp_path, total_steps=7, start_step=4), range(5, 8), capsys) == [5, 6, 7]
 
 
 def test_console_line_shows_loss_scale(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,6 +67,11 @@ def assert_same_curve(a: list[dict], b: list[dict], rel: float = 1e-5) -> None:
                 assert ra[key] == pytest.approx(rb[key], rel=rel), (key, ra["step"], ra[key], rb[key])
 
 
+def _generate(checkpoint: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "tools" / "generate.py"), str(checkpoint), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+
+
 def test_default_corpus_run_logs_every_key_and_learns(tmp_path):
     """The issue's acceptance command, on the embedded corpus, with wandb in its default offline mode."""
     run_dir = tmp_path / "run"
@@ -84,13 +89,7 @@ def test_default_corpus_run_logs_every_key_and_learns(tmp_path):
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
     assert (run_dir / "checkpoints" / "step_00000040" / "meta.json").is_file()
 
-    sample = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "generate.py"), str(run_dir / "checkpoints"), "--tokens", "20"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-    )
+    sample = _generate(run_dir / "checkpoints", "--tokens", "20")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("def ") and len(sample.stdout) > 10
 
@@ -241,11 +240,6 @@ def test_unwritable_run_dir_is_one_line(tmp_path):
         "error: cannot create the run directory: [Errno 2] No such file or directory: '/proc/trident-run'; "
         "set hydra.run.dir to a writable directory"
     ]
-
-
-def _generate(checkpoint: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "tools" / "generate.py"), str(checkpoint), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
 
 
 def test_generate_from_a_model_whose_vocab_is_padded(tiny_dataset, tmp_path):
