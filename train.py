@@ -22,16 +22,6 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from models.checkpointing import apply_activation_checkpointing
-from models.gpt import GPT, flops_per_token, init_weights
-from parallel.groups import (
-    build_process_groups,
-    init_distributed,
-    launch_world_size,
-    shutdown_distributed,
-)
-from parallel.reducer import GradReducer
-from parallel.topology import Topology
 from trident.checkpoint import Checkpointer
 from trident.config import Config, register_configs, to_config, validate
 from trident.data.dataset import TokenDataset
@@ -40,7 +30,17 @@ from trident.device import local_rank, local_world_size, pick_backend, pick_devi
 from trident.errors import TridentError, one_line
 from trident.loop import Trainer
 from trident.metrics import MetricsLogger, device_peak_tflops
+from trident.models.checkpointing import apply_activation_checkpointing
+from trident.models.gpt import GPT, flops_per_token, init_weights
 from trident.optim import build_optimizer
+from trident.parallel.groups import (
+    build_process_groups,
+    init_distributed,
+    launch_world_size,
+    shutdown_distributed,
+)
+from trident.parallel.reducer import GradReducer
+from trident.parallel.topology import Topology
 
 
 def run(cfg: Config, run_dir: Path) -> None:

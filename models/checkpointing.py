@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.utils.checkpoint import checkpoint
 
-from models.gpt import GPT
+from trident.models.gpt import GPT
 
 
 def _recomputed(fn):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.topology import Coord, Topology
+from trident.parallel.topology import Coord, Topology
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from parallel.groups import shutdown_distributed
+from trident.parallel.groups import shutdown_distributed
 
 
 def free_port() -> int:

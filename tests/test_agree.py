@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from parallel.agree import on_every_rank, on_one_rank
 from tests.dist import run_distributed
 from trident.errors import CheckpointError, ConfigError, DataError, TridentError
+from trident.parallel.agree import on_every_rank, on_one_rank
 
 
 def _raise_on(ranks: set[int], error: Exception):

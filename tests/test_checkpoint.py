@@ -19,9 +19,6 @@ import torch
 import torch.distributed as dist
 
 import trident.checkpoint as ckpt_mod
-from models.gpt import GPT, init_weights, lm_loss_sum
-from parallel.groups import build_process_groups
-from parallel.topology import Topology
 from tests.dist import run_distributed
 from trident.checkpoint import (
     FORMAT,
@@ -38,7 +35,10 @@ from trident.checkpoint import (
 )
 from trident.config import ModelConfig, OptimConfig
 from trident.errors import CheckpointError
+from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.optim import build_optimizer
+from trident.parallel.groups import build_process_groups
+from trident.parallel.topology import Topology
 
 LAYOUT = {"dp": 1, "tp": 1, "pp": 1}
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.groups import build_process_groups
-from parallel.topology import Topology
 from tests.dist import run_distributed
+from trident.parallel.groups import build_process_groups
+from trident.parallel.topology import Topology
 
 LAYOUTS_BY_WORLD = {
     4: [

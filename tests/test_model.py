@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from models.checkpointing import apply_activation_checkpointing
-from models.gpt import GPT, count_params, flops_per_token, init_weights, lm_loss_sum, padded_vocab_size
 from trident.config import ModelConfig
+from trident.models.checkpointing import apply_activation_checkpointing
+from trident.models.gpt import GPT, count_params, flops_per_token, init_weights, lm_loss_sum, padded_vocab_size
 
 TINY = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100, vocab_multiple=64)
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from parallel.topology import Coord, Topology
 from trident.errors import ConfigError
+from trident.parallel.topology import Coord, Topology
 
 # Each golden layout: Topology -> every group list and the logging rank, written out by hand.
 # Ranks are arange(world).view(pp, dp, tp): tp fastest, then dp, pp slowest (Megatron's order).

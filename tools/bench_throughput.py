@@ -14,35 +14,34 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from trident.config import ModelConfig, OptimConfig, TrainConfig
+from trident.data.dataset import TokenWindows
+from trident.device import pick_backend, pick_device, set_cpu_threads
+from trident.loop import Trainer
+from trident.models.gpt import GPT, init_weights
+from trident.optim import build_optimizer
+from trident.parallel.groups import build_process_groups, init_distributed, shutdown_distributed
+from trident.parallel.reducer import GradReducer
+from trident.parallel.topology import Topology
+from trident.precision import autocast
 
-from models.gpt import GPT, init_weights  # noqa: E402
-from parallel.groups import build_process_groups, init_distributed, shutdown_distributed  # noqa: E402
-from parallel.reducer import GradReducer  # noqa: E402
-from parallel.topology import Topology  # noqa: E402
-from trident.config import ModelConfig, OptimConfig, TrainConfig  # noqa: E402
-from trident.data.dataset import TokenWindows  # noqa: E402
-from trident.device import pick_backend, pick_device, set_cpu_threads  # noqa: E402
-from trident.loop import Trainer  # noqa: E402
-from trident.optim import build_optimizer  # noqa: E402
-from trident.precision import autocast  # noqa: E402
+# The model presets of the checkout this script belongs to (the YAML under conf/ is not inside the package).
+PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 
 def model_config(name: str) -> ModelConfig:
     return OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+        OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(PRESETS / f"{name}.yaml"))
     )
 
 

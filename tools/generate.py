@@ -12,15 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import sentencepiece as spm
+import torch
 
-import sentencepiece as spm  # noqa: E402
-import torch  # noqa: E402
-
-from models.gpt import GPT  # noqa: E402
-from trident.checkpoint import find_resume_path, load_file, load_model_state  # noqa: E402
-from trident.config import ModelConfig  # noqa: E402
-from trident.errors import TridentError  # noqa: E402
+from trident.checkpoint import find_resume_path, load_file, load_model_state
+from trident.config import ModelConfig
+from trident.errors import TridentError
+from trident.models.gpt import GPT
 
 
 def load_model(checkpoint: Path, device: torch.device) -> tuple[GPT, spm.SentencePieceProcessor]:

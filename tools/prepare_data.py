@@ -12,16 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trident.config import DataConfig  # noqa: E402
-from trident.data.prepare import (  # noqa: E402
+from trident.config import DataConfig
+from trident.data.prepare import (
     collect_text_files,
     default_corpus_files,
     load_meta,
     prepare_dataset,
 )
-from trident.errors import DataError  # noqa: E402
+from trident.errors import DataError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.agree import on_every_rank, on_one_rank
-from parallel.groups import ProcessGroups
 from trident.errors import CheckpointError
+from trident.parallel.agree import on_every_rank, on_one_rank
+from trident.parallel.groups import ProcessGroups
 
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d{8})$")

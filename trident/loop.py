@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.gpt import lm_loss_sum
-from parallel.agree import on_one_rank
-from parallel.groups import ProcessGroups
-from parallel.reducer import GradReducer
 from trident.checkpoint import Checkpointer
 from trident.config import OptimConfig, TrainConfig
 from trident.data.dataset import TokenWindows
 from trident.data.sampler import GlobalBatchSampler, ValidationBatches
 from trident.errors import CheckpointError
 from trident.metrics import MetricsLogger, peak_memory_mb
+from trident.models.gpt import lm_loss_sum
 from trident.optim import GradStep, lr_at, set_lr
+from trident.parallel.agree import on_one_rank
+from trident.parallel.groups import ProcessGroups
+from trident.parallel.reducer import GradReducer
 from trident.precision import LossScaler, autocast
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
-from parallel.reducer import GradReducer
 from trident.config import OptimConfig
 from trident.errors import TridentError
+from trident.parallel.reducer import GradReducer
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
