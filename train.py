@@ -68,7 +68,7 @@ def run(cfg: Config, run_dir: Path) -> None:
     run_dir = Path(agreed[0])
 
     torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model, tp=topology.tp)
+    model = GPT(cfg.model)
     init_weights(model, cfg.model, cfg.train.seed)
     model.to(device)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)

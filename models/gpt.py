@@ -3,6 +3,10 @@ through scaled_dot_product_attention, and an LM head tied to the token embedding
 
 Layers live in a ModuleDict keyed by their global index ("0", "1", ...), so a parameter's name is the
 same whichever pipeline stage holds it; checkpoints and the name-seeded initialisation rely on that.
+
+Every parameter carries its ``Placement`` (trident/parallel/placement.py): the logical shape and the dim a
+tensor-parallel layer splits. The fused qkv projection is laid out head by head, ``(h three d)``, so a
+contiguous block of its output rows holds whole heads with their q, k and v.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from einops import rearrange
 from torch import nn
 
 from trident.config import ModelConfig
+from trident.parallel.placement import Placement, placement_of, replicated, set_placement
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tp: int = 1) -> int:
@@ -24,16 +29,32 @@ def padded_vocab_size(vocab_size: int, multiple: int, tp: int = 1) -> int:
     return math.ceil(vocab_size / step) * step
 
 
+def _column(linear: nn.Linear) -> None:
+    """Y = X W^T with W split by output rows: tp rank r computes output features [r*k, (r+1)*k)."""
+    set_placement(linear.weight, Placement(tuple(linear.weight.shape), split_dim=0))
+    if linear.bias is not None:
+        set_placement(linear.bias, Placement(tuple(linear.bias.shape), split_dim=0))
+
+
+def _row(linear: nn.Linear) -> None:
+    """Y = X W^T with W split by input columns: partial sums are added over tp; the bias is added once."""
+    set_placement(linear.weight, Placement(tuple(linear.weight.shape), split_dim=1))
+    if linear.bias is not None:
+        replicated(linear.bias)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        _column(self.qkv)
+        _row(self.proj)
 
     def core(self, qkv: torch.Tensor) -> torch.Tensor:
         """Attention proper, no weights: the part selective checkpointing recomputes."""
-        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
+        q, k, v = rearrange(qkv, "b t (h three d) -> three b h t d", three=3, h=self.n_heads)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return rearrange(y, "b h t d -> b t (h d)")
 
@@ -46,6 +67,8 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        _column(self.fc)
+        _row(self.proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -58,6 +81,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        for p in [*self.ln_1.parameters(), *self.ln_2.parameters()]:
+            replicated(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -67,14 +92,19 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token ids [B, T] -> logits [B, T, vocab_size] (padding columns already dropped)."""
 
-    def __init__(self, cfg: ModelConfig, tp: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_multiple, tp)
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_multiple)
         self.wte = nn.Embedding(self.padded_vocab, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        # Vocab rows are what a vocab-parallel embedding splits; the padding rows are never real.
+        vocab = Placement((cfg.vocab_size, cfg.d_model), split_dim=0, padded=self.padded_vocab)
+        set_placement(self.wte.weight, vocab)
+        for p in [self.wpe.weight, *self.ln_f.parameters()]:
+            replicated(p)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings: what the first pipeline stage does before its blocks."""
@@ -112,7 +142,7 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The full (unsharded) initial value of parameter ``name``; sharded layers slice their part."""
+    """The logical (one-process, unpadded) initial value of parameter ``name``."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if ".ln_" in name or name.startswith("ln_"):
@@ -122,20 +152,20 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) 
         # GPT-2: scale residual projections by 1/sqrt(2 * n_layers) to keep the residual stream's variance flat.
         std = std / math.sqrt(2 * cfg.n_layers)
     gen = torch.Generator().manual_seed(param_seed(seed, name))
-    if name == "wte.weight":
-        # Only the real vocab rows are random; padding rows are zero and stay unused, so the
-        # initial weights are the same whatever tp pads the table to.
-        full = torch.zeros(shape)
-        full[: cfg.vocab_size].normal_(0.0, std, generator=gen)
-        return full
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Initialise every parameter from (seed, its name) alone."""
+    """Initialise every parameter from (seed, its name) alone: each rank's tensor is exactly its slice of the
+    one-process tensor, whatever the layout (padding rows are zero and stay unused)."""
     for name, param in model.named_parameters():
-        param.copy_(init_tensor(name, tuple(param.shape), cfg, seed))
+        param.copy_(initial_value(name, placement_of(param), cfg, seed))
+
+
+def initial_value(name: str, placement: Placement, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """This rank's initial tensor of parameter ``name``: its block of the logical one, cut by ``placement``."""
+    return placement.shard(init_tensor(name, placement.shape, cfg, seed))
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -15,8 +15,8 @@ from trident.models.gpt import GPT, count_params, flops_per_token, init_weights,
 TINY = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100, vocab_multiple=64)
 
 
-def build(cfg: ModelConfig = TINY, seed: int = 0, tp: int = 1) -> GPT:
-    model = GPT(cfg, tp=tp)
+def build(cfg: ModelConfig = TINY, seed: int = 0) -> GPT:
+    model = GPT(cfg)
     init_weights(model, cfg, seed)
     return model
 
@@ -75,7 +75,7 @@ def test_residual_projections_get_scaled_init():
 def test_vocab_padding_never_changes_loss_or_real_gradients(multiple, tp):
     ref_cfg = dataclasses.replace(TINY, vocab_multiple=1)
     ref = build(ref_cfg)
-    padded = build(dataclasses.replace(TINY, vocab_multiple=multiple), tp=tp)
+    padded = build(dataclasses.replace(TINY, vocab_multiple=multiple * tp))
     x, y = batch()
     loss_ref = lm_loss_sum(ref(x), y)
     loss_pad = lm_loss_sum(padded(x), y)

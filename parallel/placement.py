@@ -1,0 +1,129 @@
+"""What each parameter is, as data: its logical (one-process) shape, the dim split across the tensor-parallel
+group, the padding of that dim, and the parameter it is tied to.
+
+Init, checkpoints, the gradient norm, ZeRO and export read this one description; none of them guesses from
+parameter names or local shapes.
+
+A split parameter is padded along ``split_dim`` to ``padded`` (the embedding's vocab rows, rounded up so
+they split evenly and matmuls stay aligned) and tp rank r holds the contiguous block
+``[r*k, (r+1)*k)`` of the padded tensor, k = padded / tp_size. Only the part below the logical size is real:
+that is what a checkpoint saves, at its global offset, so a checkpoint never depends on tp or on padding.
+
+    wte.weight, logical [600, 64], split_dim 0, padded 640, tp 2:
+        tp rank 0 holds rows [0, 320)   all real
+        tp rank 1 holds rows [320, 640) real rows [320, 600), then 40 zero padding rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Placement:
+    shape: tuple[int, ...]  # the logical (one-process, unpadded) shape
+    split_dim: int | None = None  # the tensor dim split over the tp group; None: each tp rank holds all of it
+    tp_rank: int = 0
+    tp_size: int = 1
+    padded: int | None = None  # size of split_dim after padding; None: no padding
+    tied_to: str | None = None  # canonical name of the parameter this one is a copy of (same values)
+
+    def __post_init__(self) -> None:
+        if self.split_dim is None:
+            if self.padded is not None:
+                raise ValueError("padding needs a split_dim")
+            return
+        if not 0 <= self.split_dim < len(self.shape):
+            raise ValueError(f"split_dim {self.split_dim} is not a dim of {self.shape}")
+        if self.padded_size < self.shape[self.split_dim] or self.padded_size % self.tp_size:
+            raise ValueError(
+                f"dim {self.split_dim} of {self.shape} padded to {self.padded_size} does not split over {self.tp_size}"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+
+    @property
+    def padded_size(self) -> int:
+        assert self.split_dim is not None
+        return self.padded if self.padded is not None else self.shape[self.split_dim]
+
+    @property
+    def block(self) -> int:
+        """Length of this rank's block along split_dim, padding included."""
+        return self.padded_size // self.tp_size
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.split_dim is None:
+            return self.shape
+        return tuple(self.block if d == self.split_dim else n for d, n in enumerate(self.shape))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where this rank's block starts in the logical tensor."""
+        return tuple(self.tp_rank * self.block if d == self.split_dim else 0 for d in range(len(self.shape)))
+
+    @property
+    def real(self) -> int:
+        """How many of this rank's rows along split_dim are real (the rest is padding)."""
+        assert self.split_dim is not None
+        start = self.tp_rank * self.block
+        return max(0, min(self.block, self.shape[self.split_dim] - start))
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """Shape of the real part of this rank's block: what a checkpoint saves at ``offsets``."""
+        if self.split_dim is None:
+            return self.shape
+        return tuple(self.real if d == self.split_dim else n for d, n in enumerate(self.shape))
+
+    @property
+    def replicated_over_tp(self) -> bool:
+        """Every tp rank holds the same values (a LayerNorm gain, a row-parallel bias)."""
+        return self.split_dim is None or self.tp_size == 1
+
+    def real_part(self, local: torch.Tensor) -> torch.Tensor:
+        """A view of the real (unpadded) part of this rank's local tensor."""
+        self._check_local(local)
+        if self.split_dim is None:
+            return local
+        return local.narrow(self.split_dim, 0, self.real)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor cut from the logical one-process tensor (padding rows are zero)."""
+        if tuple(full.shape) != self.shape:
+            raise ValueError(f"expected the logical shape {self.shape}, got {tuple(full.shape)}")
+        if self.split_dim is None:
+            return full.clone()
+        local = torch.zeros(self.local_shape, dtype=full.dtype, device=full.device)
+        # A rank past the logical end (all padding) copies nothing; narrow still wants a start inside the tensor.
+        start = min(self.tp_rank * self.block, self.shape[self.split_dim])
+        self.real_part(local).copy_(full.narrow(self.split_dim, start, self.real))
+        return local
+
+    def _check_local(self, local: torch.Tensor) -> None:
+        if tuple(local.shape) != self.local_shape:
+            raise ValueError(f"a local tensor of {self} has shape {self.local_shape}, got {tuple(local.shape)}")
+
+
+def set_placement(param: nn.Parameter, placement: Placement) -> nn.Parameter:
+    if tuple(param.shape) != placement.local_shape:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} does not match {placement}")
+    param.placement = placement
+    return param
+
+
+def placement_of(param: torch.Tensor) -> Placement:
+    """A parameter's placement; every parameter of a trident model has one, so a missing one is a bug."""
+    placement = getattr(param, "placement", None)
+    if placement is None:
+        raise AttributeError(f"parameter of shape {tuple(param.shape)} has no placement; set one with set_placement")
+    return placement
+
+
+def replicated(param: nn.Parameter) -> nn.Parameter:
+    """A parameter every tp rank holds whole."""
+    return set_placement(param, Placement(tuple(param.shape)))
