@@ -21,6 +21,7 @@ from trident.parallel.topology import Coord, Topology
 class ProcessGroups:
     topology: Topology
     rank: int
+    world_group: dist.ProcessGroup  # every rank: the global norm and agreed verdicts reduce over it
     dp_group: dist.ProcessGroup
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
@@ -90,6 +91,7 @@ def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> Proces
     return ProcessGroups(
         topology=topology,
         rank=rank,
+        world_group=dist.group.WORLD,
         dp_group=_build(topology.dp_groups(), rank, timeout),
         tp_group=_build(topology.tp_groups(), rank, timeout),
         pp_group=_build(topology.pp_groups(), rank, timeout),

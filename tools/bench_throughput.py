@@ -28,12 +28,13 @@ from trident.config import ModelConfig, OptimConfig, TrainConfig
 from trident.data.dataset import TokenWindows
 from trident.device import pick_backend, pick_device, set_cpu_threads
 from trident.loop import Trainer
-from trident.models.gpt import GPT, init_weights
-from trident.optim import build_optimizer
+from trident.models.gpt import GPT, init_weights, lm_loss_sum
+from trident.optim import GradStep, build_optimizer
 from trident.parallel.groups import build_process_groups, init_distributed, shutdown_distributed
 from trident.parallel.reducer import GradReducer
 from trident.parallel.topology import Topology
-from trident.precision import autocast
+from trident.precision import LossScaler, autocast
+from trident.runner import LocalRunner
 
 # The model presets of the checkout this script belongs to (the YAML under conf/ is not inside the package).
 PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
@@ -92,12 +93,16 @@ def main() -> None:
         init_weights(model, cfg, seed=0)
         return model.to(device)
 
-    # trident: the real Trainer step (reducer, clipping over the flat buffer, AdamW, loss all-reduce).
+    # trident: the real Trainer step (fp32 gradient buffer and reducer, global-norm clipping, AdamW, loss all-reduce).
     ours = build()
+    chunks = [ours]
+    reducer = GradReducer(list(ours.parameters()), groups.dp_group, args.bucket_mb)
+    scaler = LossScaler() if args.precision == "fp16" else None
+    grad_step = GradStep(build_optimizer(chunks, optim_cfg), reducer, groups, optim_cfg.grad_clip, scaler)
+    runner = LocalRunner(chunks, reducer, args.precision)
     trainer = Trainer(
-        train_cfg, optim_cfg, groups, ours, build_optimizer(ours, optim_cfg),
-        GradReducer(list(ours.parameters()), groups.dp_group, args.bucket_mb),
-        data, data, device, 1.0, 1.0, checkpointer=None, make_logger=lambda _: None,
+        train_cfg, optim_cfg, groups, chunks, runner, lm_loss_sum, grad_step, data, data, device, 1.0, 1.0,
+        checkpointer=None, make_logger=lambda _: None,
     )  # fmt: skip
 
     # Baseline: torch alone.

@@ -50,3 +50,10 @@ def pick_backend(requested: str, device: torch.device) -> str:
 def set_cpu_threads() -> None:
     """Share the node's cores between its ranks instead of every rank oversubscribing all of them."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+
+
+def use_tensor_cores(device: torch.device) -> None:
+    """ "fp32" trains with TF32 tensor-core matmuls on GPU (as Megatron and torchtitan do); the MFU peak assumes it."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True

@@ -1,5 +1,8 @@
 """The training loop: micro-batches -> gradient sync -> unscale, clip -> AdamW; evaluation, logging and
-checkpoints around it. ``train.py`` builds the parts and hands them to a ``Trainer``.
+checkpoints around it. ``train.py`` builds the parts and hands them to a ``Trainer``: the runner (the local
+one, or a pipeline schedule), the model chunks, the loss function (plain or vocab-parallel cross-entropy),
+the optimizer step (``GradStep``, or ZeRO's) and a hook run after the gradient reduction (tied or
+sequence-parallel gradients).
 
 The loss of a step is the mean token loss over the *global* batch: each micro-batch's summed token loss
 is divided by the global token count before backward and the gradients are summed over dp ranks, so
@@ -22,47 +25,10 @@ from trident.data.dataset import TokenWindows
 from trident.data.sampler import GlobalBatchSampler, ValidationBatches
 from trident.errors import CheckpointError
 from trident.metrics import MetricsLogger, peak_memory_mb
-from trident.models.gpt import lm_loss_sum
-from trident.optim import GradStep, lr_at, set_lr
+from trident.optim import GradStep, lr_at
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import ProcessGroups
-from trident.parallel.reducer import GradReducer
-from trident.precision import LossScaler, autocast
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class LocalRunner:
-    """Runs micro-batches through the whole model held by this rank (no pipeline parallelism).
-
-    The seam a pipeline schedule replaces: the trainer only calls ``forward_backward`` and ``forward_only``
-    and gets back this rank's summed token loss.
-    """
-
-    def __init__(self, model: nn.Module, reducer: GradReducer, precision: str) -> None:
-        self.model, self.reducer, self.precision = model, reducer, precision
-
-    def forward_backward(self, micro_batches: list[Batch], loss_multiplier: float) -> torch.Tensor:
-        """Forward and backward of every micro-batch; gradient sync runs during the last one's backward."""
-        self.model.train()
-        total = torch.zeros((), device=micro_batches[0][0].device)
-        for i, (x, y) in enumerate(micro_batches):
-            self.reducer.set_sync(i == len(micro_batches) - 1)
-            with autocast(self.precision, x.device):
-                logits = self.model(x)
-            loss = lm_loss_sum(logits, y)
-            (loss * loss_multiplier).backward()
-            total += loss.detach()
-        return total
-
-    @torch.no_grad()
-    def forward_only(self, micro_batches: list[Batch]) -> torch.Tensor:
-        self.model.eval()
-        total = torch.zeros((), device=micro_batches[0][0].device)
-        for x, y in micro_batches:
-            with autocast(self.precision, x.device):
-                total += lm_loss_sum(self.model(x), y)
-        return total
+from trident.runner import Batch, LossFn, Runner
 
 
 @dataclass
@@ -79,28 +45,28 @@ class Trainer:
         train_cfg: TrainConfig,
         optim_cfg: OptimConfig,
         groups: ProcessGroups,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        reducer: GradReducer,
+        model_chunks: list[nn.Module],
+        runner: Runner,
+        loss_fn: LossFn,
+        grad_step: GradStep,
         train_data: TokenWindows,
         val_data: TokenWindows,
         device: torch.device,
         flops_per_token: float,
         peak_flops: float | None,
-        checkpointer: Checkpointer,
-        make_logger: Callable[[int], MetricsLogger],
+        checkpointer: Checkpointer | None,
+        make_logger: Callable[[int], MetricsLogger | None],
+        after_reduce: Callable[[], None] | None = None,
     ) -> None:
         self.cfg, self.optim_cfg, self.groups = train_cfg, optim_cfg, groups
-        self.model, self.optimizer, self.reducer = model, optimizer, reducer
+        self.model_chunks, self.runner, self.loss_fn, self.grad_step = model_chunks, runner, loss_fn, grad_step
+        self.after_reduce = after_reduce
         self.train_data, self.val_data, self.device = train_data, val_data, device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.checkpointer, self.make_logger = checkpointer, make_logger
         self.sampler = GlobalBatchSampler(len(train_data), train_cfg.global_batch_size, train_cfg.seed)
         self.seq_len = train_data.seq_len
         self.tokens_per_step = train_cfg.global_batch_size * self.seq_len
-        self.runner = LocalRunner(model, reducer, train_cfg.precision)
-        self.scaler = LossScaler() if train_cfg.precision == "fp16" else None
-        self.grad_step = GradStep(optimizer, reducer, optim_cfg.grad_clip, fp16=self.scaler is not None)
         self.step = 0  # optimizer steps completed
 
     def _to_device(self, batch: Batch) -> Batch:
@@ -114,17 +80,21 @@ class Trainer:
 
     def train_step(self, step: int, micro_batches: list[Batch]) -> StepResult:
         """One optimizer step over this rank's micro-batches of the global batch."""
-        set_lr(self.optimizer, lr_at(step, self.optim_cfg, self.cfg.steps))
-        scale = self.scaler.scale if self.scaler else 1.0
-        loss_sum = self.runner.forward_backward(micro_batches, scale / self.tokens_per_step)
-        self.reducer.finish()
-        grad_norm, found_inf = self.grad_step.step(scale)
-        if self.scaler:
-            self.scaler.update(found_inf)
+        scale = self.grad_step.loss_scale
+        loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
+        if self.after_reduce is not None:
+            self.after_reduce()
+        grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
+        loss = self._share_loss(loss_sum) / self.tokens_per_step
+        return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=skipped)
 
+    def _share_loss(self, loss_sum: torch.Tensor) -> float:
+        """Sum the last stage's loss over dp and hand it to every pipeline stage, so every rank (the logging
+        rank among them) knows the step's loss and can act on it alike."""
         dist.all_reduce(loss_sum, group=self.groups.dp_group)
-        loss = loss_sum.item() / self.tokens_per_step
-        return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=found_inf)
+        if self.groups.pp_size > 1:
+            dist.broadcast(loss_sum, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
+        return loss_sum.item()
 
     def evaluate(self) -> float:
         """Mean token loss over a fixed set of validation windows (the same at every evaluation)."""
@@ -133,9 +103,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for b in range(len(batches)):
             ids = batches.micro_batches(b, g.dp_rank, g.dp_size, mbs)
-            total += self.runner.forward_only([self._to_device(self.val_data.batch(i)) for i in ids])
-        dist.all_reduce(total, group=g.dp_group)
-        return total.item() / (len(batches) * self.tokens_per_step)
+            total += self.runner.forward_only([self._to_device(self.val_data.batch(i)) for i in ids], self.loss_fn)
+        return self._share_loss(total) / (len(batches) * self.tokens_per_step)
 
     def state_dict(self) -> dict:
         return {
@@ -144,7 +113,7 @@ class Trainer:
             "global_batch_size": self.cfg.global_batch_size,
             "seed": self.cfg.seed,
             "train_windows": len(self.train_data),
-            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+            **self.grad_step.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -160,14 +129,16 @@ class Trainer:
                     "resume with the same settings (and data), or set checkpoint.resume=none in a new checkpoint.dir"
                 )
         self.step = state["step"]
-        if self.scaler and state.get("loss_scaler"):
-            self.scaler.load_state_dict(state["loss_scaler"])
+        self.grad_step.load_state_dict(state)
 
-    def fit(self) -> None:
-        self.checkpointer.prepare()
-        self.checkpointer.maybe_resume(self)
+    def fit(self) -> list[dict]:
+        """Train to ``train.steps``; return the metrics row of every step this call ran (on every rank)."""
+        history: list[dict] = []
+        if self.checkpointer is not None:
+            self.checkpointer.prepare()
+            self.checkpointer.maybe_resume(self)
         if self.step >= self.cfg.steps:
-            return
+            return history
         # Created on the logging rank alone (files, wandb); a failure there ends every rank, not just one.
         logger = on_one_rank(lambda: self.make_logger(self.step), self.groups.topology.logging_rank, "start logging")
         total = self.cfg.steps
@@ -182,13 +153,15 @@ class Trainer:
                 row = self._row(result, step, elapsed)
                 if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or self.step == total):
                     row["val_loss"] = self.evaluate()
+                history.append(row)
                 if logger is not None:
                     logger.log(row)
-                if self.checkpointer.due(self.step, total):
+                if self.checkpointer is not None and self.checkpointer.due(self.step, total):
                     self.checkpointer.save(self)
         finally:
             if logger is not None:
                 logger.close()
+        return history
 
     def _row(self, result: StepResult, step: int, elapsed: float) -> dict:
         tokens_per_s = self.tokens_per_step / elapsed
@@ -204,7 +177,7 @@ class Trainer:
             "step_time_s": elapsed,
             "tokens": (step + 1) * self.tokens_per_step,
         }
-        if self.scaler is not None:
+        if self.grad_step.scaler is not None:
             row["loss_scale"] = result.loss_scale
         if result.skipped:
             row["skipped"] = True

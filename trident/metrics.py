@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from trident.config import LoggingConfig, WandbConfig
+from trident.config import Config, LoggingConfig, WandbConfig
 from trident.errors import TridentError
+from trident.parallel.topology import Topology
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s; fp32 runs use the TF32 peak, half of these.
 # Keys match whole words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
@@ -69,6 +72,31 @@ def device_peak_tflops(
             return None
         return peak if precision != "fp32" else peak / 2
     return cpu_node_peak / max(1, ranks_per_node)
+
+
+def announce_run(
+    cfg: Config,
+    topology: Topology,
+    model_chunks: list[nn.Module],
+    device: torch.device,
+    train_windows: int,
+    run_dir: Path,
+    peak_tflops: float | None,
+) -> None:
+    """The logging rank's opening line, and a note when MFU cannot be computed."""
+    n_params = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
+    print(
+        f"trident: {cfg.model.name} ({n_params / 1e6:.2f}M params on this rank), world {topology.world_size} "
+        f"(dp {topology.dp} x tp {topology.tp} x pp {topology.pp}), {dist.get_backend()} on {device.type}, "
+        f"{train_windows} train windows, run dir {run_dir}",
+        flush=True,
+    )
+    if peak_tflops is None:
+        print(
+            f"note: no peak TFLOP/s known for {torch.cuda.get_device_name(device)}; mfu is logged as null. "
+            "Set logging.peak_tflops to its dense peak for MFU",
+            flush=True,
+        )
 
 
 def peak_memory_mb(device: torch.device) -> float:

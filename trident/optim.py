@@ -9,12 +9,16 @@ from torch import nn
 
 from trident.config import OptimConfig
 from trident.errors import TridentError
+from trident.parallel.groups import ProcessGroups
+from trident.parallel.norms import global_grad_norm
+from trident.parallel.placement import placement_of
 from trident.parallel.reducer import GradReducer
+from trident.precision import LossScaler
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model_chunks: list[nn.Module], cfg: OptimConfig) -> torch.optim.AdamW:
     """Decay the 2-D weights (linear layers, embeddings); leave biases and LayerNorm gains alone."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [
@@ -51,35 +55,62 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 class GradStep:
-    """Unscale, measure, clip and apply the gradients in the data-parallel reducer's flat buffer.
+    """Unscale, measure, clip and apply the gradients held in the reducer's fp32 buffer.
 
-    Every parameter's ``.grad`` is a view into that buffer and it is identical on every dp rank after
-    the reduction, so the global norm is one local norm (bucket padding is zero). A ZeRO optimizer
-    offers the same ``step(loss_scale) -> (grad_norm, found_inf)`` over its gradient shards.
+    The norm is the global one (parallel/norms.py): every rank of every group clips by the same number
+    and agrees on whether the step overflowed. With fp16 the loss scaler lives here, since the scale and the
+    overflow verdict are two halves of one policy. A ZeRO optimizer offers the same ``loss_scale``,
+    ``step(lr) -> (grad_norm, skipped)`` and state over its gradient shards.
     """
 
     # Non-finite gradients without fp16 loss scaling mean the run has diverged; stop rather than skip forever.
     MAX_BAD_STEPS = 5
 
-    def __init__(self, optimizer: torch.optim.Optimizer, reducer: GradReducer, grad_clip: float, fp16: bool) -> None:
-        self.optimizer, self.reducer, self.grad_clip, self.fp16 = optimizer, reducer, grad_clip, fp16
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        reducer: GradReducer,
+        groups: ProcessGroups,
+        grad_clip: float,
+        scaler: LossScaler | None = None,
+    ) -> None:
+        self.optimizer, self.reducer, self.groups = optimizer, reducer, groups
+        self.grad_clip, self.scaler = grad_clip, scaler
+        self.pieces = [(reducer.grad(p), placement_of(p)) for p in reducer.params]
         self.bad_steps = 0
 
-    def step(self, loss_scale: float) -> tuple[float, bool]:
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def step(self, lr: float) -> tuple[float, bool]:
+        """Apply this step's gradients at learning rate ``lr``; return (global grad norm, skipped)."""
         grads = self.reducer.buffer
-        if loss_scale != 1.0:
-            grads.mul_(1.0 / loss_scale)
-        norm = grads.norm(2)
-        found_inf = not bool(torch.isfinite(norm))
-        if not found_inf:
+        if self.loss_scale != 1.0:
+            grads.mul_(1.0 / self.loss_scale)
+        norm = global_grad_norm(self.pieces, self.groups)
+        skipped = not bool(torch.isfinite(norm))
+        if not skipped:
             if self.grad_clip > 0:
                 grads.mul_(torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0))
+            set_lr(self.optimizer, lr)
+            self.reducer.attach_grads()
             self.optimizer.step()
+            self.reducer.detach_grads()
         self.reducer.zero_grad()
-        self.bad_steps = self.bad_steps + 1 if found_inf and not self.fp16 else 0
+        if self.scaler:
+            self.scaler.update(skipped)
+        self.bad_steps = self.bad_steps + 1 if skipped and not self.scaler else 0
         if self.bad_steps >= self.MAX_BAD_STEPS:
             raise TridentError(
                 f"gradients were not finite for {self.bad_steps} steps in a row: the run diverged; "
                 "lower optim.lr, raise optim.warmup_steps or use train.precision=fp32"
             )
-        return norm.item(), found_inf
+        return norm.item(), skipped
+
+    def state_dict(self) -> dict:
+        return {"loss_scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])

@@ -1,0 +1,84 @@
+"""The global gradient norm on real process groups: each logical element counted once, whatever the layout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from trident.parallel.groups import build_process_groups
+from trident.parallel.norms import global_grad_norm
+from trident.parallel.placement import Placement
+from trident.parallel.topology import Topology
+
+# One logical model: per pipeline stage a column-split matrix, a tp-replicated vector and an embedding whose
+# vocab is padded (first stage) with its tied copy as LM head (last stage).
+VOCAB, PADDED = 10, 12
+
+
+def _logical(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=gen)
+
+
+def _stage_params(stage: int, n_stages: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    params = [(f"{stage}.w", (8, 4), 0), (f"{stage}.b", (5,), None)]
+    if stage == 0:
+        params.append(("wte", (VOCAB, 4), 0))
+    if stage == n_stages - 1:
+        params.append(("head", (VOCAB, 4), 0))
+    return params
+
+
+def expected_norm(pp: int) -> float:
+    total = 0.0
+    for stage in range(pp):
+        for name, shape, _ in _stage_params(stage, pp):
+            if name != "head":  # the tied copy is the embedding itself
+                total += _logical(name, shape).square().sum().item()
+    return math.sqrt(total)
+
+
+def _pieces(groups, dp_sharded: bool, poison: bool) -> list[tuple[torch.Tensor, Placement]]:
+    pieces = []
+    for name, shape, split in _stage_params(groups.pp_rank, groups.pp_size):
+        padded = PADDED if name in ("wte", "head") else None
+        placement = Placement(
+            shape, split_dim=split, tp_rank=groups.tp_rank, tp_size=groups.tp_size, padded=padded,
+            tied_to="wte" if name == "head" else None,
+        )  # fmt: skip
+        local = placement.shard(_logical("wte" if name == "head" else name, shape))
+        if dp_sharded:  # ZeRO-2 style: each dp rank holds a disjoint slice of the flat gradient
+            local = local.flatten().tensor_split(groups.dp_size)[groups.dp_rank]
+        pieces.append((local, placement))
+    if poison and groups.dp_rank == groups.dp_size - 1 and groups.tp_rank == groups.tp_size - 1:
+        # A piece this rank does not count (replicated over dp or tp, or a tied copy): it must still poison.
+        for local, placement in pieces:
+            if placement.tied_to or placement.split_dim is None or not dp_sharded:
+                local.view(-1)[0] = float("nan")
+                break
+    return pieces
+
+
+def _check_norm(rank: int, world: int, dp: int, pp: int, tp: int, dp_sharded: bool) -> None:
+    groups = build_process_groups(Topology(dp=dp, pp=pp, tp=tp))
+    norm = global_grad_norm(_pieces(groups, dp_sharded, poison=False), groups, dp_sharded)
+    assert norm.item() == pytest.approx(expected_norm(pp), rel=1e-6)
+    bad = global_grad_norm(_pieces(groups, dp_sharded, poison=True), groups, dp_sharded)
+    assert not torch.isfinite(bad)
+
+
+LAYOUTS = [(4, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1), (1, 4, 1), (1, 1, 4)]
+
+
+@pytest.mark.parametrize("dp_sharded", [False, True], ids=["dp-replicated", "dp-sharded"])
+def test_global_norm_counts_every_logical_element_once(dp_sharded):
+    for dp, pp, tp in LAYOUTS:
+        run_distributed(_check_norm, 4, dp, pp, tp, dp_sharded)
+
+
+def test_one_process_norm_is_the_plain_norm():
+    run_distributed(_check_norm, 1, 1, 1, 1, False)
+    run_distributed(_check_norm, 1, 1, 1, 1, True)

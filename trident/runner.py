@@ -1,0 +1,64 @@
+"""Runners: how one step's micro-batches go through the model chunks this rank holds.
+
+The trainer calls only ``forward_backward`` and ``forward_only`` and gets back this rank's summed token loss,
+which is real where the loss is computed (the last pipeline stage) and zero elsewhere. ``LocalRunner`` runs
+the whole model on this rank; a pipeline schedule is another runner with the same two calls. Each runner
+ends ``forward_backward`` with the data-parallel reduction finished, since only it knows which backward
+is the last one of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from trident.parallel.reducer import GradReducer
+from trident.precision import autocast
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # token ids [B, T], targets [B, T]
+# (model output, targets) -> summed token loss in fp32; the caller divides by the global token count.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Runner(Protocol):
+    def forward_backward(self, micro_batches: list[Batch], loss_fn: LossFn, loss_multiplier: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch, gradients reduced over dp; return the summed loss."""
+        ...
+
+    def forward_only(self, micro_batches: list[Batch], loss_fn: LossFn) -> torch.Tensor: ...
+
+
+class LocalRunner:
+    """The whole model on this rank (no pipeline parallelism): one model chunk."""
+
+    def __init__(self, model_chunks: list[nn.Module], reducer: GradReducer, precision: str) -> None:
+        if len(model_chunks) != 1:
+            raise ValueError(f"LocalRunner runs one model chunk, got {len(model_chunks)}")
+        self.model, self.reducer, self.precision = model_chunks[0], reducer, precision
+
+    def forward_backward(self, micro_batches: list[Batch], loss_fn: LossFn, loss_multiplier: float) -> torch.Tensor:
+        self.model.train()
+        total = torch.zeros((), device=micro_batches[0][0].device)
+        for i, (x, y) in enumerate(micro_batches):
+            # Gradient sync overlaps the backward of the last micro-batch only.
+            self.reducer.set_sync(i == len(micro_batches) - 1)
+            with autocast(self.precision, x.device):
+                output = self.model(x)
+            loss = loss_fn(output, y)
+            (loss * loss_multiplier).backward()
+            total += loss.detach()
+        self.reducer.finish()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        self.model.eval()
+        total = torch.zeros((), device=micro_batches[0][0].device)
+        for x, y in micro_batches:
+            with autocast(self.precision, x.device):
+                output = self.model(x)
+            total += loss_fn(output, y)
+        return total
