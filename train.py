@@ -73,7 +73,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
         keep_last=cfg.checkpoint.keep_last,
         resume=cfg.checkpoint.resume,
         groups=groups,
-        model=model,
+        modules=chunks,
         optimizer=optimizer,
         config=config_dict,
         tokenizer=dataset.tokenizer_path,

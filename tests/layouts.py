@@ -1,0 +1,53 @@
+"""Train in-process under any layout: a typed config from the same Hydra YAML the command line uses, run on
+the harness's ranks, and each rank's per-step history back. Most training tests go through here instead of a
+``torchrun train.py`` subprocess."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import REPO
+from tests.dist import run_distributed
+from train import run
+from trident.config import Config, to_config
+
+
+def make_config(*overrides: str) -> Config:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return to_config(compose("config", overrides=list(overrides)))
+
+
+def tiny(dataset: Path, *extra: str) -> list[str]:
+    """gpt-tiny on the test dataset: 16 sequences a step, validation every 4 steps."""
+    return [
+        "model=gpt-tiny",
+        f"data.dataset_dir={dataset}",
+        "wandb.mode=disabled",
+        "train.global_batch_size=16",
+        "train.eval_every=4",
+        "train.eval_batches=1",
+        "optim.warmup_steps=2",
+        *extra,
+    ]
+
+
+def _train(rank: int, world: int, cfg: Config, run_dir: Path) -> list[dict]:
+    return run(cfg, run_dir)
+
+
+def train_in_process(run_dir: Path, overrides: list[str], world: int = 1) -> list[list[dict]]:
+    """Every rank's history of a run of ``world`` ranks."""
+    return run_distributed(_train, world, make_config(*overrides), run_dir, timeout_s=300)
+
+
+def assert_same_curve(a: list[dict], b: list[dict], rel: float) -> None:
+    """Same steps, and the same loss, global gradient norm and validation loss at each."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert (key in ra) == (key in rb), (key, ra["step"])
+            if key in ra:
+                assert ra[key] == pytest.approx(rb[key], rel=rel), (key, ra["step"], ra[key], rb[key])
