@@ -1,17 +1,22 @@
-"""trident/checkpoint.py: atomic writes, discovery, safe loading, by-name optimizer state, and the
-``Checkpointer`` on real gloo process groups (two spawned ranks).
+"""Checkpoints (trident/checkpoint.py, checkpoint_format.py, checkpoint_state.py, consolidated.py): atomic
+publishing and discovery, exact resume, resharding across tp and dp layouts, deduplicated writes, hostile
+files refused, and the consolidated file the tools read.
 
-Every test here can fail: each compares what comes back with what went in, bit for bit, or checks the
-exact files left on disk.
+Tensor comparisons are bit for bit. Optimizer state comes from AdamW steps on synthetic gradients (each rank
+cuts its block of one logical gradient), which are elementwise: a tp rank's state is exactly its block of the
+one-process state, in any process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import gc
 import io
 import json
 import os
+import pickle
+import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import trident.checkpoint as ckpt_mod
+import trident.checkpoint_format as format_mod
 from tests.dist import run_distributed
 from trident.checkpoint import (
     FORMAT,
@@ -26,74 +32,165 @@ from trident.checkpoint import (
     checkpoint_name,
     find_resume_path,
     list_checkpoints,
-    load_optimizer_state_by_name,
-    optimizer_state_by_name,
+    new_temporary,
     prune_checkpoints,
-    read_checkpoint,
+    publish,
+    read_model_tensors,
     schedule_changes,
-    write_checkpoint,
 )
-from trident.config import ModelConfig, OptimConfig
+from trident.checkpoint_format import METADATA_FILE, read_metadata
+from trident.config import ModelConfig
 from trident.errors import CheckpointError
-from trident.models.gpt import GPT, init_weights, lm_loss_sum
-from trident.optim import build_optimizer
-from trident.parallel.groups import build_process_groups
+from trident.models.gpt import GPT, init_weights, lm_loss_sum, padded_vocab_size
+from trident.parallel.groups import ProcessGroups, build_process_groups
+from trident.parallel.placement import Placement, placement_of, set_placement
 from trident.parallel.topology import Topology
 
 LAYOUT = {"dp": 1, "tp": 1, "pp": 1}
 
 
-def tiny_cfg(n_layers: int = 2) -> ModelConfig:
-    return ModelConfig(name="t", n_layers=n_layers, d_model=32, n_heads=4, seq_len=16, vocab_size=100)
+def tiny_cfg(n_layers: int = 2, vocab_size: int = 100, vocab_multiple: int = 64) -> ModelConfig:
+    return ModelConfig(
+        name="t",
+        n_layers=n_layers,
+        d_model=32,
+        n_heads=4,
+        seq_len=16,
+        vocab_size=vocab_size,
+        vocab_multiple=vocab_multiple,
+    )
 
 
-def build(seed: int, n_layers: int = 2) -> tuple[GPT, torch.optim.AdamW, dict]:
-    cfg = tiny_cfg(n_layers)
+# vocab 10 pads to 16 rows in one process; over tp 2 it pads to 32: rank 0 holds the 10 real rows and 6 padding
+# rows, rank 1 holds only padding. Uneven blocks, padding, and a rank with nothing to save.
+TP_CFG = tiny_cfg(n_layers=1, vocab_size=10, vocab_multiple=16)
+
+
+def adamw(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
+    """AdamW as trident builds it: decay on matrices only, two parameter groups."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, foreach=True)
+
+
+def build(seed: int, cfg: ModelConfig | None = None) -> tuple[GPT, torch.optim.AdamW]:
+    cfg = cfg or tiny_cfg()
     model = GPT(cfg)
     init_weights(model, cfg, seed)
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
-    names = {p: n for n, p in model.named_parameters()}
-    return model, optimizer, names
+    return model, adamw(model)
+
+
+def split_for_tp(model: GPT, tp_rank: int, tp_size: int) -> GPT:
+    """Give each split parameter the block tp rank ``tp_rank`` holds (the embedding padded for tp, as a
+    vocab-parallel layer pads it), then re-initialise: each block is then its slice of the one-process tensor."""
+    cfg = model.cfg
+    for param in model.parameters():
+        one = placement_of(param)
+        if one.split_dim is None:
+            continue
+        padded = padded_vocab_size(cfg.vocab_size, cfg.vocab_multiple, tp_size) if one.padded is not None else None
+        mine = Placement(one.shape, one.split_dim, tp_rank, tp_size, padded)
+        param.data = torch.zeros(mine.local_shape)
+        set_placement(param, mine)
+    return model
+
+
+def fake_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, i: int) -> None:
+    """An AdamW step on a synthetic gradient: each parameter's block of one logical gradient per (step, name)."""
+    for name, p in model.named_parameters():
+        gen = torch.Generator().manual_seed(i * 1_000_003 + zlib.crc32(name.encode()))
+        p.grad = placement_of(p).shard(torch.randn(placement_of(p).shape, generator=gen))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def train_step(model: GPT, optimizer: torch.optim.Optimizer, i: int) -> None:
     gen = torch.Generator().manual_seed(1000 + i)
     x = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_len), generator=gen)
     y = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_len), generator=gen)
-    loss = lm_loss_sum(model(x), y) / y.numel()
-    loss.backward()
+    (lm_loss_sum(model(x), y) / y.numel()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def reference(steps: int = 2) -> tuple[GPT, torch.optim.AdamW]:
+    """The one-process run every tp/dp layout must match: seed 1, ``steps`` synthetic steps."""
+    model, optimizer = build(1, TP_CFG)
+    for i in range(steps):
+        fake_step(model, optimizer, i)
+    return model, optimizer
 
 
-def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype, k
-        assert torch.equal(a[k], b[k]), k
+def logical(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and state tensor as its logical tensor (padding dropped), keyed ``name`` / ``name/state``."""
+    out = {}
+    for name, p in model.named_parameters():
+        placement = placement_of(p)
+        assert placement.tp_size == 1, "only a one-process model holds whole logical tensors"
+        out[name] = placement.real_part(p.detach()).clone()
+        for key, value in optimizer.state[p].items():
+            out[f"{name}/{key}"] = value.clone() if value.dim() == 0 else placement.real_part(value).clone()
+    return out
 
 
-def sample_state(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen), "i": torch.arange(5)}
+def assert_holds_blocks_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, expected: dict) -> None:
+    """Each parameter and state tensor is exactly its placement's block of the expected logical tensor."""
+    for name, p in model.named_parameters():
+        placement = placement_of(p)
+        assert torch.equal(p.detach(), placement.shard(expected[name])), name
+        assert set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}, name
+        for key, value in optimizer.state[p].items():
+            want = expected[f"{name}/{key}"]
+            assert torch.equal(value, want if value.dim() == 0 else placement.shard(want)), f"{name}/{key}"
 
 
-def save(root: Path, step: int, seed: int = 0, **overrides) -> Path:
-    """A small, complete checkpoint whose contents are a function of ``seed``."""
-    args = {
-        "model_state": sample_state(seed),
-        "optimizer_state": {"state": {"w": {"exp_avg": torch.full((4, 3), float(seed))}}, "param_groups": []},
-        "trainer_state": {"step": step, "seed": seed},
-        "config": {"model": {"n_layers": 2}, "seed": seed},
-        "tokenizer": None,
-        "layout": LAYOUT,
-    }
-    args.update(overrides)
-    return write_checkpoint(root, step, **args)
+class FakeTrainer:
+    def __init__(self, step: int = 0) -> None:
+        self.step = step
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "global_batch_size": 8}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["global_batch_size"] != 8:
+            raise CheckpointError("global batch differs")
+        self.step = state["step"]
+
+
+def run_config(cfg: ModelConfig | None = None) -> dict:
+    return {"model": dataclasses.asdict(cfg or tiny_cfg()), "train": {"global_batch_size": 8}}
+
+
+def checkpointer(
+    root: Path,
+    groups: ProcessGroups,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    resume: str = "auto",
+    cfg: ModelConfig | None = None,
+    keep_last: int = 0,
+    tokenizer: Path | None = None,
+) -> Checkpointer:
+    return Checkpointer(root, 0, keep_last, resume, groups, [model], optimizer, run_config(cfg), tokenizer)
+
+
+@pytest.fixture
+def one_process():
+    """A one-process gloo group (as a plain ``python train.py`` has), torn down after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield build_process_groups(Topology(dp=1, pp=1, tp=1), timeout_s=60)
+    finally:
+        if dist.is_initialized():  # a test may have ended it early
+            dist.destroy_process_group()
+
+
+def fake_checkpoint(root: Path, step: int, **meta_layout) -> Path:
+    """A complete checkpoint as discovery sees it: published, with meta.json; no tensor data."""
+    return publish(new_temporary(root, step), step, {"config.json": {"step": step}}, None, meta_layout or LAYOUT)
 
 
 def leftovers(root: Path) -> list[str]:
@@ -101,59 +198,42 @@ def leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
 
 
-# --- 1. round trip --------------------------------------------------------------------------------------
+# --- publishing and discovery -----------------------------------------------------------------------------
 
 
-def test_write_read_round_trip(tmp_path: Path) -> None:
+def test_publish_writes_small_files_and_meta_last(tmp_path: Path) -> None:
     tokenizer = tmp_path / "tok.model"
     tokenizer.write_bytes(b"\x00\x01sentencepiece-bytes\xff")
-    model_state = sample_state(3)
-    optimizer_state = {"state": {"w": {"step": torch.tensor(7.0), "exp_avg": torch.ones(4, 3)}}, "param_groups": []}
-    trainer_state = {"step": 40, "consumed_samples": 1280, "rng": [{"cpu": torch.get_rng_state()}]}
-    config = {"model": {"n_layers": 2, "d_ff": None}, "optim": {"lr": 0.001}, "data": {"text": ["a", "b"]}}
-    layout = {"dp": 2, "tp": 1, "pp": 1}
-
-    root = tmp_path / "ckpts"  # does not exist yet: write_checkpoint creates it
-    path = write_checkpoint(root, 40, model_state, optimizer_state, trainer_state, config, tokenizer, layout)
+    root = tmp_path / "ckpts"  # does not exist yet
+    tmp = new_temporary(root, 40)
+    assert tmp.name.startswith(".step_00000040.tmp-") and list_checkpoints(root) == []
+    path = publish(tmp, 40, {"trainer.json": {"step": 40}, "config.json": {"a": [1, 2]}}, tokenizer, {"dp": 2})
 
     assert path == root / "step_00000040" == root / checkpoint_name(40)
-    assert sorted(p.name for p in path.iterdir()) == sorted(
-        ["model.pt", "optimizer.pt", "trainer.pt", "config.json", "tokenizer.model", "meta.json"]
-    )
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "meta.json", "tokenizer.model", "trainer.json"]
     assert (path / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["step"] == 40 and meta["format"] == FORMAT and meta["layout"] == layout
-
-    state = read_checkpoint(path)
-    assert state["meta"] == meta
-    assert_tensors_equal(state["model"], model_state)
-    assert torch.equal(state["optimizer"]["state"]["w"]["exp_avg"], torch.ones(4, 3))
-    assert state["optimizer"]["state"]["w"]["step"].item() == 7.0
-    assert state["trainer"]["step"] == 40 and state["trainer"]["consumed_samples"] == 1280
-    assert torch.equal(state["trainer"]["rng"][0]["cpu"], trainer_state["rng"][0]["cpu"])
-    assert state["config"] == config
+    assert meta["step"] == 40 and meta["format"] == FORMAT and meta["layout"] == {"dp": 2}
+    assert json.loads((path / "config.json").read_text()) == {"a": [1, 2]}
     assert leftovers(root) == []
 
 
-def test_no_tokenizer_means_no_tokenizer_file(tmp_path: Path) -> None:
-    path = save(tmp_path, 1)
-    assert not (path / "tokenizer.model").exists()
-    assert read_checkpoint(path)["trainer"] == {"step": 1, "seed": 0}
-
-
-# --- 2. discovery ----------------------------------------------------------------------------------------
+def test_publish_refuses_non_json_state_and_publishes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="trainer.json must hold plain JSON values"):
+        publish(new_temporary(tmp_path, 1), 1, {"trainer.json": {"t": torch.zeros(1)}}, None, LAYOUT)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_list_checkpoints_skips_partial_and_sorts_numerically(tmp_path: Path) -> None:
     for step in (100, 9, 20):
-        save(tmp_path, step)
+        fake_checkpoint(tmp_path, step)
     # A crashed save's temporary directory, even one that got as far as meta.json.
     tmp = tmp_path / ".step_00000500.tmp-123-abcdef01"
     tmp.mkdir()
     (tmp / "meta.json").write_text("{}")
     # A step directory without meta.json (e.g. copied by hand, incomplete).
     (tmp_path / "step_00000300").mkdir()
-    (tmp_path / "step_00000300" / "model.pt").write_bytes(b"")
+    (tmp_path / "step_00000300" / METADATA_FILE).write_bytes(b"")
     # Names that are close but not a checkpoint.
     for name in ("step_400", "step_000004000", "notes.txt"):
         (tmp_path / name).mkdir()
@@ -172,7 +252,7 @@ def test_find_resume_path_modes(tmp_path: Path) -> None:
     (root / ".step_00000001.tmp-1-deadbeef").mkdir()
     assert find_resume_path("auto", root) is None  # only a leftover
 
-    first, second = save(root, 5), save(root, 12)
+    first, second = fake_checkpoint(root, 5), fake_checkpoint(root, 12)
     assert find_resume_path("none", root) is None
     assert find_resume_path("auto", root) == second
     # An explicit checkpoint, even an older one, and a directory holding checkpoints (its newest).
@@ -188,7 +268,7 @@ def test_find_resume_path_bad_path_names_the_key(tmp_path: Path, bad: str) -> No
     elif bad == "partial":
         target = tmp_path / "step_00000007"
         target.mkdir()
-        (target / "model.pt").write_bytes(b"x")
+        (target / "__0_0.distcp").write_bytes(b"x")
     elif bad == "file":
         target.write_text("not a checkpoint")
     with pytest.raises(CheckpointError, match=r"checkpoint\.resume=") as info:
@@ -196,43 +276,6 @@ def test_find_resume_path_bad_path_names_the_key(tmp_path: Path, bad: str) -> No
     assert str(target) in str(info.value)
     with pytest.raises(CheckpointError, match=r"^my\.key="):
         find_resume_path(str(target), tmp_path, what="my.key")
-
-
-# --- 3./4. atomicity -------------------------------------------------------------------------------------
-
-
-class InjectedCrash(RuntimeError):
-    pass
-
-
-@pytest.mark.parametrize("second_step", [2, 1], ids=["new_step", "same_step"])
-def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch, second_step: int) -> None:
-    first = save(tmp_path, 1, seed=1)
-    before = read_checkpoint(first)
-
-    real_save = ckpt_mod._save
-    written: list[str] = []
-
-    def crashing_save(obj, path: Path) -> None:
-        written.append(path.name)
-        if path.name == "optimizer.pt":
-            raise InjectedCrash("disk full")
-        real_save(obj, path)
-
-    monkeypatch.setattr(ckpt_mod, "_save", crashing_save)
-    with pytest.raises(InjectedCrash, match="disk full"):
-        save(tmp_path, second_step, seed=2)
-    assert written == ["model.pt", "optimizer.pt"]  # the crash really hit mid-save
-    monkeypatch.undo()
-
-    assert list_checkpoints(tmp_path) == [first]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # no tmp dir, no step_00000002
-    after = read_checkpoint(first)
-    assert_tensors_equal(after["model"], sample_state(1))
-    assert_tensors_equal(after["model"], before["model"])
-    assert after["trainer"] == {"step": 1, "seed": 1} and after["config"]["seed"] == 1
-    assert torch.equal(after["optimizer"]["state"]["w"]["exp_avg"], torch.full((4, 3), 1.0))
-    assert find_resume_path("auto", tmp_path) == first
 
 
 def test_failure_before_rename_publishes_nothing(tmp_path: Path, monkeypatch) -> None:
@@ -243,7 +286,7 @@ def test_failure_before_rename_publishes_nothing(tmp_path: Path, monkeypatch) ->
 
     monkeypatch.setattr(ckpt_mod, "_fsync_dir", failing_fsync)
     with pytest.raises(OSError, match="fsync failed"):
-        save(tmp_path, 3)
+        fake_checkpoint(tmp_path, 3)
     assert list(tmp_path.iterdir()) == []
     assert find_resume_path("auto", tmp_path) is None
 
@@ -252,43 +295,148 @@ def test_resave_same_step_replaces_it(tmp_path: Path) -> None:
     tokenizer = tmp_path / "tok.model"
     tokenizer.write_bytes(b"old tokenizer")
     root = tmp_path / "ckpts"
-    first = save(root, 8, seed=1, tokenizer=tokenizer)
-    second = save(root, 8, seed=2)  # no tokenizer this time: nothing of the old one may survive
+    first = publish(new_temporary(root, 8), 8, {"config.json": {"seed": 1}}, tokenizer, LAYOUT)
+    second = publish(new_temporary(root, 8), 8, {"config.json": {"seed": 2}}, None, LAYOUT)
 
     assert first == second
     assert sorted(p.name for p in root.iterdir()) == ["step_00000008"]  # no .old-* or .tmp-* left
-    state = read_checkpoint(second)
-    assert_tensors_equal(state["model"], sample_state(2))
-    assert state["trainer"]["seed"] == 2 and state["config"]["seed"] == 2
-    assert not (second / "tokenizer.model").exists()
-
-
-# --- 5. pruning ------------------------------------------------------------------------------------------
+    assert json.loads((second / "config.json").read_text()) == {"seed": 2}
+    assert not (second / "tokenizer.model").exists()  # nothing of the old one survives
 
 
 @pytest.mark.parametrize(("keep", "expected"), [(0, [1, 2, 3, 10]), (2, [3, 10]), (1, [10]), (10, [1, 2, 3, 10])])
 def test_prune_keeps_newest(tmp_path: Path, keep: int, expected: list[int]) -> None:
     for step in (10, 1, 3, 2):
-        save(tmp_path, step)
+        fake_checkpoint(tmp_path, step)
     partial = tmp_path / ".step_00000011.tmp-9-00000000"
     partial.mkdir()
     prune_checkpoints(tmp_path, keep, current_step=10)
     assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_name(s) for s in expected]
-    # Only complete checkpoints count and are removed.
-    assert partial.is_dir()
-    assert {p.name for p in tmp_path.iterdir()} == {checkpoint_name(s) for s in expected} | {partial.name}
+    assert partial.is_dir()  # only complete checkpoints count and are removed
 
 
-def test_prune_never_touches_newer_steps(tmp_path: Path) -> None:
-    """A run writing step 3 into a directory that also holds a later step 10 must not delete its own step 3."""
-    for step in (1, 2, 3, 10):
-        save(tmp_path, step)
+def test_prune_never_removes_newer_than_current(tmp_path: Path) -> None:
+    """After resuming from an older checkpoint, later ones (from the interrupted run) are left alone."""
+    for step in (1, 2, 3, 8, 9):
+        fake_checkpoint(tmp_path, step)
     prune_checkpoints(tmp_path, 1, current_step=3)
-    assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_name(3), checkpoint_name(10)]
-    assert not [p for p in tmp_path.iterdir() if ".trash-" in p.name]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000008", "step_00000009"]
 
 
-# --- 6./7. safe and strict loading -----------------------------------------------------------------------
+def test_schedule_changes_names_each_changed_setting() -> None:
+    saved = {"train": {"steps": 100, "seed": 1}, "optim": {"lr": 1e-3, "min_lr": 1e-4}, "model": {"d_model": 8}}
+    assert schedule_changes(saved, saved) == []
+    current = {"train": {"steps": 200, "seed": 1}, "optim": {"lr": 1e-3, "min_lr": 0.0}, "model": {"d_model": 8}}
+    assert schedule_changes(saved, current) == ["train.steps 100 -> 200", "optim.min_lr 0.0001 -> 0.0"]
+
+
+# --- one process: exact resume, by-name optimizer state, refusals ------------------------------------------
+
+
+def test_resume_is_exact_and_keeps_this_runs_hyper_parameters(one_process, tmp_path: Path, capsys) -> None:
+    tokenizer = tmp_path / "tok.model"
+    tokenizer.write_bytes(b"tokenizer bytes")
+    root = tmp_path / "ckpts"
+    model, optimizer = build(1)
+    for i in range(2):
+        train_step(model, optimizer, i)
+    torch.manual_seed(123)
+    rng_at_save = torch.get_rng_state()
+    saver = checkpointer(root, one_process, model, optimizer, tokenizer=tokenizer)
+    assert saver.maybe_resume(FakeTrainer()) is None  # nothing saved yet
+    saver.save(FakeTrainer(step=2))
+
+    path = root / "step_00000002"
+    assert list_checkpoints(root) == [path] and leftovers(root) == []
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [METADATA_FILE, "__0_0.distcp", "trainer.json", "config.json", "tokenizer.model", "meta.json"]
+    )
+    assert json.loads((path / "meta.json").read_text())["layout"] == LAYOUT
+    assert json.loads((path / "trainer.json").read_text()) == {"step": 2, "global_batch_size": 8}
+    assert json.loads((path / "config.json").read_text()) == run_config()
+    # Logical tensors: the embedding without its padding rows (100 of 128).
+    saved = read_model_tensors(path)
+    assert saved["wte.weight"].shape == (100, 32)
+    assert torch.equal(saved["wte.weight"], model.wte.weight.detach()[:100])
+
+    torch.rand(10)  # move on, so restoring the RNG is observable
+    fresh, fresh_opt = build(7)  # other weights, and an optimizer that has never stepped
+    fresh_opt.param_groups[0]["lr"] = 123.0  # this run's hyper-parameters must win over the saved ones
+    trainer = FakeTrainer()
+    capsys.readouterr()
+    assert checkpointer(root, one_process, fresh, fresh_opt).maybe_resume(trainer) == 2
+    assert capsys.readouterr().out == f"resumed from {path} at step 2\n"
+    assert trainer.step == 2
+    assert torch.equal(torch.get_rng_state(), rng_at_save)  # same layout: this rank's stream comes back
+    assert fresh_opt.param_groups[0]["lr"] == 123.0
+    assert [g["weight_decay"] for g in fresh_opt.param_groups] == [0.1, 0.0]
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[p][key], fresh_opt.state[q][key]), (name, key)
+        assert optimizer.state[p]["exp_avg"].data_ptr() != fresh_opt.state[q]["exp_avg"].data_ptr()
+    assert torch.count_nonzero(fresh.wte.weight[100:]) == 0  # padding rows stay zero
+
+    fresh_opt.param_groups[0]["lr"] = optimizer.param_groups[0]["lr"]
+    train_step(model, optimizer, 2)
+    train_step(fresh, fresh_opt, 2)
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_optimizer_state_follows_names_not_order(one_process, tmp_path: Path) -> None:
+    model, optimizer = build(1)
+    train_step(model, optimizer, 0)
+    checkpointer(tmp_path, one_process, model, optimizer).save(FakeTrainer(1))
+
+    fresh, _ = build(1)
+    params = list(fresh.parameters())
+    reversed_opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in reversed(params) if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in reversed(params) if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1.0,
+        foreach=True,
+    )
+    checkpointer(tmp_path, one_process, fresh, reversed_opt).maybe_resume(FakeTrainer())
+    names = {p: n for n, p in fresh.named_parameters()}
+    by_name = {names[p]: s for p, s in reversed_opt.state.items()}
+    for name, p in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(by_name[name][key], optimizer.state[p][key]), (name, key)
+
+
+def test_resume_refusals_name_what_is_wrong(one_process, tmp_path: Path) -> None:
+    model, optimizer = build(1)
+    checkpointer(tmp_path, one_process, model, optimizer).save(FakeTrainer(1))
+    path = tmp_path / "step_00000001"
+
+    def resume(cfg: ModelConfig | None = None, resume: str = "auto") -> None:
+        fresh, fresh_opt = build(2, cfg)
+        checkpointer(tmp_path, one_process, fresh, fresh_opt, resume, cfg).maybe_resume(FakeTrainer())
+
+    with pytest.raises(CheckpointError, match=r"has model\.n_layers=2 but this run has 3"):
+        resume(tiny_cfg(n_layers=3))
+    with pytest.raises(CheckpointError, match="already holds checkpoints .* checkpoint.resume=none"):
+        resume(resume="none")
+
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "format": FORMAT + 1}))
+    with pytest.raises(CheckpointError, match=f"has format {FORMAT + 1}; this trident reads {FORMAT}"):
+        resume()
+    (path / "meta.json").write_text(json.dumps(meta))
+
+    data = (path / "__0_0.distcp").read_bytes()
+    (path / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"^cannot read checkpoint file .*__0_0\.distcp: damaged"):
+        resume()
+    (path / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp is missing; the checkpoint is incomplete"):
+        resume()
+
+
+# --- hostile files -------------------------------------------------------------------------------------------
 
 
 class Payload:
@@ -301,250 +449,229 @@ class Payload:
         return (os.system, (f"touch '{self.marker}'",))
 
 
-def test_loading_never_executes_code(tmp_path: Path) -> None:
-    path = save(tmp_path / "ckpts", 1)
-    marker = tmp_path / "pwned"
-    torch.save({"w": torch.zeros(2), "evil": Payload(marker)}, path / "model.pt")
-
-    with pytest.raises(CheckpointError, match="model.pt"):
-        read_checkpoint(path)
-    assert not marker.exists()
-
-    # The payload is real: an unsafe load would have run it.
-    control = tmp_path / "control"
+def hostile_pickles(marker: Path) -> dict[str, bytes]:
+    """The payload as a bare pickle and inside torch.save's zip format (what a .distcp record looks like)."""
     buf = io.BytesIO()
-    torch.save({"evil": Payload(control)}, buf)
-    buf.seek(0)
-    torch.load(buf, weights_only=False)
-    assert control.exists()
+    torch.save({"w": torch.zeros(2), "evil": Payload(marker)}, buf)
+    return {"pickle": pickle.dumps(Payload(marker)), "torch.save": buf.getvalue()}
 
 
-def test_truncated_file_names_it(tmp_path: Path) -> None:
-    path = save(tmp_path, 1)
-    data = (path / "model.pt").read_bytes()
-    (path / "model.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"cannot read checkpoint file .*model\.pt"):
-        read_checkpoint(path)
+def test_the_payload_is_real(tmp_path: Path) -> None:
+    """An unsafe load of the hostile bytes does run the command, so the test below proves something."""
+    for kind, payload in hostile_pickles(tmp_path / "control").items():
+        if kind == "pickle":
+            pickle.loads(payload)
+        else:
+            torch.load(io.BytesIO(payload), weights_only=False)
+        assert (tmp_path / "control").exists(), kind
+        (tmp_path / "control").unlink()
 
 
-def test_missing_file_is_reported(tmp_path: Path) -> None:
-    path = save(tmp_path, 1)
-    (path / "optimizer.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"optimizer\.pt is missing"):
-        read_checkpoint(path)
+def test_every_hostile_file_is_refused_and_never_run(one_process, tiny_dataset: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    model, optimizer = build(1)
+    train_step(model, optimizer, 0)
+    tokenizer = tiny_dataset / "tokenizer.model"
+    checkpointer(tmp_path / "ckpts", one_process, model, optimizer, tokenizer=tokenizer).save(FakeTrainer(1))
+    good = tmp_path / "ckpts" / "step_00000001"
+    files = sorted(p.name for p in good.iterdir())
+    assert files == sorted(
+        [METADATA_FILE, "__0_0.distcp", "config.json", "meta.json", "tokenizer.model", "trainer.json"]
+    )
+
+    def resume(path: Path) -> None:
+        fresh, fresh_opt = build(2)
+        checkpointer(tmp_path / "unused", one_process, fresh, fresh_opt, resume=str(path)).maybe_resume(FakeTrainer())
+
+    for name in files:
+        for kind, payload in hostile_pickles(marker).items():
+            case = tmp_path / "cases" / f"{kind}-{name}" / "step_00000001"
+            shutil.copytree(good, case)
+            (case / name).write_bytes(payload)
+            readers = [] if name == "tokenizer.model" else [resume]  # resume does not read the tokenizer
+            for read in readers:
+                with pytest.raises(CheckpointError) as info:
+                    read(case)
+                message = str(info.value)
+                assert name in message and "\n" not in message, (kind, name, read.__name__, message)
+            assert not marker.exists(), (kind, name)
 
 
-@pytest.mark.parametrize("fmt", [FORMAT + 1, 0, None])
-def test_format_mismatch(tmp_path: Path, fmt) -> None:
-    path = save(tmp_path, 1)
-    meta = json.loads((path / "meta.json").read_text())
-    if fmt is None:
-        del meta["format"]
-    else:
-        meta["format"] = fmt
-    (path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="format"):
-        read_checkpoint(path)
+def test_metadata_allow_list_is_what_dcp_writes(one_process, tmp_path: Path) -> None:
+    model, optimizer = build(1)
+    train_step(model, optimizer, 0)
+    checkpointer(tmp_path, one_process, model, optimizer).save(FakeTrainer(1))
+    path = tmp_path / "step_00000001"
+
+    seen: set[tuple[str, str]] = set()
+
+    class Recording(format_mod._MetadataUnpickler):
+        def find_class(self, module: str, name: str) -> object:
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    with open(path / METADATA_FILE, "rb") as f:
+        metadata = Recording(f).load()
+    classes = {(m, n) for m, n in seen if not (m == "torch" and isinstance(getattr(torch, n), torch.dtype))}
+    # Nothing is admitted that a real save does not need.
+    assert classes == set(format_mod._METADATA_CLASSES)
+
+    # Admitted classes, hostile values: a data file outside the checkpoint is refused.
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index].relative_path = "../../etc/passwd"
+    (path / METADATA_FILE).write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="is not a data file of this checkpoint"):
+        read_metadata(path)
+    for module, name in [("builtins", "eval"), ("os", "system"), ("torch", "load"), ("pathlib", "PosixPath")]:
+        (path / METADATA_FILE).write_bytes(f"c{module}\n{name}\n(S'1'\ntR.".encode())
+        with pytest.raises(CheckpointError, match=f"refused global {module}.{name}"):
+            read_metadata(path)
 
 
-# --- 8. optimizer state by name --------------------------------------------------------------------------
+# --- tp: a real reshard, both ways ----------------------------------------------------------------------
 
 
-def test_optimizer_state_by_name_resumes_bit_identically(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model, optimizer, names = build(seed=1)
+def _tp2_ranks(rank: int, world_size: int, one_root: str, tp_root: str) -> None:
+    groups = build_process_groups(Topology(dp=1, pp=1, tp=2), timeout_s=60)
+    expected = logical(*reference(2))
+
+    # Save from the tp layout: each rank holds its blocks of the same run.
+    model, optimizer = build(1, TP_CFG)
+    split_for_tp(model, rank, world_size)
+    init_weights(model, TP_CFG, 1)
     for i in range(2):
-        train_step(model, optimizer, i)
+        fake_step(model, optimizer, i)
+    assert_holds_blocks_of(model, optimizer, expected)  # the layout itself is right
+    if rank == 1:
+        assert placement_of(model.wte.weight).real == 0  # this rank holds only padding rows
+    checkpointer(Path(tp_root), groups, model, optimizer, cfg=TP_CFG).save(FakeTrainer(2))
 
-    by_name = optimizer_state_by_name(optimizer, names)
-    assert set(by_name["state"]) == {n for n, _ in model.named_parameters()}
-    assert [len(g["params"]) for g in by_name["param_groups"]] == [len(g["params"]) for g in optimizer.param_groups]
-    assert all(isinstance(n, str) for g in by_name["param_groups"] for n in g["params"])
-    path = write_checkpoint(tmp_path, 2, model.state_dict(), by_name, {"step": 2}, {}, None, LAYOUT)
-    state = read_checkpoint(path)
-
-    fresh, fresh_opt, fresh_names = build(seed=2)  # different initial weights: the load must overwrite them
-    assert not torch.equal(fresh.wte.weight, model.wte.weight)
-    fresh_opt.param_groups[0]["lr"] = 123.0  # this run's hyper-parameters must win over the saved ones
-    fresh.load_state_dict(state["model"])
-    load_optimizer_state_by_name(fresh_opt, state["optimizer"], fresh_names)
-    assert fresh_opt.param_groups[0]["lr"] == 123.0
-    assert [g["weight_decay"] for g in fresh_opt.param_groups] == [0.1, 0.0]
-    fresh_opt.param_groups[0]["lr"] = optimizer.param_groups[0]["lr"]
-
-    train_step(model, optimizer, 2)
-    train_step(fresh, fresh_opt, 2)
-    assert_tensors_equal(clone_state(fresh), clone_state(model))
-    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(optimizer.state[p][key], fresh_opt.state[q][key]), (name, key)
-        # Separate storage: the fresh optimizer must not share tensors with the original.
-        assert optimizer.state[p]["exp_avg"].data_ptr() != fresh_opt.state[q]["exp_avg"].data_ptr()
+    # Load a one-process checkpoint into the tp layout, with a fresh optimizer.
+    fresh, fresh_opt = build(5, TP_CFG)
+    split_for_tp(fresh, rank, world_size)
+    init_weights(fresh, TP_CFG, 5)
+    assert checkpointer(Path(one_root), groups, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer()) == 2
+    assert_holds_blocks_of(fresh, fresh_opt, expected)
+    # And both continue alike.
+    fake_step(model, optimizer, 2)
+    fake_step(fresh, fresh_opt, 2)
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
-def test_optimizer_state_order_independent(tmp_path: Path) -> None:
-    """State follows the parameter name, not its index: a reversed parameter order still loads right."""
-    model, optimizer, names = build(seed=1)
-    train_step(model, optimizer, 0)
-    path = write_checkpoint(
-        tmp_path, 1, model.state_dict(), optimizer_state_by_name(optimizer, names), {}, {}, None, LAYOUT
-    )
-    saved = read_checkpoint(path)["optimizer"]
+def test_tp_reshard_both_ways(one_process, tmp_path: Path) -> None:
+    one_root, tp_root = tmp_path / "one", tmp_path / "tp2"
+    model, optimizer = reference(2)
+    checkpointer(one_root, one_process, model, optimizer, cfg=TP_CFG).save(FakeTrainer(2))
 
-    fresh, _, fresh_names = build(seed=1)
-    fresh.load_state_dict(model.state_dict())
-    params = [p for p in fresh.parameters()]
-    reversed_opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in reversed(params) if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in reversed(params) if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=1.0,
-        foreach=True,
-    )
-    load_optimizer_state_by_name(reversed_opt, saved, fresh_names)
-    by_name = {fresh_names[p]: s for p, s in reversed_opt.state.items()}
-    for p, s in optimizer.state.items():
-        assert torch.equal(by_name[names[p]]["exp_avg"], s["exp_avg"]), names[p]
-        assert torch.equal(by_name[names[p]]["exp_avg_sq"], s["exp_avg_sq"]), names[p]
+    run_distributed(_tp2_ranks, 2, str(one_root), str(tp_root), timeout_s=90)
+
+    path = tp_root / "step_00000002"
+    assert json.loads((path / "meta.json").read_text())["layout"] == {"dp": 1, "tp": 2, "pp": 1}
+    chunks = read_metadata(path).state_dict_metadata
+    # The saved embedding is the logical one: rank 0's 10 real rows, nothing from rank 1.
+    assert chunks["model/wte.weight"].size == (10, 32) and len(chunks["model/wte.weight"].chunks) == 1
+    assert len(chunks["model/layers.0.mlp.fc.weight"].chunks) == 2  # one block from each tp rank
+    assert len(chunks["model/layers.0.ln_1.weight"].chunks) == 1  # replicated over tp: written once
+
+    fresh, fresh_opt = build(5, TP_CFG)
+    rng = torch.get_rng_state()
+    assert checkpointer(tp_root, one_process, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer()) == 2
+    assert_holds_blocks_of(fresh, fresh_opt, logical(model, optimizer))
+    assert torch.equal(torch.get_rng_state(), rng)  # another layout: the fresh RNG stream is kept
 
 
-def test_optimizer_state_mismatching_model(tmp_path: Path) -> None:
-    model, optimizer, names = build(seed=1, n_layers=2)
-    train_step(model, optimizer, 0)
-    saved = optimizer_state_by_name(optimizer, names)
-
-    other, other_opt, other_names = build(seed=1, n_layers=3)
-    with pytest.raises(CheckpointError, match="do not match"):
-        load_optimizer_state_by_name(other_opt, saved, other_names)
-
-    one_group = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(CheckpointError, match="groups"):
-        load_optimizer_state_by_name(one_group, saved, names)
+# --- dp: written once, RNG per coordinate, agreed errors, crash mid-save --------------------------------------
 
 
-# --- 9. Checkpointer on two gloo ranks --------------------------------------------------------------------
-
-
-class FakeTrainer:
-    def __init__(self, step: int = 0) -> None:
-        self.step = step
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "global_batch_size": 8}
-
-    def load_state_dict(self, state: dict) -> None:
-        assert state["global_batch_size"] == 8
-        self.step = state["step"]
-
-
-def _run_config(n_layers: int = 2) -> dict:
-    return {"model": dataclasses.asdict(tiny_cfg(n_layers)), "train": {"global_batch_size": 8}}
-
-
-def _checkpointer_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str) -> None:
+def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str) -> None:
     root, tokenizer = Path(root_s), Path(tokenizer_s)
     groups = build_process_groups(Topology(dp=2, pp=1, tp=1), timeout_s=60)
-
-    def make(resume: str, seed: int, n_layers: int = 2, keep_last: int = 0):
-        model, optimizer, _ = build(seed, n_layers)
-        checkpointer = Checkpointer(
-            root, 0, keep_last, resume, groups, model, optimizer, _run_config(n_layers), tokenizer
-        )
-        return model, optimizer, checkpointer
-
-    # Identical replicas (same init, same data), but each rank's RNG stream differs.
-    model, optimizer, checkpointer = make("auto", seed=1)
-    for i in range(2):
-        train_step(model, optimizer, i)
-    torch.manual_seed(100 + rank)
-    torch.rand(3)
+    model, optimizer = reference(2)  # identical replicas
+    torch.manual_seed(100 + rank)  # ... with a different RNG stream on each rank
     rng_at_save = torch.get_rng_state()
-    weights = clone_state(model)
-    exp_avg = {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    saver = checkpointer(root, groups, model, optimizer, cfg=TP_CFG, tokenizer=tokenizer)
+    assert saver.maybe_resume(FakeTrainer()) is None
+    saver.save(FakeTrainer(step=2))
+    path = root / "step_00000002"
+    assert list_checkpoints(root) == [path] and leftovers(root) == []  # every rank sees the finished one
 
-    assert checkpointer.maybe_resume(FakeTrainer()) is None  # nothing saved yet
-    checkpointer.save(FakeTrainer(step=2))
-    # save ends in a barrier: rank 1 sees rank 0's finished checkpoint.
-    assert [p.name for p in list_checkpoints(root)] == ["step_00000002"]
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
-    state = read_checkpoint(root / "step_00000002")
-    assert state["meta"]["layout"] == {"dp": 2, "tp": 1, "pp": 1}
-    assert state["trainer"]["step"] == 2
-    assert (root / "step_00000002" / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
-    rngs = state["trainer"]["rng"]
-    assert len(rngs) == world_size
-    assert torch.equal(rngs[rank]["cpu"], rng_at_save)
-    assert not torch.equal(rngs[0]["cpu"], rngs[1]["cpu"])
-    # Canonical: the embedding is saved without its padding rows, so any tp layout can load it.
-    assert state["model"]["wte.weight"].shape[0] == 100
-    assert_tensors_equal(state["model"], {**weights, "wte.weight": weights["wte.weight"][:100]})
+    # Written once: one box per tensor, and the data files hold nothing but the indexed boxes.
+    metadata = read_metadata(path)
+    for key, entry in metadata.state_dict_metadata.items():
+        assert len(entry.chunks) == 1, key
+    assert {k for k in metadata.state_dict_metadata if k.startswith("rng/")} == {
+        "rng/dp0.pp0.tp0/cpu",
+        "rng/dp1.pp0.tp0/cpu",
+    }
+    data = sorted(path.glob("*.distcp"))
+    assert [p.name for p in data] == ["__0_0.distcp", "__1_0.distcp"]  # the work is shared
+    assert all(p.stat().st_size > 0 for p in data)
+    assert sum(p.stat().st_size for p in data) == sum(info.length for info in metadata.storage_data.values())
 
-    torch.rand(10)  # move on, so restoring the RNG is observable
-    fresh, fresh_opt, resumer = make("auto", seed=7)
-    assert not torch.equal(fresh.wte.weight, weights["wte.weight"])
-    trainer = FakeTrainer()
-    assert resumer.maybe_resume(trainer) == 2
-    assert trainer.step == 2
-    # Nothing of the checkpoint stays memory-mapped: a pruned checkpoint's space must be freed.
-    del state, rngs  # this test's own read above
-    gc.collect()
-    assert [line for line in Path("/proc/self/maps").read_text().splitlines() if str(root) in line] == []
-    assert_tensors_equal(clone_state(fresh), weights)
-    for n, p in fresh.named_parameters():
-        assert torch.equal(fresh_opt.state[p]["exp_avg"], exp_avg[n]), n
+    # Same layout: each rank gets its own RNG stream back.
+    torch.rand(10)
+    fresh, fresh_opt = build(5, TP_CFG)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert checkpointer(root, groups, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer()) == 2
+    assert out.getvalue() == (f"resumed from {path} at step 2\n" if rank == 0 else "")
     assert torch.equal(torch.get_rng_state(), rng_at_save)
-    # Resumed replicas continue exactly like the original.
-    train_step(model, optimizer, 2)
-    train_step(fresh, fresh_opt, 2)
-    assert_tensors_equal(clone_state(fresh), clone_state(model))
+    assert_holds_blocks_of(fresh, fresh_opt, logical(model, optimizer))
 
-    # An explicit path, and resume=none.
-    _, _, explicit = make(str(root / "step_00000002"), seed=7)
-    assert explicit.maybe_resume(FakeTrainer()) == 2
-    # resume=none into a directory that already holds checkpoints would mix two runs: refused.
-    _, _, none = make("none", seed=7)
-    with pytest.raises(CheckpointError, match="already holds checkpoints"):
-        none.maybe_resume(FakeTrainer())
-
-    # A bad path: rank 0 decides, every rank raises the same error instead of waiting.
-    _, _, bad = make(str(root / "does_not_exist"), seed=7)
+    # Errors are agreed: a bad path decided on rank 0, a checkpoint only rank 1 cannot read.
     with pytest.raises(CheckpointError, match=r"checkpoint\.resume="):
-        bad.maybe_resume(FakeTrainer())
-    # A different model shape is refused with the key that differs.
-    _, _, wrong_shape = make("auto", seed=7, n_layers=3)
-    with pytest.raises(CheckpointError, match="n_layers"):
-        wrong_shape.maybe_resume(FakeTrainer())
+        checkpointer(root, groups, fresh, fresh_opt, str(root / "nope"), cfg=TP_CFG).maybe_resume(FakeTrainer())
+    real_read = ckpt_mod.read_metadata
 
-    # A checkpoint only one rank cannot read (a node without the shared filesystem): every rank stops
-    # with that rank's reason instead of the others waiting in the next collective.
-    _, _, partial = make("auto", seed=7)
+    def unreadable_on_rank_1(directory: Path):
+        if dist.get_rank() == 1:
+            raise CheckpointError(f"{directory} not here")
+        return real_read(directory)
 
-    def missing(path: Path) -> dict:
-        raise CheckpointError(f"{path} not here")
+    ckpt_mod.read_metadata = unreadable_on_rank_1
+    try:
+        with pytest.raises(CheckpointError, match=r"^rank 1: .*step_00000002 not here$"):
+            checkpointer(root, groups, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer())
+    finally:
+        ckpt_mod.read_metadata = real_read
 
-    real_read = ckpt_mod.read_checkpoint
-    if rank == 1:
-        ckpt_mod.read_checkpoint = missing
-    with pytest.raises(CheckpointError, match=r"^rank 1: .*step_00000002 not here$"):
-        partial.maybe_resume(FakeTrainer())
-    ckpt_mod.read_checkpoint = real_read
+    # A crash while rank 1 writes its data: every rank raises it, nothing is published, no temporary is left.
+    real_write = format_mod._Writer.write_data
 
-    # keep_last prunes after a later save; every rank still returns.
-    _, _, pruner = make("auto", seed=1, keep_last=1)
-    pruner.save(FakeTrainer(step=4))
-    assert [p.name for p in list_checkpoints(root)] == ["step_00000004"]
+    def disk_full_on_rank_1(self, plan, planner):
+        if dist.get_rank() == 1:
+            raise OSError("No space left on device")
+        return real_write(self, plan, planner)
+
+    format_mod._Writer.write_data = disk_full_on_rank_1
+    try:
+        with pytest.raises(CheckpointError, match=r"^rank 1: cannot write checkpoint data .*No space left on device$"):
+            saver.save(FakeTrainer(step=3))
+    finally:
+        format_mod._Writer.write_data = real_write
+    dist.barrier()  # rank 0 removes the temporary directory before raising
+    assert list_checkpoints(root) == [path] and leftovers(root) == []
+
+    # keep_last prunes after a later save; every rank returns.
+    checkpointer(root / "pruned", groups, model, optimizer, cfg=TP_CFG, keep_last=1).save(FakeTrainer(step=3))
+    checkpointer(root / "pruned", groups, model, optimizer, cfg=TP_CFG, keep_last=1).save(FakeTrainer(step=4))
+    assert [p.name for p in list_checkpoints(root / "pruned")] == ["step_00000004"]
     dist.barrier()  # the group still works after the errors above: nobody is stuck in a collective
 
 
-def test_checkpointer_two_ranks(tmp_path: Path) -> None:
+def test_dp2_writes_each_box_once_and_resumes_at_dp1(one_process, tmp_path: Path) -> None:
     tokenizer = tmp_path / "tok.model"
     tokenizer.write_bytes(b"tokenizer bytes")
-    run_distributed(_checkpointer_ranks, 2, str(tmp_path / "ckpts"), str(tokenizer), timeout_s=90)
+    root = tmp_path / "ckpts"
+    run_distributed(_dp2_ranks, 2, str(root), str(tokenizer), timeout_s=90)
 
-
-def test_schedule_changes_names_each_changed_setting() -> None:
-    saved = {"train": {"steps": 100, "seed": 1}, "optim": {"lr": 1e-3, "min_lr": 1e-4}, "model": {"d_model": 8}}
-    assert schedule_changes(saved, saved) == []
-    current = {"train": {"steps": 200, "seed": 1}, "optim": {"lr": 1e-3, "min_lr": 0.0}, "model": {"d_model": 8}}
-    assert schedule_changes(saved, current) == ["train.steps 100 -> 200", "optim.min_lr 0.0001 -> 0.0"]
+    path = root / "step_00000002"
+    assert (path / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
+    # At dp=1 the same run continues exactly as if never stopped.
+    model, optimizer = reference(2)
+    fresh, fresh_opt = build(5, TP_CFG)
+    assert checkpointer(root, one_process, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer()) == 2
+    fake_step(model, optimizer, 2)
+    fake_step(fresh, fresh_opt, 2)
+    assert_holds_blocks_of(fresh, fresh_opt, logical(model, optimizer))

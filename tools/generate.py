@@ -2,33 +2,40 @@
 
     python tools/generate.py outputs/2026-01-01/12-00-00/checkpoints --prompt "def main(" --tokens 200
 
-CHECKPOINT is one checkpoint (``step_XXXXXXXX``) or a directory of them (the newest is used).
+CHECKPOINT is one checkpoint (``step_XXXXXXXX``, saved under any layout), a directory of them (the newest is
+used), or the one file ``tools/convert_checkpoint.py`` makes of one; each gives the same text.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import sentencepiece as spm
 import torch
 
-from trident.checkpoint import find_resume_path, load_file, load_model_state
 from trident.config import ModelConfig
-from trident.errors import TridentError
+from trident.consolidated import ModelWeights, load_weights
+from trident.errors import CheckpointError, TridentError
 from trident.models.gpt import GPT
+from trident.parallel.placement import placement_of
 
 
-def load_model(checkpoint: Path, device: torch.device) -> tuple[GPT, spm.SentencePieceProcessor]:
-    config = json.loads((checkpoint / "config.json").read_text())
-    cfg = ModelConfig(**config["model"])
-    model = GPT(cfg)
-    # Saved without the vocab padding; this model pads its embedding again (to a multiple of vocab_multiple).
-    load_model_state(model, load_file(checkpoint / "model.pt"))
-    tokenizer = spm.SentencePieceProcessor(model_file=str(checkpoint / "tokenizer.model"))
-    return model.to(device).eval(), tokenizer
+@torch.no_grad()
+def build_model(weights: ModelWeights, device: torch.device) -> GPT:
+    """A one-process GPT holding ``weights`` (logical tensors: each parameter pads its own again)."""
+    try:
+        model = GPT(ModelConfig(**weights.config["model"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"the saved config does not describe a trident model: {type(e).__name__} {e}") from None
+    for name, param in model.named_parameters():
+        if name not in weights.tensors:
+            raise CheckpointError(f"the checkpoint holds no tensor {name}; it is not this model's")
+        try:
+            param.copy_(placement_of(param).shard(weights.tensors[name]))
+        except ValueError as e:
+            raise CheckpointError(f"the checkpoint's {name} does not fit this model: {e}") from None
+    return model.to(device).eval()
 
 
 @torch.no_grad()
@@ -64,10 +71,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     try:
-        path = find_resume_path(str(args.checkpoint), args.checkpoint, what="checkpoint")
         if args.temperature < 0 or args.tokens < 0:
             raise TridentError("--temperature and --tokens must be >= 0")
-        model, tokenizer = load_model(path, torch.device(args.device))
+        weights = load_weights(args.checkpoint)
+        model, tokenizer = build_model(weights, torch.device(args.device)), weights.sentencepiece()
         prompt = tokenizer.encode(args.prompt)
         if not prompt:
             raise TridentError("--prompt encodes to no tokens; give some text")
@@ -75,7 +82,7 @@ def main() -> None:
     except TridentError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"# {path}", file=sys.stderr)
+    print(f"# {weights.source} (step {weights.step})", file=sys.stderr)
     print(tokenizer.decode(prompt + out))
 
 

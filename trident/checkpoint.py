@@ -1,17 +1,23 @@
-"""Checkpoints that survive crashes and layout changes.
+"""Checkpoints that survive crashes and load into any layout.
 
 A checkpoint is a directory ``<root>/step_00000040/`` holding
 
-    model.pt        full (unsharded) tensors under their canonical names
-    optimizer.pt    AdamW state per parameter *name* (not index), plus hyper-parameters
-    trainer.pt      step, consumed samples, loss scaler, every rank's RNG state
-    tokenizer.model the tokenizer the run used, so the checkpoint is self-contained
-    config.json     the full run config
-    meta.json       written last: its presence marks the checkpoint complete
+    .metadata            DCP's index of the tensor data: each key's logical shape, dtype and saved boxes
+    __<rank>_0.distcp    tensor data, written by every rank that holds a box no other rank writes
+    trainer.json         step, consumed samples, loss scaler, seed, global batch (the trainer's state)
+    config.json          the full run config
+    tokenizer.model      the tokenizer the run used, so the checkpoint is self-contained
+    meta.json            written last, its presence marks the checkpoint complete: format, step, saving layout
 
-It is written under a temporary name and renamed into place, so a crash mid-save leaves the previous
-checkpoint intact and never a half-written one that looks complete. Loading uses
-``torch.load(weights_only=True)``: a checkpoint can never execute code.
+The tensor data is keyed by parameter name in global coordinates (trident/checkpoint_state.py): model
+parameters as logical tensors, AdamW state per parameter, each rank's RNG state under its layout coordinate.
+Each rank writes only the boxes it holds, and loads exactly the boxes its placement covers, whatever the
+layout that saved them (trident/checkpoint_format.py). Nothing is ever unpickled with plain ``pickle``.
+
+Every rank writes into one temporary directory ``<root>/.step_00000040.tmp-<uuid>``; once all have
+written, rank 0 adds the small files, ``meta.json`` last, and renames it into place. A crash mid-save
+leaves the previous checkpoint intact and never a half-written one that looks complete; a failure on any
+rank is raised on every rank and removes the temporary directory.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -29,11 +36,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.errors import CheckpointError
+from trident.checkpoint_format import Sharded, read_metadata, read_sharded, write_sharded
+from trident.checkpoint_state import (
+    MODEL,
+    OPTIM,
+    model_destinations,
+    model_state,
+    named_parameters,
+    optimizer_state,
+    rng_destinations,
+    rng_state,
+)
+from trident.errors import CheckpointError, TridentError
 from trident.parallel.agree import on_every_rank, on_one_rank
 from trident.parallel.groups import ProcessGroups
 
-FORMAT = 1
+FORMAT = 2
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -43,9 +61,10 @@ def checkpoint_name(step: int) -> str:
 
 def _read_meta(path: Path) -> dict | None:
     try:
-        return json.loads((path / "meta.json").read_text())
+        meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def is_complete(path: Path) -> bool:
@@ -77,42 +96,12 @@ def find_resume_path(resume: str, root: Path, what: str = "checkpoint.resume") -
         return path
     if path.is_dir() and list_checkpoints(path):
         return list_checkpoints(path)[-1]
+    if (path / "meta.json").is_file():
+        raise CheckpointError(f"{what}={resume!r}: cannot read {path / 'meta.json'}; it is damaged or not trident's")
     raise CheckpointError(
         f"{what}={resume!r} is not a complete checkpoint (a step_XXXXXXXX directory with meta.json) "
         "nor a directory holding one; use auto, none or a valid path"
     )
-
-
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str]) -> dict:
-    """Re-key torch's index-based optimizer state by parameter name, so it loads into any layout."""
-    state = {}
-    for param, s in optimizer.state.items():
-        state[names[param]] = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
-    groups = []
-    for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": [names[p] for p in group["params"]]})
-    return {"state": state, "param_groups": groups}
-
-
-def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, saved: dict, names: dict[nn.Parameter, str]) -> None:
-    """Map a by-name state back to this optimizer's indices and let torch place it (device, dtype)."""
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError("optimizer parameter groups in the checkpoint do not match this model")
-    index, state, groups = 0, {}, []
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
-        mine = [names[p] for p in group["params"]]
-        if sorted(mine) != sorted(saved_group["params"]):
-            raise CheckpointError("optimizer parameters in the checkpoint do not match this model")
-        ids = list(range(index, index + len(mine)))
-        for i, name in zip(ids, mine, strict=True):
-            if name in saved["state"]:
-                state[i] = saved["state"][name]
-        # Only the state is restored: hyper-parameters (betas, eps, weight decay, kernels) come from this
-        # run's config, so what the user asked for is what runs.
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        index += len(mine)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _fsync_dir(path: Path) -> None:
@@ -130,33 +119,23 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _save(obj: object, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_checkpoint(
-    root: Path,
-    step: int,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict,
-    trainer_state: dict,
-    config: dict,
-    tokenizer: Path | None,
-    layout: dict,
-) -> Path:
-    """Write one checkpoint atomically (from the one rank that holds the full state)."""
+def new_temporary(root: Path, step: int) -> Path:
+    """An empty hidden directory for one save; never mistaken for a checkpoint."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f".{checkpoint_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: Path, step: int, files: dict[str, dict], tokenizer: Path | None, layout: dict) -> Path:
+    """Finish a temporary directory whose tensor data is written: the JSON ``files``, the tokenizer, ``meta.json``
+    last, then rename it to ``step_XXXXXXXX``. On any failure the temporary directory is removed and nothing is
+    published."""
+    root = tmp.parent
+    final = root / checkpoint_name(step)
     try:
-        _save({k: v.detach().cpu() for k, v in model_state.items()}, tmp / "model.pt")
-        _save(optimizer_state, tmp / "optimizer.pt")
-        _save(trainer_state, tmp / "trainer.pt")
-        _write_text(tmp / "config.json", json.dumps(config, indent=2))
+        for name, value in files.items():
+            _write_text(tmp / name, _to_json(name, value))
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.model")
         meta = {"format": FORMAT, "step": step, "layout": layout, "time": time.time()}
@@ -177,6 +156,13 @@ def write_checkpoint(
     return final
 
 
+def _to_json(name: str, value: dict) -> str:
+    try:
+        return json.dumps(value, indent=2)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{name} must hold plain JSON values to be checkpointed: {e}") from None
+
+
 def prune_checkpoints(root: Path, keep_last: int, current_step: int) -> None:
     """Keep the newest ``keep_last`` checkpoints up to ``current_step``; never touch newer ones."""
     if keep_last <= 0:
@@ -189,57 +175,42 @@ def prune_checkpoints(root: Path, keep_last: int, current_step: int) -> None:
         shutil.rmtree(trash)
 
 
-def load_file(path: Path) -> dict:
+def read_json(path: Path, name: str) -> dict:
+    """One of a checkpoint's JSON files, as a dict; anything else is a CheckpointError naming the file."""
     try:
-        # mmap: ranks read what they need instead of each holding a full copy in memory.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from e
-    except Exception as e:  # a corrupted or foreign file: say which one, never run code from it
-        raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from e
+        value = json.loads((path / name).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path / name} is missing; the checkpoint is incomplete") from None
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise CheckpointError(f"cannot read checkpoint file {path / name}: {' '.join(str(e).split())}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"cannot read checkpoint file {path / name}: not a JSON object")
+    return value
 
 
-def _read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from e
-
-
-def read_checkpoint(path: Path) -> dict:
-    """Load every part of a checkpoint onto the CPU."""
-    meta = _read_meta(path)
-    if meta is None:
-        raise CheckpointError(f"checkpoint {path} has no readable meta.json; it is incomplete")
+def read_head(path: Path) -> tuple[dict, dict]:
+    """A checkpoint's meta.json and config.json, with the format and the fields everything reads checked."""
+    meta = read_json(path, "meta.json")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}; this trident reads {FORMAT}")
-    return {
-        "meta": meta,
-        "model": load_file(path / "model.pt"),
-        "optimizer": load_file(path / "optimizer.pt"),
-        "trainer": load_file(path / "trainer.pt"),
-        "config": _read_config(path),
+    if not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"cannot read checkpoint file {path / 'meta.json'}: it has no step")
+    config = read_json(path, "config.json")
+    if not isinstance(config.get("model"), dict):
+        raise CheckpointError(f"cannot read checkpoint file {path / 'config.json'}: it has no model section")
+    return meta, config
+
+
+def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every model parameter of a checkpoint as its full logical tensor, in this process (no process group)."""
+    metadata = read_metadata(path)
+    state = {
+        key: Sharded.whole(torch.zeros(entry.size, dtype=entry.properties.dtype))
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL)
     }
-
-
-def canonical(name: str, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The layout-free form of a parameter (or of its optimizer state): the embedding without tp padding."""
-    return t[:vocab_size] if name == "wte.weight" else t
-
-
-def to_layout(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A canonical tensor in this run's layout: the embedding gets zero padding rows up to ``like``'s."""
-    if name != "wte.weight" or t.shape == like.shape:
-        return t
-    padded = torch.zeros(like.shape, dtype=t.dtype)
-    padded[: t.shape[0]] = t
-    return padded
-
-
-def load_model_state(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    """Load a checkpoint's canonical tensors into ``model`` (copied in, so nothing stays mapped)."""
-    local = model.state_dict()
-    model.load_state_dict({n: to_layout(n, t, local[n]) for n, t in saved.items()})
+    read_sharded(state, path, metadata)
+    return {key[len(MODEL) :]: s.boxes[0][1] for key, s in state.items()}
 
 
 # Model settings that fix parameter shapes: a checkpoint only loads into the same ones.
@@ -259,8 +230,7 @@ class Trainable(Protocol):
 class Checkpointer:
     """When to save, what goes in, and how a run resumes. Every rank calls ``save`` and ``maybe_resume``.
 
-    Saved tensors are canonical: full shapes and the unpadded vocab (the embedding is padded to a multiple
-    of tp at run time), so a checkpoint loads into any layout.
+    ``modules`` are this rank's model chunks (several on a pipeline rank with virtual stages).
     """
 
     def __init__(
@@ -270,30 +240,23 @@ class Checkpointer:
         keep_last: int,
         resume: str,
         groups: ProcessGroups,
-        model: nn.Module,
+        modules: list[nn.Module],
         optimizer: torch.optim.Optimizer,
         config: dict,
         tokenizer: Path | None,
     ) -> None:
         self.root, self.every, self.keep_last, self.resume = root, every, keep_last, resume
-        self.groups, self.model, self.optimizer = groups, model, optimizer
-        self.config, self.tokenizer = config, tokenizer
-        self.names = {p: n for n, p in model.named_parameters()}
-        self.vocab_size = config["model"]["vocab_size"]
+        self.groups, self.config, self.tokenizer = groups, config, tokenizer
+        self.params = named_parameters(modules)
+        self.optimizer = optimizer_state(optimizer, self.params)
+        topo = groups.topology
+        self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}
 
     def due(self, step: int, total: int) -> bool:
         return step == total or (self.every > 0 and step % self.every == 0)
 
-    # With data parallelism alone every replica is identical: rank 0 writes the whole state.
+    # The rank that creates, finishes and renames the temporary directory.
     _WRITER = 0
-
-    def _optimizer_state(self) -> dict:
-        saved = optimizer_state_by_name(self.optimizer, self.names)
-        for name, s in saved["state"].items():
-            for k, v in s.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    s[k] = canonical(name, v, self.vocab_size)
-        return saved
 
     def prepare(self) -> None:
         """Before step 0: a checkpoint directory that cannot be written fails now, not after hours."""
@@ -307,27 +270,29 @@ class Checkpointer:
         on_one_rank(probe, self._WRITER, f"write to checkpoint.dir {self.root}")
 
     def save(self, trainer: Trainable) -> None:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        all_rng: list[dict | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(all_rng, rng)
-        topo = self.groups.topology
+        step = trainer.step
+        name = checkpoint_name(step)
+        made = [on_one_rank(lambda: str(new_temporary(self.root, step)), self._WRITER, f"write {name} in {self.root}")]
+        dist.broadcast_object_list(made, src=self._WRITER)
+        tmp = Path(made[0])
+        state = {
+            **model_state(self.params),
+            **{OPTIM + k: v for k, v in self.optimizer.sharded_state().items()},
+            **rng_state(self.groups.coord),
+        }
+        try:
+            write_sharded(state, tmp)  # every rank; a failure anywhere is raised everywhere
+        except TridentError:
+            if dist.get_rank() == self._WRITER:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
-        def write() -> None:
-            write_checkpoint(
-                self.root,
-                trainer.step,
-                {n: canonical(n, t, self.vocab_size) for n, t in self.model.state_dict().items()},
-                self._optimizer_state(),
-                {**trainer.state_dict(), "rng": all_rng},
-                self.config,
-                self.tokenizer,
-                layout={"dp": topo.dp, "tp": topo.tp, "pp": topo.pp},
-            )
-            prune_checkpoints(self.root, self.keep_last, trainer.step)
+        def finish() -> None:
+            files = {"trainer.json": trainer.state_dict(), "config.json": self.config}
+            publish(tmp, step, files, self.tokenizer, self.layout)
+            prune_checkpoints(self.root, self.keep_last, step)
 
-        on_one_rank(write, self._WRITER, f"write checkpoint {checkpoint_name(trainer.step)} in {self.root}")
+        on_one_rank(finish, self._WRITER, f"write checkpoint {name} in {self.root}")
 
     def _find(self) -> str | None:
         if self.resume == "none" and list_checkpoints(self.root):
@@ -340,7 +305,7 @@ class Checkpointer:
         return str(path) if path else None
 
     def maybe_resume(self, trainer: Trainable) -> int | None:
-        """Restore model, optimizer and trainer state from checkpoint.resume; return the step, or None."""
+        """Restore model, optimizer, RNG and trainer state from checkpoint.resume; return the step, or None."""
         # Rank 0 decides and every rank agrees, so an error can never leave the others waiting.
         found = [on_one_rank(self._find, 0, "look for checkpoints")]
         dist.broadcast_object_list(found, src=0)
@@ -349,12 +314,8 @@ class Checkpointer:
         path = Path(found[0])
         # Every rank reads the files itself (on several nodes checkpoint.dir must be a shared filesystem);
         # one that cannot makes them all stop with its reason instead of leaving the rest waiting.
-        saved_config, rng = on_every_rank(lambda: self._load(path, trainer), f"read checkpoint {path}")
-        if len(rng) == dist.get_world_size():
-            mine = rng[dist.get_rank()]
-            torch.set_rng_state(mine["cpu"])
-            if "cuda" in mine and torch.cuda.is_available():
-                torch.cuda.set_rng_state(mine["cuda"])
+        saved_config, load = on_every_rank(lambda: self._prepare_load(path, trainer), f"read checkpoint {path}")
+        load()  # collective: a failure on any rank is raised on every rank
         if self.groups.is_logging_rank:
             print(f"resumed from {path} at step {trainer.step}", flush=True)
             changed = schedule_changes(saved_config, self.config)
@@ -365,11 +326,11 @@ class Checkpointer:
                 )
         return trainer.step
 
-    def _load(self, path: Path, trainer: Trainable) -> tuple[dict, list[dict]]:
-        """Load every part into this rank's model, optimizer and trainer; return the saved config and the
-        saved RNG states (one per rank of the run that saved)."""
-        state = read_checkpoint(path)
-        saved_model = state["config"]["model"]
+    def _prepare_load(self, path: Path, trainer: Trainable) -> tuple[dict, Callable[[], None]]:
+        """Everything that can fail on one rank alone: read and check the small files and the index, restore
+        the trainer state; return a function that loads the tensors (the collective part)."""
+        meta, config = read_head(path)
+        saved_model = config["model"]
         for key in _SHAPE_KEYS:
             mine = self.config["model"][key]
             if saved_model.get(key) != mine:
@@ -377,18 +338,36 @@ class Checkpointer:
                     f"checkpoint {path} has model.{key}={saved_model.get(key)} but this run has {mine}; "
                     "resume with the same model shape or set checkpoint.resume=none"
                 )
-        load_model_state(self.model, state["model"])
-        local = self.model.state_dict()
-        saved_opt = state["optimizer"]
-        for name, s in saved_opt["state"].items():
-            for k, v in s.items():
-                if torch.is_tensor(v):
-                    # Cloned: torch keeps CPU state tensors as given, and these are views of the mmap'd file,
-                    # which would pin a pruned checkpoint's disk space (and break its removal on NFS).
-                    s[k] = to_layout(name, v, local[name]).clone() if v.dim() > 0 else v.clone()
-        load_optimizer_state_by_name(self.optimizer, saved_opt, self.names)
-        trainer.load_state_dict(state["trainer"])
-        return state["config"], state["trainer"].get("rng") or []
+        try:
+            trainer.load_state_dict(read_json(path, "trainer.json"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"cannot read checkpoint file {path / 'trainer.json'}: {type(e).__name__} {e}"
+            ) from None
+        metadata = read_metadata(path)
+        saved = {key: tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()}
+
+        state = model_destinations(self.params)
+        for key, wanted in state.items():
+            if saved.get(key) != wanted.shape:
+                held = f"holds {key} with shape {list(saved[key])}" if key in saved else f"does not hold {key}"
+                raise CheckpointError(f"checkpoint {path} {held}; this model's is {list(wanted.shape)}")
+        saved_optim = {k[len(OPTIM) :]: v for k, v in saved.items() if k.startswith(OPTIM)}
+        optim, install = self.optimizer.load_destinations(saved_optim)
+        state.update({OPTIM + k: v for k, v in optim.items()})
+        # Each rank's RNG stream belongs to its coordinate in the layout that saved it; under another layout
+        # the streams mean something else, so the freshly seeded ones are kept.
+        restore_rng = lambda: None  # noqa: E731
+        if meta.get("layout") == self.layout:
+            rng, restore_rng = rng_destinations(self.groups.coord, saved)
+            state.update(rng)
+
+        def load() -> None:
+            read_sharded(state, path, metadata)
+            install()
+            restore_rng()
+
+        return config, load
 
 
 # Settings that shape every later step without changing parameter shapes: changing them on resume is
@@ -401,7 +380,12 @@ def schedule_changes(saved: dict, current: dict) -> list[str]:
     changes = []
     for section, keys in _SCHEDULE_KEYS.items():
         for key in keys:
-            old, new = saved.get(section, {}).get(key), current.get(section, {}).get(key)
+            old, new = _setting(saved, section, key), _setting(current, section, key)
             if old is not None and old != new:
                 changes.append(f"{section}.{key} {old} -> {new}")
     return changes
+
+
+def _setting(config: dict, section: str, key: str) -> object:
+    values = config.get(section)
+    return values.get(key) if isinstance(values, dict) else None
