@@ -15,7 +15,10 @@ import io
 import json
 import os
 import pickle
+import runpy
 import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -25,6 +28,8 @@ import torch.distributed as dist
 
 import trident.checkpoint as ckpt_mod
 import trident.checkpoint_format as format_mod
+import trident.consolidated as consolidated_mod
+from tests.conftest import REPO
 from tests.dist import run_distributed
 from trident.checkpoint import (
     FORMAT,
@@ -40,6 +45,7 @@ from trident.checkpoint import (
 )
 from trident.checkpoint_format import METADATA_FILE, read_metadata
 from trident.config import ModelConfig
+from trident.consolidated import ModelWeights, load_weights, read_consolidated, write_consolidated
 from trident.errors import CheckpointError
 from trident.models.gpt import GPT, init_weights, lm_loss_sum, padded_vocab_size
 from trident.parallel.groups import ProcessGroups, build_process_groups
@@ -483,18 +489,31 @@ def test_every_hostile_file_is_refused_and_never_run(one_process, tiny_dataset: 
         fresh, fresh_opt = build(2)
         checkpointer(tmp_path / "unused", one_process, fresh, fresh_opt, resume=str(path)).maybe_resume(FakeTrainer())
 
+    def load_for_tools(path: Path) -> None:
+        load_weights(path).sentencepiece()
+
     for name in files:
         for kind, payload in hostile_pickles(marker).items():
             case = tmp_path / "cases" / f"{kind}-{name}" / "step_00000001"
             shutil.copytree(good, case)
             (case / name).write_bytes(payload)
-            readers = [] if name == "tokenizer.model" else [resume]  # resume does not read the tokenizer
+            # tokenizer.model is read by the tools alone; every other file by resume.
+            readers = [load_for_tools] if name == "tokenizer.model" else [resume]
+            if name in ("meta.json", "config.json", METADATA_FILE, "__0_0.distcp"):
+                readers.append(load_for_tools)
             for read in readers:
                 with pytest.raises(CheckpointError) as info:
                     read(case)
                 message = str(info.value)
                 assert name in message and "\n" not in message, (kind, name, read.__name__, message)
             assert not marker.exists(), (kind, name)
+
+    # The tools also read the consolidated file: a pickle in its place is refused the same way.
+    fake = tmp_path / "model.safetensors"
+    fake.write_bytes(hostile_pickles(marker)["pickle"])
+    with pytest.raises(CheckpointError, match=r"^cannot read .*model\.safetensors"):
+        load_weights(fake)
+    assert not marker.exists()
 
 
 def test_metadata_allow_list_is_what_dcp_writes(one_process, tmp_path: Path) -> None:
@@ -675,3 +694,75 @@ def test_dp2_writes_each_box_once_and_resumes_at_dp1(one_process, tmp_path: Path
     fake_step(model, optimizer, 2)
     fake_step(fresh, fresh_opt, 2)
     assert_holds_blocks_of(fresh, fresh_opt, logical(model, optimizer))
+
+
+# --- the consolidated file and the tools ---------------------------------------------------------------------
+
+
+def run_tool(name: str, *args: str, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``python tools/<name>.py args`` in this process (torch is imported already): exit code, stdout, stderr."""
+    path = REPO / "tools" / f"{name}.py"
+    monkeypatch.setattr(sys, "argv", [str(path), *args])
+    capsys.readouterr()
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_consolidate_then_generate_gives_the_checkpoints_text(
+    one_process, tiny_dataset: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    cfg = tiny_cfg(vocab_size=512, vocab_multiple=96)  # 512 pads to 576: the file must hold the 512 real rows
+    model, optimizer = build(3, cfg)
+    for i in range(3):
+        train_step(model, optimizer, i)
+    root = tmp_path / "ckpts"
+    tokenizer = tiny_dataset / "tokenizer.model"
+    checkpointer(root, one_process, model, optimizer, cfg=cfg, tokenizer=tokenizer).save(FakeTrainer(3))
+    out = tmp_path / "out" / "model.safetensors"
+    dist.destroy_process_group()  # the tools run without one
+
+    # As a user runs it: its own process, no torchrun.
+    cmd = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), str(root), "--out", str(out)]
+    converted = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert converted.returncode == 0, converted.stderr
+    assert converted.stderr == f"wrote {out}: {len(weights_of(model))} tensors from {root / 'step_00000003'} (step 3)\n"
+    weights = read_consolidated(out)
+    assert weights.step == 3 and weights.config == run_config(cfg) and weights.tokenizer == tokenizer.read_bytes()
+    assert weights.tensors.keys() == weights_of(model).keys()
+    assert torch.equal(weights.tensors["wte.weight"], model.wte.weight.detach()[:512])
+    for name, tensor in read_model_tensors(root / "step_00000003").items():
+        assert torch.equal(weights.tensors[name], tensor), name
+
+    greedy = ("--prompt", "def ", "--tokens", "12", "--temperature", "0")
+    code_dir, text_dir, _ = run_tool("generate", str(root), *greedy, monkeypatch=monkeypatch, capsys=capsys)
+    code_file, text_file, _ = run_tool("generate", str(out), *greedy, monkeypatch=monkeypatch, capsys=capsys)
+    assert code_dir == code_file == 0
+    assert text_dir == text_file and text_dir.startswith("def ") and len(text_dir) > len("def \n")
+
+    # Errors are one line and exit 2, and leave no file behind.
+    bad_out = tmp_path / "x.safetensors"
+    code, _, err = run_tool(
+        "convert_checkpoint", str(tmp_path), "--out", str(bad_out), monkeypatch=monkeypatch, capsys=capsys
+    )
+    assert code == 2 and err.startswith("error: checkpoint=") and err.count("\n") == 1
+    assert not bad_out.exists()
+
+
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+def test_write_consolidated_is_atomic(tmp_path: Path, monkeypatch) -> None:
+    def failing_save(tensors: dict, filename: Path, metadata: dict) -> None:
+        Path(filename).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(consolidated_mod, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        write_consolidated(ModelWeights({"w": torch.zeros(2)}, {}, 1, None, tmp_path), tmp_path / "m.safetensors")
+    assert list(tmp_path.iterdir()) == []
