@@ -716,7 +716,8 @@ def run_tool(name: str, *args: str, monkeypatch, capsys) -> tuple[int, str, str]
 def test_consolidate_then_generate_gives_the_checkpoints_text(
     one_process, tiny_dataset: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    cfg = tiny_cfg(vocab_size=512, vocab_multiple=96)  # 512 pads to 576: the file must hold the 512 real rows
+    # vocab 600 pads to 640 rows (the file must hold the 600 real ones), past the tokenizer's 512 pieces.
+    cfg = tiny_cfg(vocab_size=600)
     model, optimizer = build(3, cfg)
     for i in range(3):
         train_step(model, optimizer, i)
@@ -734,7 +735,7 @@ def test_consolidate_then_generate_gives_the_checkpoints_text(
     weights = read_consolidated(out)
     assert weights.step == 3 and weights.config == run_config(cfg) and weights.tokenizer == tokenizer.read_bytes()
     assert weights.tensors.keys() == weights_of(model).keys()
-    assert torch.equal(weights.tensors["wte.weight"], model.wte.weight.detach()[:512])
+    assert torch.equal(weights.tensors["wte.weight"], model.wte.weight.detach()[:600])
     for name, tensor in read_model_tensors(root / "step_00000003").items():
         assert torch.equal(weights.tensors[name], tensor), name
 
@@ -743,6 +744,10 @@ def test_consolidate_then_generate_gives_the_checkpoints_text(
     code_file, text_file, _ = run_tool("generate", str(out), *greedy, monkeypatch=monkeypatch, capsys=capsys)
     assert code_dir == code_file == 0
     assert text_dir == text_file and text_dir.startswith("def ") and len(text_dir) > len("def \n")
+    # Sampling draws only ids the tokenizer can decode.
+    sampled = ("--tokens", "40", "--temperature", "1", "--top-k", "0")
+    code, text, err = run_tool("generate", str(out), *sampled, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and text.startswith("def "), err
 
     # Errors are one line and exit 2, and leave no file behind.
     bad_out = tmp_path / "x.safetensors"

@@ -40,13 +40,20 @@ def build_model(weights: ModelWeights, device: torch.device) -> GPT:
 
 @torch.no_grad()
 def sample(
-    model: GPT, prompt: list[int], n_tokens: int, temperature: float, top_k: int, generator: torch.Generator
+    model: GPT,
+    prompt: list[int],
+    n_tokens: int,
+    temperature: float,
+    top_k: int,
+    generator: torch.Generator,
+    n_pieces: int | None = None,
 ) -> list[int]:
-    """Autoregressive sampling; the context is cropped to the model's window."""
+    """Autoregressive sampling; the context is cropped to the model's window. Only the first ``n_pieces`` ids
+    are drawn: a model.vocab_size above the tokenizer's leaves ids no piece decodes."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     for _ in range(n_tokens):
-        logits = model(ids[:, -model.cfg.seq_len :])[0, -1].float()
+        logits = model(ids[:, -model.cfg.seq_len :])[0, -1, :n_pieces].float()
         if temperature == 0:
             nxt = logits.argmax().view(1)
         else:
@@ -78,7 +85,8 @@ def main() -> None:
         prompt = tokenizer.encode(args.prompt)
         if not prompt:
             raise TridentError("--prompt encodes to no tokens; give some text")
-        out = sample(model, prompt, args.tokens, args.temperature, args.top_k, torch.Generator().manual_seed(args.seed))
+        generator = torch.Generator().manual_seed(args.seed)
+        out = sample(model, prompt, args.tokens, args.temperature, args.top_k, generator, tokenizer.get_piece_size())
     except TridentError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
