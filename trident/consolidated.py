@@ -21,7 +21,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from trident.checkpoint import find_resume_path, read_head, read_model_tensors
@@ -71,7 +71,10 @@ def write_consolidated(weights: ModelWeights, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        save_file({name: t.contiguous() for name, t in weights.tensors.items()}, tmp, metadata=metadata)
+        try:
+            save_file({name: t.contiguous() for name, t in weights.tensors.items()}, tmp, metadata=metadata)
+        except SafetensorError as e:  # its I/O errors are not OSErrors
+            raise OSError(" ".join(str(e).split())) from None
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
