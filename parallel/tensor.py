@@ -1,0 +1,259 @@
+"""Megatron-style tensor-parallel layers and the vocab-parallel cross-entropy.
+
+Each layer takes its tp group in the constructor, holds only its slice of every split parameter, and declares
+each parameter's ``Placement`` (logical shape, split dim, tp rank and size, padding): init, checkpoints and the
+gradient norm read that, never the local shape. With no group, or a group of one, a layer is exactly its
+plain torch counterpart: the same kernels, no collective, no copy.
+
+Sequence parallelism (``sequence_parallel=True``): outside the column -> row regions, activations are
+``[batch, seq / tp, ...]`` shards. A column-parallel layer all-gathers its input along the sequence instead of
+taking it replicated, and a row-parallel layer reduce-scatters its output instead of all-reducing it: the same
+bytes as the all-reduce, with LayerNorm and dropout done once per token instead of on every tp rank.
+Parameters every tp rank holds whole then see only their rank's tokens, so their gradients are partial sums
+that ``sum_grads_over_tp`` completes after backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trident.parallel.comm import (
+    copy_to_region,
+    gather_last_dim,
+    gather_sequence,
+    rank_and_size,
+    reduce_from_region,
+    reduce_scatter_sequence,
+    split_last_dim,
+)
+from trident.parallel.placement import Placement, set_placement
+
+
+def tp_split_error(key: str, value: int, tp: int) -> str | None:
+    """A one-line message if ``value`` does not split over ``tp`` ranks, naming the nearest values that do."""
+    if value % tp == 0:
+        return None
+    below, above = value // tp * tp, (value // tp + 1) * tp
+    sizes = " or ".join(str(v) for v in (below, above) if v > 0)
+    divisors = [d for d in range(1, value + 1) if value % d == 0]
+    smaller = max(d for d in divisors if d < tp)
+    larger = [d for d in divisors if d > tp][:1]
+    tps = " or ".join(str(d) for d in [smaller, *larger])
+    return f"{key}={value} is not divisible by parallel.tp={tp}; use {key}={sizes}, or parallel.tp={tps}"
+
+
+def _split_size(key: str, value: int, tp: int) -> int:
+    if error := tp_split_error(key, value, tp):
+        raise ValueError(error)
+    return value // tp
+
+
+def _parameter(placement: Placement) -> nn.Parameter:
+    # Zeros, not garbage: padding rows must be zero, and a model used before init_weights stays finite.
+    return set_placement(nn.Parameter(torch.zeros(placement.local_shape)), placement)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X W^T + b with W split by output rows: tp rank r holds W[r*k:(r+1)*k] and b[r*k:(r+1)*k]
+    (k = out / tp) and computes Y[..., r*k:(r+1)*k]; X enters replicated (its gradient is summed over tp),
+    or with sequence parallelism as a sequence shard that is all-gathered."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_group: dist.ProcessGroup | None = None,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        tp_rank, tp_size = rank_and_size(tp_group)
+        _split_size("out_features", out_features, tp_size)
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.weight = _parameter(Placement((out_features, in_features), 0, tp_rank, tp_size))
+        if bias:
+            self.bias = _parameter(Placement((out_features,), 0, tp_rank, tp_size))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_last_dim(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X W^T + b with W split by input columns: tp rank r holds W[:, r*k:(r+1)*k] (k = in / tp) and
+    multiplies X[..., r*k:(r+1)*k]; the partial products are summed over tp (all-reduce, or with sequence
+    parallelism a reduce-scatter to sequence shards) and b, held whole by every rank, is added once."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_group: dist.ProcessGroup | None = None,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        tp_rank, tp_size = rank_and_size(tp_group)
+        _split_size("in_features", in_features, tp_size)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("a sequence-parallel RowParallelLinear takes its input already split (input_is_parallel)")
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.weight = _parameter(Placement((out_features, in_features), 1, tp_rank, tp_size))
+        if bias:
+            self.bias = _parameter(Placement((out_features,)))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            x = split_last_dim(x, self.tp_group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, self.tp_group)
+        else:
+            y = reduce_from_region(partial, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E[ids] with E's vocab rows padded to ``padded`` and split: tp rank r holds rows [r*k, (r+1)*k)
+    (k = padded / tp), looks up the ids in its block and zeros the rest; the partial results are summed over
+    tp (all-reduce, or with sequence parallelism a reduce-scatter to sequence shards).
+
+    ``logits`` is the tied LM head, X E^T, column-parallel by vocab: rank r computes the logits of its block."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_group: dist.ProcessGroup | None = None,
+        padded: int | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        tp_rank, tp_size = rank_and_size(tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        placement = Placement((num_embeddings, embedding_dim), 0, tp_rank, tp_size, padded)
+        self.weight = _parameter(placement)
+        self.vocab_start = placement.offsets[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        block = self.weight.shape[0]
+        foreign = (ids < self.vocab_start) | (ids >= self.vocab_start + block)
+        local = (ids - self.vocab_start).masked_fill(foreign, 0)
+        x = F.embedding(local, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(x, self.tp_group)
+        return reduce_from_region(x, self.tp_group)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d] -> [..., vocab] at tp=1 (padding rows dropped); at tp>1 this rank's block of the padded
+        vocab, [..., padded / tp], whose padding columns ``vocab_parallel_cross_entropy`` leaves out."""
+        if self.tp_size == 1:
+            return F.linear(x, self.weight[: self.num_embeddings])
+        x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+        return F.linear(x, self.weight)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's cross-entropy over vocab-sharded logits. With m the max over the whole vocab:
+    loss = log(sum_v exp(z_v - m)) - (z_target - m), the max reduced with MAX and the two sums with one SUM
+    over tp; the target logit is read on the rank whose block holds it (0 elsewhere). Backward is
+    softmax - onehot on each rank's own columns."""
+
+    @staticmethod
+    def forward(
+        ctx, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, vocab_size: int
+    ) -> torch.Tensor:
+        tp_rank, tp_size = rank_and_size(group)
+        block = logits.shape[-1]
+        start = tp_rank * block
+        # Only the first ``real`` columns of this block are vocabulary; the padding never enters the sums.
+        real = max(0, min(block, vocab_size - start))
+        t = targets.reshape(-1)
+        z = logits.narrow(-1, 0, real).reshape(t.numel(), real).float()
+        owned = (t >= start) & (t < start + real)
+        local_t = (t - start).masked_fill(~owned, 0)
+        if real:
+            m = z.amax(dim=-1)
+        else:  # a block of padding only (a large vocab_multiple): it adds nothing
+            m = z.new_full((z.shape[0],), float("-inf"))
+        if tp_size > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        z = z - m.unsqueeze(-1)
+        if real:
+            target_z = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        else:
+            target_z = z.new_zeros(z.shape[0])
+        exp = z.exp_()
+        sums = torch.stack([exp.sum(dim=-1), target_z])
+        if tp_size > 1:
+            dist.all_reduce(sums, group=group)
+        sum_exp, target_z = sums
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, owned, local_t)
+        ctx.shape, ctx.dtype, ctx.real = logits.shape, logits.dtype, real
+        return (sum_exp.log() - target_z).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, owned, local_t = ctx.saved_tensors
+        # softmax is ours alone and backward runs once: build the gradient in place.
+        grad_z = softmax
+        rows = torch.arange(grad_z.shape[0], device=grad_z.device)
+        if ctx.real:
+            grad_z[rows, local_t] -= owned.to(grad_z.dtype)
+        grad_z.mul_(grad)
+        block = ctx.shape[-1]
+        if ctx.real < block:
+            grad_z = F.pad(grad_z, (0, block - ctx.real))  # padding columns: zero gradient
+        return grad_z.view(ctx.shape).to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int
+) -> torch.Tensor:
+    """Summed token cross-entropy (fp32) from vocab-sharded logits, never gathering the vocabulary.
+
+    ``logits`` is this rank's block [..., padded / tp] (``VocabParallelEmbedding.logits``), ``targets`` the
+    token ids [...], the same on every tp rank. Columns at or past ``vocab_size`` are padding: they get no
+    probability and no gradient. Every tp rank returns the same loss.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp_group, vocab_size)
+
+
+def sum_grads_over_tp(grads: Sequence[torch.Tensor], tp_group: dist.ProcessGroup) -> None:
+    """Sum, in place and in one all-reduce, gradients that each tp rank holds only in part.
+
+    Under sequence parallelism that is every parameter all tp ranks hold whole (LayerNorms, row-parallel
+    biases, position embeddings): each rank's backward saw only its own tokens. Afterwards the gradients are
+    bit-identical across tp, as the parameters must stay.
+    """
+    if not grads or dist.get_world_size(tp_group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=tp_group)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(summed.view_as(g))
