@@ -3,17 +3,22 @@
 - ``full``: each transformer block keeps only its input; everything inside is recomputed in backward.
 - ``selective``: only the attention core (softmax(QK^T)V, the part whose activations grow with T^2 and
   cost little to recompute) is recomputed, as in Megatron's selective recomputation.
+
+Dropout redraws the same masks when recomputed: torch restores the default generator itself, and the
+model's RNG tracker, if it has one, restores its tensor-parallel streams (``RNGTracker.checkpoint_contexts``).
 """
 
 from __future__ import annotations
 
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from trident.models.gpt import GPT
+from trident.parallel.random import RNGTracker
 
 
-def _recomputed(fn):
-    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
+def _recomputed(fn, rng: RNGTracker | None):
+    contexts = rng.checkpoint_contexts if rng is not None else noop_context_fn
+    return lambda *args: checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
 
 
 def apply_activation_checkpointing(model: GPT, policy: str) -> None:
@@ -24,6 +29,6 @@ def apply_activation_checkpointing(model: GPT, policy: str) -> None:
     for block in model.layers.values():
         # Overriding forward on the instance keeps state_dict keys unchanged (no wrapper module).
         if policy == "full":
-            block.forward = _recomputed(block.forward)
+            block.forward = _recomputed(block.forward, model.rng)
         else:
-            block.attn.core = _recomputed(block.attn.core)
+            block.attn.core = _recomputed(block.attn.core, model.rng)

@@ -1,12 +1,15 @@
 """A GPT-2 family language model: pre-LayerNorm blocks, learned positions, GELU MLP, causal attention
 through scaled_dot_product_attention, and an LM head tied to the token embedding.
 
-Layers live in a ModuleDict keyed by their global index ("0", "1", ...), so a parameter's name is the
-same whichever pipeline stage holds it; checkpoints and the name-seeded initialisation rely on that.
+Built from tensor-parallel layers (trident/parallel/tensor.py): attention splits its heads over the tp group
+(the fused qkv is laid out head by head, ``(h three d)``, so a column-parallel block of its rows holds whole
+heads with their q, k and v), the MLP is column- then row-parallel, and the token embedding is vocab-parallel,
+its weight doubling as the LM head. With no tp group, or a group of one, every layer is the plain torch one.
+With sequence parallelism the residual stream, LayerNorms and dropout work on ``[batch, seq / tp, d]`` shards.
 
-Every parameter carries its ``Placement`` (trident/parallel/placement.py): the logical shape and the dim a
-tensor-parallel layer splits. The fused qkv projection is laid out head by head, ``(h three d)``, so a
-contiguous block of its output rows holds whole heads with their q, k and v.
+Layers live in a ModuleDict keyed by their global index ("0", "1", ...), so a parameter's name is the
+same whichever pipeline stage holds it, and the same at every tp: checkpoints and the name-seeded
+initialisation rely on that. Every parameter carries its ``Placement`` (trident/parallel/placement.py).
 """
 
 from __future__ import annotations
@@ -15,12 +18,22 @@ import math
 import zlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
 from trident.config import ModelConfig
-from trident.parallel.placement import Placement, placement_of, replicated, set_placement
+from trident.parallel.comm import rank_and_size
+from trident.parallel.placement import Placement, placement_of, replicated
+from trident.parallel.random import Dropout, RNGTracker, drawing_from
+from trident.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    tp_split_error,
+    vocab_parallel_cross_entropy,
+)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tp: int = 1) -> int:
@@ -29,33 +42,38 @@ def padded_vocab_size(vocab_size: int, multiple: int, tp: int = 1) -> int:
     return math.ceil(vocab_size / step) * step
 
 
-def _column(linear: nn.Linear) -> None:
-    """Y = X W^T with W split by output rows: tp rank r computes output features [r*k, (r+1)*k)."""
-    set_placement(linear.weight, Placement(tuple(linear.weight.shape), split_dim=0))
-    if linear.bias is not None:
-        set_placement(linear.bias, Placement(tuple(linear.bias.shape), split_dim=0))
-
-
-def _row(linear: nn.Linear) -> None:
-    """Y = X W^T with W split by input columns: partial sums are added over tp; the bias is added once."""
-    set_placement(linear.weight, Placement(tuple(linear.weight.shape), split_dim=1))
-    if linear.bias is not None:
-        replicated(linear.bias)
+def check_tp_split(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """Refuse a shape the tp group cannot split, naming the nearest values that would do."""
+    sizes = [("model.n_heads", cfg.n_heads), ("model.d_ff", cfg.ffn_dim)]
+    if sequence_parallel:
+        sizes.append(("model.seq_len", cfg.seq_len))
+    for key, value in sizes:
+        if error := tp_split_error(key, value, tp):
+            raise ValueError(error)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Heads split over tp: qkv column-parallel (whole heads per rank), proj row-parallel."""
+
+    def __init__(
+        self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool, rng: RNGTracker | None
+    ) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        _column(self.qkv)
-        _row(self.proj)
+        self.n_heads = cfg.n_heads // rank_and_size(tp_group)[1]  # this rank's heads
+        self.dropout, self.rng = getattr(cfg, "dropout", 0.0), rng
+        d = cfg.d_model
+        self.qkv = ColumnParallelLinear(d, 3 * d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(d, d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
 
     def core(self, qkv: torch.Tensor) -> torch.Tensor:
         """Attention proper, no weights: the part selective checkpointing recomputes."""
         q, k, v = rearrange(qkv, "b t (h three d) -> three b h t d", three=3, h=self.n_heads)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.training and self.dropout > 0:
+            # Each tp rank holds other heads: their attention dropout must not repeat one mask.
+            with drawing_from(self.rng):
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return rearrange(y, "b h t d -> b t (h d)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,68 +81,117 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
-        _column(self.fc)
-        _row(self.proj)
+        d, f = cfg.d_model, cfg.ffn_dim
+        self.fc = ColumnParallelLinear(d, f, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(f, d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+def _residual_dropout(cfg: ModelConfig, sequence_parallel: bool, rng: RNGTracker | None) -> nn.Module:
+    """Dropout on the residual stream: replicated over tp (the default generator), or under sequence
+    parallelism a different shard on each rank (the tp stream). None of it at dropout 0."""
+    p = getattr(cfg, "dropout", 0.0)
+    if p == 0:
+        return nn.Identity()
+    return Dropout(p, rng if sequence_parallel else None)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool, rng: RNGTracker | None
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp_group, sequence_parallel)
+        self.drop = _residual_dropout(cfg, sequence_parallel, rng)
         for p in [*self.ln_1.parameters(), *self.ln_2.parameters()]:
             replicated(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
-    """Token ids [B, T] -> logits [B, T, vocab_size] (padding columns already dropped)."""
+    """Token ids [B, T] -> logits. At tp=1 they are [B, T, vocab_size] (padding columns dropped); at tp>1 each
+    rank returns its block of the padded vocab, [B, T, padded_vocab / tp], and ``loss_sum`` computes the loss
+    from the blocks without ever gathering the vocabulary.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``tp_group``: the tensor-parallel group (None: one process). ``sequence_parallel``: split the activations
+    outside the tp regions along the sequence. ``rng``: the model-parallel RNG tracker, which dropout needs
+    at tp>1 (``model.dropout``; none by default).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        rng: RNGTracker | None = None,
+    ) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_multiple)
-        self.wte = nn.Embedding(self.padded_vocab, cfg.d_model)
+        self.tp_rank, self.tp_size = rank_and_size(tp_group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        check_tp_split(cfg, self.tp_size, self.sequence_parallel)
+        if getattr(cfg, "dropout", 0.0) > 0 and self.tp_size > 1 and rng is None:
+            raise ValueError("dropout at tp > 1 needs the model-parallel RNG tracker (rng=model_parallel_rng(...))")
+        self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
+        sp = self.sequence_parallel
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_multiple, self.tp_size)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, self.padded_vocab, sp)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.drop = _residual_dropout(cfg, sp, rng)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
-        # Vocab rows are what a vocab-parallel embedding splits; the padding rows are never real.
-        vocab = Placement((cfg.vocab_size, cfg.d_model), split_dim=0, padded=self.padded_vocab)
-        set_placement(self.wte.weight, vocab)
         for p in [self.wpe.weight, *self.ln_f.parameters()]:
             replicated(p)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token + position embeddings: what the first pipeline stage does before its blocks."""
+        """Token + position embeddings: what the first pipeline stage does before its blocks. Under sequence
+        parallelism, this rank's shard of the sequence: positions [r*t/tp, (r+1)*t/tp)."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
-        return self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        if not self.sequence_parallel:
+            return self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+        if t % self.tp_size:
+            raise ValueError(f"sequence of {t} tokens does not split over tp={self.tp_size} (sequence parallelism)")
+        shard = t // self.tp_size
+        positions = torch.arange(self.tp_rank * shard, (self.tp_rank + 1) * shard, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(positions))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final LayerNorm and the tied LM head: what the last pipeline stage does after its blocks.
 
-        The padded rows of wte never become logits, so padding cannot change the loss.
+        Padding rows of wte never become real logits: dropped at tp=1, left out by the loss at tp>1.
         """
-        return F.linear(self.ln_f(x), self.wte.weight[: self.cfg.vocab_size])
+        return self.wte.logits(self.ln_f(x))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
         for block in self.layers.values():
             x = block(x)
         return self.head(x)
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy in fp32 of this model's logits (the trainer's loss function)."""
+        if self.tp_size == 1:
+            return lm_loss_sum(logits, targets)
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.cfg.vocab_size)
+
+    def sequence_parallel_params(self) -> list[nn.Parameter]:
+        """Parameters whose gradients each tp rank holds only in part: under sequence parallelism, every one
+        held whole by all tp ranks (LayerNorms, row-parallel biases, wpe) saw only its rank's tokens. Sum
+        their gradients over tp after backward (``sum_grads_over_tp``)."""
+        if not self.sequence_parallel:
+            return []
+        return [p for p in self.parameters() if placement_of(p).split_dim is None]
 
 
 def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,12 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from trident.config import ModelConfig
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, flops_per_token, init_weights, lm_loss_sum, padded_vocab_size
+from trident.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 TINY = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100, vocab_multiple=64)
 
@@ -33,6 +35,25 @@ def test_logits_shape_and_initial_loss_near_uniform():
     assert logits.shape == (3, TINY.seq_len, TINY.vocab_size)
     mean_loss = lm_loss_sum(logits, y).item() / y.numel()
     assert abs(mean_loss - math.log(TINY.vocab_size)) < 0.1
+
+
+def test_a_tp_group_of_one_is_the_plain_model():
+    """What train.py builds at tp=1 (a real group of one, even with sequence_parallel asked for) is the plain
+    model bit for bit: the parallel layers take their torch path, with no collective."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        plain, grouped = build(), GPT(TINY, dist.group.WORLD, sequence_parallel=True)
+        init_weights(grouped, TINY, seed=0)
+        assert not grouped.sequence_parallel and grouped.sequence_parallel_params() == []
+        x, y = batch()
+        loss_plain, loss_grouped = lm_loss_sum(plain(x), y), grouped.loss_sum(grouped(x), y)
+        assert torch.equal(loss_plain, loss_grouped)
+        loss_plain.backward()
+        loss_grouped.backward()
+        for (name, a), b in zip(plain.named_parameters(), grouped.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), name
+    finally:
+        dist.destroy_process_group()
 
 
 def test_padded_vocab_size():
@@ -97,7 +118,8 @@ def test_count_params_matches_module():
 
 def test_flops_per_token_is_6n_plus_attention():
     model = build()
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linears = (ColumnParallelLinear, RowParallelLinear)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, linears))
     matmul += TINY.vocab_size * TINY.d_model  # the tied LM head
     attention = 12 * TINY.n_layers * TINY.d_model * TINY.seq_len
     assert flops_per_token(TINY) == 6 * matmul + attention
