@@ -47,10 +47,9 @@ def tp_split_error(key: str, value: int, tp: int) -> str | None:
     return f"{key}={value} is not divisible by parallel.tp={tp}; use {key}={sizes}, or parallel.tp={tps}"
 
 
-def _split_size(key: str, value: int, tp: int) -> int:
+def _check_split(key: str, value: int, tp: int) -> None:
     if error := tp_split_error(key, value, tp):
         raise ValueError(error)
-    return value // tp
 
 
 def _parameter(placement: Placement) -> nn.Parameter:
@@ -74,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         tp_rank, tp_size = rank_and_size(tp_group)
-        _split_size("out_features", out_features, tp_size)
+        _check_split("out_features", out_features, tp_size)
         self.tp_group, self.tp_size = tp_group, tp_size
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp_size > 1
@@ -108,7 +107,7 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         tp_rank, tp_size = rank_and_size(tp_group)
-        _split_size("in_features", in_features, tp_size)
+        _check_split("in_features", in_features, tp_size)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("a sequence-parallel RowParallelLinear takes its input already split (input_is_parallel)")
         self.tp_group, self.tp_size = tp_group, tp_size

@@ -221,8 +221,9 @@ def test_rng_streams_are_shared_where_replicated_and_distinct_where_sharded():
         assert torch.equal(ranks[0][shared], ranks[1][shared])
     for distinct in (3, 4):  # the tp stream and dropout drawing from it
         assert not torch.equal(ranks[0][distinct], ranks[1][distinct])
-    torch.manual_seed(7)
-    assert torch.equal(torch.rand(4), ranks[0][0]) and torch.equal(torch.rand(4), ranks[0][1])
+    default = torch.Generator().manual_seed(7)  # the default stream, as if no fork had happened
+    assert torch.equal(torch.rand(4, generator=default), ranks[0][0])
+    assert torch.equal(torch.rand(4, generator=default), ranks[0][1])
 
 
 def test_recomputation_redraws_the_tracked_masks_only_with_the_tracker_context():
