@@ -1,14 +1,15 @@
-"""Errors a user can fix. ``train.py`` turns them into one line on stderr and exit code 2."""
+"""Errors a user can fix. ``train.py`` turns them into one line on stderr and an exit code (2 unless said)."""
 
 
 class TridentError(Exception):
     """Base class: the message says what is wrong and how to fix it.
 
-    ``agreed`` marks an error that every rank raises alike, so one rank per node is enough to print it;
-    any other error is printed by the rank that hit it, so no message is lost when only some ranks fail.
+    ``agreed`` marks an error that every rank raises alike (a config rule, or an outcome the ranks exchanged);
+    any other error was met by some ranks alone. Either way every rank that knows it prints it.
     """
 
     agreed = False
+    exit_code = 2
 
 
 class ConfigError(TridentError):
@@ -23,6 +24,18 @@ class DataError(TridentError):
 
 class CheckpointError(TridentError):
     """A checkpoint cannot be found or does not fit the model."""
+
+
+class RunDirError(TridentError):
+    """The run directory (or checkpoint directory) belongs to another run that is still alive."""
+
+
+class DivergenceError(TridentError):
+    """Training diverged (losses or gradients not finite). Every rank sees the same losses and norms, so
+    every rank raises it at the same step. Its own exit code lets a job script tell it from a bad config."""
+
+    agreed = True
+    exit_code = 3
 
 
 def one_line(text: str) -> str:
