@@ -10,6 +10,7 @@ wrong with the config or the data is found before the first collective, so a bad
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -21,34 +22,53 @@ from omegaconf import DictConfig
 from trident import cli
 from trident.checkpoint import Checkpointer
 from trident.config import Config, register_configs, to_config, validate
-from trident.data.dataset import TokenDataset
-from trident.data.prepare import resolve_dataset
+from trident.data.dataset import open_dataset
 from trident.device import local_world_size, pick_backend, pick_device, set_cpu_threads, use_tensor_cores
 from trident.loop import Trainer
 from trident.metrics import MetricsLogger, announce_run, device_peak_tflops
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, flops_per_token, init_weights, lm_loss_sum
 from trident.optim import GradStep, build_optimizer
+from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import build_process_groups, init_distributed, launch_world_size, shutdown_distributed
 from trident.parallel.reducer import GradReducer
 from trident.parallel.topology import Topology
 from trident.precision import LossScaler
+from trident.rundir import take_ownership
 from trident.runner import LocalRunner
+from trident.signals import StopRequest
 
 
 def run(cfg: Config, run_dir: Path) -> list[dict]:
     """Train as ``cfg`` says; return every step's metrics row. Joins the default process group if one
-    exists (a test's), else creates it (and destroys it at the end)."""
+    exists (a test's), else creates it (and destroys it at the end).
+
+    Raises ``Stopped`` after SIGTERM / SIGINT (the last completed step saved) and ``DivergenceError`` when the
+    losses or gradients stop being finite; either way every rank raises it after the same step.
+    """
     owns_group = not dist.is_initialized()
+    with contextlib.ExitStack() as cleanup:
+        stop = cleanup.enter_context(StopRequest(cfg.train.stop_grace_s))
+        history = _build_and_fit(cfg, run_dir, owns_group, stop, cleanup)
+    if owns_group:
+        shutdown_distributed()
+    return history
+
+
+def _build_and_fit(
+    cfg: Config, run_dir: Path, owns_group: bool, stop: StopRequest, cleanup: contextlib.ExitStack
+) -> list[dict]:
     # Checks and data preparation need no process group: a problem ends every rank the same way.
     dp = validate(cfg, launch_world_size() if owns_group else dist.get_world_size())
     topology = Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
     device = pick_device(cfg.train.device)
     use_tensor_cores(device)
-    dataset = TokenDataset(resolve_dataset(cfg.data, cfg.model.vocab_size))
-    train_data, val_data = dataset.split(cfg.model.seq_len, cfg.data.val_fraction, cfg.train.global_batch_size)
+    dataset = open_dataset(cfg.data, cfg.model.vocab_size)
+    tr = cfg.train
+    eval_batches = tr.eval_batches if tr.eval_every else None
+    train_data, val_data = dataset.split(cfg.model.seq_len, cfg.data.val_fraction, tr.global_batch_size, eval_batches)
     lg = cfg.logging
-    peak = device_peak_tflops(device, cfg.train.precision, lg.peak_tflops, lg.cpu_peak_tflops, local_world_size())
+    peak = device_peak_tflops(device, tr.precision, lg.peak_tflops, lg.cpu_peak_tflops, local_world_size())
     if owns_group and device.type == "cpu":
         set_cpu_threads()
 
@@ -57,18 +77,24 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
     agreed = [str(run_dir)]
     dist.broadcast_object_list(agreed, src=0)  # ranks started a second apart must share rank 0's run dir
     run_dir = Path(agreed[0])
+    checkpoint_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else run_dir / "checkpoints"
+    # Rank 0 writes the checkpoints, so it owns the directories for as long as it lives.
+    locks = on_one_rank(lambda: take_ownership(run_dir, checkpoint_root), 0, f"lock the run directory {run_dir}")
+    for lock in locks or []:
+        cleanup.callback(lock.release)
 
     model = GPT(cfg.model)
-    init_weights(model, cfg.model, cfg.train.seed)
+    init_weights(model, cfg.model, tr.seed)
     model.to(device)
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    apply_activation_checkpointing(model, tr.activation_checkpointing)
     chunks = [model]
     optimizer = build_optimizer(chunks, cfg.optim)
     reducer = GradReducer([p for c in chunks for p in c.parameters()], groups.dp_group, cfg.parallel.bucket_mb)
-    scaler = LossScaler() if cfg.train.precision == "fp16" else None
+    cleanup.callback(reducer.remove_hooks)
+    scaler = LossScaler() if tr.precision == "fp16" else None
     config_dict = dataclasses.asdict(cfg)
     checkpointer = Checkpointer(
-        root=Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else run_dir / "checkpoints",
+        root=checkpoint_root,
         every=cfg.checkpoint.every,
         keep_last=cfg.checkpoint.keep_last,
         resume=cfg.checkpoint.resume,
@@ -81,11 +107,11 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
     if groups.is_logging_rank:
         announce_run(cfg, topology, chunks, device, len(train_data), run_dir, peak)
     trainer = Trainer(
-        train_cfg=cfg.train,
+        train_cfg=tr,
         optim_cfg=cfg.optim,
         groups=groups,
         model_chunks=chunks,
-        runner=LocalRunner(chunks, reducer, cfg.train.precision),
+        runner=LocalRunner(chunks, reducer, tr.precision),
         loss_fn=lm_loss_sum,
         grad_step=GradStep(optimizer, reducer, groups, cfg.optim.grad_clip, scaler),
         train_data=train_data,
@@ -94,13 +120,10 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
         flops_per_token=flops_per_token(cfg.model),
         peak_flops=peak * 1e12 if peak else None,
         checkpointer=checkpointer,
-        make_logger=lambda start: MetricsLogger(run_dir, cfg.train.steps, lg, cfg.wandb, config_dict, start),
+        make_logger=lambda start: MetricsLogger(run_dir, tr.steps, lg, cfg.wandb, config_dict, start),
+        stop=stop,
     )
-    history = trainer.fit()
-    reducer.remove_hooks()
-    if owns_group:
-        shutdown_distributed()
-    return history
+    return trainer.fit()
 
 
 register_configs()

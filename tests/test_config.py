@@ -156,6 +156,9 @@ INVALID = [
     # Evaluation, data, checkpoints, logging.
     pytest.param({"train.eval_every": -1}, 1, ["train.eval_every=-1"], id="eval_every<0"),
     pytest.param({"train.eval_batches": 0}, 1, ["train.eval_batches=0"], id="eval_batches<1"),
+    pytest.param({"train.max_skipped_steps": 0}, 1, ["train.max_skipped_steps=0"], id="max_skipped<1"),
+    pytest.param({"train.max_nonfinite_losses": 0}, 1, ["train.max_nonfinite_losses=0"], id="max_nonfinite<1"),
+    pytest.param({"train.stop_grace_s": 0.0}, 1, ["train.stop_grace_s=0.0"], id="stop_grace=0"),
     pytest.param({"data.val_fraction": 0.0}, 1, ["data.val_fraction"], id="val_fraction=0"),
     pytest.param({"data.val_fraction": 1.0}, 1, ["data.val_fraction"], id="val_fraction=1"),
     pytest.param({"data.tokenizer_lines": 999}, 1, ["data.tokenizer_lines"], id="tokenizer_lines"),
@@ -190,6 +193,30 @@ def test_real_feature_gate_names_real_keys_and_passes_the_defaults(monkeypatch: 
         section, name = key.split(".", 1)
         assert hasattr(getattr(Config(), section), name), key
     assert validate(Config(), 1) == 1
+
+
+# --- the fit to the launch is checked last: a config wrong in itself says so before asking for a relaunch.
+
+LAUNCH_LAST = [
+    # `python train.py parallel.tp=2` used to say "launch 2 processes"; launched so, it said "not implemented".
+    pytest.param({"parallel.tp": 2}, 1, "parallel.tp=2: tensor parallelism is not implemented", True, id="gate"),
+    pytest.param({"parallel.tp": 2, "model.n_heads": 3}, 1, "model.d_model=256 is not divisible", False, id="shape"),
+    pytest.param({"parallel.pp": 2, "model.n_layers": 3}, 1, "model.n_layers=3", False, id="split"),
+    pytest.param({"parallel.dp": 2, "train.precision": "fp8"}, 1, "train.precision='fp8'", False, id="choice"),
+    # An explicit dp belongs to the config: its batch arithmetic is wrong whatever the launch.
+    pytest.param({"parallel.dp": 3}, 2, "train.global_batch_size=32 is not divisible", False, id="explicit-dp"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "world", "message", "gated"), LAUNCH_LAST)
+def test_the_launch_hint_comes_after_every_other_check(
+    monkeypatch: pytest.MonkeyPatch, overrides: dict, world: int, message: str, gated: bool
+) -> None:
+    if gated:
+        monkeypatch.setattr(config, "NOT_YET_IMPLEMENTED", REAL_NOT_YET_IMPLEMENTED)
+    with pytest.raises(ConfigError) as excinfo:
+        validate(make(overrides), world)
+    assert message in str(excinfo.value) and "world size" not in str(excinfo.value), str(excinfo.value)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import torch
 
 from trident.config import DataConfig
 from trident.data import prepare
-from trident.data.dataset import TokenDataset
+from trident.data.dataset import TokenDataset, eval_batch_count, open_dataset
 from trident.data.prepare import (
     collect_text_files,
     default_corpus_files,
@@ -265,25 +265,78 @@ def test_windows_fraction_rounds_to_at_least_one(tmp_path):
 
 def test_too_small(tmp_path):
     ds = TokenDataset(_fake_dataset(tmp_path / "ds", 1001))
-    ds.split(seq_len=10, val_fraction=0.1, min_train_windows=89)
+    ds.split(seq_len=10, val_fraction=0.1, global_batch_size=89)
     with pytest.raises(DataError, match="only 89 training windows of seq_len 10, fewer than one global"):
-        ds.split(seq_len=10, val_fraction=0.1, min_train_windows=90)
+        ds.split(seq_len=10, val_fraction=0.1, global_batch_size=90)
     with pytest.raises(DataError, match="only 0 training windows"):
         ds.split(seq_len=1000, val_fraction=0.1)
 
 
-def test_damaged_tokens(tmp_path):
-    root = _fake_dataset(tmp_path / "ds", 1001)
-    with open(root / "tokens.bin", "ab") as f:
-        f.write(b"\0")
-    with pytest.raises(DataError, match="damaged"):
-        TokenDataset(root)
+def test_eval_batches_are_bounded_by_the_validation_windows(tmp_path):
+    """An evaluation may read each validation window once: 10 windows hold 2 global batches of 4."""
+    ds = TokenDataset(_fake_dataset(tmp_path / "ds", 1001))
+    _, val = ds.split(seq_len=10, val_fraction=0.1, global_batch_size=4, eval_batches=2)
+    assert len(val) == 10
+    with pytest.raises(DataError) as e:
+        ds.split(seq_len=10, val_fraction=0.1, global_batch_size=4, eval_batches=100_000_000)
+    assert "train.eval_batches=100000000 needs 400,000,000 validation windows" in str(e.value)
+    assert "holds 10 of seq_len 10" in str(e.value) and "at most 2" in str(e.value)
+    # A validation set smaller than one global batch still gives one (windows repeat), never zero.
+    ds.split(seq_len=10, val_fraction=0.1, global_batch_size=16, eval_batches=1)
+    with pytest.raises(DataError, match="at most 1 "):
+        ds.split(seq_len=10, val_fraction=0.1, global_batch_size=16, eval_batches=2)
+    # Left out: up to 4 batches, as many as the windows hold.
+    assert [eval_batch_count(None, n, 4) for n in (3, 10, 100)] == [1, 2, 4]
+    assert eval_batch_count(3, 100, 4) == 3
+
+
+def _damaged_copy(dataset: Path, root: Path) -> Path:
+    copy = root / "ds"
+    shutil.copytree(dataset, copy)
+    return copy
+
+
+def _truncate_tokens(d: Path) -> None:
+    with open(d / "tokens.bin", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 2)
+
+
+DAMAGE = [
+    ("meta.json", lambda d: (d / "meta.json").write_text('{"format": 1, "vocab_'), "not JSON"),
+    ("meta.json", lambda d: (d / "meta.json").write_text("[1, 2]"), "not a JSON object"),
+    ("meta.json", lambda d: (d / "meta.json").write_text('{"format": 1, "vocab_size": 512}'), "no int eos_id"),
+    ("tokenizer.model", lambda d: (d / "tokenizer.model").write_bytes(b"\x00garbage" * 10), "sentencepiece cannot"),
+    ("tokens.bin", _truncate_tokens, "bytes, but meta.json says"),
+]
+
+
+@pytest.mark.parametrize("name,damage,what", DAMAGE, ids=[f"{n}-{w}" for n, _, w in DAMAGE])
+def test_a_damaged_dataset_file_is_one_line_naming_it_and_the_rebuild_command(dataset, tmp_path, name, damage, what):
+    d = _damaged_copy(dataset, tmp_path)
+    damage(d)
+    with pytest.raises(DataError) as e:
+        open_dataset(DataConfig(dataset_dir=str(d)), VOCAB)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"dataset file {d / name} is damaged (") and what in message, message
+    assert message.endswith(f"rebuild it: python tools/prepare_data.py --text YOUR_TEXT --out {d} --vocab-size 512")
+
+
+def test_a_damaged_cached_dataset_says_to_remove_it(corpus, tmp_path):
+    """A dataset prepared into the cache from data.text is rebuilt by deleting it: the next run prepares it."""
+    cfg = _cfg(corpus, tmp_path / "cache")
+    d = open_dataset(cfg, VOCAB).dir
+    (d / "meta.json").write_text("not json")
+    with pytest.raises(DataError, match=rf"dataset file {d / 'meta.json'} is damaged .*rebuild it: rm -r {d} and run"):
+        open_dataset(cfg, VOCAB)
+    shutil.rmtree(d)
+    assert open_dataset(cfg, VOCAB).dir == d
 
 
 def test_real_dataset_windows(dataset):
     ds = TokenDataset(dataset)
     assert ds.vocab_size == VOCAB and ds.eos_id == 1 and ds.tokenizer_path.is_file()
-    train, val = ds.split(seq_len=64, val_fraction=0.05, min_train_windows=32)
+    train, val = ds.split(seq_len=64, val_fraction=0.05, global_batch_size=32)
     x, y = train.batch(torch.arange(4))
     assert int(x.max()) < VOCAB and torch.equal(x[:, 1:], y[:, :-1])
 

@@ -225,3 +225,22 @@ def test_trim_without_file_is_a_no_op(tmp_path: Path) -> None:
     """A fresh run (no metrics.jsonl yet) trims nothing and creates nothing."""
     metrics.trim_metrics(tmp_path / "metrics.jsonl", 5)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the end of a run: one summary line; a resumed run continues the same wandb run.
+
+
+def test_summary_line_names_steps_time_speed_losses_and_checkpoint() -> None:
+    checkpoint = Path("runs/a/checkpoints/step_00000200")
+    line = metrics.summary_line(0, 200, 125.0, 1_000_000, 3.21, 3.4567, checkpoint)
+    assert line == f"done: 200 steps in 2m05s | 8,000 tok/s | loss 3.2100 | val 3.4567 | checkpoint {checkpoint}"
+    resumed = metrics.summary_line(100, 200, 10.0, 1000, float("nan"), None, None)
+    assert resumed == "done: steps 101-200 in 0m10s | 100 tok/s | loss nan | val n/a | no checkpoint"
+
+
+def test_wandb_run_id_is_kept_for_a_resumed_run(tmp_path: Path) -> None:
+    assert metrics.wandb_run_id(tmp_path, resuming=False, new_id="first") == "first"
+    assert metrics.wandb_run_id(tmp_path, resuming=True, new_id="second") == "first"
+    # A run that starts from step 0 again (nothing was saved) is a new wandb run.
+    assert metrics.wandb_run_id(tmp_path, resuming=False, new_id="third") == "third"
+    assert (tmp_path / metrics.WANDB_ID_FILE).read_text().strip() == "third"

@@ -1,5 +1,11 @@
-"""Command-line plumbing around ``train.py``: every failure a user can fix ends as one ``error:`` line and exit
-code 2, on every rank, before any collective can hang."""
+"""Command-line plumbing around ``train.py``: every failure a user can fix ends as one ``error:`` line and an exit
+code (2 for a bad config or input), on every rank, before any collective can hang.
+
+Whichever rank stops first, its line must already be out: the launcher kills the other ranks as soon as one
+exits, so a rank that left the printing to another could leave the user with nothing. Every rank that knows
+the reason therefore prints it and flushes, then leaves with ``os._exit``: no process-group teardown, which
+with a peer gone could block, or abort the process ("terminate called without an active exception").
+"""
 
 from __future__ import annotations
 
@@ -7,34 +13,43 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
+import torch.distributed as dist
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.device import local_rank
 from trident.errors import TridentError, one_line
-from trident.parallel.groups import shutdown_distributed
+from trident.signals import Stopped
 
 
-def fail(message: str, every_rank: bool = False) -> None:
-    """Print ``error: message`` and exit 2. An error every rank reaches alike is printed once per node;
-    one that only some ranks hit is printed by each of them, so it is never lost when the launcher
-    kills the rest."""
-    if every_rank or local_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    shutdown_distributed(barrier=False)
-    sys.exit(2)
+def _leave(code: int) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print ``error: message`` and exit with ``code`` at once."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    _leave(code)
 
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn the errors a user can fix, raised while a run is built or trains, into ``fail``."""
+    """Turn the ways a run can end early, raised while it is built or trains, into one line and an exit code."""
     try:
         yield
+    except Stopped as e:  # its line is printed already, by the rank that prints for all
+        _leave(e.exit_code)
     except TridentError as e:
-        fail(str(e), every_rank=not e.agreed)
+        fail(str(e), e.exit_code)
+    except dist.DistError as e:
+        # Another rank has gone: its own line, if it could leave one, is the cause and came first.
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        fail(f"lost contact with another rank ({first}); the first error above, if any, says why it stopped", 1)
     except OSError as e:  # a full disk, a directory that cannot be written: the environment, not a bug
-        fail(f"{e}; free space or point the path at a writable directory", every_rank=True)
+        fail(f"{e}; free space or point the path at a writable directory")
 
 
 def launch(hydra_main: Callable[[], None]) -> None:
@@ -46,6 +61,9 @@ def launch(hydra_main: Callable[[], None]) -> None:
     # Hydra's branch comes first: its MissingConfigException (an unknown preset) is an IOError too.
     try:
         hydra_main()
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handlers are in place
+        print("stopped by SIGINT before training started", file=sys.stderr, flush=True)
+        _leave(130)
     except (HydraException, OmegaConfBaseException) as e:
         if wants_traceback:
             raise

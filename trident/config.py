@@ -71,20 +71,28 @@ class ParallelConfig:
 class TrainConfig:
     micro_batch_size: int = 4
     global_batch_size: int = 32
-    steps: int = 200
+    steps: int = 60  # a first try: minutes on a CPU; train.steps=1000 is the full-length run (README)
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16
     activation_checkpointing: str = "none"  # none | full | selective
-    eval_every: int = 50  # 0 disables periodic validation
-    eval_batches: int = 4  # global batches of validation data per evaluation
+    eval_every: int = 20  # 0 disables periodic validation
+    # Global batches of validation data per evaluation, at most what the validation set holds; None: up to 4.
+    eval_batches: int | None = None
     device: str = "auto"  # auto | cpu | cuda
+    # Divergence: stop (exit code 3) after this many steps in a row skipped for non-finite gradients (with fp16,
+    # loss-scale overflows; a skip at the scale's floor stops at once), or this many non-finite losses in a row.
+    max_skipped_steps: int = 10
+    max_nonfinite_losses: int = 3
+    # After SIGTERM / SIGINT: how long finishing the step and saving may take before the rank gives up (a
+    # collective that cannot finish). Keep it under the launcher's own grace (torchrun --shutdown-timeout: 30).
+    stop_grace_s: float = 25.0
 
 
 @dataclass
 class OptimConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
-    warmup_steps: int = 30
+    warmup_steps: int = 10
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
     beta1: float = 0.9
@@ -144,31 +152,37 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-def launch_time() -> str:
-    """The launcher's start time as ``YYYY-MM-DD/HH-MM-SS``.
-
-    Under torchrun every rank is a child of the same agent, so using the parent's start time gives all
-    local ranks one run directory even when they start a second apart.
-    """
-    stamp = time.time()
+def _launcher() -> tuple[int, float]:
+    """The pid and start time of the process that launched this job: torchrun's agent for its workers (every
+    local rank is its child), else this process."""
     if "LOCAL_WORLD_SIZE" in os.environ:
         try:
             with open(f"/proc/{os.getppid()}/stat") as f:
                 start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
             with open("/proc/stat") as f:
                 boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-            stamp = boot + start_ticks / os.sysconf("SC_CLK_TCK")
+            return os.getppid(), boot + start_ticks / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError, StopIteration):
             pass
-    return datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d/%H-%M-%S")
+    return os.getpid(), time.time()
+
+
+def launch_id() -> str:
+    """The default run directory's name, ``YYYY-MM-DD/HH-MM-SS-<launcher pid>``.
+
+    Every local rank of one torchrun job computes the same name (the same launcher), and train.py hands rank 0's
+    to the other nodes. Two jobs started in the same second have different launchers, so different names.
+    """
+    pid, stamp = _launcher()
+    return datetime.datetime.fromtimestamp(stamp).strftime(f"%Y-%m-%d/%H-%M-%S-{pid}")
 
 
 def register_configs() -> None:
     """Register the schema (so conf/config.yaml can name it) and the resolvers the YAML uses."""
     cs = ConfigStore.instance()
     cs.store(name="trident_schema", node=Config)
-    if not OmegaConf.has_resolver("launch_time"):
-        OmegaConf.register_new_resolver("launch_time", launch_time)
+    if not OmegaConf.has_resolver("launch_id"):
+        OmegaConf.register_new_resolver("launch_id", launch_id)
 
 
 # Capabilities that have a config key but no implementation yet: a user asking for them gets a
@@ -239,8 +253,28 @@ def resolve_schedule(par: ParallelConfig) -> str:
     return "interleaved" if par.vpp > 1 else "1f1b"
 
 
+def _check_batches(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str) -> None:
+    """The batch arithmetic of one dp size."""
+    per_step = tr.micro_batch_size * dp
+    _need(
+        tr.global_batch_size % per_step == 0,
+        f"train.global_batch_size={tr.global_batch_size} is not divisible by micro_batch_size "
+        f"{tr.micro_batch_size} x dp {dp} = {per_step}; use a multiple of {per_step}",
+    )
+    gas = grad_accum_steps(tr, dp)
+    _need(
+        schedule != "interleaved" or gas % par.pp == 0,
+        f"the interleaved schedule needs the micro-batch count {gas} to be a multiple of pp {par.pp}; "
+        "change train.global_batch_size or train.micro_batch_size",
+    )
+
+
 def validate(cfg: Config, world_size: int) -> int:
-    """Check every rule that can be checked before any collective; return the resolved dp size."""
+    """Check every rule that can be checked before any collective; return the resolved dp size.
+
+    The fit to the launch (world size = dp x tp x pp) is checked last: a config that is wrong in itself must
+    say so first, rather than ask for a relaunch that would only reveal its next error.
+    """
     m, par, tr, opt, ck = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.checkpoint
 
     for key in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "vocab_multiple"):
@@ -251,7 +285,8 @@ def validate(cfg: Config, world_size: int) -> int:
         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; choose n_heads that divides d_model",
     )
 
-    dp = resolve_dp(par, world_size)
+    _need(par.tp >= 1 and par.pp >= 1, f"parallel.tp={par.tp} and parallel.pp={par.pp} must be >= 1")
+    _need(par.dp is None or par.dp >= 1, f"parallel.dp={par.dp} must be >= 1")
     _one_of("parallel.backend", par.backend, ("auto", "nccl", "gloo"))
     _one_of("parallel.zero", par.zero, (0, 1, 2, 3))
     _need(par.vpp >= 1, f"parallel.vpp={par.vpp} must be >= 1")
@@ -296,27 +331,20 @@ def validate(cfg: Config, world_size: int) -> int:
         f"model.seq_len={m.seq_len} is not divisible by parallel.tp={par.tp} (sequence parallelism)",
     )
 
-    # Batch arithmetic.
     _need(tr.micro_batch_size >= 1, f"train.micro_batch_size={tr.micro_batch_size} must be >= 1")
     _need(tr.global_batch_size >= 1, f"train.global_batch_size={tr.global_batch_size} must be >= 1")
-    per_step = tr.micro_batch_size * dp
-    _need(
-        tr.global_batch_size % per_step == 0,
-        f"train.global_batch_size={tr.global_batch_size} is not divisible by micro_batch_size "
-        f"{tr.micro_batch_size} x dp {dp} = {per_step}; use a multiple of {per_step}",
-    )
-    gas = grad_accum_steps(tr, dp)
-    _need(
-        schedule != "interleaved" or gas % par.pp == 0,
-        f"the interleaved schedule needs the micro-batch count {gas} to be a multiple of pp {par.pp}; "
-        "change train.global_batch_size or train.micro_batch_size",
-    )
     _need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
     _one_of("train.precision", tr.precision, ("fp32", "bf16", "fp16"))
     _one_of("train.activation_checkpointing", tr.activation_checkpointing, ("none", "full", "selective"))
     _one_of("train.device", tr.device, ("auto", "cpu", "cuda"))
     _need(tr.eval_every >= 0, f"train.eval_every={tr.eval_every} must be >= 0 (0 disables evaluation)")
-    _need(tr.eval_batches >= 1, f"train.eval_batches={tr.eval_batches} must be >= 1")
+    _need(tr.eval_batches is None or tr.eval_batches >= 1, f"train.eval_batches={tr.eval_batches} must be >= 1")
+    _need(tr.max_skipped_steps >= 1, f"train.max_skipped_steps={tr.max_skipped_steps} must be >= 1")
+    _need(tr.max_nonfinite_losses >= 1, f"train.max_nonfinite_losses={tr.max_nonfinite_losses} must be >= 1")
+    _need(
+        tr.stop_grace_s > 0 and math.isfinite(tr.stop_grace_s),
+        f"train.stop_grace_s={tr.stop_grace_s} must be a positive number of seconds",
+    )
 
     _need(opt.lr > 0 and math.isfinite(opt.lr), f"optim.lr={opt.lr} must be a positive number")
     _need(0 <= opt.min_lr <= opt.lr, f"optim.min_lr={opt.min_lr} must be between 0 and optim.lr={opt.lr}")
@@ -344,4 +372,10 @@ def validate(cfg: Config, world_size: int) -> int:
         value = getattr(getattr(cfg, section), name)
         default = getattr(type(getattr(cfg, section))(), name)
         _need(value == default, f"{key}={value!r}: {why}")
+
+    # An explicit dp is part of the config: its batch arithmetic is checked before the fit to the launch.
+    if par.dp is not None:
+        _check_batches(tr, par, par.dp, schedule)
+    dp = resolve_dp(par, world_size)
+    _check_batches(tr, par, dp, schedule)
     return dp

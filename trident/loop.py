@@ -7,28 +7,37 @@ sequence-parallel gradients).
 The loss of a step is the mean token loss over the *global* batch: each micro-batch's summed token loss
 is divided by the global token count before backward and the gradients are summed over dp ranks, so
 neither the dp size nor the micro-batch size changes the math.
+
+How a run ends is decided here too, alike on every rank: it finishes (a summary line), it diverges (an error
+naming the step and the last good checkpoint; nothing non-finite is ever saved), or a signal stops it after
+the step in flight (a checkpoint of that step, one line, ``Stopped``).
 """
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.checkpoint import Checkpointer
+from trident.checkpoint import Checkpointer, checkpoint_name, list_checkpoints
 from trident.config import OptimConfig, TrainConfig
-from trident.data.dataset import TokenWindows
+from trident.data.dataset import TokenWindows, eval_batch_count
 from trident.data.sampler import GlobalBatchSampler, ValidationBatches
-from trident.errors import CheckpointError
-from trident.metrics import MetricsLogger, peak_memory_mb
+from trident.divergence import DivergencePolicy
+from trident.errors import CheckpointError, DivergenceError
+from trident.metrics import MetricsLogger, peak_memory_mb, summary_line
 from trident.optim import GradStep, lr_at
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import ProcessGroups
 from trident.runner import Batch, LossFn, Runner
+from trident.signals import Stopped, StopRequest, stop_line
 
 
 @dataclass
@@ -57,17 +66,21 @@ class Trainer:
         checkpointer: Checkpointer | None,
         make_logger: Callable[[int], MetricsLogger | None],
         after_reduce: Callable[[], None] | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.cfg, self.optim_cfg, self.groups = train_cfg, optim_cfg, groups
         self.model_chunks, self.runner, self.loss_fn, self.grad_step = model_chunks, runner, loss_fn, grad_step
         self.after_reduce = after_reduce
         self.train_data, self.val_data, self.device = train_data, val_data, device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.checkpointer, self.make_logger = checkpointer, make_logger
+        self.checkpointer, self.make_logger, self.stop = checkpointer, make_logger, stop
         self.sampler = GlobalBatchSampler(len(train_data), train_cfg.global_batch_size, train_cfg.seed)
+        self.eval_batches = eval_batch_count(train_cfg.eval_batches, len(val_data), train_cfg.global_batch_size)
         self.seq_len = train_data.seq_len
         self.tokens_per_step = train_cfg.global_batch_size * self.seq_len
+        self.divergence = DivergencePolicy(train_cfg.max_skipped_steps, train_cfg.max_nonfinite_losses)
         self.step = 0  # optimizer steps completed
+        self.last_checkpoint: Path | None = None  # the newest checkpoint of this run, every one of them finite
 
     def _to_device(self, batch: Batch) -> Batch:
         x, y = batch
@@ -99,7 +112,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean token loss over a fixed set of validation windows (the same at every evaluation)."""
         g, mbs = self.groups, self.cfg.micro_batch_size
-        batches = ValidationBatches(len(self.val_data), self.cfg.global_batch_size, self.cfg.eval_batches)
+        batches = ValidationBatches(len(self.val_data), self.cfg.global_batch_size, self.eval_batches)
         total = torch.zeros((), device=self.device)
         for b in range(len(batches)):
             ids = batches.micro_batches(b, g.dp_rank, g.dp_size, mbs)
@@ -113,6 +126,7 @@ class Trainer:
             "global_batch_size": self.cfg.global_batch_size,
             "seed": self.cfg.seed,
             "train_windows": len(self.train_data),
+            "divergence": self.divergence.state_dict(),
             **self.grad_step.state_dict(),
         }
 
@@ -129,39 +143,110 @@ class Trainer:
                     "resume with the same settings (and data), or set checkpoint.resume=none in a new checkpoint.dir"
                 )
         self.step = state["step"]
+        self.divergence.load_state_dict(state.get("divergence", {}))
         self.grad_step.load_state_dict(state)
 
     def fit(self) -> list[dict]:
-        """Train to ``train.steps``; return the metrics row of every step this call ran (on every rank)."""
+        """Train to ``train.steps``; return the metrics row of every step this call ran (on every rank).
+
+        Raises ``DivergenceError`` when the run diverged and ``Stopped`` after a signal, on every rank alike.
+        """
         history: list[dict] = []
         if self.checkpointer is not None:
             self.checkpointer.prepare()
             self.checkpointer.maybe_resume(self)
-        if self.step >= self.cfg.steps:
+            self.last_checkpoint = self._newest_checkpoint()
+        total = self.cfg.steps
+        if self.step >= total:
+            if self.groups.is_logging_rank:
+                print(
+                    f"nothing to train: {self.last_checkpoint} is at step {self.step} of train.steps={total}; "
+                    "raise train.steps to train on",
+                    flush=True,
+                )
             return history
         # Created on the logging rank alone (files, wandb); a failure there ends every rank, not just one.
         logger = on_one_rank(lambda: self.make_logger(self.step), self.groups.topology.logging_rank, "start logging")
-        total = self.cfg.steps
         # Ranks start at different moments; line them up so the first step's time is not one rank's wait.
         dist.barrier()
+        if self.stop is not None:
+            self.stop.training(self.step, self.last_checkpoint, prints=self.groups.is_logging_rank)
+        first_step, started = self.step, time.perf_counter()
         try:
-            for step in range(self.step, total):
-                start = time.perf_counter()
-                result = self.train_step(step, self.micro_batches(step))  # ends in a dp all-reduce
-                elapsed = time.perf_counter() - start
-                self.step = step + 1
-                row = self._row(result, step, elapsed)
-                if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or self.step == total):
-                    row["val_loss"] = self.evaluate()
-                history.append(row)
-                if logger is not None:
-                    logger.log(row)
-                if self.checkpointer is not None and self.checkpointer.due(self.step, total):
-                    self.checkpointer.save(self)
+            self._train(history, logger)
+        except dist.DistError:
+            # A collective failed: another rank is gone. After a signal that is the stop itself, not a bug.
+            if self.stop is None or not self.stop.signum:
+                raise
+            signum = self.stop.signum
+            note = " (abandoned: a collective failed, another rank is gone)"
+            if self.groups.is_logging_rank:
+                print(stop_line(signum, self.step, self.last_checkpoint, note), file=sys.stderr, flush=True)
+            raise Stopped(signum, self.step, self.last_checkpoint, history) from None
         finally:
             if logger is not None:
                 logger.close()
+        if self.groups.is_logging_rank:
+            val = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
+            tokens = (self.step - first_step) * self.tokens_per_step
+            wall = time.perf_counter() - started
+            print(summary_line(first_step, self.step, wall, tokens, history[-1]["loss"], val, self.last_checkpoint))
         return history
+
+    def _train(self, history: list[dict], logger: MetricsLogger | None) -> None:
+        total = self.cfg.steps
+        save_pending = False  # a checkpoint was due at a step whose loss was not finite: save at the next one
+        for step in range(self.step, total):
+            start = time.perf_counter()
+            result = self.train_step(step, self.micro_batches(step))  # ends in a dp all-reduce
+            elapsed = time.perf_counter() - start
+            self.step = step + 1
+            row = self._row(result, step, elapsed)
+            if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or self.step == total):
+                row["val_loss"] = self.evaluate()
+            history.append(row)
+            if logger is not None:
+                logger.log(row)
+
+            scaler = self.grad_step.scaler
+            reason = self.divergence.verdict(
+                result.loss, result.skipped, result.loss_scale if scaler else None, scaler.min_scale if scaler else None
+            )
+            if reason is not None:
+                raise DivergenceError(self._diverged(reason, result))
+            # One tiny all-reduce per step: every rank stops after the same step, whichever got the signal.
+            signum = self.stop.agreed(self.groups.world_group, self.device) if self.stop is not None else 0
+            finite = math.isfinite(result.loss)
+            if self.checkpointer is not None:
+                save_pending = save_pending or self.checkpointer.due(self.step, total) or bool(signum)
+                if save_pending and finite:  # nothing non-finite is ever saved
+                    self.checkpointer.save(self)
+                    self.last_checkpoint = self.checkpointer.root / checkpoint_name(self.step)
+                    save_pending = False
+            if self.stop is not None:
+                self.stop.completed(self.step, self.last_checkpoint)
+            if signum:
+                note = "" if finite else f" (not saved: its loss was {result.loss})"
+                if self.groups.is_logging_rank:
+                    print(stop_line(signum, self.step, self.last_checkpoint, note), file=sys.stderr, flush=True)
+                raise Stopped(signum, self.step, self.last_checkpoint, history)
+
+    def _newest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint of this run up to the current step (the one resumed from, if any)."""
+        assert self.checkpointer is not None
+        mine = [p for p in list_checkpoints(self.checkpointer.root) if p.name <= checkpoint_name(self.step)]
+        return mine[-1] if mine else None
+
+    def _diverged(self, reason: str, result: StepResult) -> str:
+        scale = f", loss scale {result.loss_scale:g}" if self.grad_step.scaler is not None else ""
+        if self.last_checkpoint is not None:
+            resume = f"the last good checkpoint is {self.last_checkpoint}: resume from it"
+        else:
+            resume = "no checkpoint was saved yet: start again"
+        return (
+            f"training diverged at step {self.step}{scale}: {reason}; {resume} with a lower optim.lr "
+            "(or a longer optim.warmup_steps, or train.precision=bf16)"
+        )
 
     def _row(self, result: StepResult, step: int, elapsed: float) -> dict:
         tokens_per_s = self.tokens_per_step / elapsed

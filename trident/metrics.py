@@ -6,6 +6,7 @@ import json
 import math
 import re
 import resource
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -113,6 +114,42 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def summary_line(
+    first_step: int,
+    last_step: int,
+    wall_s: float,
+    tokens: int,
+    loss: float | None,
+    val_loss: float | None,
+    checkpoint: Path | None,
+) -> str:
+    """The last line of a run: what it did, how fast, where it ended and where its checkpoint is."""
+    steps = f"{last_step} steps" if first_step == 0 else f"steps {first_step + 1}-{last_step}"
+    parts = [
+        f"done: {steps} in {format_duration(wall_s)}",
+        f"{tokens / max(wall_s, 1e-9):,.0f} tok/s",
+        f"loss {loss:.4f}" if loss is not None else "loss n/a",
+        f"val {val_loss:.4f}" if val_loss is not None else "val n/a",
+        f"checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint",
+    ]
+    return " | ".join(parts)
+
+
+# The wandb run id lives in the run directory, so a resumed run continues the same wandb run.
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path, resuming: bool, new_id: str) -> str:
+    """The id of this run's wandb run: the one kept in ``run_dir`` when resuming, else ``new_id`` (kept there)."""
+    path = run_dir / WANDB_ID_FILE
+    if resuming and path.is_file():
+        kept = path.read_text().strip()
+        if kept:
+            return kept
+    path.write_text(new_id + "\n")
+    return new_id
+
+
 def _step_of(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])
@@ -155,6 +192,7 @@ class MetricsLogger:
         if wandb_cfg.mode != "disabled":
             import wandb
 
+            run_id = wandb_run_id(run_dir, start_step > 0, secrets.token_hex(4))
             try:
                 self.wandb = wandb.init(
                     project=wandb_cfg.project,
@@ -163,6 +201,8 @@ class MetricsLogger:
                     mode=wandb_cfg.mode,
                     dir=str(run_dir),
                     config=config,
+                    id=run_id,
+                    resume="allow",
                     settings=wandb.Settings(console="off", quiet=True),
                 )
             except Exception as e:  # wandb raises its own types (no network, bad key): one line for the user

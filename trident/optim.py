@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from trident.config import OptimConfig
-from trident.errors import TridentError
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.norms import global_grad_norm
 from trident.parallel.placement import placement_of
@@ -59,12 +58,11 @@ class GradStep:
 
     The norm is the global one (parallel/norms.py): every rank of every group clips by the same number
     and agrees on whether the step overflowed. With fp16 the loss scaler lives here, since the scale and the
-    overflow verdict are two halves of one policy. A ZeRO optimizer offers the same ``loss_scale``,
-    ``step(lr) -> (grad_norm, skipped)`` and state over its gradient shards.
+    overflow verdict are two halves of one policy. A step whose gradients are not finite is skipped, never
+    applied; when skipping means the run has diverged is the trainer's call (trident/divergence.py). A ZeRO
+    optimizer offers the same ``scaler``, ``loss_scale``, ``step(lr) -> (grad_norm, skipped)`` and state over its
+    gradient shards.
     """
-
-    # Non-finite gradients without fp16 loss scaling mean the run has diverged; stop rather than skip forever.
-    MAX_BAD_STEPS = 5
 
     def __init__(
         self,
@@ -77,7 +75,6 @@ class GradStep:
         self.optimizer, self.reducer, self.groups = optimizer, reducer, groups
         self.grad_clip, self.scaler = grad_clip, scaler
         self.pieces = [(reducer.grad(p), placement_of(p)) for p in reducer.params]
-        self.bad_steps = 0
 
     @property
     def loss_scale(self) -> float:
@@ -100,12 +97,6 @@ class GradStep:
         self.reducer.zero_grad()
         if self.scaler:
             self.scaler.update(skipped)
-        self.bad_steps = self.bad_steps + 1 if skipped and not self.scaler else 0
-        if self.bad_steps >= self.MAX_BAD_STEPS:
-            raise TridentError(
-                f"gradients were not finite for {self.bad_steps} steps in a row: the run diverged; "
-                "lower optim.lr, raise optim.warmup_steps or use train.precision=fp32"
-            )
         return norm.item(), skipped
 
     def state_dict(self) -> dict:

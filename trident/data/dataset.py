@@ -11,9 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 import torch
 
-from trident.data.prepare import load_meta
+from trident.config import DataConfig
+from trident.data.prepare import damaged, load_meta, rebuild_hint, resolve_dataset
 from trident.errors import DataError
 
 
@@ -40,11 +42,15 @@ class TokenWindows:
 
 
 class TokenDataset:
-    """A dataset directory written by ``prepare_dataset``."""
+    """A dataset directory written by ``prepare_dataset``.
 
-    def __init__(self, dataset_dir: str | Path):
+    ``rebuild`` is the command an error about a damaged file suggests (see ``open_dataset``).
+    """
+
+    def __init__(self, dataset_dir: str | Path, rebuild: str | None = None):
         self.dir = Path(dataset_dir).expanduser()
-        meta = load_meta(self.dir)
+        self.rebuild = rebuild or rebuild_hint(self.dir)
+        meta = load_meta(self.dir, self.rebuild)
         self.vocab_size: int = meta["vocab_size"]
         self.eos_id: int = meta["eos_id"]
         self.n_tokens: int = meta["n_tokens"]
@@ -53,28 +59,71 @@ class TokenDataset:
         path = self.dir / "tokens.bin"
         size = path.stat().st_size
         if size != self.n_tokens * dtype.itemsize:
-            raise DataError(
-                f"{path} has {size} bytes but meta.json says {self.n_tokens} {dtype.name} tokens; "
-                "the dataset is damaged, prepare it again"
-            )
+            what = f"{size:,} bytes, but meta.json says {self.n_tokens:,} {dtype.name} tokens"
+            raise damaged(path, what, self.rebuild)
         self.tokens = np.memmap(path, dtype=dtype, mode="r", shape=(self.n_tokens,))
 
-    def split(self, seq_len: int, val_fraction: float, min_train_windows: int = 1) -> tuple[TokenWindows, TokenWindows]:
+    def check_tokenizer(self) -> None:
+        """Load the tokenizer once: training never reads it, but every checkpoint carries it for sampling, and a
+        damaged one must fail now rather than when the first checkpoint is used."""
+        path = self.tokenizer_path
+        try:
+            pieces = spm.SentencePieceProcessor(model_file=str(path)).get_piece_size()
+        except (OSError, RuntimeError) as e:
+            raise damaged(path, f"sentencepiece cannot load it: {' '.join(str(e).split())}", self.rebuild) from None
+        if pieces != self.vocab_size:
+            raise damaged(path, f"{pieces} pieces, but meta.json says vocab_size {self.vocab_size}", self.rebuild)
+
+    def split(
+        self, seq_len: int, val_fraction: float, global_batch_size: int = 1, eval_batches: int | None = None
+    ) -> tuple[TokenWindows, TokenWindows]:
         """Train and validation windows: validation is the last ``val_fraction`` of the windows.
 
         The window just before validation is dropped: its target token would be the first input
-        token of validation, and this way no training window reads a validation token.
+        token of validation, and this way no training window reads a validation token. The training windows
+        must hold one global batch, and the validation windows ``eval_batches`` of them (see ``eval_batch_count``).
         """
         n = max(0, (self.n_tokens - 1) // seq_len)
         n_val = max(1, round(n * val_fraction))
         n_train = n - n_val - 1
-        if n_train < min_train_windows:
+        if n_train < global_batch_size:
             raise DataError(
                 f"dataset {self.dir} has {self.n_tokens:,} tokens: only {max(0, n_train)} training windows "
-                f"of seq_len {seq_len}, fewer than one global batch of {min_train_windows}; "
+                f"of seq_len {seq_len}, fewer than one global batch of {global_batch_size}; "
                 "add text or lower model.seq_len / train.global_batch_size"
+            )
+        if eval_batches is not None and eval_batches > (most := max_eval_batches(n_val, global_batch_size)):
+            raise DataError(
+                f"train.eval_batches={eval_batches} needs {eval_batches * global_batch_size:,} validation windows "
+                f"but dataset {self.dir} holds {n_val:,} of seq_len {seq_len} (data.val_fraction={val_fraction}); "
+                f"set train.eval_batches to at most {most} or raise data.val_fraction"
             )
         return (
             TokenWindows(self.tokens, seq_len, 0, n_train),
             TokenWindows(self.tokens, seq_len, n - n_val, n_val),
         )
+
+
+# The validation set of one evaluation when train.eval_batches is left out: up to this many global batches.
+DEFAULT_EVAL_BATCHES = 4
+
+
+def max_eval_batches(val_windows: int, global_batch_size: int) -> int:
+    """The most global batches one evaluation may take: each window once (but at least one batch, which on a
+    validation set smaller than a global batch repeats some windows)."""
+    return max(1, val_windows // global_batch_size)
+
+
+def eval_batch_count(eval_batches: int | None, val_windows: int, global_batch_size: int) -> int:
+    """``train.eval_batches``, or when left out as many as the validation set holds, up to 4."""
+    if eval_batches is not None:
+        return eval_batches
+    return min(DEFAULT_EVAL_BATCHES, max_eval_batches(val_windows, global_batch_size))
+
+
+def open_dataset(data: DataConfig, vocab_size: int) -> TokenDataset:
+    """The dataset of ``data`` (prepared and cached on first use), checked for damage."""
+    path = resolve_dataset(data, vocab_size)
+    dataset = TokenDataset(path, rebuild_hint(path, vocab_size, cached=data.dataset_dir is None))
+    dataset.check_tokenizer()
+    return dataset

@@ -263,8 +263,26 @@ def prepare_dataset(
     return out_dir
 
 
-def load_meta(dataset_dir: str | Path) -> dict:
-    """Read and check a dataset's ``meta.json``; a directory that is not a complete dataset is a DataError."""
+# The fields of meta.json that reading a dataset relies on, with their types.
+_META_FIELDS = {"vocab_size": int, "eos_id": int, "n_tokens": int, "dtype": str}
+
+
+def rebuild_hint(dataset_dir: Path, vocab_size: int | str = "N", cached: bool = False) -> str:
+    """The command that makes a damaged dataset anew: a cached one is simply prepared again on the next run."""
+    if cached:
+        return f"rm -r {dataset_dir} and run again to prepare it anew"
+    return f"python tools/prepare_data.py --text YOUR_TEXT --out {dataset_dir} --vocab-size {vocab_size}"
+
+
+def damaged(path: Path, what: str, rebuild: str) -> DataError:
+    return DataError(f"dataset file {path} is damaged ({what}); rebuild it: {rebuild}")
+
+
+def load_meta(dataset_dir: str | Path, rebuild: str | None = None) -> dict:
+    """Read and check a dataset's ``meta.json``; a directory that is not a complete dataset is a DataError.
+
+    ``rebuild`` is the command the error suggests (default: tools/prepare_data.py into the same directory).
+    """
     d = Path(dataset_dir).expanduser()
     missing = [name for name in DATASET_FILES if not (d / name).is_file()]
     if missing:
@@ -272,12 +290,26 @@ def load_meta(dataset_dir: str | Path) -> dict:
             f"data.dataset_dir {str(d)!r} is not a prepared dataset (missing {', '.join(missing)}); "
             "run tools/prepare_data.py --out DIR to make one"
         )
-    meta = json.loads((d / "meta.json").read_text())
+    rebuild = rebuild or rebuild_hint(d)
+    path = d / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise damaged(path, f"not JSON: {' '.join(str(e).split())}", rebuild) from None
+    if not isinstance(meta, dict):
+        raise damaged(path, "not a JSON object", rebuild)
     if meta.get("format") != FORMAT:
         raise DataError(
             f"dataset {d} has format {meta.get('format')}, this version reads format {FORMAT}; "
-            "prepare it again with tools/prepare_data.py"
+            f"prepare it again: {rebuild}"
         )
+    for key, kind in _META_FIELDS.items():
+        if not isinstance(meta.get(key), kind):
+            raise damaged(path, f"no {kind.__name__} {key}", rebuild)
+    try:
+        np.dtype(meta["dtype"])
+    except TypeError:
+        raise damaged(path, f"unknown dtype {meta['dtype']!r}", rebuild) from None
     return meta
 
 
@@ -301,7 +333,7 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path
     """
     if data.dataset_dir is not None:
         d = Path(data.dataset_dir).expanduser()
-        meta = load_meta(d)
+        meta = load_meta(d, rebuild_hint(d, vocab_size))
         if meta["vocab_size"] > vocab_size:
             raise DataError(
                 f"dataset vocab {meta['vocab_size']} > model.vocab_size {vocab_size}; "

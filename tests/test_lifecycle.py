@@ -1,0 +1,333 @@
+"""How a run starts, stops and ends: errors from every rank, the run directory's owner, divergence, signals,
+the summary line. In-process (tests/layouts.py) where it can be; the launcher's own behaviour (torchrun's
+signals, a second process fighting for the directory) with real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.dist import run_distributed
+from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
+from train import run
+from trident.checkpoint import checkpoint_name, list_checkpoints
+from trident.config import Config
+from trident.divergence import DivergencePolicy
+from trident.errors import RunDirError
+from trident.rundir import LOCK_FILE, RunDirLock, remove_partial_saves
+from trident.signals import Stopped
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", WANDB_SILENT="true")
+    return env
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for_rows(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_rows(run_dir)) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no {n} steps after {timeout} s"
+        time.sleep(0.02)
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+# --- 1. Errors reach the user from every rank.
+
+
+def test_under_torchrun_the_first_line_is_the_error_and_nothing_aborts(tiny_dataset, tmp_path):
+    """The launcher kills the other ranks as soon as one exits: the first rank out must have printed already."""
+    cmd = [*_torchrun(2), str(REPO / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *tiny(tiny_dataset)]
+    proc = subprocess.run([*cmd, "parallel.tp=2"], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode != 0
+    lines = _lines(proc.stderr)
+    error = "error: parallel.tp=2: tensor parallelism is not implemented yet; use parallel.tp=1"
+    assert lines[0] == error, proc.stderr
+    assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr.split(error)[0]
+
+
+def _bad_counts(rank: int, world: int, cfg: Config, run_dir: Path) -> str:
+    try:
+        run(cfg, run_dir)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+def test_counts_bounded_by_the_data_are_checked_against_it_before_any_collective(tiny_dataset, tmp_path):
+    """train.eval_batches=100000000 used to evaluate for days: it is refused on every rank, at once."""
+    cfg = make_config(*tiny(tiny_dataset, "train.eval_batches=100000000"))
+    start = time.monotonic()
+    outcomes = run_distributed(_bad_counts, 2, cfg, tmp_path, timeout_s=120)
+    assert time.monotonic() - start < 30
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0].startswith("DataError: train.eval_batches=100000000 needs 1,600,000,000 validation windows")
+    assert "set train.eval_batches to at most" in outcomes[0]
+
+
+# --- 2. A run owns its directory.
+
+
+def test_lock_names_its_holder_and_is_free_once_released(tmp_path):
+    first = RunDirLock(tmp_path)
+    first.acquire()
+    second = RunDirLock(tmp_path)
+    with pytest.raises(RunDirError, match=rf"is in use by another run \(pid {os.getpid()} on .+, started 20"):
+        second.acquire()
+    first.release()
+    second.acquire()
+    second.release()
+
+
+def test_partial_saves_are_removed_and_complete_checkpoints_kept(tmp_path):
+    partial = [".step_00000004.tmp-3f2a", ".step_00000002.old-1b", ".step_00000001.trash-9c"]
+    for name in [*partial, "step_00000002", ".step_notes"]:
+        (tmp_path / name).mkdir()
+    removed = remove_partial_saves(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(partial)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_notes", "step_00000002"]
+    assert remove_partial_saves(tmp_path / "absent") == []
+
+
+def _launch_id_of_two_children() -> str:
+    """Print the launch id of two children of one launcher (as torchrun's local ranks are)."""
+    child = "from trident.config import launch_id; print(launch_id())"
+    return (
+        "import os, subprocess, sys\n"
+        "env = dict(os.environ, LOCAL_WORLD_SIZE='2')\n"
+        f"procs = [subprocess.Popen([sys.executable, '-c', {child!r}], env=env, stdout=subprocess.PIPE, text=True)"
+        " for _ in range(2)]\n"
+        "print(' '.join(p.communicate()[0].strip() for p in procs))\n"
+    )
+
+
+def test_default_run_dir_is_shared_by_one_launch_and_unique_per_launch():
+    launchers = [
+        subprocess.Popen([sys.executable, "-c", _launch_id_of_two_children()], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=60)[0].split() for p in launchers]
+    for (a, b), launcher in zip(outputs, launchers, strict=True):
+        assert a == b and a.endswith(f"-{launcher.pid}"), (a, b)  # every rank of one job: one directory
+    assert outputs[0][0] != outputs[1][0]  # two jobs started in the same second: two directories
+
+
+def test_a_second_run_in_the_directory_is_refused_until_the_first_is_gone(tiny_dataset, tmp_path):
+    """Run A holds the directory; run B there is refused with A's name. SIGTERM ends A after its step with a
+    checkpoint; B then owns the directory, removes the partial saves a killed run left, and resumes."""
+    run_dir = tmp_path / "run"
+    overrides = tiny(tiny_dataset, "train.steps=400", "train.eval_every=0", "logging.interval=1000")
+    a = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        _wait_for_rows(run_dir, 2, a)
+        with pytest.raises(RuntimeError) as refused:
+            train_in_process(run_dir, overrides)
+        assert f"RunDirError: run directory {run_dir} is in use by another run (pid {a.pid} on " in str(refused.value)
+        a.send_signal(signal.SIGTERM)
+        out, err = a.communicate(timeout=60)
+    finally:
+        a.kill()
+    assert a.returncode == 128 + signal.SIGTERM, err
+    stopped = [r["step"] for r in _rows(run_dir)]
+    k = stopped[-1]
+    assert stopped == list(range(1, k + 1)) and k < 400  # one writer: no interleaved rows
+    checkpoint = run_dir / "checkpoints" / checkpoint_name(k)
+    assert _lines(err) == [f"stopped by SIGTERM at step {k}; checkpoint {checkpoint}; rerun the same command to resume"]
+    assert list_checkpoints(run_dir / "checkpoints") == [checkpoint]
+
+    leftovers = [run_dir / "checkpoints" / f".{checkpoint_name(k + 1)}.tmp-{i}" for i in range(2)]
+    for path in leftovers:
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"half a save")
+    (history,) = train_in_process(run_dir, [*overrides, f"train.steps={k + 2}"])
+    assert [r["step"] for r in history] == [k + 1, k + 2]
+    assert not any(path.exists() for path in leftovers)
+    assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] != a.pid
+
+
+# --- 3. Divergence stops the run with its reason; nothing non-finite is saved.
+
+
+def test_divergence_policy_counts_in_a_row_and_stops_at_the_scale_floor():
+    policy = DivergencePolicy(max_skipped_steps=3, max_nonfinite_losses=2)
+    assert policy.verdict(5.0, True, 1024.0, 1.0) is None
+    assert policy.verdict(5.0, True, 512.0, 1.0) is None
+    assert policy.verdict(5.0, False, 256.0, 1.0) is None  # a good step resets the count
+    assert policy.verdict(5.0, True, 256.0, 1.0) is None
+    assert policy.verdict(5.0, True, 128.0, 1.0) is None
+    assert "not finite 3 steps in a row" in policy.verdict(5.0, True, 64.0, 1.0)
+    floor = DivergencePolicy(max_skipped_steps=100, max_nonfinite_losses=100)
+    assert floor.verdict(5.0, True, 2.0, 1.0) is None
+    assert "loss scale already at its floor 1" in floor.verdict(5.0, True, 1.0, 1.0)
+    losses = DivergencePolicy(max_skipped_steps=100, max_nonfinite_losses=2)
+    assert losses.verdict(float("nan"), True, None, None) is None
+    assert "the loss was inf for 2 steps in a row" in losses.verdict(float("inf"), True, None, None)
+
+
+def _diverge(rank: int, world: int, cfg: Config, run_dir: Path) -> str:
+    with pytest.raises(Exception) as e:
+        run(cfg, run_dir)
+    return f"{type(e.value).__name__}: {e.value}"
+
+
+def test_fp16_divergence_stops_every_rank_naming_step_scale_and_last_good_checkpoint(tiny_dataset, tmp_path):
+    """lr=1000 in fp16: step 1 is fine, from step 2 the loss is nan (scale 65536, then halved on every skip)."""
+    overrides = tiny(tiny_dataset, "train.precision=fp16", "optim.lr=1000", "optim.warmup_steps=0")
+    cfg = make_config(*overrides, "train.steps=30", "checkpoint.every=1", "train.eval_every=0")
+    errors = run_distributed(_diverge, 2, cfg, tmp_path, timeout_s=120)
+    assert errors[0] == errors[1]
+    good = tmp_path / "checkpoints" / checkpoint_name(1)
+    assert errors[0] == (
+        "DivergenceError: training diverged at step 4, loss scale 16384: the loss was nan for 3 steps in a row "
+        f"(train.max_nonfinite_losses); the last good checkpoint is {good}: resume from it with a lower optim.lr "
+        "(or a longer optim.warmup_steps, or train.precision=bf16)"
+    )
+    assert list_checkpoints(tmp_path / "checkpoints") == [good]  # due at every step, saved only when finite
+    assert [r["loss"] for r in _rows(tmp_path)][1:] == [None, None, None]
+
+
+def test_nonfinite_losses_stop_any_precision_and_are_never_saved(tiny_dataset, tmp_path):
+    cfg = make_config(*tiny(tiny_dataset, "model.init_std=1e30", "train.steps=30", "checkpoint.every=1"))
+    (error,) = run_distributed(_diverge, 1, cfg, tmp_path, timeout_s=120)
+    assert error.startswith("DivergenceError: training diverged at step 3: the loss was nan for 3 steps in a row")
+    assert "no checkpoint was saved yet" in error
+    assert list_checkpoints(tmp_path / "checkpoints") == []
+
+
+# --- 4. Signals: every rank finishes its step, saves it, and says so.
+
+
+def _signal_one_rank(rank: int, world: int, cfg: Config, run_dir: Path) -> tuple[int, str, int]:
+    """Rank 1 alone gets SIGINT once rank 0 has logged two steps; every rank must stop after the same step."""
+    if rank == 1:
+
+        def interrupt() -> None:
+            while len(_rows(run_dir)) < 2:
+                time.sleep(0.005)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        run(cfg, run_dir)
+    except Stopped as e:
+        return e.step, str(e.checkpoint), len(e.history)
+    raise AssertionError("the run was not stopped")
+
+
+def test_sigint_on_one_rank_stops_every_rank_after_the_same_step(tiny_dataset, tmp_path):
+    cfg = make_config(*tiny(tiny_dataset, "train.steps=400", "train.eval_every=0"))
+    outcomes = run_distributed(_signal_one_rank, 2, cfg, tmp_path, timeout_s=120)
+    assert outcomes[0] == outcomes[1]
+    step, checkpoint, ran = outcomes[0]
+    assert 2 <= step < 400 and ran == step
+    assert checkpoint == str(tmp_path / "checkpoints" / checkpoint_name(step))
+    assert list_checkpoints(tmp_path / "checkpoints") == [Path(checkpoint)]
+
+
+def test_sigterm_to_torchrun_saves_the_step_and_resuming_gives_the_uninterrupted_losses(tiny_dataset, tmp_path):
+    """The launcher is signalled (as SLURM or Kubernetes do), not a worker. Rerunning the same command resumes
+    from the step it stopped at, continues the same wandb run, and ends with the summary line."""
+    overrides = tiny(tiny_dataset, "train.steps=100", "train.eval_every=25", "wandb.mode=offline")
+    (reference,) = train_in_process(tmp_path / "reference", [*overrides, "wandb.mode=disabled"])
+
+    run_dir = tmp_path / "run"
+    cmd = [*_torchrun(2), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        _wait_for_rows(run_dir, 3, launcher)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    k = _rows(run_dir)[-1]["step"]
+    assert k < 100, "the run ended before the signal: make its steps longer"
+    checkpoint = run_dir / "checkpoints" / checkpoint_name(k)
+    stop = f"stopped by SIGTERM at step {k}; checkpoint {checkpoint}; rerun the same command to resume"
+    # One line from the logging rank, before anything the launcher itself prints about its signal.
+    assert [line for line in _lines(err) if "stopped" in line or "rror" in line][0] == stop, err
+    assert err.count("stopped by") == 1
+    assert list_checkpoints(run_dir / "checkpoints") == [checkpoint]
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.count("resumed from") == 1 and f"resumed from {checkpoint} at step {k}" in resumed.stdout
+    rows = _rows(run_dir)
+    assert_same_curve(reference, rows, rel=1e-6)
+    final = run_dir / "checkpoints" / checkpoint_name(100)
+    summary = _lines(resumed.stdout)[-1]
+    assert summary.startswith(f"done: steps {k + 1}-100 in ") and " tok/s | loss " in summary, summary
+    assert summary.endswith(f" | val {rows[-1]['val_loss']:.4f} | checkpoint {final}"), summary
+    assert (run_dir / "wandb_run_id").read_text().strip() == run_id
+    offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline), offline
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tiny_dataset, tmp_path):
+    """The first SIGINT asks for a clean stop after the step in flight; a second, a moment later, ends now."""
+    run_dir = tmp_path / "run"
+    # A model slow enough on a CPU (seconds a step) that the second Ctrl-C lands while the first is pending.
+    slow = ["model.d_model=512", "model.seq_len=256", "train.micro_batch_size=16", "train.eval_every=0"]
+    overrides = tiny(tiny_dataset, *slow, "train.steps=100")
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        _wait_for_rows(run_dir, 1, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.5)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - start < 5
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT
+    k = _rows(run_dir)[-1]["step"]
+    assert _lines(err) == [
+        f"stopped by SIGINT at step {k} (step {k + 1} abandoned on a second Ctrl-C); no checkpoint yet; "
+        "rerun the same command to resume"
+    ]
+
+
+# --- 6. Run output stays out of git.
+
+
+def test_gitignore_covers_run_output():
+    paths = ["runs/a/metrics.jsonl", "outputs/2025-01-01/12-00-00-123/metrics.jsonl"]
+    proc = subprocess.run(["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True)
+    assert proc.stdout.split() == paths
