@@ -293,12 +293,22 @@ def test_sigterm_to_torchrun_saves_the_step_and_resuming_gives_the_uninterrupted
     assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline), offline
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tiny_dataset, tmp_path):
-    """The first SIGINT asks for a clean stop after the step in flight; a second, a moment later, ends now."""
+# (signals sent one after the other, train.stop_grace_s, why the step in flight is abandoned)
+ABANDON = [
+    ([signal.SIGINT, signal.SIGINT], 25, " on a second Ctrl-C"),
+    ([signal.SIGTERM], 1, ": it did not finish within train.stop_grace_s=1s"),
+]
+
+
+@pytest.mark.parametrize("signals,grace,why", ABANDON, ids=["second-ctrl-c", "grace-expired"])
+def test_a_stop_that_cannot_wait_ends_at_once_naming_the_last_checkpoint(tiny_dataset, tmp_path, signals, grace, why):
+    """The first SIGINT asks for a clean stop after the step in flight; a second, a moment later, ends now. A step
+    that does not finish within train.stop_grace_s after the signal (a rank stopped answering, or, here, a slow
+    step) is abandoned the same way. Either way: one line, no traceback, 128 + the first signal."""
     run_dir = tmp_path / "run"
-    # A model slow enough on a CPU (seconds a step) that the second Ctrl-C lands while the first is pending.
+    # A model slow enough on a CPU (seconds a step) that the step in flight outlasts the wait.
     slow = ["model.d_model=512", "model.seq_len=256", "train.micro_batch_size=16", "train.eval_every=0"]
-    overrides = tiny(tiny_dataset, *slow, "train.steps=100")
+    overrides = tiny(tiny_dataset, *slow, "train.steps=100", f"train.stop_grace_s={grace}")
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides],
         stdout=subprocess.PIPE,
@@ -308,18 +318,19 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tiny_dataset, tmp_pat
     )
     try:
         _wait_for_rows(run_dir, 1, proc)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(1.5)
+        for i, signum in enumerate(signals):
+            if i:
+                time.sleep(1.5)
+            proc.send_signal(signum)
         start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < grace + 2.5
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGINT
+    assert proc.returncode == 128 + signals[0]
     k = _rows(run_dir)[-1]["step"]
     assert _lines(err) == [
-        f"stopped by SIGINT at step {k} (step {k + 1} abandoned on a second Ctrl-C); no checkpoint yet; "
+        f"stopped by {signals[0].name} at step {k} (step {k + 1} abandoned{why}); no checkpoint yet; "
         "rerun the same command to resume"
     ]
 

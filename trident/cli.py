@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
@@ -50,6 +51,9 @@ def user_errors() -> Iterator[None]:
         fail(f"lost contact with another rank ({first}); the first error above, if any, says why it stopped", 1)
     except OSError as e:  # a full disk, a directory that cannot be written: the environment, not a bug
         fail(f"{e}; free space or point the path at a writable directory")
+    except Exception:  # a bug: its traceback is the message, and it too must be out before the launcher acts
+        traceback.print_exc()
+        _leave(1)
 
 
 def launch(hydra_main: Callable[[], None]) -> None:

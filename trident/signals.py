@@ -139,8 +139,10 @@ class StopRequest:
         """Record one received signal; True if it is the first (the grace period starts)."""
         now = time.monotonic()
         if not self._training:
+            # Silent on SIGTERM: during start-up that is most often the launcher ending this rank because another
+            # failed, and that rank's error must stay the last word.
             line = f"stopped by {signal_name(signum)} before training started; rerun the same command to start"
-            self._exit(signum, line, _is_rank_zero())
+            self._exit(signum, line, signum == signal.SIGINT and _is_rank_zero())
         if not self.signum:
             self.signum, self._first_at = signum, now
             return True
