@@ -24,7 +24,7 @@ from trident.config import Config
 from trident.divergence import DivergencePolicy
 from trident.errors import RunDirError
 from trident.rundir import LOCK_FILE, RunDirLock, remove_partial_saves
-from trident.signals import Stopped
+from trident.signals import SAME_KEY_PRESS_S, Stopped
 
 
 def _env() -> dict[str, str]:
@@ -296,7 +296,7 @@ def test_sigterm_to_torchrun_saves_the_step_and_resuming_gives_the_uninterrupted
 # (signals sent one after the other, train.stop_grace_s, why the step in flight is abandoned)
 ABANDON = [
     ([signal.SIGINT, signal.SIGINT], 25, " on a second Ctrl-C"),
-    ([signal.SIGTERM], 1, ": it did not finish within train.stop_grace_s=1s"),
+    ([signal.SIGTERM], 0.5, ": it did not finish within train.stop_grace_s=0.5s"),
 ]
 
 
@@ -320,7 +320,7 @@ def test_a_stop_that_cannot_wait_ends_at_once_naming_the_last_checkpoint(tiny_da
         _wait_for_rows(run_dir, 1, proc)
         for i, signum in enumerate(signals):
             if i:
-                time.sleep(1.5)
+                time.sleep(SAME_KEY_PRESS_S + 0.2)  # a second key press, not one delivered twice
             proc.send_signal(signum)
         start = time.monotonic()
         _, err = proc.communicate(timeout=60)
