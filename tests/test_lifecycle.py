@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.dist import run_distributed
+from tests.dist import free_port, run_distributed
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
 from train import run
 from trident.checkpoint import checkpoint_name, list_checkpoints
@@ -68,6 +68,30 @@ def test_under_torchrun_the_first_line_is_the_error_and_nothing_aborts(tiny_data
     error = "error: parallel.tp=2: tensor parallelism is not implemented yet; use parallel.tp=1"
     assert lines[0] == error, proc.stderr
     assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr.split(error)[0]
+
+
+def test_a_rank_that_loses_its_peer_says_so_in_one_line(tiny_dataset, tmp_path):
+    """kill -9 of one rank (started by hand: no launcher to end the other): the survivor's collective fails, and
+    it ends at once with one line and exit code 1, not a traceback or an abort in teardown."""
+    run_dir, port = tmp_path / "run", str(free_port())
+    overrides = tiny(tiny_dataset, "train.steps=2000", "train.eval_every=0", "logging.interval=1000")
+    ranks = []
+    for rank in range(2):
+        env = _env()
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+        ranks.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        _wait_for_rows(run_dir, 2, ranks[0])
+        ranks[1].kill()
+        _, err = ranks[0].communicate(timeout=30)
+    finally:
+        for proc in ranks:
+            proc.kill()
+    assert ranks[0].returncode == 1
+    (line,) = _lines(err)
+    assert line.startswith("error: lost contact with another rank (") and line.endswith("says why it stopped"), line
 
 
 def _bad_counts(rank: int, world: int, cfg: Config, run_dir: Path) -> str:

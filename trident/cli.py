@@ -16,11 +16,10 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
-import torch.distributed as dist
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.errors import TridentError, one_line
+from trident.errors import TridentError, is_lost_peer, one_line
 from trident.signals import Stopped
 
 
@@ -28,6 +27,16 @@ def _leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _gist(error: BaseException) -> str:
+    """The first sentence of a collective's error, without gloo's source location:
+    "[.../pair.cc:537] Read error [127.0.0.1]:22433: Connection reset by peer. This is typically..." ->
+    "Read error [127.0.0.1]:22433: Connection reset by peer"."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -45,14 +54,13 @@ def user_errors() -> Iterator[None]:
         _leave(e.exit_code)
     except TridentError as e:
         fail(str(e), e.exit_code)
-    except dist.DistError as e:
-        # Another rank has gone: its own line, if it could leave one, is the cause and came first.
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        fail(f"lost contact with another rank ({first}); the first error above, if any, says why it stopped", 1)
     except OSError as e:  # a full disk, a directory that cannot be written: the environment, not a bug
         fail(f"{e}; free space or point the path at a writable directory")
-    except Exception:  # a bug: its traceback is the message, and it too must be out before the launcher acts
-        traceback.print_exc()
+    except Exception as e:
+        if is_lost_peer(e):
+            # Another rank has gone: its own line, if it could leave one, is the cause and came first.
+            fail(f"lost contact with another rank ({_gist(e)}); the first error above, if any, says why it stopped", 1)
+        traceback.print_exc()  # a bug: its traceback is the message, and it too must be out before the launcher acts
         _leave(1)
 
 

@@ -52,3 +52,11 @@ def one_line(text: str) -> str:
         else:
             out.append(line.strip())
     return "; ".join(line.rstrip(".") for line in out)
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """A collective failed because another rank is gone: torch raises ``DistError`` (NCCL, the store), gloo a plain
+    RuntimeError from its transport ("[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset")."""
+    import torch.distributed as dist  # here, not at the top: tools/prepare_data.py imports this module without torch
+
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport" in str(error))

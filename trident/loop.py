@@ -31,7 +31,7 @@ from trident.config import OptimConfig, TrainConfig
 from trident.data.dataset import TokenWindows, eval_batch_count
 from trident.data.sampler import GlobalBatchSampler, ValidationBatches
 from trident.divergence import DivergencePolicy
-from trident.errors import CheckpointError, DivergenceError
+from trident.errors import CheckpointError, DivergenceError, is_lost_peer
 from trident.metrics import MetricsLogger, peak_memory_mb, summary_line
 from trident.optim import GradStep, lr_at
 from trident.parallel.agree import on_one_rank
@@ -174,9 +174,9 @@ class Trainer:
         first_step, started = self.step, time.perf_counter()
         try:
             self._train(history, logger)
-        except dist.DistError:
+        except RuntimeError as e:
             # A collective failed: another rank is gone. After a signal that is the stop itself, not a bug.
-            if self.stop is None or not self.stop.signum:
+            if not is_lost_peer(e) or self.stop is None or not self.stop.signum:
                 raise
             signum = self.stop.signum
             note = " (abandoned: a collective failed, another rank is gone)"
