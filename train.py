@@ -27,11 +27,13 @@ from trident.device import local_world_size, pick_backend, pick_device, set_cpu_
 from trident.loop import Trainer
 from trident.metrics import MetricsLogger, announce_run, device_peak_tflops
 from trident.models.checkpointing import apply_activation_checkpointing
-from trident.models.gpt import GPT, flops_per_token, init_weights, lm_loss_sum
+from trident.models.gpt import GPT, flops_per_token, init_weights
 from trident.optim import GradStep, build_optimizer
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import build_process_groups, init_distributed, launch_world_size, shutdown_distributed
+from trident.parallel.random import model_parallel_rng
 from trident.parallel.reducer import GradReducer
+from trident.parallel.tensor import sum_grads_over_tp
 from trident.parallel.topology import Topology
 from trident.precision import LossScaler
 from trident.rundir import take_ownership
@@ -83,7 +85,9 @@ def _build_and_fit(
     for lock in locks or []:
         cleanup.callback(lock.release)
 
-    model = GPT(cfg.model)
+    # Dropout streams: the default generator alike on every tp rank, a tensor-parallel one per tp rank.
+    rng = model_parallel_rng(tr.seed, groups.tp_rank, device)
+    model = GPT(cfg.model, groups.tp_group, sequence_parallel=cfg.parallel.sequence_parallel, rng=rng)
     init_weights(model, cfg.model, tr.seed)
     model.to(device)
     apply_activation_checkpointing(model, tr.activation_checkpointing)
@@ -91,6 +95,8 @@ def _build_and_fit(
     optimizer = build_optimizer(chunks, cfg.optim)
     reducer = GradReducer([p for c in chunks for p in c.parameters()], groups.dp_group, cfg.parallel.bucket_mb)
     cleanup.callback(reducer.remove_hooks)
+    # Under sequence parallelism the parameters every tp rank holds whole saw only that rank's tokens.
+    sp_grads = [reducer.grad(p) for c in chunks for p in c.sequence_parallel_params()]
     scaler = LossScaler() if tr.precision == "fp16" else None
     config_dict = dataclasses.asdict(cfg)
     checkpointer = Checkpointer(
@@ -112,7 +118,7 @@ def _build_and_fit(
         groups=groups,
         model_chunks=chunks,
         runner=LocalRunner(chunks, reducer, tr.precision),
-        loss_fn=lm_loss_sum,
+        loss_fn=model.loss_sum,
         grad_step=GradStep(optimizer, reducer, groups, cfg.optim.grad_clip, scaler),
         train_data=train_data,
         val_data=val_data,
@@ -122,6 +128,7 @@ def _build_and_fit(
         checkpointer=checkpointer,
         make_logger=lambda start: MetricsLogger(run_dir, tr.steps, lg, cfg.wandb, config_dict, start),
         stop=stop,
+        after_reduce=(lambda: sum_grads_over_tp(sp_grads, groups.tp_group)) if sp_grads else None,
     )
     return trainer.fit()
 

@@ -60,7 +60,7 @@ class CausalSelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads // rank_and_size(tp_group)[1]  # this rank's heads
-        self.dropout, self.rng = getattr(cfg, "dropout", 0.0), rng
+        self.dropout, self.rng = cfg.dropout, rng
         d = cfg.d_model
         self.qkv = ColumnParallelLinear(d, 3 * d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(d, d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
@@ -94,7 +94,7 @@ class MLP(nn.Module):
 def _residual_dropout(cfg: ModelConfig, sequence_parallel: bool, rng: RNGTracker | None) -> nn.Module:
     """Dropout on the residual stream: replicated over tp (the default generator), or under sequence
     parallelism a different shard on each rank (the tp stream). None of it at dropout 0."""
-    p = getattr(cfg, "dropout", 0.0)
+    p = cfg.dropout
     if p == 0:
         return nn.Identity()
     return Dropout(p, rng if sequence_parallel else None)
@@ -139,7 +139,7 @@ class GPT(nn.Module):
         self.tp_rank, self.tp_size = rank_and_size(tp_group)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         check_tp_split(cfg, self.tp_size, self.sequence_parallel)
-        if getattr(cfg, "dropout", 0.0) > 0 and self.tp_size > 1 and rng is None:
+        if cfg.dropout > 0 and self.tp_size > 1 and rng is None:
             raise ValueError("dropout at tp > 1 needs the model-parallel RNG tracker (rng=model_parallel_rng(...))")
         self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
         sp = self.sequence_parallel

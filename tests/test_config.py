@@ -199,7 +199,7 @@ def test_real_feature_gate_names_real_keys_and_passes_the_defaults(monkeypatch: 
 
 LAUNCH_LAST = [
     # `python train.py parallel.tp=2` used to say "launch 2 processes"; launched so, it said "not implemented".
-    pytest.param({"parallel.tp": 2}, 1, "parallel.tp=2: tensor parallelism is not implemented", True, id="gate"),
+    pytest.param({"parallel.pp": 2}, 1, "parallel.pp=2: pipeline parallelism is not implemented", True, id="gate"),
     pytest.param({"parallel.tp": 2, "model.n_heads": 3}, 1, "model.d_model=256 is not divisible", False, id="shape"),
     pytest.param({"parallel.pp": 2, "model.n_layers": 3}, 1, "model.n_layers=3", False, id="split"),
     pytest.param({"parallel.dp": 2, "train.precision": "fp8"}, 1, "train.precision='fp8'", False, id="choice"),

@@ -116,7 +116,8 @@ BAD = [
     (["parallel.dp=4"], "world size 2 != dp 4 x tp 1 x pp 1 = 4; set parallel.dp=2 or launch 4 processes"),
     (["train.global_batch_size=10"], "train.global_batch_size=10"),
     (["model.n_heads=5"], "model.n_heads=5"),
-    (["parallel.tp=2"], "parallel.tp=2: tensor parallelism is not implemented"),
+    (["parallel.pp=2"], "parallel.pp=2: pipeline parallelism is not implemented"),
+    (["parallel.tp=2", "model.d_ff=101"], "model.d_ff=101 is not divisible by parallel.tp=2; use model.d_ff=100 or 102"),
     (["train.precision=fp8"], "train.precision='fp8'"),
     (["optim.min_lr=1"], "optim.min_lr=1"),
     (["data.dataset_dir=/nonexistent/data"], "/nonexistent/data"),
@@ -185,8 +186,8 @@ def test_generate_from_a_model_whose_vocab_is_padded(tiny_dataset, tmp_path):
     assert greedy[0].returncode == 0, greedy[0].stderr
     assert greedy[0].stdout == greedy[1].stdout and greedy[0].stdout.startswith("def ")
 
-    (checkpoint / "model.pt").write_bytes(b"not a checkpoint")
+    (checkpoint / "__0_0.distcp").write_bytes(b"not a checkpoint")
     broken = _generate(checkpoint)
     assert broken.returncode == 2
     assert len(broken.stderr.splitlines()) == 1
-    assert broken.stderr.startswith(f"error: cannot read checkpoint file {checkpoint / 'model.pt'}")
+    assert broken.stderr.startswith(f"error: cannot read checkpoint file {checkpoint / '__0_0.distcp'}: damaged")

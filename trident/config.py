@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from trident.errors import ConfigError
+from trident.parallel.tensor import tp_split_error
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ModelConfig:
     # The embedding table is padded to a multiple of this times tp (Megatron's
     # make-vocab-size-divisible-by); padded logits are masked, so the loss never changes.
     vocab_multiple: int = 64
+    # Dropout on attention probabilities, residual branches and embeddings (0 = none, as in modern pretraining).
+    dropout: float = 0.0
 
     @property
     def ffn_dim(self) -> int:
@@ -188,7 +191,6 @@ def register_configs() -> None:
 # Capabilities that have a config key but no implementation yet: a user asking for them gets a
 # clear error rather than a run that silently ignores the setting.
 NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "parallel.tp": "tensor parallelism is not implemented yet; use parallel.tp=1",
     "parallel.pp": "pipeline parallelism is not implemented yet; use parallel.pp=1",
     "parallel.zero": "ZeRO sharding is not implemented yet; use parallel.zero=0",
 }
@@ -280,6 +282,7 @@ def validate(cfg: Config, world_size: int) -> int:
     for key in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "vocab_multiple"):
         _need(getattr(m, key) >= 1, f"model.{key}={getattr(m, key)} must be >= 1")
     _need(m.ffn_dim >= 1, f"model.d_ff={m.d_ff} must be >= 1")
+    _need(0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)")
     _need(
         m.d_model % m.n_heads == 0,
         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; choose n_heads that divides d_model",
@@ -321,15 +324,13 @@ def validate(cfg: Config, world_size: int) -> int:
         f"model.n_layers={m.n_layers} is not divisible by pp {par.pp} x vpp {par.vpp} = {chunks}; "
         "change the layer count or the pipeline layout",
     )
-    _need(
-        m.n_heads % par.tp == 0,
-        f"model.n_heads={m.n_heads} is not divisible by parallel.tp={par.tp}",
-    )
-    _need(m.ffn_dim % par.tp == 0, f"model.d_ff={m.ffn_dim} is not divisible by parallel.tp={par.tp}")
-    _need(
-        not par.sequence_parallel or m.seq_len % par.tp == 0,
-        f"model.seq_len={m.seq_len} is not divisible by parallel.tp={par.tp} (sequence parallelism)",
-    )
+    # Heads (and with them d_model), the MLP width and, under sequence parallelism, the sequence split over tp.
+    split = [("model.n_heads", m.n_heads), ("model.d_ff", m.ffn_dim)]
+    if par.sequence_parallel:
+        split.append(("model.seq_len", m.seq_len))
+    for key, value in split:
+        error = tp_split_error(key, value, par.tp)
+        _need(error is None, error or "")
 
     _need(tr.micro_batch_size >= 1, f"train.micro_batch_size={tr.micro_batch_size} must be >= 1")
     _need(tr.global_batch_size >= 1, f"train.global_batch_size={tr.global_batch_size} must be >= 1")
