@@ -1,7 +1,5 @@
-"""parallel/groups.py on real gloo process groups (spawned local ranks), plus the spawn helper itself.
-
-Spawning costs a torch import per rank (~2 s), so one spawn checks every layout of its world size.
-"""
+"""parallel/groups.py on real gloo process groups (the harness's pooled local ranks), plus the harness's
+failure reporting. One call checks every layout of its world size."""
 
 from __future__ import annotations
 
