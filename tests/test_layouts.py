@@ -70,14 +70,19 @@ def test_tp_gives_the_one_process_curve(tiny_dataset, tmp_path, reference_515, w
 
 
 def test_tp_checkpoints_resume_at_other_tp(tiny_dataset, tmp_path, reference_515):
-    """tp=2 (with SP) -> tp=1 and tp=4; tp=1 -> tp=2: each gives the uninterrupted run's next losses."""
+    """tp=2 (with SP) -> tp=1 and tp=4; tp=1 and tp=4 -> tp=2: each gives the uninterrupted run's next losses."""
     base = tiny(tiny_dataset, "train.steps=6", "train.micro_batch_size=4", "model.vocab_size=515")
     saved = {}
-    for name, world, extra in [("tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]), ("tp1", 1, [])]:
+    sources = [
+        ("tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("tp1", 1, []),
+        ("tp4", 4, ["parallel.tp=4"]),
+    ]
+    for name, world, extra in sources:
         histories = train_in_process(tmp_path / name, [*base, "checkpoint.every=3", *extra], world=world)
         assert_same_curve(reference_515, histories[0], REL)
         saved[name] = tmp_path / name / "checkpoints" / "step_00000003"
-    for source, world, tp in [("tp2", 1, 1), ("tp2", 4, 4), ("tp1", 2, 2)]:
+    for source, world, tp in [("tp2", 1, 1), ("tp2", 4, 4), ("tp1", 2, 2), ("tp4", 2, 2)]:
         resumed = train_in_process(
             tmp_path / f"{source}-to-tp{tp}",
             [*base, f"parallel.tp={tp}", f"checkpoint.resume={saved[source]}"],
