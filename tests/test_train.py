@@ -117,7 +117,7 @@ BAD = [
     (["train.global_batch_size=10"], "train.global_batch_size=10"),
     (["model.n_heads=5"], "model.n_heads=5"),
     (["parallel.pp=2"], "parallel.pp=2: pipeline parallelism is not implemented"),
-    (["parallel.tp=2", "model.d_ff=101"], "model.d_ff=101 is not divisible by parallel.tp=2; use model.d_ff=100 or 102"),
+    (["parallel.tp=2", "model.d_ff=101"], "model.d_ff=101 is not divisible by parallel.tp=2; use model.d_ff=100"),
     (["train.precision=fp8"], "train.precision='fp8'"),
     (["optim.min_lr=1"], "optim.min_lr=1"),
     (["data.dataset_dir=/nonexistent/data"], "/nonexistent/data"),

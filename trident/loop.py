@@ -207,6 +207,9 @@ class Trainer:
             history.append(row)
             if logger is not None:
                 logger.log(row)
+            if self.stop is not None:
+                # The update is applied and logged: a stop abandoning what follows must name this step.
+                self.stop.completed(self.step, self.last_checkpoint)
 
             scaler = self.grad_step.scaler
             reason = self.divergence.verdict(
