@@ -119,10 +119,19 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+# A save being written, a replaced step moved aside, a pruned step being deleted: hidden names never mistaken for
+# a checkpoint, which the owner of the run directory clears after a killed run (trident/rundir.py).
+PARTIAL_SAVE_PATTERNS = tuple(f".step_*.{kind}-*" for kind in ("tmp", "old", "trash"))
+
+
+def _partial(root: Path, name: str, kind: str) -> Path:
+    return root / f".{name}.{kind}-{uuid.uuid4().hex[:12]}"
+
+
 def new_temporary(root: Path, step: int) -> Path:
     """An empty hidden directory for one save; never mistaken for a checkpoint."""
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{checkpoint_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp = _partial(root, checkpoint_name(step), "tmp")
     tmp.mkdir()
     return tmp
 
@@ -143,7 +152,7 @@ def publish(tmp: Path, step: int, files: dict[str, dict], tokenizer: Path | None
         _fsync_dir(tmp)
         if final.exists():
             # Re-saving a step (e.g. after a resume): swap the old one aside only once the new one is whole.
-            old = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            old = _partial(root, final.name, "old")
             os.rename(final, old)
             os.rename(tmp, final)
             shutil.rmtree(old)
@@ -170,7 +179,7 @@ def prune_checkpoints(root: Path, keep_last: int, current_step: int) -> None:
     mine = [p for p in list_checkpoints(root) if checkpoint_step(p) <= current_step]
     for path in mine[:-keep_last]:
         # Renamed first, so a crash mid-delete never leaves a damaged checkpoint that still looks complete.
-        trash = root / f".{path.name}.trash-{uuid.uuid4().hex[:8]}"
+        trash = _partial(root, path.name, "trash")
         os.rename(path, trash)
         shutil.rmtree(trash)
 

@@ -16,12 +16,10 @@ import shutil
 import socket
 from pathlib import Path
 
+from trident.checkpoint import PARTIAL_SAVE_PATTERNS
 from trident.errors import RunDirError
 
 LOCK_FILE = ".trident.lock"
-# What an interrupted checkpoint save leaves under the checkpoint root (see trident/checkpoint.py): a
-# temporary directory being written, a replaced step moved aside, a pruned step being deleted.
-PARTIAL_SAVE_PATTERNS = (".step_*.tmp-*", ".step_*.old-*", ".step_*.trash-*")
 
 
 class RunDirLock:
