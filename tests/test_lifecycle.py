@@ -44,6 +44,12 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def _start_train(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    """``python train.py`` in the background, its output captured."""
+    cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
 def _wait_for_rows(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while len(_rows(run_dir)) < n:
@@ -165,13 +171,7 @@ def test_a_second_run_in_the_directory_is_refused_until_the_first_is_gone(tiny_d
     checkpoint; B then owns the directory, removes the partial saves a killed run left, and resumes."""
     run_dir = tmp_path / "run"
     overrides = tiny(tiny_dataset, "train.steps=400", "train.eval_every=0", "logging.interval=1000")
-    a = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
+    a = _start_train(run_dir, overrides)
     try:
         _wait_for_rows(run_dir, 2, a)
         with pytest.raises(RuntimeError) as refused:
@@ -333,13 +333,7 @@ def test_a_stop_that_cannot_wait_ends_at_once_naming_the_last_checkpoint(tiny_da
     # A model slow enough on a CPU (seconds a step) that the step in flight outlasts the wait.
     slow = ["model.d_model=512", "model.seq_len=256", "train.micro_batch_size=16", "train.eval_every=0"]
     overrides = tiny(tiny_dataset, *slow, "train.steps=100", f"train.stop_grace_s={grace}")
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
+    proc = _start_train(run_dir, overrides)
     try:
         _wait_for_rows(run_dir, 1, proc)
         for i, signum in enumerate(signals):
