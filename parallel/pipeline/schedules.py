@@ -1,0 +1,309 @@
+"""Pipeline schedules as data: for each pipeline rank, the ordered list of actions it runs in one step.
+
+An ``Action`` is a kind, a micro-batch and a model chunk. Kinds: ``F`` forward, ``B`` full backward, and for the
+zero-bubble schedule ``I`` (backward for the chunk's input only) and ``W`` (backward for its weights). With P
+pipeline ranks and V chunks per rank there are S = P * V virtual stages; chunk c of rank r is stage c * P + r,
+so a micro-batch goes rank 0, 1, ..., P-1, then back to rank 0 for chunk 1, and so on.
+
+Nothing here touches a process group: every rank can compute every rank's list (the executor uses that to
+post its receives in the order its peers send), and a schedule can be printed as a step x rank grid, parsed
+back from strings like ``"1F0"`` (torch.distributed.pipelining's form: virtual stage 1, forward, micro-batch
+0), and simulated with unit costs to find deadlocks and measure the bubble.
+
+Bubble (idle time over busy time on each rank, F and B of a chunk costing f and b, b = i + w):
+
+    gpipe, 1f1b     (P - 1) / M
+    interleaved     (P - 1) / (V * M)                     for M >= P (any M, not only multiples of P);
+                    (P - 1 + (V - 1) * (P - M)) / (V * M)   for M < P (chunk 1 waits for the lap to come round)
+    zb-h1           (P - 1) * (f + i - w) / (M * (f + i + w))   for M >= P: a third of 1f1b's when f = i = w;
+                    ((P - 1) * (f + i) - (M - 1) * w) / (M * (f + i + w))   for M < P
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+F, B, I, W = "F", "B", "I", "W"  # noqa: E741 (I is the zero-bubble paper's name for the input backward)
+KINDS = (F, B, I, W)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+class Action(NamedTuple):
+    kind: str
+    micro: int
+    chunk: int = 0
+
+
+Schedule = list[list[Action]]  # rank -> its actions in order
+
+
+def stage_of(chunk: int, rank: int, pp: int) -> int:
+    """The virtual stage of ``chunk`` on pipeline rank ``rank``."""
+    return chunk * pp + rank
+
+
+def gpipe(pp: int, micro: int) -> Schedule:
+    """Every forward, then every backward: M micro-batches of activations in flight on every rank."""
+    return [[Action(F, m) for m in range(micro)] + [Action(B, m) for m in range(micro)] for _ in range(pp)]
+
+
+def one_f_one_b(pp: int, micro: int) -> Schedule:
+    """PipeDream-flush: rank r runs P - 1 - r forwards, then alternates one forward and one backward, then
+    drains the backwards. At most P - r micro-batches are in flight on rank r."""
+    out = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, micro)
+        ops = [Action(F, m) for m in range(warmup)]
+        for k in range(micro - warmup):
+            ops += [Action(F, warmup + k), Action(B, k)]
+        ops += [Action(B, m) for m in range(micro - warmup, micro)]
+        out.append(ops)
+    return out
+
+
+def interleaved_rounds(pp: int, micro: int) -> list[int]:
+    """Micro-batches per round of the interleaved schedule: ``max(1, M // P)`` rounds as even as can be
+    (torch's flexible interleaved 1F1B asks for equal rounds; uneven ones simulate deadlock-free too)."""
+    rounds = max(1, micro // pp)
+    return [micro // rounds + (1 if i < micro % rounds else 0) for i in range(rounds)]
+
+
+def interleaved(pp: int, vpp: int, micro: int) -> Schedule:
+    """Megatron's interleaved 1F1B over V chunks per rank.
+
+    Micro-batches go in rounds (``interleaved_rounds``): a rank runs the forwards of a round's micro-batches
+    through chunk 0, then chunk 1, ..., and the backwards likewise with the chunks reversed. Rank r warms up with
+    (V - 1) * (first round) + 2 * (P - 1 - r) forwards, then alternates one forward and one backward.
+    Megatron needs M % P == 0; rounds of at least P micro-batches take any M >= P, and M < P is one round.
+    """
+    rounds = interleaved_rounds(pp, micro)
+    spans = [range(sum(rounds[:i]), sum(rounds[: i + 1])) for i in range(len(rounds))]
+    fwd = [Action(F, m, c) for micros in spans for c in range(vpp) for m in micros]
+    bwd = [Action(B, m, c) for micros in spans for c in reversed(range(vpp)) for m in micros]
+    total = len(fwd)
+    out = []
+    for r in range(pp):
+        warmup = min((vpp - 1) * rounds[0] + 2 * (pp - 1 - r), total)
+        ops = fwd[:warmup]
+        for k in range(total - warmup):
+            ops += [fwd[warmup + k], bwd[k]]
+        ops += bwd[total - warmup :]
+        out.append(ops)
+    return out
+
+
+def zb_h1(pp: int, micro: int) -> Schedule:
+    """Zero-bubble H1 (Qi et al. 2023): 1F1B with each backward split into I (input gradient, on the critical
+    path to the rank upstream) and W (weight gradient, which nothing waits for). Rank r delays its W by r
+    steps, so the W passes fill what would have been the cool-down bubble; in-flight activations as 1F1B."""
+    out = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, micro)
+        ops = [Action(F, m) for m in range(warmup)]
+        done_w = 0
+        for k in range(micro):
+            if warmup + k < micro:
+                ops.append(Action(F, warmup + k))
+            ops.append(Action(I, k))
+            if k >= r:
+                ops.append(Action(W, done_w))
+                done_w += 1
+        ops += [Action(W, m) for m in range(done_w, micro)]
+        out.append(ops)
+    return out
+
+
+def schedule_error(name: str, pp: int, vpp: int, micro: int) -> str | None:
+    """Why schedule ``name`` cannot run P ranks x V chunks over M micro-batches, or None if it can."""
+    if name not in SCHEDULES:
+        return f"unknown pipeline schedule {name!r}; use one of {', '.join(SCHEDULES)}"
+    if pp < 1 or vpp < 1 or micro < 1:
+        return f"pp={pp}, vpp={vpp} and the micro-batch count {micro} must be >= 1"
+    if name == "interleaved" and vpp < 2:
+        return "the interleaved schedule needs vpp > 1 model chunks per pipeline rank"
+    if name != "interleaved" and vpp != 1:
+        return f"the {name} schedule runs one model chunk per rank (vpp=1), got vpp={vpp}"
+    return None
+
+
+def build_schedule(name: str, pp: int, vpp: int, micro: int) -> Schedule:
+    """Every rank's action list of schedule ``name``."""
+    if error := schedule_error(name, pp, vpp, micro):
+        raise ValueError(error)
+    if name == "gpipe":
+        return gpipe(pp, micro)
+    if name == "1f1b":
+        return one_f_one_b(pp, micro)
+    if name == "interleaved":
+        return interleaved(pp, vpp, micro)
+    return zb_h1(pp, micro)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of a schedule, in its order (evaluation): dropping actions never adds a dependency."""
+    return [[a for a in ops if a.kind == F] for ops in schedule]
+
+
+def check_schedule(schedule: Schedule, vpp: int, micro: int) -> None:
+    """Each rank runs, for every (micro-batch, chunk), one F and then either one B or one I followed by one W."""
+    for r, ops in enumerate(schedule):
+        seen = {}
+        for i, a in enumerate(ops):
+            if a.kind not in KINDS or not (0 <= a.micro < micro and 0 <= a.chunk < vpp):
+                raise ValueError(f"rank {r}: action {a} is outside {micro} micro-batches x {vpp} chunks")
+            if (a.kind, a.micro, a.chunk) in seen:
+                raise ValueError(f"rank {r}: {a} appears twice")
+            seen[a] = i
+        for m in range(micro):
+            for c in range(vpp):
+                f, b, i, w = (seen.get(Action(k, m, c)) for k in KINDS)
+                split = (i, w) != (None, None)
+                ok = f is not None and (
+                    (b is not None and not split and f < b) or (b is None and None not in (i, w) and f < i < w)  # type: ignore[operator]
+                )
+                if not ok:
+                    raise ValueError(f"rank {r}: micro-batch {m}, chunk {c} needs one F, then B (or I, then W)")
+
+
+# -- strings: torch.distributed.pipelining's "<stage><kind><micro>" ----------------------------------------------
+
+
+def format_action(action: Action, rank: int, pp: int) -> str:
+    return f"{stage_of(action.chunk, rank, pp)}{action.kind}{action.micro}"
+
+
+def parse_action(text: str, rank: int, pp: int) -> Action:
+    """``"3B1"`` on rank 1 of P=2 -> Action("B", micro=1, chunk=1) (stage 3 = chunk 1 * 2 + rank 1)."""
+    text = text.strip()
+    at = next((i for i, ch in enumerate(text) if ch in KINDS), None)
+    if at is None or not text[:at].isdigit() or not text[at + 1 :].isdigit():
+        raise ValueError(f"cannot read action {text!r}; write <stage><F|B|I|W><micro-batch>, e.g. 1F0")
+    stage, micro = int(text[:at]), int(text[at + 1 :])
+    if stage % pp != rank:
+        raise ValueError(f"action {text!r}: stage {stage} is not on rank {rank} of {pp}")
+    return Action(text[at], micro, stage // pp)
+
+
+def format_grid(schedule: Schedule, pp: int, spans: Sequence[Span] | None = None) -> str:
+    """A step x rank grid. Without ``spans`` row i is each rank's i-th action; with a unit-cost simulation's
+    spans row t is what each rank does at time t, ``.`` where it idles (the bubble)."""
+    if spans is None:
+        rows = [
+            [format_action(ops[i], r, pp) if i < len(ops) else "" for r, ops in enumerate(schedule)]
+            for i in range(max(map(len, schedule)))
+        ]
+    else:
+        end = int(max(s.end for s in spans))
+        rows = [["."] * len(schedule) for _ in range(end)]
+        for s in spans:
+            for t in range(int(s.start), int(s.end)):
+                rows[t][s.rank] = format_action(s.action, s.rank, pp)
+    width = max(6, *(len(c) for row in rows for c in row))
+    head = "step  " + " ".join(f"rank{r}".ljust(width) for r in range(len(schedule)))
+    lines = [head] + [f"{t:<5} " + " ".join(c.ljust(width) for c in row) for t, row in enumerate(rows)]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def parse_grid(text: str, pp: int) -> Schedule:
+    """The schedule a ``format_grid`` printed (either form: ``.`` and repeated cells of one action are skipped)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    ranks = len(lines[0].split()) - 1
+    if ranks != pp:
+        raise ValueError(f"the grid has {ranks} rank columns, expected {pp}")
+    out: Schedule = [[] for _ in range(pp)]
+    cols = [lines[0].index(f"rank{r}") for r in range(pp)]
+    for line in lines[1:]:
+        for r, start in enumerate(cols):
+            cell = line[start : cols[r + 1] if r + 1 < pp else None].strip()
+            if cell and cell != ".":
+                action = parse_action(cell, r, pp)
+                if not out[r] or out[r][-1] != action:
+                    out[r].append(action)
+    return out
+
+
+# -- simulation ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+class DeadlockError(RuntimeError):
+    pass
+
+
+UNIT_COSTS: Mapping[str, float] = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
+
+
+def dependencies(action: Action, rank: int, pp: int, vpp: int) -> list[tuple[int, Action]]:
+    """The (rank, action) pairs ``action`` waits for on other ranks or earlier on its own.
+
+    F of stage s needs F of stage s-1; B or I of stage s needs the input-gradient pass (B or I) of stage s+1
+    (both kinds are looked for: a schedule uses one of them) and its own F; W needs its own I."""
+    s, last = stage_of(action.chunk, rank, pp), pp * vpp - 1
+    m = action.micro
+    if action.kind == F:
+        return [] if s == 0 else [((s - 1) % pp, Action(F, m, (s - 1) // pp))]
+    if action.kind == W:
+        return [(rank, Action(I, m, action.chunk))]
+    deps = [(rank, Action(F, m, action.chunk))]
+    if s < last:
+        up = (s + 1) % pp, (s + 1) // pp
+        deps += [(up[0], Action(B, m, up[1])), (up[0], Action(I, m, up[1]))]
+    return deps
+
+
+def simulate(schedule: Schedule, vpp: int = 1, costs: Mapping[str, float] = UNIT_COSTS) -> list[Span]:
+    """Run every rank's list in order, each action as soon as its rank is free and what it needs is done
+    (sends are buffered: a sender never waits for its receiver). Raises ``DeadlockError`` naming what each
+    stuck rank waits for."""
+    pp = len(schedule)
+    exists = {(r, a) for r, ops in enumerate(schedule) for a in ops}
+    done: dict[tuple[int, Action], float] = {}
+    pos, clock = [0] * pp, [0.0] * pp
+    spans: list[Span] = []
+    progress = True
+    while progress:
+        progress = False
+        for r, ops in enumerate(schedule):
+            while pos[r] < len(ops):
+                a = ops[pos[r]]
+                deps = [d for d in dependencies(a, r, pp, vpp) if d in exists]
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[r], *(done[d] for d in deps)])
+                clock[r] = start + costs[a.kind]
+                done[(r, a)] = clock[r]
+                spans.append(Span(r, a, start, clock[r]))
+                pos[r] += 1
+                progress = True
+    stuck = [r for r in range(pp) if pos[r] < len(schedule[r])]
+    if stuck:
+        waits = "; ".join(f"rank {r} at {format_action(schedule[r][pos[r]], r, pp)}" for r in stuck)
+        raise DeadlockError(f"the schedule deadlocks: {waits}")
+    return spans
+
+
+def idle_fractions(spans: Sequence[Span], pp: int) -> list[float]:
+    """Per rank, idle time over busy time between the first start and the last end of the step."""
+    start, end = min(s.start for s in spans), max(s.end for s in spans)
+    busy = [sum(s.end - s.start for s in spans if s.rank == r) for r in range(pp)]
+    return [(end - start - b) / b for b in busy]
+
+
+def bubble_formula(name: str, pp: int, vpp: int, micro: int, costs: Mapping[str, float] = UNIT_COSTS) -> float:
+    """Idle over busy time per rank that the schedule's theory gives (module docstring)."""
+    if name in ("gpipe", "1f1b"):
+        return (pp - 1) / micro
+    if name == "interleaved":
+        return (pp - 1 + (vpp - 1) * max(0, pp - micro)) / (vpp * micro)
+    f, i, w = costs[F], costs[I], costs[W]
+    # W passes fill the cool-down, as many as there are micro-batches after the first (at most P - 1).
+    return ((pp - 1) * (f + i) - min(micro - 1, pp - 1) * w) / (micro * (f + i + w))

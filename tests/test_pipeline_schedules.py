@@ -1,0 +1,140 @@
+"""Pipeline schedules as data (no process group): invariants over many layouts, deadlock-free simulation, the
+bubble against its formula, the grid's print/parse round trip, and one schedule written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from trident.parallel.pipeline.schedules import (
+    UNIT_COSTS,
+    Action,
+    B,
+    DeadlockError,
+    F,
+    I,
+    W,
+    bubble_formula,
+    build_schedule,
+    check_schedule,
+    format_grid,
+    forward_only,
+    idle_fractions,
+    parse_action,
+    parse_grid,
+    schedule_error,
+    simulate,
+    stage_of,
+)
+
+LAYOUTS = [
+    (name, pp, vpp, micro)
+    for pp in (2, 3, 4, 5)
+    for micro in range(1, 3 * pp + 2)
+    for name, vpps in (("gpipe", (1,)), ("1f1b", (1,)), ("zb-h1", (1,)), ("interleaved", (2, 3, 4)))
+    for vpp in vpps
+]
+EQUAL = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
+
+
+def _position(schedule, pp):
+    """(stage, kind, micro) -> (rank, index in the rank's list)."""
+    return {
+        (stage_of(a.chunk, r, pp), a.kind, a.micro): (r, i) for r, ops in enumerate(schedule) for i, a in enumerate(ops)
+    }
+
+
+@pytest.mark.parametrize("name,pp,vpp,micro", LAYOUTS, ids=lambda v: str(v))
+def test_invariants_simulation_and_bubble(name, pp, vpp, micro):
+    schedule = build_schedule(name, pp, vpp, micro)
+    assert len(schedule) == pp
+    check_schedule(schedule, vpp, micro)  # one F, then one B (or I then W) per (micro-batch, chunk) on its rank
+    split = name == "zb-h1"
+    assert all((a.kind in (I, W)) == split for ops in schedule for a in ops if a.kind != F)
+    spans = simulate(schedule, vpp, EQUAL)  # raises DeadlockError
+    end = {(s.rank, s.action): s.end for s in spans}
+    start = {(s.rank, s.action): s.start for s in spans}
+    stages = pp * vpp
+    where = _position(schedule, pp)
+    for m in range(micro):
+        for s in range(stages):
+            r, c = s % pp, s // pp
+            if s > 0:  # the F of chunk c starts after the F of the stage upstream has ended
+                up = ((s - 1) % pp, Action(F, m, (s - 1) // pp))
+                assert start[(r, Action(F, m, c))] >= end[up]
+            back = I if split else B
+            if s < stages - 1:
+                down = ((s + 1) % pp, Action(back, m, (s + 1) // pp))
+                assert start[(r, Action(back, m, c))] >= end[down]
+            assert where[(s, F, m)][0] == r
+    assert idle_fractions(spans, pp) == pytest.approx([bubble_formula(name, pp, vpp, micro, EQUAL)] * pp)
+
+
+@pytest.mark.parametrize("name,pp,vpp,micro", LAYOUTS[::5], ids=lambda v: str(v))
+def test_grid_round_trip_and_forward_only(name, pp, vpp, micro):
+    schedule = build_schedule(name, pp, vpp, micro)
+    assert parse_grid(format_grid(schedule, pp), pp) == schedule
+    assert parse_grid(format_grid(schedule, pp, simulate(schedule, vpp)), pp) == schedule
+    only = forward_only(schedule)
+    assert all(a.kind == F for ops in only for a in ops)
+    simulate(only, vpp)
+
+
+def test_one_f_one_b_by_hand():
+    # Unit costs, B twice F: rank 0 idles 3 of 9 units, (P - 1) / M = 1/2 of its busy time. "." is the bubble.
+    grid = """
+    step  rank0  rank1
+    0     0F0    .
+    1     0F1    1F0
+    2     .      1B0
+    3     .      1B0
+    4     0B0    1F1
+    5     0B0    1B1
+    6     .      1B1
+    7     0B1    .
+    8     0B1    .
+    """
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    assert schedule == [
+        [Action(F, 0), Action(F, 1), Action(B, 0), Action(B, 1)],
+        [Action(F, 0), Action(B, 0), Action(F, 1), Action(B, 1)],
+    ]
+    assert parse_grid(grid, 2) == schedule
+    assert format_grid(schedule, 2, simulate(schedule, 1, UNIT_COSTS)).split() == grid.split()
+
+
+def test_interleaved_by_hand():
+    """P=2, V=2, M=2: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3."""
+    got = build_schedule("interleaved", 2, 2, 2)
+    assert [[f"{stage_of(a.chunk, r, 2)}{a.kind}{a.micro}" for a in ops] for r, ops in enumerate(got)] == [
+        ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"],
+        ["1F0", "1F1", "3F0", "3B0", "3F1", "3B1", "1B0", "1B1"],
+    ]
+
+
+def test_actions_read_as_torch_writes_them():
+    assert parse_action("3B1", rank=1, pp=2) == Action(B, 1, 1)
+    assert parse_action(" 0W12 ", rank=0, pp=4) == Action(W, 12, 0)
+    for bad in ("F0", "1X0", "1F", "2F0"):  # 2F0 is stage 2: not on rank 1 of 2
+        with pytest.raises(ValueError):
+            parse_action(bad, rank=1, pp=2)
+
+
+def test_a_schedule_that_deadlocks_is_named():
+    # Rank 1 wants the backward before its forward's input ever arrives from rank 0, which waits on rank 1.
+    schedule = [
+        [Action(F, 0), Action(B, 1), Action(F, 1), Action(B, 0)],
+        [Action(F, 1), Action(B, 1), Action(F, 0), Action(B, 0)],
+    ]
+    with pytest.raises(DeadlockError, match="rank 0 at 0B1"):
+        simulate(schedule)
+
+
+def test_bad_schedules_are_refused():
+    assert schedule_error("interleaved", 2, 1, 4) is not None
+    assert schedule_error("1f1b", 2, 2, 4) is not None
+    assert schedule_error("pipedream", 2, 1, 4) is not None
+    assert schedule_error("interleaved", 4, 2, 3) is None  # M < P and M % P != 0 both run
+    with pytest.raises(ValueError, match="twice"):
+        check_schedule([[Action(F, 0), Action(F, 0), Action(B, 0)]], 1, 1)
+    with pytest.raises(ValueError, match="needs one F"):
+        check_schedule([[Action(B, 0), Action(F, 0)]], 1, 1)
