@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 
 from trident import cli
 from trident.checkpoint import Checkpointer
-from trident.config import Config, register_configs, to_config, validate
+from trident.config import Config, ModelConfig, ParallelConfig, register_configs, resolve_schedule, to_config, validate
 from trident.data.dataset import open_dataset
 from trident.device import local_world_size, pick_backend, pick_device, set_cpu_threads, use_tensor_cores
 from trident.loop import Trainer
@@ -30,8 +31,16 @@ from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, flops_per_token, init_weights
 from trident.optim import GradStep, build_optimizer
 from trident.parallel.agree import on_one_rank
-from trident.parallel.groups import build_process_groups, init_distributed, launch_world_size, shutdown_distributed
-from trident.parallel.random import model_parallel_rng
+from trident.parallel.groups import (
+    ProcessGroups,
+    build_process_groups,
+    init_distributed,
+    launch_world_size,
+    shutdown_distributed,
+)
+from trident.parallel.pipeline.executor import PipelineRunner
+from trident.parallel.pipeline.stages import stage_layers, sum_tied_grads
+from trident.parallel.random import RNGTracker, model_parallel_rng
 from trident.parallel.reducer import GradReducer
 from trident.parallel.tensor import sum_grads_over_tp
 from trident.parallel.topology import Topology
@@ -85,18 +94,16 @@ def _build_and_fit(
     for lock in locks or []:
         cleanup.callback(lock.release)
 
-    # Dropout streams: the default generator alike on every tp rank, a tensor-parallel one per tp rank.
-    rng = model_parallel_rng(tr.seed, groups.tp_rank, device)
-    model = GPT(cfg.model, groups.tp_group, sequence_parallel=cfg.parallel.sequence_parallel, rng=rng)
-    init_weights(model, cfg.model, tr.seed)
-    model.to(device)
-    apply_activation_checkpointing(model, tr.activation_checkpointing)
-    chunks = [model]
+    # Dropout streams: the default generator alike on every tp rank, a tensor-parallel one per tp and pp rank.
+    rng = model_parallel_rng(tr.seed, groups.tp_rank, device, groups.pp_rank)
+    chunks = _model_chunks(cfg.model, cfg.parallel, groups, rng)
+    for chunk in chunks:
+        init_weights(chunk, cfg.model, tr.seed)
+        chunk.to(device)
+        apply_activation_checkpointing(chunk, tr.activation_checkpointing)
     optimizer = build_optimizer(chunks, cfg.optim)
     reducer = GradReducer([p for c in chunks for p in c.parameters()], groups.dp_group, cfg.parallel.bucket_mb)
     cleanup.callback(reducer.remove_hooks)
-    # Under sequence parallelism the parameters every tp rank holds whole saw only that rank's tokens.
-    sp_grads = [reducer.grad(p) for c in chunks for p in c.sequence_parallel_params()]
     scaler = LossScaler() if tr.precision == "fp16" else None
     config_dict = dataclasses.asdict(cfg)
     checkpointer = Checkpointer(
@@ -112,13 +119,29 @@ def _build_and_fit(
     )
     if groups.is_logging_rank:
         announce_run(cfg, topology, chunks, device, len(train_data), run_dir, peak)
+    if cfg.parallel.pp == 1:
+        runner = LocalRunner(chunks, reducer, tr.precision)
+    else:
+        record = lg.pipeline_timings and groups.dp_rank == 0 and groups.tp_rank == 0  # one pipeline's ranks
+        runner = PipelineRunner(
+            chunks,
+            resolve_schedule(cfg.parallel),
+            groups.pp_rank,
+            groups.pp_ranks,
+            groups.pp_group,
+            reducer,
+            tr.precision,
+            cfg.model.d_model,
+            seq_divisor=groups.tp_size if cfg.parallel.sequence_parallel else 1,
+            timings=run_dir / "pipeline_timings" / f"rank{groups.rank}.jsonl" if record else None,
+        )
     trainer = Trainer(
         train_cfg=tr,
         optim_cfg=cfg.optim,
         groups=groups,
         model_chunks=chunks,
-        runner=LocalRunner(chunks, reducer, tr.precision),
-        loss_fn=model.loss_sum,
+        runner=runner,
+        loss_fn=chunks[-1].loss_sum,  # the loss is computed where the last stage is
         grad_step=GradStep(optimizer, reducer, groups, cfg.optim.grad_clip, scaler),
         train_data=train_data,
         val_data=val_data,
@@ -128,9 +151,36 @@ def _build_and_fit(
         checkpointer=checkpointer,
         make_logger=lambda start: MetricsLogger(run_dir, tr.steps, lg, cfg.wandb, config_dict, start),
         stop=stop,
-        after_reduce=(lambda: sum_grads_over_tp(sp_grads, groups.tp_group)) if sp_grads else None,
+        after_reduce=_after_reduce(chunks, reducer, groups),
     )
     return trainer.fit()
+
+
+def _model_chunks(model: ModelConfig, par: ParallelConfig, groups: ProcessGroups, rng: RNGTracker) -> list[GPT]:
+    """This rank's model chunks: chunk c is virtual stage c * pp + pp_rank (trident/parallel/pipeline/stages.py)."""
+    stages = par.pp * par.vpp
+    chunks = []
+    for c in range(par.vpp):
+        stage = c * par.pp + groups.pp_rank
+        layers = stage_layers(model.n_layers, par.pp, par.vpp, stage)
+        sp = par.sequence_parallel
+        chunks.append(GPT(model, groups.tp_group, sp, rng, layers, first=stage == 0, last=stage == stages - 1))
+    return chunks
+
+
+def _after_reduce(chunks: list[GPT], reducer: GradReducer, groups: ProcessGroups) -> Callable[[], None] | None:
+    """What completes the gradients after the dp reduction: under sequence parallelism, the parameters every tp
+    rank holds whole saw only that rank's tokens; across pipeline stages, the two tied embedding copies."""
+    sp_grads = [reducer.grad(p) for c in chunks for p in c.sequence_parallel_params()]
+    tied_grads = [reducer.grad(p) for c in chunks for p in c.tied_params()]
+    if not sp_grads and not tied_grads:
+        return None
+
+    def after_reduce() -> None:
+        sum_grads_over_tp(sp_grads, groups.tp_group)
+        sum_tied_grads(tied_grads, groups.embedding_group)
+
+    return after_reduce
 
 
 register_configs()

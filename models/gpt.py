@@ -10,12 +10,18 @@ With sequence parallelism the residual stream, LayerNorms and dropout work on ``
 Layers live in a ModuleDict keyed by their global index ("0", "1", ...), so a parameter's name is the
 same whichever pipeline stage holds it, and the same at every tp: checkpoints and the name-seeded
 initialisation rely on that. Every parameter carries its ``Placement`` (trident/parallel/placement.py).
+
+A pipeline stage is a GPT built for some of the layers (``layers``), with the embedding if it is the first
+stage and the final LayerNorm and LM head if it is the last (trident/parallel/pipeline/stages.py). A last stage
+that is not also the first holds ``lm_head``, a copy of ``wte`` tied to it (``Placement.tied_to``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +31,7 @@ from torch import nn
 
 from trident.config import ModelConfig
 from trident.parallel.comm import rank_and_size
-from trident.parallel.placement import Placement, placement_of, replicated
+from trident.parallel.placement import Placement, placement_of, replicated, set_placement
 from trident.parallel.random import Dropout, RNGTracker, drawing_from
 from trident.parallel.tensor import (
     ColumnParallelLinear,
@@ -126,6 +132,10 @@ class GPT(nn.Module):
     ``tp_group``: the tensor-parallel group (None: one process). ``sequence_parallel``: split the activations
     outside the tp regions along the sequence. ``rng``: the model-parallel RNG tracker, which dropout needs
     at tp>1 (``model.dropout``; none by default).
+
+    A pipeline stage: ``layers`` (global indices; default all), ``first`` (holds the embedding and takes token
+    ids) and ``last`` (holds the final norm and LM head and returns logits); a stage that is not last returns
+    its residual stream [B, T, d] (under sequence parallelism [B, T / tp, d]).
     """
 
     def __init__(
@@ -134,6 +144,9 @@ class GPT(nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
         rng: RNGTracker | None = None,
+        layers: Sequence[int] | None = None,
+        first: bool = True,
+        last: bool = True,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = rank_and_size(tp_group)
@@ -143,14 +156,24 @@ class GPT(nn.Module):
             raise ValueError("dropout at tp > 1 needs the model-parallel RNG tracker (rng=model_parallel_rng(...))")
         self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
         sp = self.sequence_parallel
+        self.is_first, self.is_last = first, last
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_multiple, self.tp_size)
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, self.padded_vocab, sp)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = _residual_dropout(cfg, sp, rng)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng) for i in range(cfg.n_layers)})
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
-        for p in [self.wpe.weight, *self.ln_f.parameters()]:
-            replicated(p)
+        layers = range(cfg.n_layers) if layers is None else layers
+        if first:
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, self.padded_vocab, sp)
+            self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+            self.drop = _residual_dropout(cfg, sp, rng)
+            replicated(self.wpe.weight)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng) for i in layers})
+        if last:
+            self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+            for p in self.ln_f.parameters():
+                replicated(p)
+            if not first:
+                # The tied LM head on a stage without the embedding: a copy, initialised and updated like wte.
+                self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, self.padded_vocab, sp)
+                w = self.lm_head.weight
+                set_placement(w, dataclasses.replace(placement_of(w), tied_to="wte.weight"))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings: what the first pipeline stage does before its blocks. Under sequence
@@ -171,13 +194,23 @@ class GPT(nn.Module):
 
         Padding rows of wte never become real logits: dropped at tp=1, left out by the loss at tp>1.
         """
-        return self.wte.logits(self.ln_f(x))
+        return (self.wte if self.is_first else self.lm_head).logits(self.ln_f(x))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids on the first stage, else the residual stream from the stage before."""
+        if self.is_first:
+            x = self.embed(x)
         for block in self.layers.values():
             x = block(x)
-        return self.head(x)
+        return self.head(x) if self.is_last else x
+
+    def tied_params(self) -> list[nn.Parameter]:
+        """This stage's copy of the tied embedding when the other copy is on another stage (first xor last)."""
+        if self.is_first and not self.is_last:
+            return [self.wte.weight]
+        if self.is_last and not self.is_first:
+            return [self.lm_head.weight]
+        return []
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32 of this model's logits (the trainer's loss function)."""
@@ -225,9 +258,11 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Initialise every parameter from (seed, its name) alone: each rank's tensor is exactly its slice of the
-    one-process tensor, whatever the layout (padding rows are zero and stay unused)."""
+    one-process tensor, whatever the layout (padding rows are zero and stay unused). A tied copy is initialised
+    from the name of the parameter it copies, so both start identical."""
     for name, param in model.named_parameters():
-        param.copy_(initial_value(name, placement_of(param), cfg, seed))
+        placement = placement_of(param)
+        param.copy_(initial_value(placement.tied_to or name, placement, cfg, seed))
 
 
 def initial_value(name: str, placement: Placement, cfg: ModelConfig, seed: int) -> torch.Tensor:

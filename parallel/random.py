@@ -23,6 +23,7 @@ from torch import nn
 TENSOR_PARALLEL = "tensor-parallel"
 # Megatron's offset: keeps the tp streams clear of the default stream's seed.
 _TP_SEED_OFFSET = 2718
+_PP_SEED_STRIDE = 100
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
@@ -85,12 +86,13 @@ class RNGTracker:
             self.set_states(now)
 
 
-def model_parallel_rng(seed: int, tp_rank: int, device: torch.device | str = "cpu") -> RNGTracker:
+def model_parallel_rng(seed: int, tp_rank: int, device: torch.device | str = "cpu", pp_rank: int = 0) -> RNGTracker:
     """Seed the default generator with ``seed`` (the same on every tp rank: the replicated stream) and return
-    a tracker whose tensor-parallel stream is seeded ``seed + 2718 + tp_rank``."""
+    a tracker whose tensor-parallel stream is seeded ``seed + 2718 + 100 * pp_rank + tp_rank``: pipeline stages
+    hold different layers, so their streams must not repeat one another's masks (Megatron's offsets)."""
     torch.manual_seed(seed)
     tracker = RNGTracker(device)
-    tracker.add(TENSOR_PARALLEL, seed + _TP_SEED_OFFSET + tp_rank)
+    tracker.add(TENSOR_PARALLEL, seed + _TP_SEED_OFFSET + _PP_SEED_STRIDE * pp_rank + tp_rank)
     return tracker
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from trident.config import ModelConfig
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, flops_per_token, init_weights, lm_loss_sum, padded_vocab_size
+from trident.parallel.placement import placement_of
 from trident.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 TINY = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100, vocab_multiple=64)
@@ -71,16 +72,27 @@ def test_same_seed_same_weights_other_seed_different():
             assert not torch.equal(pa, pc), name
 
 
-def test_init_depends_on_name_not_on_which_layers_a_rank_builds():
-    """A pipeline stage that builds only layers 2..3 must get exactly the full model's weights for them."""
+def test_pipeline_stages_have_the_full_models_names_weights_and_outputs():
+    """Stages of layers 0..1 (+ embedding) and 2..3 (+ head): the full model's parameters under the same names,
+    the last stage's tied LM head a copy of wte from the start, and chained they compute the full model."""
     cfg = dataclasses.replace(TINY, n_layers=4)
     full = build(cfg)
-    stage = GPT(cfg)
-    del stage.layers["0"], stage.layers["1"]
-    init_weights(stage, cfg, seed=0)
+    first = GPT(cfg, layers=range(0, 2), first=True, last=False)
+    last = GPT(cfg, layers=range(2, 4), first=False, last=True)
     full_params = dict(full.named_parameters())
-    for name, p in stage.named_parameters():
-        assert torch.equal(p, full_params[name]), name
+    for stage in (first, last):
+        init_weights(stage, cfg, seed=0)
+        for name, p in stage.named_parameters():
+            if name == "lm_head.weight":
+                assert placement_of(p).tied_to == "wte.weight"
+                assert torch.equal(p, full_params["wte.weight"])
+            else:
+                assert torch.equal(p, full_params[name]), name
+    names = {n for s in (first, last) for n, _ in s.named_parameters()} - {"lm_head.weight"}
+    assert names == set(full_params)
+    assert first.tied_params() == [first.wte.weight] and last.tied_params() == [last.lm_head.weight]
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    torch.testing.assert_close(last(first(idx)), full(idx), rtol=0, atol=0)
 
 
 def test_residual_projections_get_scaled_init():

@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from trident.errors import ConfigError
+from trident.parallel.pipeline.schedules import SCHEDULES, schedule_error
 from trident.parallel.tensor import tp_split_error
 
 
@@ -61,7 +62,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1
-    schedule: str | None = None  # gpipe | 1f1b | interleaved; None: 1f1b, or interleaved when vpp > 1
+    schedule: str | None = None  # gpipe | 1f1b | interleaved | zb-h1; None: 1f1b, or interleaved when vpp > 1
     zero: int = 0
     sequence_parallel: bool = False
     backend: str = "auto"  # auto | nccl | gloo
@@ -133,6 +134,9 @@ class LoggingConfig:
     peak_tflops: float | None = None
     # Peak TFLOP/s of a whole CPU node, shared by the ranks on it.
     cpu_peak_tflops: float = 0.2
+    # With pp > 1: append each step's action start/end times per pipeline rank (one pipeline: dp 0, tp 0) to
+    # <run dir>/pipeline_timings/rank<r>.jsonl, for tools/plot_schedule.py --measured.
+    pipeline_timings: bool = False
 
 
 @dataclass
@@ -191,7 +195,6 @@ def register_configs() -> None:
 # Capabilities that have a config key but no implementation yet: a user asking for them gets a
 # clear error rather than a run that silently ignores the setting.
 NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "parallel.pp": "pipeline parallelism is not implemented yet; use parallel.pp=1",
     "parallel.zero": "ZeRO sharding is not implemented yet; use parallel.zero=0",
 }
 
@@ -263,12 +266,9 @@ def _check_batches(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str)
         f"train.global_batch_size={tr.global_batch_size} is not divisible by micro_batch_size "
         f"{tr.micro_batch_size} x dp {dp} = {per_step}; use a multiple of {per_step}",
     )
-    gas = grad_accum_steps(tr, dp)
-    _need(
-        schedule != "interleaved" or gas % par.pp == 0,
-        f"the interleaved schedule needs the micro-batch count {gas} to be a multiple of pp {par.pp}; "
-        "change train.global_batch_size or train.micro_batch_size",
-    )
+    # Exactly what the schedule builder accepts (the interleaved one takes any micro-batch count).
+    error = schedule_error(schedule, par.pp, par.vpp, grad_accum_steps(tr, dp)) if par.pp > 1 else None
+    _need(error is None, f"{error}; change train.global_batch_size or train.micro_batch_size")
 
 
 def validate(cfg: Config, world_size: int) -> int:
@@ -295,7 +295,7 @@ def validate(cfg: Config, world_size: int) -> int:
     _need(par.vpp >= 1, f"parallel.vpp={par.vpp} must be >= 1")
     _need(par.vpp == 1 or par.pp > 1, f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")
     schedule = resolve_schedule(par)
-    _one_of("parallel.schedule", schedule, ("gpipe", "1f1b", "interleaved"))
+    _one_of("parallel.schedule", schedule, SCHEDULES)
     _need(
         schedule != "interleaved" or par.vpp > 1,
         "parallel.schedule=interleaved needs parallel.vpp > 1 model chunks per pipeline rank",

@@ -1,0 +1,40 @@
+"""Where the layers go: P pipeline ranks x V chunks = S virtual stages, each a contiguous run of layers.
+
+Virtual stage s = chunk * P + pp_rank holds layers [s * L / S, (s + 1) * L / S) under their global indices,
+so parameter names are the one-process names whatever the layout. The embedding is on stage 0 and the final
+LayerNorm, LM head and loss on stage S - 1. With P = 2, V = 2 and 8 layers:
+
+    rank 0: chunk 0 = stage 0, layers 0-1 (+ embedding)    chunk 1 = stage 2, layers 4-5
+    rank 1: chunk 0 = stage 1, layers 2-3                  chunk 1 = stage 3, layers 6-7 (+ norm, head, loss)
+
+The LM head is tied to the embedding. When the two are on different ranks, the last stage holds a copy
+(``Placement.tied_to = "wte.weight"``) that starts equal to the embedding and receives the same update: the two
+copies' gradients are summed over the embedding group (first and last stage) after the data-parallel reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def stage_layers(n_layers: int, pp: int, vpp: int, stage: int) -> range:
+    """Global indices of the layers of virtual stage ``stage``."""
+    stages = pp * vpp
+    if n_layers % stages:
+        raise ValueError(f"{n_layers} layers do not split over pp {pp} x vpp {vpp} = {stages} stages")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is outside pp {pp} x vpp {vpp} = {stages} stages")
+    per = n_layers // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def sum_tied_grads(grads: Sequence[torch.Tensor], embedding_group: dist.ProcessGroup | None) -> None:
+    """Sum the tied embedding copies' gradients over the first and last stage, in place: both copies then take
+    the same step and stay bit-identical. A no-op off those stages (no group) and when one rank holds both."""
+    if embedding_group is None or dist.get_world_size(embedding_group) == 1:
+        return
+    for g in grads:
+        dist.all_reduce(g, group=embedding_group)
