@@ -70,20 +70,27 @@ class RNGTracker:
 
     def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """``context_fn`` for torch.utils.checkpoint (use_reentrant=False). It is called as the original forward
-        starts, so the streams are captured here and restored around the recomputation."""
-        at_forward = self.get_states()
-        return contextlib.nullcontext(), self._as_at(at_forward)
+        starts, so the streams are captured here and restored around the recomputation (each one: a split
+        backward, as zero-bubble pipeline schedules run, recomputes once for the input and once for the weights)."""
+        return contextlib.nullcontext(), _AsAt(self, self.get_states())
 
-    @contextlib.contextmanager
-    def _as_at(self, states: dict[str, torch.Tensor]) -> Iterator[None]:
-        # The recomputation runs in backward, long after the forward: the streams must move on from where they
-        # are now, not from where the recomputation leaves them.
-        now = self.get_states()
-        self.set_states(states)
-        try:
-            yield
-        finally:
-            self.set_states(now)
+
+class _AsAt:
+    """The tracker's streams as they were at ``states`` for the length of a block, then as they were before.
+
+    The recomputation runs in backward, long after the forward: the streams must move on from where they are
+    now, not from where the recomputation leaves them. Reusable, unlike a generator-based context manager."""
+
+    def __init__(self, tracker: RNGTracker, states: dict[str, torch.Tensor]) -> None:
+        self.tracker, self.states = tracker, states
+        self.outer: list[dict[str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.outer.append(self.tracker.get_states())
+        self.tracker.set_states(self.states)
+
+    def __exit__(self, *exc: object) -> None:
+        self.tracker.set_states(self.outer.pop())
 
 
 def model_parallel_rng(seed: int, tp_rank: int, device: torch.device | str = "cpu", pp_rank: int = 0) -> RNGTracker:

@@ -1,0 +1,91 @@
+"""The pipeline executor on real gloo ranks: the tied embedding copies stay bit-identical over steps, the measured
+action timings are recorded for every action, and the dropout streams differ between pipeline stages."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+import train
+from tests.dist import run_distributed
+from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig
+from trident.models.gpt import init_weights
+from trident.optim import GradStep, build_optimizer
+from trident.parallel.groups import build_process_groups
+from trident.parallel.pipeline.executor import PipelineRunner
+from trident.parallel.pipeline.schedules import build_schedule, stage_of
+from trident.parallel.random import TENSOR_PARALLEL, model_parallel_rng
+from trident.parallel.reducer import GradReducer
+from trident.parallel.topology import Topology
+
+MODEL = ModelConfig(name="t", n_layers=4, d_model=32, n_heads=4, seq_len=16, vocab_size=100)
+
+
+def _tied_copies_after_steps(rank: int, world: int, schedule: str, vpp: int, timings) -> dict:
+    par = ParallelConfig(pp=world, vpp=vpp, schedule=schedule)
+    groups = build_process_groups(Topology(dp=1, pp=world, tp=1))
+    rng = model_parallel_rng(0, groups.tp_rank, "cpu", groups.pp_rank)
+    chunks = train._model_chunks(MODEL, par, groups, rng)
+    for chunk in chunks:
+        init_weights(chunk, MODEL, seed=0)
+    reducer = GradReducer([p for c in chunks for p in c.parameters()], groups.dp_group)
+    step = GradStep(build_optimizer(chunks, OptimConfig(lr=1e-2)), reducer, groups, grad_clip=1.0)
+    path = timings / f"rank{rank}.jsonl"
+    runner = PipelineRunner(chunks, schedule, groups.pp_rank, groups.pp_ranks, groups.pp_group, reducer, "fp32",
+                            MODEL.d_model, timings=path)  # fmt: skip
+    after_reduce = train._after_reduce(chunks, reducer, groups)
+    (copy,) = [p for c in chunks for p in c.tied_params()]
+    start = copy.detach().clone()
+    gen = torch.Generator().manual_seed(1)
+    losses, identical = [], []
+    for _ in range(3):
+        batches = [(torch.randint(0, 100, (2, 16), generator=gen), torch.randint(0, 100, (2, 16), generator=gen))]
+        loss = runner.forward_backward(batches * 4, chunks[-1].loss_sum, 1.0 / 128)
+        after_reduce()
+        step.step(1e-2)
+        losses.append(loss.item())
+        # The first stage holds wte, the last lm_head: gather both over the embedding group.
+        both = [torch.empty_like(copy) for _ in range(2)]
+        dist.all_gather(both, copy.detach(), group=groups.embedding_group)
+        identical.append(torch.equal(*both))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {
+        "identical": identical,
+        "moved": not torch.equal(start, copy.detach()),
+        "losses": losses,
+        "rows": rows,
+        "is_last": any(c.is_last for c in chunks),
+    }
+
+
+def test_tied_embedding_copies_stay_bit_identical_and_timings_are_recorded(tmp_path):
+    for schedule, vpp in (("1f1b", 1), ("interleaved", 2)):
+        out = run_distributed(_tied_copies_after_steps, 2, schedule, vpp, tmp_path / schedule)
+        for rank, result in enumerate(out):
+            assert result["identical"] == [True] * 3 and result["moved"], (schedule, rank)
+            # The loss is the last stage's; every other stage returns zero.
+            assert all(v > 0 for v in result["losses"]) == result["is_last"]
+            assert all(v == 0 for v in result["losses"]) != result["is_last"]
+            rows = result["rows"]
+            assert len(rows) == 3
+            planned = build_schedule(schedule, 2, vpp, 4)[rank]
+            for row in rows:
+                spans = row["spans"]
+                assert [(k, m, c) for k, m, c, _, _ in spans] == [tuple(a) for a in planned]
+                assert all(start <= end for *_, start, end in spans)
+                assert all(a[4] <= b[3] for a, b in zip(spans, spans[1:], strict=False))  # one action at a time
+        assert stage_of(vpp - 1, 1, 2) == 2 * vpp - 1  # the last rank holds the last stage and the loss
+
+
+def test_pipeline_stages_draw_different_tensor_parallel_dropout_masks():
+    draws = {}
+    for pp_rank in (0, 1):
+        tracker = model_parallel_rng(7, tp_rank=0, pp_rank=pp_rank)
+        default = torch.rand(4)  # the default generator: alike on every stage (seeded with the seed alone)
+        with tracker.fork(TENSOR_PARALLEL):
+            draws[pp_rank] = (default, torch.rand(4))
+    assert torch.equal(draws[0][0], draws[1][0])
+    assert not torch.equal(draws[0][1], draws[1][1])
+    assert Config().logging.pipeline_timings is False
