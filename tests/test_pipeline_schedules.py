@@ -1,10 +1,12 @@
 """Pipeline schedules as data (no process group): invariants over many layouts, deadlock-free simulation, the
-bubble against its formula, the grid's print/parse round trip, and one schedule written out by hand."""
+bubble against its formula, the grid's print/parse round trip, one schedule written out by hand, and the
+executor's message plan: sends match receives, in order, and never stall under NCCL's rendezvous rules."""
 
 from __future__ import annotations
 
 import pytest
 
+from trident.parallel.pipeline.messages import Step, check_rendezvous, p2p_plan
 from trident.parallel.pipeline.schedules import (
     UNIT_COSTS,
     Action,
@@ -138,3 +140,28 @@ def test_bad_schedules_are_refused():
         check_schedule([[Action(F, 0), Action(F, 0), Action(B, 0)]], 1, 1)
     with pytest.raises(ValueError, match="needs one F"):
         check_schedule([[Action(B, 0), Action(F, 0)]], 1, 1)
+
+
+@pytest.mark.parametrize("name,pp,vpp,micro", LAYOUTS, ids=lambda v: str(v))
+def test_message_plan_matches_every_send_and_never_stalls_under_rendezvous(name, pp, vpp, micro):
+    schedule = build_schedule(name, pp, vpp, micro)
+    for planned in (schedule, forward_only(schedule)):
+        plans = [p2p_plan(planned, r, pp * vpp) for r in range(pp)]
+        # Each rank runs its own actions, in its order.
+        assert [[s.action for s in plan if s.action is not None] for plan in plans] == planned
+        check_rendezvous(plans, pp * vpp)
+
+
+def test_receives_posted_after_a_send_that_waits_for_them_stall():
+    """Two ranks that each send at tick 0 but post the matching receive only at tick 1: under rendezvous each
+    send waits for a receive queued behind the other's send (what posting receives lazily did to interleaved)."""
+    a, b = ("act", 0, 1), ("grad", 0, 0)
+    plans = [
+        [Step(Action(F, 0), sends=[(a, 1)]), Step(None, recvs=[(b, 1)])],
+        [Step(None, sends=[(b, 0)]), Step(None, recvs=[(a, 0)])],
+    ]
+    with pytest.raises(DeadlockError, match="rendezvous"):
+        check_rendezvous(plans, 2)
+    plans[0][1].recvs, plans[0][0].recvs = [], [(b, 1)]  # both ends in the batch of the same tick
+    plans[1][1].recvs, plans[1][0].recvs = [], [(a, 0)]
+    check_rendezvous(plans, 2)

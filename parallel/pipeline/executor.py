@@ -6,12 +6,12 @@
     I  as B, but for the input gradient only: the weights' part is kept for W (torch's stage_backward_input)
     W  the weight gradients from what I kept, without redoing the backward
 
-Point-to-point messages go through ``dist.batch_isend_irecv`` on global ranks of this pipeline. The sends an
-action produces are posted in one batch with the receives the next action needs (Megatron's pattern: NCCL sees
-each pair's sends and receives together, so two ranks sending to each other cannot block on one another), and
-a send is waited for only once its buffer could be reused (at the latest at the end of the step). Every rank can
-compute every rank's action list, so this rank posts its receives from each peer in exactly the order that peer
-sends them: NCCL matches same-shaped messages by order alone and would otherwise swap them silently.
+Point-to-point messages go through ``dist.batch_isend_irecv`` on global ranks of this pipeline, planned from
+the schedule alone (parallel/pipeline/messages.py): the ranks walk a common clock, and after each tick a rank
+posts one batch holding the sends of its action and the receives of what its neighbours sent at that tick, so
+both ends of every message are in batches of the same tick (NCCL sees each pair's sends and receives together,
+and posted in the same order: it matches same-shaped messages by order alone). A receive is waited for just
+before the action that needs it, a send only once its buffer could be reused (at the latest at the step's end).
 
 Shapes are known in advance: [micro_batch, seq (/ tp under sequence parallelism), d_model] in the residual
 stream's dtype (the parameters'). Tokens are read on the first stage only, labels on the last; the last stage
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -34,47 +33,13 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import stage_backward_input
 
-from trident.parallel.pipeline.schedules import Action, B, F, I, Schedule, W, build_schedule, forward_only, stage_of
+from trident.parallel.pipeline.messages import Message, Step, needs_of, p2p_plan, sends_of
+from trident.parallel.pipeline.schedules import Action, B, F, I, W, build_schedule, forward_only, stage_of
 from trident.parallel.reducer import GradReducer
 from trident.precision import autocast
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# A message is named by what it carries: ("act", micro, stage) is the input activation of ``stage``, ("grad",
-# micro, stage) the gradient of ``stage``'s output. Each has one sender and one receiver.
-Message = tuple[str, int, int]
-
-
-def sends_of(action: Action, rank: int, pp: int, stages: int) -> list[tuple[Message, int]]:
-    """What ``action`` on ``rank`` sends, to which pipeline rank."""
-    s = stage_of(action.chunk, rank, pp)
-    if action.kind == F and s < stages - 1:
-        return [(("act", action.micro, s + 1), (s + 1) % pp)]
-    if action.kind in (B, I) and s > 0:
-        return [(("grad", action.micro, s - 1), (s - 1) % pp)]
-    return []
-
-
-def needs_of(action: Action, rank: int, pp: int, stages: int) -> Message | None:
-    """The message ``action`` on ``rank`` must have received before it runs."""
-    s = stage_of(action.chunk, rank, pp)
-    if action.kind == F and s > 0:
-        return ("act", action.micro, s)
-    if action.kind in (B, I) and s < stages - 1:
-        return ("grad", action.micro, s)
-    return None
-
-
-def receive_order(schedule: Schedule, rank: int, stages: int) -> dict[int, deque[Message]]:
-    """For each peer pipeline rank, the messages it sends to ``rank``, in the order it sends them."""
-    pp = len(schedule)
-    order: dict[int, deque[Message]] = {}
-    for peer, ops in enumerate(schedule):
-        for action in ops:
-            for message, dst in sends_of(action, peer, pp, stages):
-                if dst == rank:
-                    order.setdefault(peer, deque()).append(message)
-    return order
 
 
 def backward_weight(param_groups: list[dict]) -> None:
@@ -131,6 +96,7 @@ class PipelineRunner:
         self.reducer, self.precision = reducer, precision
         self.d_model, self.seq_divisor = d_model, seq_divisor
         self.timings, self.calls = timings, 0
+        self._plans: dict[tuple[int, bool], list[Step]] = {}
         first = next(p for c in self.chunks for p in c.parameters())
         self.device, self.dtype = first.device, first.dtype
         # NCCL creates a communicator on a group's first collective, which every member must join; p2p batches
@@ -140,9 +106,8 @@ class PipelineRunner:
     def forward_backward(self, micro_batches: list[Batch], loss_fn: LossFn, loss_multiplier: float) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.train()
-        schedule = build_schedule(self.schedule, self.pp, self.vpp, len(micro_batches))
         self.reducer.set_sync(False)  # every bucket is reduced once, after the last backward
-        total = _Step(self, schedule, micro_batches, loss_fn, loss_multiplier, train=True).run()
+        total = _Step(self, self._plan(len(micro_batches), True), micro_batches, loss_fn, loss_multiplier, True).run()
         self.reducer.finish()
         return total
 
@@ -150,8 +115,15 @@ class PipelineRunner:
     def forward_only(self, micro_batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.eval()
-        schedule = forward_only(build_schedule(self.schedule, self.pp, self.vpp, len(micro_batches)))
-        return _Step(self, schedule, micro_batches, loss_fn, 1.0, train=False).run()
+        return _Step(self, self._plan(len(micro_batches), False), micro_batches, loss_fn, 1.0, train=False).run()
+
+    def _plan(self, micro: int, train: bool) -> list[Step]:
+        """This rank's ticks for ``micro`` micro-batches (training, or forwards only), computed once."""
+        key = (micro, train)
+        if key not in self._plans:
+            schedule = build_schedule(self.schedule, self.pp, self.vpp, micro)
+            self._plans[key] = p2p_plan(schedule if train else forward_only(schedule), self.pp_rank, self.stages)
+        return self._plans[key]
 
     def activation_shape(self, micro_batches: list[Batch]) -> tuple[int, int, int]:
         b, t = micro_batches[0][0].shape
@@ -159,22 +131,21 @@ class PipelineRunner:
 
 
 class _Step:
-    """One walk of this rank's action list: its messages, saved activations and loss."""
+    """One walk of this rank's ticks (parallel/pipeline/messages.py): its messages, saved activations and loss."""
 
     def __init__(
         self,
         runner: PipelineRunner,
-        schedule: Schedule,
+        plan: list[Step],
         micro_batches: list[Batch],
         loss_fn: LossFn,
         loss_multiplier: float,
         train: bool,
     ) -> None:
-        self.r, self.schedule, self.batches = runner, schedule, micro_batches
+        self.r, self.plan, self.batches = runner, plan, micro_batches
         self.loss_fn, self.loss_multiplier, self.train = loss_fn, loss_multiplier, train
         self.shape = runner.activation_shape(micro_batches)
-        self.expected = receive_order(schedule, runner.pp_rank, runner.stages)
-        self.received: dict[Message, tuple[torch.Tensor, dist.Work | None]] = {}
+        self.received: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (micro, chunk) -> (in, out)
         self.kept: dict[tuple[int, int], list[dict]] = {}  # what I left for W
@@ -183,22 +154,18 @@ class _Step:
 
     def run(self) -> torch.Tensor:
         r = self.r
-        ops: list[tuple[dist.P2POp, Message | None]] = []  # the next batch; a receive names its message
-        for action in self.schedule[r.pp_rank]:
-            need = needs_of(action, r.pp_rank, r.pp, r.stages)
-            if need is not None:
-                self._post_receives(need, ops)
-            self._launch(ops)
-            ops = []
-            received = None if need is None else self._take(need)
-            start = time.time()  # after the wait: a span is compute, the gaps between spans are the bubble
-            for tensor, dst in self._do(action, received):
-                ops.append((dist.P2POp(dist.isend, tensor, r.pp_ranks[dst], r.pp_group), None))
-            if r.timings is not None:
-                if r.device.type == "cuda":
-                    torch.cuda.synchronize(r.device)
-                self.spans.append((action.kind, action.micro, action.chunk, start, time.time()))
-        self._launch(ops)
+        for tick in self.plan:
+            outgoing: list[tuple[torch.Tensor, int]] = []
+            if tick.action is not None:
+                need = needs_of(tick.action, r.pp_rank, r.pp, r.stages)
+                received = None if need is None else self._take(need)
+                start = time.time()  # after the wait: a span is compute, the gaps between spans are the bubble
+                outgoing = self._do(tick.action, received)
+                if r.timings is not None:
+                    if r.device.type == "cuda":
+                        torch.cuda.synchronize(r.device)
+                    self.spans.append((tick.action.kind, tick.action.micro, tick.action.chunk, start, time.time()))
+            self._post(tick, outgoing)
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()
@@ -209,39 +176,29 @@ class _Step:
 
     # -- messages ---------------------------------------------------------------------------------------------
 
-    def _post_receives(self, need: Message, ops: list) -> None:
-        """Post receives from ``need``'s sender up to and including ``need``, in the sender's order."""
-        if need in self.received:
-            return
+    def _post(self, tick: Step, outgoing: list[tuple[torch.Tensor, int]]) -> None:
+        """Post this tick's batch: the action's sends and the receives of what the neighbours sent at this tick.
+        Receives are waited for when needed; a send's buffer is kept until it is done."""
         r = self.r
-        peer = next(p for p, queue in self.expected.items() if need in queue)
-        queue = self.expected[peer]
-        while True:
-            message = queue.popleft()
-            buffer = torch.empty(self.shape, dtype=r.dtype, device=r.device)
-            self.received[message] = (buffer, None)
-            ops.append((dist.P2POp(dist.irecv, buffer, r.pp_ranks[peer], r.pp_group), message))
-            if message == need:
-                return
-
-    def _launch(self, ops: list[tuple[dist.P2POp, Message | None]]) -> None:
-        """Post one batch; remember each receive's handle and each send's (its buffer must live until done)."""
-        if not ops:
+        if not tick.sends and not tick.recvs:
             return
-        works = dist.batch_isend_irecv([op for op, _ in ops])
+        ops = [dist.P2POp(dist.isend, tensor, r.pp_ranks[dst], r.pp_group) for tensor, dst in outgoing]
+        buffers = []
+        for message, src in tick.recvs:
+            buffers.append((message, torch.empty(self.shape, dtype=r.dtype, device=r.device)))
+            ops.append(dist.P2POp(dist.irecv, buffers[-1][1], r.pp_ranks[src], r.pp_group))
+        works = dist.batch_isend_irecv(ops)
         # gloo gives a handle per op; NCCL one for the coalesced batch.
         handles = works if len(works) == len(ops) else [works[-1]] * len(ops)
-        for (op, message), work in zip(ops, handles, strict=True):
-            if message is not None:
-                self.received[message] = (self.received[message][0], work)
-            else:
-                self.sends.append((work, op.tensor))
+        for (tensor, _), work in zip(outgoing, handles, strict=False):
+            self.sends.append((work, tensor))
+        for (message, buffer), work in zip(buffers, handles[len(outgoing) :], strict=True):
+            self.received[message] = (buffer, work)
         # Finished sends let go of their buffers (on this thread: see GradReducer.finish).
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
 
     def _take(self, message: Message) -> torch.Tensor:
         buffer, work = self.received.pop(message)
-        assert work is not None
         work.wait()
         return buffer
 

@@ -1,0 +1,122 @@
+"""The point-to-point messages of a schedule, and the batches in which the executor posts them.
+
+A message is named by what it carries: ``("act", micro, stage)`` is the input activation of ``stage`` (sent by
+stage - 1 after its F), ``("grad", micro, stage)`` the gradient of ``stage``'s output (sent by stage + 1 after its
+B or I). Each has one sender and one receiver, and every rank can work out every rank's messages, since
+schedules are data.
+
+The executor walks a common clock (torch.distributed.pipelining does the same): the schedule simulated with
+every action costing one step gives each action a time step at which its inputs were sent at earlier steps.
+After step t every rank posts one batch: the sends of its own action at t and the receives of what its
+neighbours send at t. Both ends of every message are so in the batch of the same step, and each pair's
+receives are posted in the order of its sends (NCCL matches same-shaped messages by order alone).
+``check_rendezvous`` runs those batches the way NCCL does (each rank's batches in order on one stream; a batch
+completes once the batch holding the other end of each of its messages has started; an action waits for the
+batch that received its input) and reports a deadlock, so the ordering that cannot be run here without GPUs is
+at least checked. (Posting each receive lazily, just before the action that needs it, does deadlock there:
+the interleaved schedule's sends then wait on receives queued behind them.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trident.parallel.pipeline.schedules import KINDS, Action, B, DeadlockError, F, I, Schedule, simulate, stage_of
+
+Message = tuple[str, int, int]
+
+
+def sends_of(action: Action, rank: int, pp: int, stages: int) -> list[tuple[Message, int]]:
+    """What ``action`` on ``rank`` sends, to which pipeline rank."""
+    s = stage_of(action.chunk, rank, pp)
+    if action.kind == F and s < stages - 1:
+        return [(("act", action.micro, s + 1), (s + 1) % pp)]
+    if action.kind in (B, I) and s > 0:
+        return [(("grad", action.micro, s - 1), (s - 1) % pp)]
+    return []
+
+
+def needs_of(action: Action, rank: int, pp: int, stages: int) -> Message | None:
+    """The message ``action`` on ``rank`` must have received before it runs."""
+    s = stage_of(action.chunk, rank, pp)
+    if action.kind == F and s > 0:
+        return ("act", action.micro, s)
+    if action.kind in (B, I) and s < stages - 1:
+        return ("grad", action.micro, s)
+    return None
+
+
+@dataclass
+class Step:
+    """One tick of the common clock on one rank: its action (None: idle), then one batch of messages."""
+
+    action: Action | None
+    sends: list[tuple[Message, int]] = field(default_factory=list)  # (message, to rank), the action's
+    recvs: list[tuple[Message, int]] = field(default_factory=list)  # (message, from rank), sent at this tick
+
+
+def p2p_plan(schedule: Schedule, rank: int, stages: int) -> list[Step]:
+    """``rank``'s ticks: what it runs and which batch it posts after each one."""
+    pp = len(schedule)
+    spans = simulate(schedule, stages // pp, dict.fromkeys(KINDS, 1.0))
+    ticks = int(max(s.end for s in spans))
+    plan = [Step(None) for _ in range(ticks)]
+    for s in spans:
+        t = int(s.start)
+        for message, dst in sends_of(s.action, s.rank, pp, stages):
+            if s.rank == rank:
+                plan[t].sends.append((message, dst))
+            if dst == rank:
+                plan[t].recvs.append((message, s.rank))
+        if s.rank == rank:
+            plan[t].action = s.action
+    return plan
+
+
+def check_rendezvous(plans: list[list[Step]], stages: int) -> None:
+    """Run every rank's ticks (``p2p_plan`` of each rank) under NCCL's rules (module docstring); raise
+    ``DeadlockError`` if they stall, ``ValueError`` if a pair's receives are not posted in the order of its sends
+    or not before they are needed."""
+    pp = len(plans)
+    batch_of: dict[tuple[str, Message], tuple[int, int]] = {}  # (send|recv, message) -> (rank, tick)
+    for r, plan in enumerate(plans):
+        for t, step in enumerate(plan):
+            batch_of.update({("send", m): (r, t) for m, _ in step.sends})
+            batch_of.update({("recv", m): (r, t) for m, _ in step.recvs})
+            need = None if step.action is None else needs_of(step.action, r, pp, stages)
+            if need is not None and batch_of.get(("recv", need), (r, t))[1] >= t:
+                raise ValueError(f"rank {r} needs {need} at tick {t} before its receive is posted")
+    for src in range(pp):
+        for dst in range(pp):
+            sent = [m for step in plans[src] for m, to in step.sends if to == dst]
+            received = [m for step in plans[dst] for m, frm in step.recvs if frm == src]
+            if sent != received:
+                raise ValueError(f"rank {dst} posts its receives from rank {src} out of the order they are sent")
+    started, completed, acted = [0] * pp, [0] * pp, [0] * pp  # per rank: batches started, completed; actions run
+    progress = True
+    while progress:
+        progress = False
+        for r, plan in enumerate(plans):
+            t = acted[r]
+            # The action of tick t runs once the batch that received its input has completed (and tick t-1's).
+            if t < len(plan) and completed[r] >= t:
+                step = plan[t]
+                need = None if step.action is None else needs_of(step.action, r, pp, stages)
+                if need is None or completed[r] > batch_of[("recv", need)][1]:
+                    acted[r] += 1
+                    progress = True
+            # Batch t starts after action t and after batch t-1 is done (one stream), completes once every
+            # message's other end is in a started batch.
+            if started[r] == completed[r] < len(plan) and acted[r] > started[r]:
+                started[r] += 1
+                progress = True
+            if completed[r] < started[r]:
+                step = plan[completed[r]]
+                ends = [batch_of[("recv", m)] for m, _ in step.sends] + [batch_of[("send", m)] for m, _ in step.recvs]
+                if all(started[peer] > tick for peer, tick in ends):
+                    completed[r] += 1
+                    progress = True
+    stuck = [r for r in range(pp) if completed[r] < len(plans[r])]
+    if stuck:
+        where = ", ".join(f"rank {r} at tick {completed[r]}" for r in stuck)
+        raise DeadlockError(f"p2p batches stall under rendezvous: {where}")
