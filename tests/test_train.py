@@ -116,7 +116,7 @@ BAD = [
     (["parallel.dp=4"], "world size 2 != dp 4 x tp 1 x pp 1 = 4; set parallel.dp=2 or launch 4 processes"),
     (["train.global_batch_size=10"], "train.global_batch_size=10"),
     (["model.n_heads=5"], "model.n_heads=5"),
-    (["parallel.pp=2"], "parallel.pp=2: pipeline parallelism is not implemented"),
+    (["parallel.pp=2", "parallel.vpp=2"], "model.n_layers=2 is not divisible by pp 2 x vpp 2 = 4"),
     (["parallel.tp=2", "model.d_ff=101"], "model.d_ff=101 is not divisible by parallel.tp=2; use model.d_ff=100"),
     (["train.precision=fp8"], "train.precision='fp8'"),
     (["optim.min_lr=1"], "optim.min_lr=1"),
