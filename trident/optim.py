@@ -99,6 +99,12 @@ class GradStep:
             self.scaler.update(skipped)
         return norm.item(), skipped
 
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor holding this rank's model state: the parameters (fp32, so they are also the masters),
+        the reducer's flat gradient buffer and AdamW's moments (and its per-parameter step counters)."""
+        states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {"params": list(self.reducer.params), "grads": [self.reducer.buffer], "optimizer": states}
+
     def state_dict(self) -> dict:
         return {"loss_scaler": self.scaler.state_dict() if self.scaler else None}
 
