@@ -28,14 +28,12 @@ from trident.loop import Trainer
 from trident.metrics import MetricsLogger, announce_run, device_peak_tflops
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, flops_per_token, init_weights
-from trident.optim import GradStep, build_optimizer
+from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import build_process_groups, init_distributed, launch_world_size, shutdown_distributed
 from trident.parallel.random import model_parallel_rng
-from trident.parallel.reducer import GradReducer
 from trident.parallel.tensor import sum_grads_over_tp
 from trident.parallel.topology import Topology
-from trident.precision import LossScaler
 from trident.rundir import take_ownership
 from trident.runner import LocalRunner
 from trident.signals import StopRequest
@@ -92,12 +90,11 @@ def _build_and_fit(
     model.to(device)
     apply_activation_checkpointing(model, tr.activation_checkpointing)
     chunks = [model]
-    optimizer = build_optimizer(chunks, cfg.optim)
-    reducer = GradReducer([p for c in chunks for p in c.parameters()], groups.dp_group, cfg.parallel.bucket_mb)
-    cleanup.callback(reducer.remove_hooks)
+    # Reducer, optimizer (plain or ZeRO) and step; ZeRO also casts the parameters to the precision's dtype.
+    setup = build_optimizer_setup(chunks, cfg, groups)
+    cleanup.callback(setup.remove_hooks)
     # Under sequence parallelism the parameters every tp rank holds whole saw only that rank's tokens.
-    sp_grads = [reducer.grad(p) for c in chunks for p in c.sequence_parallel_params()]
-    scaler = LossScaler() if tr.precision == "fp16" else None
+    sp_grads = setup.grad_step.grad_views([p for c in chunks for p in c.sequence_parallel_params()])
     config_dict = dataclasses.asdict(cfg)
     checkpointer = Checkpointer(
         root=checkpoint_root,
@@ -106,7 +103,7 @@ def _build_and_fit(
         resume=cfg.checkpoint.resume,
         groups=groups,
         modules=chunks,
-        optimizer=optimizer,
+        optimizer=setup.checkpointed,
         config=config_dict,
         tokenizer=dataset.tokenizer_path,
     )
@@ -117,9 +114,9 @@ def _build_and_fit(
         optim_cfg=cfg.optim,
         groups=groups,
         model_chunks=chunks,
-        runner=LocalRunner(chunks, reducer, tr.precision),
+        runner=LocalRunner(chunks, setup.reducer, tr.precision),
         loss_fn=model.loss_sum,
-        grad_step=GradStep(optimizer, reducer, groups, cfg.optim.grad_clip, scaler),
+        grad_step=setup.grad_step,
         train_data=train_data,
         val_data=val_data,
         device=device,

@@ -127,6 +127,7 @@ INVALID = [
         {"parallel.offload.optimizer": "cpu"}, 1, ["parallel.offload.optimizer", "parallel.zero"], id="offload-zero0"
     ),
     pytest.param({"parallel.offload.ratio": 1.5}, 1, ["parallel.offload.ratio=1.5"], id="offload-ratio"),
+    pytest.param({"parallel.zero": 3, "parallel.pp": 2}, 2, ["parallel.zero=3", "parallel.pp"], id="zero3-pp"),
     pytest.param({"parallel.sequence_parallel": True}, 1, ["parallel.sequence_parallel", "tp"], id="sp-tp1"),
     pytest.param({"parallel.bucket_mb": 0.0}, 1, ["parallel.bucket_mb"], id="bucket"),
     pytest.param({"parallel.timeout_s": 0}, 1, ["parallel.timeout_s"], id="timeout"),

@@ -192,7 +192,6 @@ def register_configs() -> None:
 # clear error rather than a run that silently ignores the setting.
 NOT_YET_IMPLEMENTED: dict[str, str] = {
     "parallel.pp": "pipeline parallelism is not implemented yet; use parallel.pp=1",
-    "parallel.zero": "ZeRO sharding is not implemented yet; use parallel.zero=0",
 }
 
 
@@ -311,6 +310,10 @@ def validate(cfg: Config, world_size: int) -> int:
     _need(
         par.offload.optimizer == "none" or par.zero >= 1,
         "parallel.offload.optimizer=cpu needs a ZeRO stage (parallel.zero >= 1)",
+    )
+    _need(
+        par.zero < 3 or par.pp == 1,
+        "parallel.zero=3 does not work with pipeline parallelism (parallel.pp > 1); use parallel.zero=1 or 2 with pp",
     )
     _need(
         not par.sequence_parallel or par.tp > 1,
