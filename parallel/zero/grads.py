@@ -14,11 +14,12 @@ only accumulate what was reduced, so a step sends the gradients once per micro-b
 micro-batches costs no extra buffer: before a bucket's reduce-scatter the rank adds what its shard already holds
 into its own chunk of the staging buffer, and the collective's sum overwrites the shard with the new total.
 
-Staging buffers are pooled, never dropped: a gloo worker thread that released the last reference to a
-collective's tensor would take the GIL to free it, which aborts an interpreter that is shutting down (see
-GradReducer.finish). At most ``MAX_IN_FLIGHT`` (2) reduce-scatters hold a staging buffer at once (a launch
-waits for the oldest beyond that), so the pool holds the buckets being filled plus two, each at most the size of
-the largest bucket.
+A staging buffer is allocated when its bucket's first gradient arrives and its memory released (its storage
+resized to zero) as soon as its reduce-scatter has been waited for. The emptied tensor object itself is kept until
+the bucket's next launch replaces it: a gloo worker thread that released the last reference to a collective's
+tensor would take the GIL to free it, which aborts an interpreter that is shutting down (see GradReducer.finish).
+At most ``MAX_IN_FLIGHT`` (2) reduce-scatters are waited for later (a launch waits for the oldest beyond that), so
+the staging memory is the buckets being filled plus at most two in flight.
 """
 
 from __future__ import annotations
@@ -59,30 +60,6 @@ class ScatterReducer(GradReducer):
         return self._shards[span.index]
 
 
-class _Pool:
-    """Zeroed fp32 staging buffers handed out and taken back; never freed (see the module docstring)."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-        self.all: list[torch.Tensor] = []
-        self.free: list[int] = []  # indices into ``all``
-
-    def take(self, numel: int) -> torch.Tensor:
-        fits = [i for i in self.free if self.all[i].numel() >= numel]
-        if fits:
-            i = min(fits, key=lambda i: self.all[i].numel())
-            self.free.remove(i)
-        else:
-            i = len(self.all)
-            self.all.append(torch.empty(numel, dtype=self.dtype, device=self.device))
-        view = self.all[i][:numel]
-        view.zero_()
-        return view
-
-    def give_back(self, view: torch.Tensor) -> None:
-        self.free.append(next(i for i, b in enumerate(self.all) if b.data_ptr() == view.data_ptr()))
-
-
 class ShardedGradReducer:
     """Stages 2 and 3: only this rank's fp32 shard of the gradients is kept (``shard``, layout.numel / dp).
 
@@ -112,13 +89,14 @@ class ShardedGradReducer:
         n = len(layout.spans)
         self._staging: list[torch.Tensor | None] = [None] * n  # being filled by this pass's backward
         self._seen: list[set[nn.Parameter]] = [set() for _ in range(n)]
-        # The latest reduce-scatter of each bucket, kept after it is waited (see GradReducer.finish), and its
-        # staging buffer while it runs. A gloo work must be waited once only: a second wait copies its result
-        # into the output again.
+        # The latest reduce-scatter of each bucket and its staging tensor, both kept until the next launch of the
+        # bucket (the tensor emptied once waited). A gloo work must be waited once only: a second wait copies its
+        # result into the output again.
         self._work: list[dist.Work | None] = [None] * n
         self._sent: list[torch.Tensor | None] = [None] * n
-        self._pool = _Pool(reduce_dtype, device)
-        self._in_flight: deque[int] = deque()  # launched buckets whose staging is still out, oldest first
+        self._dtype, self._device = reduce_dtype, device
+        self.peak_staging_bytes = 0  # the most staging memory held at once
+        self._in_flight: deque[int] = deque()  # launched buckets not waited for yet, oldest first
         self._next = 0  # the next bucket to launch; buckets launch strictly in order on every rank
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
@@ -132,16 +110,23 @@ class ShardedGradReducer:
         return self._shards[span.index]
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        """Every tensor holding gradients: the shard, and the pool of staging buffers (transient gradients: as many
-        buckets as were staged at once, at most)."""
-        return [self.shard, *self._pool.all]
+        """Every tensor holding gradients: the shard, and the staging buffers allocated now (none between steps)."""
+        return [self.shard, *(t for t in [*self._staging, *self._sent] if t is not None)]
+
+    def _staging_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in [*self._staging, *self._sent] if t is not None)
+
+    def _new_staging(self, numel: int) -> torch.Tensor:
+        staging = torch.zeros(numel, dtype=self._dtype, device=self._device)
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes() + staging.nbytes)
+        return staging
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         span = self.layout.span_of[param]
         i = span.index
         if self._staging[i] is None:
             self._recycle()
-            self._staging[i] = self._pool.take(span.numel)
+            self._staging[i] = self._new_staging(span.numel)
         start = self.layout.offset[param] - span.offset
         self._staging[i][start : start + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
@@ -158,14 +143,14 @@ class ShardedGradReducer:
         span = self.layout.spans[i]
         staging = self._staging[i]
         if staging is None:  # finish() reducing a bucket none of whose parameters got a gradient
-            staging = self._pool.take(span.numel)
+            staging = self._new_staging(span.numel)
         self._wait(i)  # the shard must hold the previous micro-batch's total before it is added in
         start, stop = span.shard(self.dp_rank, self.dp_size)
         staging[start - span.offset : stop - span.offset].add_(self._shards[i])
         self._work[i] = dist.reduce_scatter_single(self._shards[i], staging, group=self.dp_group, async_op=True)
         self._sent[i] = staging
         self._in_flight.append(i)
-        # Bound the staging memory: at most MAX_IN_FLIGHT reductions hold a staging buffer at once.
+        # Bound the staging memory: at most MAX_IN_FLIGHT launched reductions hold a staging buffer at once.
         while len(self._in_flight) > self.MAX_IN_FLIGHT:
             self._wait(self._in_flight[0])
         self._staging[i], self._seen[i] = None, set()
@@ -174,17 +159,16 @@ class ShardedGradReducer:
             self.on_reduced(span)
 
     def _wait(self, i: int) -> None:
-        """Wait for bucket i's reduce-scatter, if one is running, and take its staging buffer back."""
-        if self._sent[i] is not None:
+        """Wait for bucket i's reduce-scatter, if one is running, and release its staging memory."""
+        if i in self._in_flight:
             self._work[i].wait()
-            self._pool.give_back(self._sent[i])
-            self._sent[i] = None
+            self._sent[i].untyped_storage().resize_(0)
             self._in_flight.remove(i)
 
     def _recycle(self) -> None:
-        """Take back the staging buffers of reduce-scatters that have finished."""
-        for i, work in enumerate(self._work):
-            if self._sent[i] is not None and work.is_completed():
+        """Release the staging memory of the reduce-scatters that have finished."""
+        for i in list(self._in_flight):
+            if self._work[i].is_completed():
                 self._wait(i)
 
     def finish(self) -> None:
