@@ -17,6 +17,7 @@ tensor. This module is arithmetic only: no process group, no tensor data.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from torch import nn
@@ -97,11 +98,27 @@ class FlatLayout:
         self.numel = offset
 
     @classmethod
-    def by_size(cls, params: list[nn.Parameter], bucket_numel: int, dp_size: int) -> FlatLayout:
-        """Reverse registration order (roughly the order backward produces gradients), greedy buckets."""
-        order = list(reversed(params))
-        plan = plan_buckets([p.numel() for p in order], bucket_numel, dp_size)
-        return cls([[order[i] for i in idx] for idx, _ in plan], dp_size)
+    def by_size(
+        cls, params: list[nn.Parameter], bucket_numel: int, dp_size: int, isolate: Collection[nn.Parameter] = ()
+    ) -> FlatLayout:
+        """Reverse registration order (roughly the order backward produces gradients), greedy buckets.
+
+        Each parameter in ``isolate`` gets a bucket of its own, so its dp shards cover the same elements of it in
+        any layout: two ranks with different parameters (pipeline stages holding an embedding and its tied copy)
+        can then sum their shards of it over another group after a reduce-scatter.
+        """
+        isolated = {id(p) for p in isolate}
+        buckets: list[list[nn.Parameter]] = []
+        run: list[nn.Parameter] = []
+        for p in [*reversed(params), None]:
+            if p is None or id(p) in isolated:
+                plan = plan_buckets([q.numel() for q in run], bucket_numel, dp_size)
+                buckets += [[run[i] for i in idx] for idx, _ in plan]
+                buckets += [[p]] if p is not None else []
+                run = []
+            else:
+                run.append(p)
+        return cls(buckets, dp_size)
 
     @property
     def params(self) -> list[nn.Parameter]:

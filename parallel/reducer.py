@@ -19,6 +19,7 @@ The loss is pre-divided by the global token count, so the reduction is a plain S
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,7 @@ class GradReducer:
         dp_group: dist.ProcessGroup,
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype = torch.float32,
+        isolate: Collection[nn.Parameter] = (),
     ) -> None:
         params = [p for p in params if p.requires_grad]
         if not params:
@@ -58,7 +60,8 @@ class GradReducer:
         self.params = params
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
-        self.layout = FlatLayout.by_size(params, bucket_numel(bucket_mb, reduce_dtype), self.dp_size)
+        # ``isolate``: parameters each in a bucket of their own (see FlatLayout.by_size).
+        self.layout = FlatLayout.by_size(params, bucket_numel(bucket_mb, reduce_dtype), self.dp_size, isolate)
         self.buffer = torch.zeros(self.layout.numel, dtype=reduce_dtype, device=params[0].device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}

@@ -106,3 +106,17 @@ def test_piece_boxes_place_a_tp_block_in_the_logical_tensor_without_padding():
     expected = torch.full((10, 3), -1.0).view(-1)
     expected[22:30] = logical.view(-1)[22:30]  # local 4..12 are logical rows 7..9 from column 1; 12..17 padding
     assert torch.equal(rebuilt.view(-1), expected)
+
+
+def test_an_isolated_parameter_has_the_same_shards_in_different_layouts():
+    """A pipeline's first stage holds the embedding among other parameters, its last stage the tied copy among
+    others: isolated, each dp rank's shard covers the same elements of it in both layouts."""
+    first = _params((10, 4), (6,), (3, 3))  # embedding first, as registered
+    last = _params((5,), (10, 4), (7,), (2,))
+    shards = []
+    for params, tied in ((first, first[0]), (last, last[1])):
+        layout = FlatLayout.by_size(params, bucket_numel=12, dp_size=3, isolate=[tied])
+        span = layout.span_of[tied]
+        assert len(span.params) == 1 and span.params[0] is tied
+        shards.append([[(pc.start, pc.stop) for pc in layout.pieces(span, *span.shard(r, 3))] for r in range(3)])
+    assert shards[0] == shards[1] == [[(0, 14)], [(14, 28)], [(28, 40)]]

@@ -13,7 +13,7 @@ masters), so building this is also what makes a bf16 or fp16 model 16-bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from torch import nn
@@ -38,7 +38,12 @@ class OptimizerSetup:
     remove_hooks: Callable[[], None]
 
 
-def build_optimizer_setup(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups) -> OptimizerSetup:
+def build_optimizer_setup(
+    chunks: list[nn.Module], cfg: Config, groups: ProcessGroups, isolate: Collection[nn.Parameter] = ()
+) -> OptimizerSetup:
+    """``isolate``: parameters whose gradients are summed over another group after the dp reduction (a pipeline's
+    tied embedding and its copy): each gets a bucket of its own, so its shards line up across those ranks
+    (``GradStep.grad_views``)."""
     zero, par, opt = cfg.parallel.zero, cfg.parallel, cfg.optim
     policy = precision_policy(cfg.train.precision)
     scaler = LossScaler() if policy.loss_scaling else None
@@ -47,17 +52,18 @@ def build_optimizer_setup(chunks: list[nn.Module], cfg: Config, groups: ProcessG
 
     if zero == 0 and not policy.needs_masters:
         optimizer = build_optimizer(chunks, opt)
-        reducer = GradReducer(params, dp_group, par.bucket_mb, policy.reduce_dtype)
+        reducer = GradReducer(params, dp_group, par.bucket_mb, policy.reduce_dtype, isolate)
         step = GradStep(ReplicatedUpdate(optimizer, reducer), groups, opt.grad_clip, scaler)
         return OptimizerSetup(reducer, step, optimizer, reducer.remove_hooks)
 
     sharding: ParameterSharding | None = None
     if zero <= 1:
-        reducer = (ScatterReducer if zero == 1 else GradReducer)(params, dp_group, par.bucket_mb, policy.reduce_dtype)
+        kind = ScatterReducer if zero == 1 else GradReducer
+        reducer = kind(params, dp_group, par.bucket_mb, policy.reduce_dtype, isolate)
         layout = reducer.layout
     elif zero == 2:
         numel = bucket_numel(par.bucket_mb, policy.reduce_dtype)
-        layout = FlatLayout.by_size(params, numel, groups.dp_size)
+        layout = FlatLayout.by_size(params, numel, groups.dp_size, isolate)
         reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, params[0].device)
     else:
         (model,) = chunks  # validate refuses stage 3 with pipeline parallelism

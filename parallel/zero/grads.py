@@ -25,7 +25,7 @@ the staging memory is the buckets being filled plus at most two in flight.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,9 @@ class ScatterReducer(GradReducer):
         dp_group: dist.ProcessGroup,
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype = torch.float32,
+        isolate: Collection[nn.Parameter] = (),
     ) -> None:
-        super().__init__(params, dp_group, bucket_mb, reduce_dtype)
+        super().__init__(params, dp_group, bucket_mb, reduce_dtype, isolate)
         rank = dist.get_rank(dp_group)
         # Made once and kept, like the bucket views (a collective's tensors must outlive its work).
         self._shards = [self.buffer[slice(*span.shard(rank, self.dp_size))] for span in self.layout.spans]
