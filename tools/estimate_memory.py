@@ -145,7 +145,7 @@ def report(cfg: Config, world: int, device: str) -> str:
     lines += [
         "",
         "Not included: the logits held while backward runs, allocator fragmentation, communication buffers, the "
-        "CUDA context. Gradient staging assumes communication keeps pace with backward (two buckets in flight).",
+        "CUDA context.",
     ]
     return "\n".join(lines)
 

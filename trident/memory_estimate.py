@@ -50,6 +50,7 @@ from trident.memory import KINDS, PLACES, Figures
 from trident.models.gpt import count_params, padded_vocab_size
 from trident.parallel.layout import FlatLayout
 from trident.parallel.reducer import bucket_numel
+from trident.parallel.zero.grads import ShardedGradReducer
 from trident.parallel.zero.optimizer import shard_segments
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -172,11 +173,14 @@ def _meta(numel: int) -> nn.Parameter:
 def flat_layout(params: list[tuple[str, int]], layout: Layout) -> FlatLayout:
     """The flat layout trident builds over these parameters (trident/optimizer_setup.py), from stand-in
     parameters on the meta device: at stages 0-2 the reducer's buckets of about ``bucket_mb`` of fp32 in reverse
-    registration order, at stage 3 one bucket per transformer block, last block first, then the rest (the root);
-    every bucket padded to a multiple of dp."""
+    registration order, with pipeline parallelism the tied embedding (and its copy) in a bucket of its own; at
+    stage 3 one bucket per transformer block, last block first, then the rest (the root); every bucket padded to
+    a multiple of dp."""
     metas = [(name, _meta(n)) for name, n in params]
     if layout.zero < 3:
-        return FlatLayout.by_size([p for _, p in metas], bucket_numel(layout.bucket_mb, torch.float32), layout.dp)
+        tied = [p for name, p in metas if name == "wte.weight"] if layout.pp > 1 else []
+        numel = bucket_numel(layout.bucket_mb, torch.float32)
+        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=tied)
     blocks: dict[str, list[nn.Parameter]] = {}
     root = []
     for name, p in metas:
@@ -212,7 +216,7 @@ class ModelStates:
     """One rank's predicted model-state bytes, and the transient buffers above them."""
 
     figures: Figures  # kind -> place -> bytes, as ``trident.memory.measure_model_states`` measures them
-    staging: int  # stages 2-3: fp32 staging buffers of buckets being reduce-scattered (two largest buckets)
+    staging: int  # stages 2-3: fp32 staging of the bucket filling and those in flight (the largest ones)
     gathered: int  # stage 3: full buffers of gathered buckets (the root and two blocks, in the parameter dtype)
 
 
@@ -232,7 +236,12 @@ def model_states(params: list[tuple[str, int]], layout: Layout, dp_rank: int | N
         offload ratio r   the shard's first round(r B / S) elements keep masters and moments on the host, and a
                           host copy of their gradients (4 bytes each)
 
-    Stages 2-3 add their staging buffers (``staging``), stage 3 the buckets gathered while in use (``gathered``).
+    Transient, above these: stages 2-3 stage each bucket's fp32 gradients while it fills and until its
+    reduce-scatter is waited for; ``staging`` bounds it by the largest buckets that can be held at once: those
+    filling (at stage 2 two, where one bucket ends and the next begins; at stage 3 a block and the root, which fills
+    from backward's first gradient to its last) and MAX_IN_FLIGHT = 2 in flight (under gradient accumulation, maybe
+    another micro-batch's copies of those filling). Stage 3 gathers a block's parameters while it runs
+    (``gathered``: the root and two blocks, the running and the prefetched).
     """
     flat = flat_layout(params, layout)
     ranks = range(layout.dp if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
@@ -265,11 +274,16 @@ def _rank_states(params: list[tuple[str, int]], flat: FlatLayout, layout: Layout
         pieces = flat.pieces(span, start, stop)
         place = "host" if on_host else "device"
         fig["optimizer"][place] += sum(p.numel for p in pieces) * ADAM_MOMENTS * FP32 + len(pieces) * STEP_COUNTER
-    largest = sorted((s.numel for s in flat.spans), reverse=True)
-    staging = sum(largest[:2]) * FP32 if layout.zero >= 2 else 0
-    gathered = 0
-    if layout.zero == 3:  # the root bucket is the last; two blocks: the running one and the prefetched one
-        gathered = (flat.spans[-1].numel + sum(sorted((s.numel for s in flat.spans[:-1]), reverse=True)[:2])) * pb
+    staging = gathered = 0
+    if layout.zero >= 2:
+        largest = sorted((s.numel for s in flat.spans), reverse=True)
+        in_flight = sum(largest[: ShardedGradReducer.MAX_IN_FLIGHT])
+        if layout.zero == 2:  # filling: two buckets at most, where one ends and the next begins
+            staging = (sum(largest[:2]) + in_flight) * FP32
+        else:  # filling: a block, and the root from backward's first gradient (final LayerNorm) to its last
+            root, blocks = flat.spans[-1].numel, sorted((s.numel for s in flat.spans[:-1]), reverse=True)
+            staging = (root + blocks[0] + in_flight) * FP32
+            gathered = (root + sum(blocks[:2])) * pb
     return ModelStates(_place(_total(fig), layout), staging, gathered)
 
 
