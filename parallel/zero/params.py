@@ -100,7 +100,12 @@ class ShardedParams:
         return self._shards[span.index]
 
     def publish(self) -> None:
-        """Nothing to send: a bucket is gathered from its updated shard the next time it is used."""
+        """A bucket is gathered from its updated shard the next time it is used; one gathered now (a forward
+        without its backward) is gathered again, so no full buffer outlives the update."""
+        for span in self.layout.spans:
+            if self._gathered[span.index]:
+                self.free(span)
+                self.gather(span)
 
     def is_gathered(self, span: Span) -> bool:
         return self._gathered[span.index]
