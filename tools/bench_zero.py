@@ -1,7 +1,7 @@
 """Tokens/s and model-state bytes of trident's ZeRO stages against stage 0, FSDP2 and DDP + ZeroRedundancyOptimizer.
 
     python tools/bench_zero.py [--worlds 2,4] [--layers 4] [--d-model 256] [--seq-len 128] [--vocab 8192]
-        [--micro-batch 4] [--micro-batches 2] [--steps 3] [--rounds 3] [--precision fp32]
+        [--micro-batch 4] [--micro-batches 2] [--steps 3] [--rounds 3] [--precision fp32] [--state-only]
 
 One invocation spawns a gloo group of each size in --worlds on this machine (CPU) and trains, on every rank, these
 variants of one GPT (models/gpt.py at tp=1, so plain torch layers), all from the same initial weights (trident's
@@ -23,6 +23,9 @@ tokens/s (all ranks' tokens). The loss of the first and last step of every varia
 Model-state bytes per rank are measured on the live tensors after the steps (each storage once: parameters,
 gradients, optimizer states; the torch variants' .grad and optimizer state, DTensors by their local shards) and
 set against the formula of parallel/zero/__init__.py with Psi the model's parameter count and N the dp size.
+--state-only builds, steps once and measures one variant at a time (no tokens/s): gpt-small's shape at dp=4 is
+``--state-only --worlds 4 --layers 12 --d-model 768 --seq-len 1024 --vocab 50257 --micro-batch 1 --micro-batches 1``
+(its batches are --seq-len tokens long; pass a shorter one for speed only when the preset's seq_len is not needed).
 """
 
 from __future__ import annotations
@@ -200,29 +203,36 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
     if args.precision != "fp32":
         builders.pop("ddp+zro")
         builders.pop("fsdp2")
-    variants = {name: build() for name, build in builders.items()}
     tokens = world * args.micro_batches * args.micro_batch * args.seq_len
-    losses: dict[str, list[float]] = {name: [] for name in variants}
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    losses: dict[str, list[float]] = {name: [] for name in builders}
+    times: dict[str, list[float]] = {name: [float("nan")] for name in builders}
+    nbytes: dict[str, int] = {}
+    variants: dict[str, object] = {}
 
     def train(name: str, step: int) -> None:
         loss = variants[name].step(batches_for(step, rank, args), tokens)
         dist.all_reduce(loss)
         losses[name].append(loss.item() / tokens)
 
-    for name in variants:  # untimed first step: warm-up, and the first loss
+    for name, build in builders.items():  # untimed first step: warm-up, and the first loss
+        variants[name] = build()
         train(name, 0)
-    step = {name: 1 for name in variants}
-    for _ in range(args.rounds):
-        for name in variants:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                train(name, step[name])
-                step[name] += 1
-            dist.barrier()
-            times[name].append((time.perf_counter() - start) / args.steps)
-    state = torch.tensor([variants[name].state_bytes() for name in variants], dtype=torch.float64)
+        if args.state_only:  # one variant at a time: a large model's states would not fit six times over
+            nbytes[name] = variants.pop(name).state_bytes()
+    if not args.state_only:
+        times = {name: [] for name in variants}
+        step = {name: 1 for name in variants}
+        for _ in range(args.rounds):
+            for name in variants:
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    train(name, step[name])
+                    step[name] += 1
+                dist.barrier()
+                times[name].append((time.perf_counter() - start) / args.steps)
+        nbytes = {name: variant.state_bytes() for name, variant in variants.items()}
+    state = torch.tensor([nbytes[name] for name in builders], dtype=torch.float64)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
     if rank == 0:
         psi = sum(p.numel() for p in GPT(model).parameters())
@@ -232,7 +242,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
                 "psi": psi,
                 "rows": [
                     (name, tokens / statistics.median(times[name]), losses[name][0], losses[name][-1], int(state[i]))
-                    for i, name in enumerate(variants)
+                    for i, name in enumerate(builders)
                 ],
             }
         )
@@ -260,6 +270,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument(
+        "--state-only", action="store_true", help="one step per variant, one at a time: bytes only, no tokens/s"
+    )
     args = parser.parse_args()
     b = 4 if args.precision == "fp32" else 2
     ctx = mp.get_context("spawn")
@@ -278,10 +291,14 @@ def main() -> None:
         rows = {name: row for name, *row in got["rows"]}
         print(f"\nPsi = {got['psi']:,} parameters, N = dp = {world}\n" + header)
         for name, (tps, first, last, nbytes) in rows.items():
-            versus = f"{tps / rows[BASELINE[name]][0]:.2f}x" if name in BASELINE and BASELINE[name] in rows else ""
+            speed = vs_zero0 = versus = ""
+            if not args.state_only:
+                speed, vs_zero0 = f"{tps:,.0f}", f"{tps / rows['zero0'][0]:.2f}x"
+                if name in BASELINE and BASELINE[name] in rows:
+                    versus = f"{tps / rows[BASELINE[name]][0]:.2f}x"
             formula = formula_bytes(name, got["psi"], world, b)
             print(
-                f"{world:>3}  {name:<8}{tps:>10,.0f}{tps / rows['zero0'][0]:>9.2f}x{versus:>10}"
+                f"{world:>3}  {name:<8}{speed:>10}{vs_zero0:>10}{versus:>10}"
                 f"{first:>12.5f}{last:>11.5f}{nbytes / 2**20:>11.2f}{formula / 2**20:>9.2f}{nbytes / formula:>7.3f}"
             )
 
