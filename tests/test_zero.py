@@ -64,28 +64,20 @@ def test_a_zero2_checkpoint_resumes_at_zero0_and_at_zero3_on_another_dp(tiny_dat
     (history, _) = train_in_process(saved, overrides, world=2)
     assert_same_curve(reference[0], history, REL)
     checkpoint = saved / "checkpoints" / "step_00000003"
-    for world, zero in ((1, 0), (4, 3)):
-        resumed = train_in_process(
-            tmp_path / f"zero{zero}",
-            tiny(
-                tiny_dataset,
-                *BASE,
-                f"parallel.zero={zero}",
-                "train.micro_batch_size=2",
-                f"checkpoint.resume={checkpoint}",
-            ),
-            world=world,
-        )
+    # zero=3 at dp=4 with half of each optimizer shard offloaded: the state loads into host and device pieces.
+    offload = ["parallel.offload.optimizer=cpu", "parallel.offload.ratio=0.5"]
+    for world, zero, extra in ((1, 0, []), (4, 3, offload)):
+        overrides = tiny(tiny_dataset, *BASE, f"parallel.zero={zero}", "train.micro_batch_size=2", *extra)
+        resumed = train_in_process(tmp_path / f"zero{zero}", [*overrides, f"checkpoint.resume={checkpoint}"], world)
         for rows in resumed:
             assert_same_curve(reference[0][3:], rows, REL)
 
 
-def test_a_zero0_checkpoint_resumes_at_zero2(tiny_dataset, tmp_path, reference):
+def test_a_zero0_checkpoint_resumes_at_zero2_under_tensor_parallelism(tiny_dataset, tmp_path, reference):
+    """dp=2 x tp=2: the masters and moments of each tp block's dp shard are boxes of the logical tensors."""
     history, checkpoint = reference
-    overrides = tiny(
-        tiny_dataset, *BASE, "parallel.zero=2", "train.micro_batch_size=4", f"checkpoint.resume={checkpoint}"
-    )
-    for rows in train_in_process(tmp_path, overrides, world=2):
+    overrides = tiny(tiny_dataset, *BASE, "parallel.zero=2", "parallel.tp=2", "train.micro_batch_size=4")
+    for rows in train_in_process(tmp_path, [*overrides, f"checkpoint.resume={checkpoint}"], world=4):
         assert_same_curve(history[3:], rows, REL)
 
 
