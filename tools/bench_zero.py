@@ -31,6 +31,7 @@ set against the formula of parallel/zero/__init__.py with Psi the model's parame
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -219,6 +220,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
         train(name, 0)
         if args.state_only:  # one variant at a time: a large model's states would not fit six times over
             nbytes[name] = variants.pop(name).state_bytes()
+            gc.collect()  # gradient hooks hold the model in reference cycles
     if not args.state_only:
         times = {name: [] for name in variants}
         step = {name: 1 for name in variants}
