@@ -29,7 +29,8 @@ from trident.loop import Trainer
 from trident.metrics import MetricsLogger, announce_run, device_peak_tflops
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, flops_per_token, init_weights
-from trident.optim import GradStep, build_optimizer
+from trident.optim import GradStep
+from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import (
     ProcessGroups,
@@ -41,10 +42,8 @@ from trident.parallel.groups import (
 from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.stages import stage_layers, sum_tied_grads
 from trident.parallel.random import RNGTracker, model_parallel_rng
-from trident.parallel.reducer import GradReducer
 from trident.parallel.tensor import sum_grads_over_tp
 from trident.parallel.topology import Topology
-from trident.precision import LossScaler
 from trident.rundir import take_ownership
 from trident.runner import LocalRunner
 from trident.signals import StopRequest
@@ -101,10 +100,11 @@ def _build_and_fit(
         init_weights(chunk, cfg.model, tr.seed)
         chunk.to(device)
         apply_activation_checkpointing(chunk, tr.activation_checkpointing)
-    optimizer = build_optimizer(chunks, cfg.optim)
-    reducer = GradReducer([p for c in chunks for p in c.parameters()], groups.dp_group, cfg.parallel.bucket_mb)
-    cleanup.callback(reducer.remove_hooks)
-    scaler = LossScaler() if tr.precision == "fp16" else None
+    # Reducer, optimizer (plain or ZeRO) and step; ZeRO also casts the parameters to the precision's dtype. The
+    # tied embedding copies get buckets of their own, so their shards line up across the first and last stage.
+    tied = [p for c in chunks for p in c.tied_params()]
+    setup = build_optimizer_setup(chunks, cfg, groups, isolate=tied)
+    cleanup.callback(setup.remove_hooks)
     config_dict = dataclasses.asdict(cfg)
     checkpointer = Checkpointer(
         root=checkpoint_root,
@@ -113,14 +113,14 @@ def _build_and_fit(
         resume=cfg.checkpoint.resume,
         groups=groups,
         modules=chunks,
-        optimizer=optimizer,
+        optimizer=setup.checkpointed,
         config=config_dict,
         tokenizer=dataset.tokenizer_path,
     )
     if groups.is_logging_rank:
         announce_run(cfg, topology, chunks, device, len(train_data), run_dir, peak)
     if cfg.parallel.pp == 1:
-        runner = LocalRunner(chunks, reducer, tr.precision)
+        runner = LocalRunner(chunks, setup.reducer, tr.precision)
     else:
         record = lg.pipeline_timings and groups.dp_rank == 0 and groups.tp_rank == 0  # one pipeline's ranks
         runner = PipelineRunner(
@@ -129,7 +129,7 @@ def _build_and_fit(
             groups.pp_rank,
             groups.pp_ranks,
             groups.pp_group,
-            reducer,
+            setup.reducer,
             tr.precision,
             cfg.model.d_model,
             seq_divisor=groups.tp_size if cfg.parallel.sequence_parallel else 1,
@@ -142,7 +142,7 @@ def _build_and_fit(
         model_chunks=chunks,
         runner=runner,
         loss_fn=chunks[-1].loss_sum,  # the loss is computed where the last stage is
-        grad_step=GradStep(optimizer, reducer, groups, cfg.optim.grad_clip, scaler),
+        grad_step=setup.grad_step,
         train_data=train_data,
         val_data=val_data,
         device=device,
@@ -151,7 +151,7 @@ def _build_and_fit(
         checkpointer=checkpointer,
         make_logger=lambda start: MetricsLogger(run_dir, tr.steps, lg, cfg.wandb, config_dict, start),
         stop=stop,
-        after_reduce=_after_reduce(chunks, reducer, groups),
+        after_reduce=_after_reduce(chunks, setup.grad_step, groups),
     )
     return trainer.fit()
 
@@ -168,11 +168,11 @@ def _model_chunks(model: ModelConfig, par: ParallelConfig, groups: ProcessGroups
     return chunks
 
 
-def _after_reduce(chunks: list[GPT], reducer: GradReducer, groups: ProcessGroups) -> Callable[[], None] | None:
+def _after_reduce(chunks: list[GPT], grad_step: GradStep, groups: ProcessGroups) -> Callable[[], None] | None:
     """What completes the gradients after the dp reduction: under sequence parallelism, the parameters every tp
     rank holds whole saw only that rank's tokens; across pipeline stages, the two tied embedding copies."""
-    sp_grads = [reducer.grad(p) for c in chunks for p in c.sequence_parallel_params()]
-    tied_grads = [reducer.grad(p) for c in chunks for p in c.tied_params()]
+    sp_grads = grad_step.grad_views([p for c in chunks for p in c.sequence_parallel_params()])
+    tied_grads = grad_step.grad_views([p for c in chunks for p in c.tied_params()])
     if not sp_grads and not tied_grads:
         return None
 

@@ -19,11 +19,14 @@ The loss is pre-divided by the global token count, so the reduction is a plain S
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from trident.parallel.layout import FlatLayout, Span
 
 
 @dataclass(eq=False)
@@ -32,25 +35,14 @@ class Bucket:
     offset: int  # start in the flat buffer
     numel: int  # padded to a multiple of dp_size
     grads: torch.Tensor  # the bucket's slice of the flat buffer
+    span: Span  # the bucket in the layout
     ready: int = 0
     work: dist.Work | None = field(default=None, repr=False)
 
 
-def plan_buckets(numels: list[int], bucket_numel: int, dp_size: int) -> list[tuple[list[int], int]]:
-    """Greedily group consecutive parameters; return (param indices, padded numel) per bucket.
-
-    A parameter larger than a bucket gets a bucket of its own.
-    """
-    buckets, current, size = [], [], 0
-    for i, n in enumerate(numels):
-        if current and size + n > bucket_numel:
-            buckets.append((current, size))
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        buckets.append((current, size))
-    return [(idx, -(-size // dp_size) * dp_size) for idx, size in buckets]
+def bucket_numel(bucket_mb: float, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in a bucket of about ``bucket_mb`` MiB."""
+    return max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=dtype).element_size()))
 
 
 class GradReducer:
@@ -60,6 +52,7 @@ class GradReducer:
         dp_group: dist.ProcessGroup,
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype = torch.float32,
+        isolate: Collection[nn.Parameter] = (),
     ) -> None:
         params = [p for p in params if p.requires_grad]
         if not params:
@@ -67,27 +60,21 @@ class GradReducer:
         self.params = params
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
-        element = torch.tensor([], dtype=reduce_dtype).element_size()
-        bucket_numel = max(1, int(bucket_mb * 2**20 / element))
-
-        order = list(reversed(params))
-        plan = plan_buckets([p.numel() for p in order], bucket_numel, self.dp_size)
-        self.buffer = torch.zeros(sum(n for _, n in plan), dtype=reduce_dtype, device=params[0].device)
+        # ``isolate``: parameters each in a bucket of their own (see FlatLayout.by_size).
+        self.layout = FlatLayout.by_size(params, bucket_numel(bucket_mb, reduce_dtype), self.dp_size, isolate)
+        self.buffer = torch.zeros(self.layout.numel, dtype=reduce_dtype, device=params[0].device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self._grad: dict[nn.Parameter, torch.Tensor] = {}
-        offset = 0
-        for idx, numel in plan:
+        for span in self.layout.spans:
             # Views made once and kept: see finish() on why the reducer must own the bucket tensors.
-            view = self.buffer[offset : offset + numel]
-            bucket = Bucket(params=[order[i] for i in idx], offset=offset, numel=numel, grads=view)
-            start = offset
+            view = self.buffer[span.offset : span.offset + span.numel]
+            bucket = Bucket(params=span.params, offset=span.offset, numel=span.numel, grads=view, span=span)
             for p in bucket.params:
+                start = self.layout.offset[p]
                 self._grad[p] = self.buffer[start : start + p.numel()].view_as(p)
                 self._bucket_of[p] = bucket
-                start += p.numel()
             self.buckets.append(bucket)
-            offset += numel
 
         self._sync = True
         self._next = 0  # index of the next bucket to launch
@@ -96,6 +83,14 @@ class GradReducer:
     def grad(self, param: nn.Parameter) -> torch.Tensor:
         """The parameter's gradient: its slice of the buffer, in reduce_dtype."""
         return self._grad[param]
+
+    def reduced_grad(self, span: Span) -> torch.Tensor:
+        """What this rank holds reduced of a bucket's gradient after ``finish``: all of it (an all-reduce)."""
+        return self.buckets[span.index].grads
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding gradients: the flat buffer."""
+        return [self.buffer]
 
     def set_sync(self, enabled: bool) -> None:
         """Call before each micro-batch's backward: True only for the last one of the step."""

@@ -15,13 +15,6 @@ from trident.config import Config, TrainConfig, grad_accum_steps, resolve_schedu
 from trident.errors import ConfigError, one_line
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-REAL_NOT_YET_IMPLEMENTED = dict(config.NOT_YET_IMPLEMENTED)
-
-
-@pytest.fixture(autouse=True)
-def _no_feature_gate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rules are tested on their own, whatever features (tp, pp, zero...) are still gated off."""
-    monkeypatch.setattr(config, "NOT_YET_IMPLEMENTED", {})
 
 
 def make(overrides: dict[str, object] | None = None) -> Config:
@@ -129,6 +122,7 @@ INVALID = [
         {"parallel.offload.optimizer": "cpu"}, 1, ["parallel.offload.optimizer", "parallel.zero"], id="offload-zero0"
     ),
     pytest.param({"parallel.offload.ratio": 1.5}, 1, ["parallel.offload.ratio=1.5"], id="offload-ratio"),
+    pytest.param({"parallel.zero": 3, "parallel.pp": 2}, 2, ["parallel.zero=3", "parallel.pp"], id="zero3-pp"),
     pytest.param({"parallel.sequence_parallel": True}, 1, ["parallel.sequence_parallel", "tp"], id="sp-tp1"),
     pytest.param({"parallel.bucket_mb": 0.0}, 1, ["parallel.bucket_mb"], id="bucket"),
     pytest.param({"parallel.timeout_s": 0}, 1, ["parallel.timeout_s"], id="timeout"),
@@ -182,40 +176,21 @@ def test_invalid_configs(overrides: dict, world: int, fragments: list[str]) -> N
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
-def test_feature_gate(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "NOT_YET_IMPLEMENTED", {"parallel.zero": "ZeRO is not here yet"})
-    assert validate(make(), 1) == 1  # the default value passes the gate
-    with pytest.raises(ConfigError, match=r"^parallel\.zero=1: ZeRO is not here yet$"):
-        validate(make({"parallel.zero": 1}), 1)
-
-
-def test_real_feature_gate_names_real_keys_and_passes_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "NOT_YET_IMPLEMENTED", REAL_NOT_YET_IMPLEMENTED)
-    for key in REAL_NOT_YET_IMPLEMENTED:
-        section, name = key.split(".", 1)
-        assert hasattr(getattr(Config(), section), name), key
-    assert validate(Config(), 1) == 1
-
-
 # --- the fit to the launch is checked last: a config wrong in itself says so before asking for a relaunch.
 
 LAUNCH_LAST = [
     # `python train.py parallel.tp=2` used to say "launch 2 processes"; launched so, it said "not implemented".
-    pytest.param({"parallel.zero": 1}, 1, "parallel.zero=1: ZeRO sharding is not implemented", True, id="gate"),
-    pytest.param({"parallel.tp": 2, "model.n_heads": 3}, 1, "model.d_model=256 is not divisible", False, id="shape"),
-    pytest.param({"parallel.pp": 2, "model.n_layers": 3}, 1, "model.n_layers=3", False, id="split"),
-    pytest.param({"parallel.dp": 2, "train.precision": "fp8"}, 1, "train.precision='fp8'", False, id="choice"),
+    pytest.param({"parallel.zero": 3, "parallel.pp": 2}, 1, "parallel.zero=3 does not work", id="zero3-pp"),
+    pytest.param({"parallel.tp": 2, "model.n_heads": 3}, 1, "model.d_model=256 is not divisible", id="shape"),
+    pytest.param({"parallel.pp": 2, "model.n_layers": 3}, 1, "model.n_layers=3", id="split"),
+    pytest.param({"parallel.dp": 2, "train.precision": "fp8"}, 1, "train.precision='fp8'", id="choice"),
     # An explicit dp belongs to the config: its batch arithmetic is wrong whatever the launch.
-    pytest.param({"parallel.dp": 3}, 2, "train.global_batch_size=32 is not divisible", False, id="explicit-dp"),
+    pytest.param({"parallel.dp": 3}, 2, "train.global_batch_size=32 is not divisible", id="explicit-dp"),
 ]
 
 
-@pytest.mark.parametrize(("overrides", "world", "message", "gated"), LAUNCH_LAST)
-def test_the_launch_hint_comes_after_every_other_check(
-    monkeypatch: pytest.MonkeyPatch, overrides: dict, world: int, message: str, gated: bool
-) -> None:
-    if gated:
-        monkeypatch.setattr(config, "NOT_YET_IMPLEMENTED", REAL_NOT_YET_IMPLEMENTED)
+@pytest.mark.parametrize(("overrides", "world", "message"), LAUNCH_LAST)
+def test_the_launch_hint_comes_after_every_other_check(overrides: dict, world: int, message: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
         validate(make(overrides), world)
     assert message in str(excinfo.value) and "world size" not in str(excinfo.value), str(excinfo.value)

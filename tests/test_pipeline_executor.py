@@ -12,7 +12,7 @@ import train
 from tests.dist import run_distributed
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from trident.models.gpt import init_weights
-from trident.optim import GradStep, build_optimizer
+from trident.optim import GradStep, ReplicatedUpdate, build_optimizer
 from trident.parallel.groups import build_process_groups
 from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.schedules import build_schedule, stage_of
@@ -31,11 +31,12 @@ def _tied_copies_after_steps(rank: int, world: int, schedule: str, vpp: int, tim
     for chunk in chunks:
         init_weights(chunk, MODEL, seed=0)
     reducer = GradReducer([p for c in chunks for p in c.parameters()], groups.dp_group)
-    step = GradStep(build_optimizer(chunks, OptimConfig(lr=1e-2)), reducer, groups, grad_clip=1.0)
+    update = ReplicatedUpdate(build_optimizer(chunks, OptimConfig(lr=1e-2)), reducer)
+    step = GradStep(update, groups, grad_clip=1.0)
     path = timings / f"rank{rank}.jsonl"
     runner = PipelineRunner(chunks, schedule, groups.pp_rank, groups.pp_ranks, groups.pp_group, reducer, "fp32",
                             MODEL.d_model, timings=path)  # fmt: skip
-    after_reduce = train._after_reduce(chunks, reducer, groups)
+    after_reduce = train._after_reduce(chunks, step, groups)
     (copy,) = [p for c in chunks for p in c.tied_params()]
     start = copy.detach().clone()
     gen = torch.Generator().manual_seed(1)

@@ -80,7 +80,7 @@ from trident.data.sampler import GlobalBatchSampler
 from trident.device import pick_backend, pick_device, set_cpu_threads
 from trident.loop import Trainer
 from trident.models.gpt import GPT, check_tp_split, init_weights
-from trident.optim import GradStep, build_optimizer, lr_at, set_lr
+from trident.optim import GradStep, ReplicatedUpdate, build_optimizer, lr_at, set_lr
 from trident.parallel.groups import (
     ProcessGroups,
     build_process_groups,
@@ -415,7 +415,9 @@ class TridentVariant:
             model_chunks=chunks,
             runner=LocalRunner(chunks, reducer, train_cfg.precision),
             loss_fn=self.model.loss_sum,
-            grad_step=GradStep(build_optimizer(chunks, optim_cfg), reducer, groups, optim_cfg.grad_clip),
+            grad_step=GradStep(
+                ReplicatedUpdate(build_optimizer(chunks, optim_cfg), reducer), groups, optim_cfg.grad_clip
+            ),
             train_data=data,
             val_data=data,
             device=device,

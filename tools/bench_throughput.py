@@ -29,7 +29,7 @@ from trident.data.dataset import TokenWindows
 from trident.device import pick_backend, pick_device, set_cpu_threads
 from trident.loop import Trainer
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
-from trident.optim import GradStep, build_optimizer
+from trident.optim import GradStep, ReplicatedUpdate, build_optimizer
 from trident.parallel.groups import build_process_groups, init_distributed, shutdown_distributed
 from trident.parallel.reducer import GradReducer
 from trident.parallel.topology import Topology
@@ -98,7 +98,9 @@ def main() -> None:
     chunks = [ours]
     reducer = GradReducer(list(ours.parameters()), groups.dp_group, args.bucket_mb)
     scaler = LossScaler() if args.precision == "fp16" else None
-    grad_step = GradStep(build_optimizer(chunks, optim_cfg), reducer, groups, optim_cfg.grad_clip, scaler)
+    grad_step = GradStep(
+        ReplicatedUpdate(build_optimizer(chunks, optim_cfg), reducer), groups, optim_cfg.grad_clip, scaler
+    )
     runner = LocalRunner(chunks, reducer, args.precision)
     trainer = Trainer(
         train_cfg, optim_cfg, groups, chunks, runner, lm_loss_sum, grad_step, data, data, device, 1.0, 1.0,

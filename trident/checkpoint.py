@@ -40,12 +40,11 @@ from trident.checkpoint_format import Sharded, read_metadata, read_sharded, writ
 from trident.checkpoint_state import (
     MODEL,
     OPTIM,
-    model_destinations,
-    model_state,
     named_parameters,
     optimizer_state,
     rng_destinations,
     rng_state,
+    weights_state,
 )
 from trident.errors import CheckpointError, TridentError
 from trident.parallel.agree import on_every_rank, on_one_rank
@@ -250,13 +249,15 @@ class Checkpointer:
         resume: str,
         groups: ProcessGroups,
         modules: list[nn.Module],
-        optimizer: torch.optim.Optimizer,
+        optimizer: object,
         config: dict,
         tokenizer: Path | None,
     ) -> None:
         self.root, self.every, self.keep_last, self.resume = root, every, keep_last, resume
         self.groups, self.config, self.tokenizer = groups, config, tokenizer
         self.params = named_parameters(modules)
+        # A torch optimizer, or one with its own checkpoint state (ZeRO: optimizer shards and fp32 masters).
+        self.weights = weights_state(optimizer, self.params)
         self.optimizer = optimizer_state(optimizer, self.params)
         topo = groups.topology
         self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}
@@ -285,7 +286,7 @@ class Checkpointer:
         dist.broadcast_object_list(made, src=self._WRITER)
         tmp = Path(made[0])
         state = {
-            **model_state(self.params),
+            **{MODEL + k: v for k, v in self.weights.sharded_state().items()},
             **{OPTIM + k: v for k, v in self.optimizer.sharded_state().items()},
             **rng_state(self.groups.coord),
         }
@@ -356,7 +357,9 @@ class Checkpointer:
         metadata = read_metadata(path)
         saved = {key: tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()}
 
-        state = model_destinations(self.params)
+        saved_weights = {k[len(MODEL) :]: v for k, v in saved.items() if k.startswith(MODEL)}
+        weights, install_weights = self.weights.load_destinations(saved_weights)
+        state = {MODEL + k: v for k, v in weights.items()}
         for key, wanted in state.items():
             if saved.get(key) != wanted.shape:
                 held = f"holds {key} with shape {list(saved[key])}" if key in saved else f"does not hold {key}"
@@ -373,6 +376,7 @@ class Checkpointer:
 
         def load() -> None:
             read_sharded(state, path, metadata)
+            install_weights()
             install()
             restore_rng()
 

@@ -62,6 +62,37 @@ def model_destinations(params: Mapping[str, nn.Parameter]) -> dict[str, Sharded]
     return state
 
 
+class ModelState(Protocol):
+    """How the model weights go into a checkpoint and come back (keys relative to ``model/``): the parameters
+    by name (``ParamsByName``), or an optimizer's own fp32 masters (ZeRO: ``sharded_model_state(params)``), which
+    are the weights to save when the parameters are 16-bit or sharded. Same keys and logical shapes either way."""
+
+    def sharded_state(self) -> dict[str, Sharded]: ...
+
+    def load_destinations(self, saved: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, Sharded], Callable[[], None]]:
+        """Boxes to fill, and a function that makes the loaded weights the model's once they are filled."""
+        ...
+
+
+class ParamsByName:
+    """The parameters themselves, by name (``model_state`` / ``model_destinations``), loaded in place."""
+
+    def __init__(self, params: Mapping[str, nn.Parameter]) -> None:
+        self.params = params
+
+    def sharded_state(self) -> dict[str, Sharded]:
+        return {k[len(MODEL) :]: v for k, v in model_state(self.params).items()}
+
+    def load_destinations(self, saved: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, Sharded], Callable[[], None]]:
+        return {k[len(MODEL) :]: v for k, v in model_destinations(self.params).items()}, lambda: None
+
+
+def weights_state(optimizer: object, params: Mapping[str, nn.Parameter]) -> ModelState:
+    """The optimizer's ``sharded_model_state(params)`` if it has one (ZeRO's masters), else the parameters."""
+    own = getattr(optimizer, "sharded_model_state", None)
+    return own(params) if own is not None else ParamsByName(params)
+
+
 class OptimizerState(Protocol):
     """How an optimizer's state goes into a checkpoint and comes back (keys relative to ``optim/``).
 
@@ -82,7 +113,7 @@ class OptimizerState(Protocol):
         ...
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter]) -> OptimizerState:
+def optimizer_state(optimizer: object, params: Mapping[str, nn.Parameter]) -> OptimizerState:
     """The optimizer's own ``sharded_checkpoint_state(params)`` if it has one (ZeRO), else AdamW state by name."""
     own = getattr(optimizer, "sharded_checkpoint_state", None)
     return own(params) if own is not None else StateByName(optimizer, params)

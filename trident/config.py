@@ -192,13 +192,6 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("launch_id", launch_id)
 
 
-# Capabilities that have a config key but no implementation yet: a user asking for them gets a
-# clear error rather than a run that silently ignores the setting.
-NOT_YET_IMPLEMENTED: dict[str, str] = {
-    "parallel.zero": "ZeRO sharding is not implemented yet; use parallel.zero=0",
-}
-
-
 def to_config(node: DictConfig) -> Config:
     """Convert Hydra's tree to the typed ``Config``, refusing keys the schema does not have.
 
@@ -313,6 +306,10 @@ def validate(cfg: Config, world_size: int) -> int:
         "parallel.offload.optimizer=cpu needs a ZeRO stage (parallel.zero >= 1)",
     )
     _need(
+        par.zero < 3 or par.pp == 1,
+        "parallel.zero=3 does not work with pipeline parallelism (parallel.pp > 1); use parallel.zero=1 or 2 with pp",
+    )
+    _need(
         not par.sequence_parallel or par.tp > 1,
         "parallel.sequence_parallel=true needs parallel.tp > 1",
     )
@@ -367,12 +364,6 @@ def validate(cfg: Config, world_size: int) -> int:
         "logging.peak_tflops must be > 0 (or null to look it up)",
     )
     _need(cfg.logging.cpu_peak_tflops > 0, "logging.cpu_peak_tflops must be > 0")
-
-    for key, why in NOT_YET_IMPLEMENTED.items():
-        section, name = key.split(".", 1)
-        value = getattr(getattr(cfg, section), name)
-        default = getattr(type(getattr(cfg, section))(), name)
-        _need(value == default, f"{key}={value!r}: {why}")
 
     # An explicit dp is part of the config: its batch arithmetic is checked before the fit to the launch.
     if par.dp is not None:

@@ -1,8 +1,11 @@
-"""AdamW with decoupled weight decay on matrices only, and the warm-up + cosine learning-rate schedule."""
+"""AdamW with decoupled weight decay on matrices only, the warm-up + cosine learning-rate schedule, and the
+step that applies a rank's reduced gradients (unscale, global norm, clip, update) whatever holds them."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -10,7 +13,7 @@ from torch import nn
 from trident.config import OptimConfig
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.norms import global_grad_norm
-from trident.parallel.placement import placement_of
+from trident.parallel.placement import Placement, placement_of
 from trident.parallel.reducer import GradReducer
 from trident.precision import LossScaler
 
@@ -53,28 +56,81 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+class Update(Protocol):
+    """What ``GradStep`` drives: where this rank's reduced gradients are, and how they become a step.
+
+    ``ReplicatedUpdate`` (below) is plain data parallelism; ZeRO's ``ZeroOptimizer`` (parallel/zero/) shards it.
+    """
+
+    dp_sharded: bool  # the gradients are disjoint dp shards (each dp rank counts its own in the norm)
+
+    def grads(self) -> list[torch.Tensor]: ...
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]: ...
+
+    def grad_views(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]: ...
+
+    def apply(self, lr: float) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]: ...
+
+
+class ReplicatedUpdate:
+    """Every dp rank steps the whole model: one torch AdamW over the parameters, whose ``.grad`` point at the
+    reducer's all-reduced fp32 buffer during the step."""
+
+    dp_sharded = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer: GradReducer) -> None:
+        self.optimizer, self.reducer = optimizer, reducer
+
+    def grads(self) -> list[torch.Tensor]:
+        return [self.reducer.buffer]
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
+        return [(self.reducer.grad(p), placement_of(p)) for p in self.reducer.params]
+
+    def grad_views(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        return [self.reducer.grad(p) for p in params]
+
+    def apply(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.reducer.attach_grads()
+        self.optimizer.step()
+        self.reducer.detach_grads()
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The parameters (fp32, so they are also the masters), the reducer's flat gradient buffer and AdamW's
+        moments (and its per-parameter step counters)."""
+        states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {"params": list(self.reducer.params), "grads": [self.reducer.buffer], "optimizer": states}
+
+
 class GradStep:
-    """Unscale, measure, clip and apply the gradients held in the reducer's fp32 buffer.
+    """Unscale, measure, clip and apply the gradients this rank holds reduced (an ``Update``'s).
 
     The norm is the global one (parallel/norms.py): every rank of every group clips by the same number
     and agrees on whether the step overflowed. With fp16 the loss scaler lives here, since the scale and the
     overflow verdict are two halves of one policy. A step whose gradients are not finite is skipped, never
-    applied; when skipping means the run has diverged is the trainer's call (trident/divergence.py). A ZeRO
-    optimizer offers the same ``scaler``, ``loss_scale``, ``step(lr) -> (grad_norm, skipped)`` and state over its
-    gradient shards.
+    applied; when skipping means the run has diverged is the trainer's call (trident/divergence.py).
     """
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
-        reducer: GradReducer,
+        update: Update,
         groups: ProcessGroups,
         grad_clip: float,
         scaler: LossScaler | None = None,
     ) -> None:
-        self.optimizer, self.reducer, self.groups = optimizer, reducer, groups
+        self.update, self.groups = update, groups
         self.grad_clip, self.scaler = grad_clip, scaler
-        self.pieces = [(reducer.grad(p), placement_of(p)) for p in reducer.params]
+        self.pieces = update.grad_pieces()
+        self.grads = update.grads()
 
     @property
     def loss_scale(self) -> float:
@@ -82,22 +138,32 @@ class GradStep:
 
     def step(self, lr: float) -> tuple[float, bool]:
         """Apply this step's gradients at learning rate ``lr``; return (global grad norm, skipped)."""
-        grads = self.reducer.buffer
         if self.loss_scale != 1.0:
-            grads.mul_(1.0 / self.loss_scale)
-        norm = global_grad_norm(self.pieces, self.groups)
+            self._scale(1.0 / self.loss_scale)
+        norm = global_grad_norm(self.pieces, self.groups, dp_sharded=self.update.dp_sharded)
         skipped = not bool(torch.isfinite(norm))
         if not skipped:
             if self.grad_clip > 0:
-                grads.mul_(torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0))
-            set_lr(self.optimizer, lr)
-            self.reducer.attach_grads()
-            self.optimizer.step()
-            self.reducer.detach_grads()
-        self.reducer.zero_grad()
+                self._scale(torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0))
+            self.update.apply(lr)
+        self.update.zero_grad()
         if self.scaler:
             self.scaler.update(skipped)
         return norm.item(), skipped
+
+    def _scale(self, factor: float | torch.Tensor) -> None:
+        for g in self.grads:
+            g.mul_(factor)
+
+    def grad_views(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        """The reduced gradient this rank holds of each of ``params``, for sums over other groups after the
+        dp reduction (sequence-parallel gradients over tp)."""
+        return self.update.grad_views(params)
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor holding this rank's model state, by kind: "params", "grads", "optimizer" (masters,
+        moments). Views may repeat a storage; memory accounting counts storages."""
+        return self.update.model_state_tensors()
 
     def state_dict(self) -> dict:
         return {"loss_scaler": self.scaler.state_dict() if self.scaler else None}

@@ -1,0 +1,134 @@
+"""The flat layout of a rank's parameters: where each one's elements sit in one flat buffer, the buckets that
+buffer is cut into, and the contiguous shard of each bucket that each data-parallel rank owns.
+
+    flat buffer   | bucket 0 ........................ | bucket 1 ......... | ...
+    bucket b      offset o_b, numel n_b: its parameters back to back, then zero padding up to a multiple of dp
+    dp rank r     owns [o_b + r * n_b / dp, o_b + (r + 1) * n_b / dp) of every bucket
+
+The gradient buffer (parallel/reducer.py), ZeRO's parameter buffer and its optimizer shards (parallel/zero/) all
+use one layout, so a rank's shard of the gradients, of the master weights and of the parameters line up element
+for element, and a reduce-scatter or an all-gather of a bucket is one collective over equal contiguous pieces.
+Ranks whose parameters have the same local shapes (the tp ranks of one dp rank) get the same layout, so a shard
+of one lines up with the same shard of the other.
+
+A range of the flat buffer cuts parameters into ``Piece``s: a contiguous run of one parameter's flattened local
+tensor. This module is arithmetic only: no process group, no tensor data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from torch import nn
+
+
+def plan_buckets(numels: list[int], bucket_numel: int, dp_size: int) -> list[tuple[list[int], int]]:
+    """Greedily group consecutive parameters; return (param indices, padded numel) per bucket.
+
+    A parameter larger than a bucket gets a bucket of its own.
+    """
+    buckets, current, size = [], [], 0
+    for i, n in enumerate(numels):
+        if current and size + n > bucket_numel:
+            buckets.append((current, size))
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append((current, size))
+    return [(idx, padded_numel(size, dp_size)) for idx, size in buckets]
+
+
+def padded_numel(numel: int, dp_size: int) -> int:
+    """``numel`` rounded up to a multiple of dp, so it splits into dp equal contiguous shards."""
+    return -(-numel // dp_size) * dp_size
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of a parameter's flattened local tensor, at ``flat`` in the flat buffer."""
+
+    param: nn.Parameter
+    start: int
+    stop: int
+    flat: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(eq=False)
+class Span:
+    """One bucket of the layout: its parameters back to back from ``offset``, ``numel`` padded to dp."""
+
+    index: int
+    offset: int
+    numel: int
+    params: list[nn.Parameter]
+
+    def shard(self, rank: int, shards: int) -> tuple[int, int]:
+        """The flat range [start, stop) of the bucket that shard ``rank`` of ``shards`` owns."""
+        if self.numel % shards:
+            raise ValueError(f"bucket of {self.numel} elements does not split into {shards} shards")
+        size = self.numel // shards
+        return self.offset + rank * size, self.offset + (rank + 1) * size
+
+
+class FlatLayout:
+    """Buckets of parameters, each a list in flat order; every bucket padded to a multiple of ``dp_size``."""
+
+    def __init__(self, buckets: list[list[nn.Parameter]], dp_size: int) -> None:
+        self.dp_size = dp_size
+        self.spans: list[Span] = []
+        self.offset: dict[nn.Parameter, int] = {}
+        self.span_of: dict[nn.Parameter, Span] = {}
+        offset = 0
+        for params in buckets:
+            span = Span(len(self.spans), offset, padded_numel(sum(p.numel() for p in params), dp_size), list(params))
+            start = offset
+            for p in params:
+                if p in self.offset:
+                    raise ValueError("a parameter appears twice in the flat layout")
+                self.offset[p], self.span_of[p] = start, span
+                start += p.numel()
+            self.spans.append(span)
+            offset += span.numel
+        self.numel = offset
+
+    @classmethod
+    def by_size(
+        cls, params: list[nn.Parameter], bucket_numel: int, dp_size: int, isolate: Collection[nn.Parameter] = ()
+    ) -> FlatLayout:
+        """Reverse registration order (roughly the order backward produces gradients), greedy buckets.
+
+        Each parameter in ``isolate`` gets a bucket of its own, so its dp shards cover the same elements of it in
+        any layout: two ranks with different parameters (pipeline stages holding an embedding and its tied copy)
+        can then sum their shards of it over another group after a reduce-scatter.
+        """
+        isolated = {id(p) for p in isolate}
+        buckets: list[list[nn.Parameter]] = []
+        run: list[nn.Parameter] = []
+        for p in [*reversed(params), None]:
+            if p is None or id(p) in isolated:
+                plan = plan_buckets([q.numel() for q in run], bucket_numel, dp_size)
+                buckets += [[run[i] for i in idx] for idx, _ in plan]
+                buckets += [[p]] if p is not None else []
+                run = []
+            else:
+                run.append(p)
+        return cls(buckets, dp_size)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for span in self.spans for p in span.params]
+
+    def pieces(self, span: Span, start: int, stop: int) -> list[Piece]:
+        """The parameters of ``span`` that overlap the flat range [start, stop), cut to it (padding has none)."""
+        out = []
+        for p in span.params:
+            lo, hi = max(start, self.offset[p]), min(stop, self.offset[p] + p.numel())
+            if lo < hi:
+                out.append(Piece(p, lo - self.offset[p], hi - self.offset[p], lo))
+        return out

@@ -1,0 +1,191 @@
+"""Gradient reduction under ZeRO: the reduce-scatter that leaves each dp rank its shard of every bucket.
+
+Stage 1 (``ScatterReducer``): the full fp32 gradient buffer of parallel/reducer.py, accumulated over the
+micro-batches as at stage 0; on the last micro-batch each bucket is reduce-scattered instead of all-reduced,
+in place: the rank's shard of the bucket, ``[o + r*n/dp, o + (r+1)*n/dp)``, ends up holding the sum over dp
+(NCCL and gloo both accept an output that is the input's own rank-th chunk). The rest of the buffer keeps this
+rank's local, unreduced gradients, which nothing reads.
+
+Stages 2 and 3 (``ShardedGradReducer``): no full buffer. A bucket's gradients go into a staging buffer as
+backward produces them; the moment the bucket is complete it is reduce-scattered into this rank's persistent
+fp32 shard (``shard``, 1/dp of the layout), overlapping the rest of backward, and the staging buffer goes back to
+a pool. This happens for every micro-batch, as DeepSpeed's stage 2 does: with gradient accumulation a shard can
+only accumulate what was reduced, so a step sends the gradients once per micro-batch. Accumulation across
+micro-batches costs no extra buffer: before a bucket's reduce-scatter the rank adds what its shard already holds
+into its own chunk of the staging buffer, and the collective's sum overwrites the shard with the new total.
+
+A staging buffer is allocated when its bucket's first gradient arrives and its memory released (its storage
+resized to zero) as soon as its reduce-scatter has been waited for. The emptied tensor object itself is kept until
+the bucket's next launch replaces it: a gloo worker thread that released the last reference to a collective's
+tensor would take the GIL to free it, which aborts an interpreter that is shutting down (see GradReducer.finish).
+At most ``MAX_IN_FLIGHT`` (2) reduce-scatters are waited for later (a launch waits for the oldest beyond that), so
+the staging memory is the buckets being filled plus at most two in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trident.parallel.layout import FlatLayout, Span
+from trident.parallel.reducer import Bucket, GradReducer
+
+
+class ScatterReducer(GradReducer):
+    """Stage 1: the stage-0 buffer and accumulation, each bucket reduce-scattered into this rank's shard of it."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        dp_group: dist.ProcessGroup,
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype = torch.float32,
+        isolate: Collection[nn.Parameter] = (),
+    ) -> None:
+        super().__init__(params, dp_group, bucket_mb, reduce_dtype, isolate)
+        rank = dist.get_rank(dp_group)
+        # Made once and kept, like the bucket views (a collective's tensors must outlive its work).
+        self._shards = [self.buffer[slice(*span.shard(rank, self.dp_size))] for span in self.layout.spans]
+
+    def reduce_bucket(self, bucket: Bucket) -> dist.Work:
+        return dist.reduce_scatter_single(
+            self._shards[bucket.span.index], bucket.grads, group=self.dp_group, async_op=True
+        )
+
+    def reduced_grad(self, span: Span) -> torch.Tensor:
+        """This rank's shard of the bucket: the only part that holds the sum over dp."""
+        return self._shards[span.index]
+
+
+class ShardedGradReducer:
+    """Stages 2 and 3: only this rank's fp32 shard of the gradients is kept (``shard``, layout.numel / dp).
+
+    ``on_reduced(span)`` is called once a bucket's reduce-scatter has been launched (stage 3 frees the bucket's
+    gathered parameters then). Same calls as ``GradReducer``; ``set_sync`` is accepted and changes nothing,
+    since every micro-batch is reduced.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        dp_group: dist.ProcessGroup,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        on_reduced: Callable[[Span], None] | None = None,
+    ) -> None:
+        self.layout, self.params = layout, layout.params
+        self.dp_group, self.on_reduced = dp_group, on_reduced
+        self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.shard = torch.zeros(layout.numel // self.dp_size, dtype=reduce_dtype, device=device)
+        self._shards: list[torch.Tensor] = []
+        start = 0
+        for span in layout.spans:
+            size = span.numel // self.dp_size
+            self._shards.append(self.shard[start : start + size])
+            start += size
+        n = len(layout.spans)
+        self._staging: list[torch.Tensor | None] = [None] * n  # being filled by this pass's backward
+        self._seen: list[set[nn.Parameter]] = [set() for _ in range(n)]
+        # The latest reduce-scatter of each bucket and its staging tensor, both kept until the next launch of the
+        # bucket (the tensor emptied once waited). A gloo work must be waited once only: a second wait copies its
+        # result into the output again.
+        self._work: list[dist.Work | None] = [None] * n
+        self._sent: list[torch.Tensor | None] = [None] * n
+        self._dtype, self._device = reduce_dtype, device
+        self.peak_staging_bytes = 0  # the most staging memory held at once
+        self._in_flight: deque[int] = deque()  # launched buckets not waited for yet, oldest first
+        self._next = 0  # the next bucket to launch; buckets launch strictly in order on every rank
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    MAX_IN_FLIGHT = 2
+
+    def set_sync(self, enabled: bool) -> None:
+        """Nothing to decide: each micro-batch's gradients are reduce-scattered as they are produced."""
+
+    def reduced_grad(self, span: Span) -> torch.Tensor:
+        """This rank's shard of the bucket's gradient, summed over dp and over the step's micro-batches."""
+        return self._shards[span.index]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding gradients: the shard, and the staging buffers allocated now (none between steps)."""
+        return [self.shard, *(t for t in [*self._staging, *self._sent] if t is not None)]
+
+    def _staging_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in [*self._staging, *self._sent] if t is not None)
+
+    def _new_staging(self, numel: int) -> torch.Tensor:
+        staging = torch.zeros(numel, dtype=self._dtype, device=self._device)
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes() + staging.nbytes)
+        return staging
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        span = self.layout.span_of[param]
+        i = span.index
+        if self._staging[i] is None:
+            self._recycle()
+            self._staging[i] = self._new_staging(span.numel)
+        start = self.layout.offset[param] - span.offset
+        self._staging[i][start : start + param.numel()].add_(param.grad.reshape(-1))
+        param.grad = None
+        # A parameter seen twice before its bucket launched (a bucket left incomplete by a micro-batch) only
+        # adds to the staged sum, which is still right.
+        self._seen[i].add(param)
+        spans = self.layout.spans
+        while self._staging[self._next] is not None and len(self._seen[self._next]) == len(spans[self._next].params):
+            self._launch(self._next)
+            if self._next == 0:
+                break
+
+    def _launch(self, i: int) -> None:
+        span = self.layout.spans[i]
+        staging = self._staging[i]
+        if staging is None:  # finish() reducing a bucket none of whose parameters got a gradient
+            staging = self._new_staging(span.numel)
+        self._wait(i)  # the shard must hold the previous micro-batch's total before it is added in
+        start, stop = span.shard(self.dp_rank, self.dp_size)
+        staging[start - span.offset : stop - span.offset].add_(self._shards[i])
+        self._work[i] = dist.reduce_scatter_single(self._shards[i], staging, group=self.dp_group, async_op=True)
+        self._sent[i] = staging
+        self._in_flight.append(i)
+        # Bound the staging memory: at most MAX_IN_FLIGHT launched reductions hold a staging buffer at once.
+        while len(self._in_flight) > self.MAX_IN_FLIGHT:
+            self._wait(self._in_flight[0])
+        self._staging[i], self._seen[i] = None, set()
+        self._next = (self._next + 1) % len(self.layout.spans)
+        if self.on_reduced is not None:
+            self.on_reduced(span)
+
+    def _wait(self, i: int) -> None:
+        """Wait for bucket i's reduce-scatter, if one is running, and release its staging memory."""
+        if i in self._in_flight:
+            self._work[i].wait()
+            self._sent[i].untyped_storage().resize_(0)
+            self._in_flight.remove(i)
+
+    def _recycle(self) -> None:
+        """Release the staging memory of the reduce-scatters that have finished."""
+        for i in list(self._in_flight):
+            if self._work[i].is_completed():
+                self._wait(i)
+
+    def finish(self) -> None:
+        """Launch the buckets a pass left incomplete (parameters with no gradient) and wait for every bucket."""
+        if self._next > 0 or any(s is not None for s in self._staging):
+            while True:
+                self._launch(self._next)
+                if self._next == 0:
+                    break
+        for i in range(len(self.layout.spans)):
+            self._wait(i)
+
+    def zero_grad(self) -> None:
+        self.shard.zero_()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,271 @@
+"""ZeRO's distributed optimizer (stages 0-3): each dp rank steps only its shard of the fp32 master weights.
+
+The shard is this rank's chunk of every bucket of the flat layout (parallel/layout.py), the same elements
+whose reduced gradient the reducer leaves it (``reduced_grad(span)``) and whose parameters it writes back
+(``store.shard(span)``, parallel/zero/params.py). At stage 0 the "shard" is the whole layout (16-bit parameters
+still need fp32 masters). Each bucket's shard is a ``Segment``; a segment cuts parameters into ``Piece``s, and
+torch's AdamW (fused on GPU, foreach on CPU) steps one 1-D view of the masters per piece, in two param groups
+(weight decay on pieces of >= 2-D parameters, as ``build_optimizer`` does). AdamW's state therefore lives per
+piece, exactly the shape of this rank's share.
+
+Masters: with fp32 parameters the master of a segment on the accelerator *is* the parameter shard (no copy);
+with 16-bit ones it is an fp32 copy, cast into the parameter shard after each step.
+
+Offload (``offload_ratio`` r): the first r of the shard's elements (in segment order, a segment cut where the
+ratio falls) keep masters and Adam moments on the host, in pinned memory when CUDA exists, and step with a
+second, CPU AdamW; their gradients are copied to a host buffer first and their updated masters copied back into
+the parameter shard. The accelerator's part steps at the same time: its kernels are queued before the host step
+runs (Twin-Flow). On a CPU-only machine "host" and "accelerator" are the same memory and the same code runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trident.parallel.layout import FlatLayout, Piece, Span
+from trident.parallel.placement import Placement, placement_of
+from trident.parallel.zero.checkpoint import MasterState, MomentState
+
+
+class Store(Protocol):
+    dtype: torch.dtype
+
+    def shard(self, span: Span) -> torch.Tensor: ...
+
+    def publish(self) -> None: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+class ShardReducer(Protocol):
+    params: list[nn.Parameter]
+
+    def reduced_grad(self, span: Span) -> torch.Tensor: ...
+
+    def grad_tensors(self) -> list[torch.Tensor]: ...
+
+    def zero_grad(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Segment:
+    """A contiguous run [start, stop) of the flat layout that this rank steps, all on one side of the offload cut."""
+
+    span: Span
+    start: int
+    stop: int
+    on_host: bool
+    pieces: list[Piece]
+    master: torch.Tensor | None = field(repr=False)  # fp32 (None until it is known to be the parameter shard)
+    grad: torch.Tensor | None = field(repr=False)  # the reduced gradient, where the reducer keeps it
+    param: torch.Tensor | None = field(repr=False)  # where the updated weights go, in param dtype
+    host_grad: torch.Tensor | None = field(default=None, repr=False)  # the gradient's host copy (offload)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def view(self, t: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """A segment-shaped tensor's elements that belong to ``piece``."""
+        return t[piece.flat - self.start : piece.flat - self.start + piece.numel]
+
+
+def shard_segments(layout: FlatLayout, rank: int, shards: int, host_numel: int) -> list[tuple[Span, int, int, bool]]:
+    """This rank's share of every bucket as (span, start, stop, on_host) runs, the first ``host_numel`` elements
+    (in bucket order) on the host: a bucket's shard is cut in two where that count runs out."""
+    out, seen = [], 0
+    for span in layout.spans:
+        start, stop = span.shard(rank, shards)
+        cut = min(stop, max(start, start + host_numel - seen))
+        if cut > start:
+            out.append((span, start, cut, True))
+        if stop > cut:
+            out.append((span, cut, stop, False))
+        seen += stop - start
+    return out
+
+
+def _pinned(numel: int) -> torch.Tensor:
+    return torch.zeros(numel, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+
+
+class ZeroOptimizer:
+    """Step this rank's shard of fp32 masters with AdamW and publish the updated parameters.
+
+    ``make_store`` builds the parameter store after the masters have copied the fp32 values (the store casts the
+    parameters to its dtype). ``stage`` >= 1 shards over ``dp_group``; stage 0 steps everything on every rank.
+    Implements the update protocol ``GradStep`` drives (trident/optim.py).
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        reducer: ShardReducer,
+        make_store: Callable[[], Store],
+        param_dtype: torch.dtype,
+        dp_group: dist.ProcessGroup,
+        stage: int,
+        adamw: dict,
+        offload_ratio: float = 0.0,
+    ) -> None:
+        self.layout, self.reducer, self.stage = layout, reducer, stage
+        self.dp_sharded = stage >= 1
+        shards = dist.get_world_size(dp_group) if self.dp_sharded else 1
+        rank = dist.get_rank(dp_group) if self.dp_sharded else 0
+        device = layout.params[0].device
+        runs = shard_segments(layout, rank, shards, round(offload_ratio * layout.numel / shards))
+        alias = param_dtype == torch.float32  # fp32 parameters on the accelerator are their own masters
+
+        numel = {side: sum(stop - start for _, start, stop, on_host in runs if on_host == side) for side in (0, 1)}
+        self.host_masters, self.host_grads = _pinned(numel[1]), _pinned(numel[1])
+        self.device_masters = torch.zeros(0 if alias else numel[0], dtype=torch.float32, device=device)
+        self.segments: list[Segment] = []
+        used = [0, 0]
+        for span, start, stop, on_host in runs:
+            n, at = stop - start, used[on_host]
+            used[on_host] += n
+            if on_host:
+                master, host_grad = self.host_masters[at : at + n], self.host_grads[at : at + n]
+            else:
+                master, host_grad = (None if alias else self.device_masters[at : at + n]), None
+            pieces = layout.pieces(span, start, stop)
+            self.segments.append(Segment(span, start, stop, on_host, pieces, master, None, None, host_grad))
+            if master is not None:  # the fp32 values, read before the store casts the parameters
+                for piece in pieces:
+                    value = piece.param.detach().reshape(-1)[piece.start : piece.stop]
+                    self.segments[-1].view(master, piece).copy_(value)
+
+        self.store = make_store()
+        if self.store.dtype != param_dtype:
+            raise ValueError(f"the parameter store holds {self.store.dtype}, expected {param_dtype}")
+        for seg in self.segments:
+            shard_start = seg.span.shard(rank, shards)[0]
+            seg.param = self.store.shard(seg.span)[seg.start - shard_start : seg.stop - shard_start]
+            seg.grad = reducer.reduced_grad(seg.span)[seg.start - shard_start : seg.stop - shard_start]
+            if seg.master is None:
+                seg.master = seg.param
+
+        # One 1-D master view per piece, its gradient view attached once (the buffers never move).
+        self._views: dict[Piece, torch.Tensor] = {}
+        sides: dict[bool, list[tuple[torch.Tensor, bool]]] = {True: [], False: []}
+        for seg in self.segments:
+            grads = seg.host_grad if seg.on_host else seg.grad
+            for piece in seg.pieces:
+                view = seg.view(seg.master, piece)
+                view.grad = seg.view(grads, piece)
+                self._views[piece] = view
+                sides[seg.on_host].append((view, piece.param.dim() >= 2))
+        self.host_optimizer = _adamw(sides[True], torch.device("cpu"), adamw)
+        self.device_optimizer = _adamw(sides[False], device, adamw)
+        self.optimizers = [o for o in (self.device_optimizer, self.host_optimizer) if o is not None]
+
+    # The update protocol (trident/optim.py GradStep).
+
+    def grads(self) -> list[torch.Tensor]:
+        """The reduced gradients this rank steps from, to unscale and clip in place."""
+        return [seg.grad for seg in self.segments]
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, Placement]]:
+        """Each piece's gradient with its parameter's placement, for the global norm (pieces of a parameter
+        keep its placement: its tp split and ties; over dp they are disjoint shards when ``dp_sharded``)."""
+        return [(seg.view(seg.grad, piece), placement_of(piece.param)) for seg in self.segments for piece in seg.pieces]
+
+    def grad_views(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        """The reduced gradient this rank holds of each of ``params`` (its pieces). Ranks with the same layout
+        (tp peers) hold the same pieces, so a sum over them (sequence-parallel gradients) lines up."""
+        wanted = set(params)
+        return [seg.view(seg.grad, pc) for seg in self.segments for pc in seg.pieces if pc.param in wanted]
+
+    def apply(self, lr: float) -> None:
+        """Step the masters at ``lr`` (the gradients already unscaled and clipped) and publish the weights."""
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        host = [seg for seg in self.segments if seg.on_host]
+        for seg in host:
+            seg.host_grad.copy_(seg.grad, non_blocking=True)
+        copied = _record_event(host)
+        if self.device_optimizer is not None:
+            self.device_optimizer.step()  # on a GPU: queued kernels, running while the host steps
+        if self.host_optimizer is not None:
+            if copied is not None:
+                copied.synchronize()
+            self.host_optimizer.step()
+        for seg in self.segments:
+            if seg.master is not seg.param:
+                seg.param.copy_(seg.master, non_blocking=True)
+        self.store.publish()
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Parameters as they live, gradient buffers (reducer's and the host copy), masters that are not the
+        parameters themselves, and AdamW's moments and step counters."""
+        states = [t for opt in self.optimizers for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {
+            "params": self.store.tensors(),
+            "grads": [*self.reducer.grad_tensors(), self.host_grads],
+            "optimizer": [self.host_masters, self.device_masters, *states],
+        }
+
+    # What checkpoints read (parallel/zero/checkpoint.py).
+
+    def pieces(self) -> Iterable[tuple[Segment, Piece]]:
+        for seg in self.segments:
+            for piece in seg.pieces:
+                yield seg, piece
+
+    def master(self, piece: Piece) -> torch.Tensor:
+        return self._views[piece]
+
+    def optimizer_of(self, seg: Segment) -> torch.optim.Optimizer:
+        return self.host_optimizer if seg.on_host else self.device_optimizer
+
+    def publish_masters(self) -> None:
+        """After the masters were loaded: cast them into the parameters and publish, as a step does."""
+        for seg in self.segments:
+            if seg.master is not seg.param:
+                seg.param.copy_(seg.master)
+        self.store.publish()
+
+    def sharded_model_state(self, params: Mapping[str, nn.Parameter]) -> MasterState:
+        """The model weights a checkpoint saves: this rank's fp32 masters (``model/<name>``)."""
+        return MasterState(self, params)
+
+    def sharded_checkpoint_state(self, params: Mapping[str, nn.Parameter]) -> MomentState:
+        """AdamW's state of this rank's pieces under the keys a plain AdamW saves (``optim/<name>/exp_avg``...)."""
+        return MomentState(self, params)
+
+
+def _record_event(host: list[Segment]) -> torch.cuda.Event | None:
+    """On CUDA, an event after the gradients' copies to the host (the host step waits for it, nothing else)."""
+    if not host or not host[0].grad.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _adamw(views: list[tuple[torch.Tensor, bool]], device: torch.device, adamw: dict) -> torch.optim.AdamW | None:
+    """AdamW over 1-D master views: decay on pieces of matrices only. Fused on GPU, foreach on CPU."""
+    if not views:
+        return None
+    decay = [v for v, d in views if d]
+    no_decay = [v for v, d in views if not d]
+    groups = [{"params": decay, "weight_decay": adamw["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+    on_cuda = device.type == "cuda"
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=adamw["lr"],
+        betas=adamw["betas"],
+        eps=adamw["eps"],
+        fused=on_cuda,
+        foreach=None if on_cuda else True,
+    )

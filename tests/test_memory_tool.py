@@ -1,0 +1,76 @@
+"""tools/estimate_memory.py, and the prediction against the ZeRO paper's closed forms on a real preset."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.layouts import make_config
+from trident.memory import format_bytes
+from trident.memory_estimate import Layout, estimate
+
+TOOL = REPO / "tools" / "estimate_memory.py"
+
+
+def run_tool(*args: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", [str(TOOL), *args])
+    capsys.readouterr()
+    try:
+        runpy.run_path(str(TOOL), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("precision,param_bytes", [("bf16", 2), ("fp32", 4)])
+def test_model_states_reduce_to_the_zero_papers_formulas(precision: str, param_bytes: int) -> None:
+    """gpt-small at dp=4: per-rank model states are the ZeRO paper's (Psi parameters, N ranks, K = 12 bytes of
+    fp32 master, momentum and variance) with trident's fp32 gradients, within 1% (bucket padding, step counters):
+    stage 0 (p + 4 + K) Psi, 1 (p + 4) Psi + K Psi / N, 2 p Psi + (4 + K) Psi / N, 3 (p + 4 + K) Psi / N,
+    where fp32 parameters are their own masters (K = 8)."""
+    cfg = make_config("model=gpt-small")
+    psi, n, p = estimate(cfg.model, Layout(device="cpu")).stages[0].params, 4, param_bytes
+    k = 12 if p == 2 else 8
+    closed = {0: (p + 4 + k) * psi, 1: (p + 4) * psi + k * psi / n, 2: p * psi + (4 + k) * psi / n}
+    closed[3] = (p + 4 + k) * psi / n
+    for zero, expected in closed.items():
+        got = estimate(cfg.model, Layout(dp=n, zero=zero, precision=precision)).worst.model_states["total"]
+        assert got["host"] == 0
+        assert got["device"] == pytest.approx(expected, rel=0.01), zero
+
+
+def test_table_lists_every_option_and_marks_the_asked_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = ["model=gpt-small", "parallel.dp=4", "parallel.zero=2", "train.precision=bf16"]
+    code, out, err = run_tool(*overrides, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if "| zero=" in line]
+    assert len(rows) == 8
+    assert [r for r in rows if "(asked)" in r] == [r for r in rows if r.rstrip().endswith("| zero=2 (asked)")]
+    assert "refused: parallel.offload.optimizer=cpu needs a ZeRO stage" in rows[1]
+    # The asked row shows the library's prediction for the same config.
+    cfg = make_config(*overrides)
+    states = estimate(cfg.model, Layout.from_config(cfg, 4)).worst.model_states["total"]
+    asked = next(r for r in rows if "(asked)" in r)
+    assert asked.split("|")[0].strip() == format_bytes(states["device"])
+
+
+def test_pipeline_layout_json_and_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pp layout is predicted per stage (the first stage holds the most with 1F1B); a bad config is one line
+    and exit code 2."""
+    args = ["model=gpt-tiny", "parallel.pp=2", "parallel.tp=2", "--world", "8", "--json", "train.micro_batch_size=2"]
+    code, out, err = run_tool(*args, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0, err
+    stages = json.loads(out)["stages"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    assert stages[0]["activations"]["none"] > stages[1]["activations"]["none"] > stages[1]["activations"]["full"]
+    code, out, err = run_tool("model=gpt-tiny", "parallel.zero=5", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2
+    assert err.strip() == "error: parallel.zero=5 is not valid; use one of 0, 1, 2, 3"

@@ -1,0 +1,492 @@
+"""Per-rank memory predicted before launch, for a model shape and a parallel layout.
+
+Model states are counted from the model's structure, parameter by parameter (``rank_params``: the padded
+vocabulary's share of the embedding, the tp split of every matrix and column-parallel bias, the replicated
+LayerNorms and row-parallel biases, the layers of each pipeline stage, the tied copy of the embedding on the last
+stage when pp > 1), laid out in the flat buffers with the reducer's buckets and their padding to a multiple of dp
+(trident/parallel/layout.py), then held as each ZeRO stage holds them (``model_states``). With Psi parameters
+and N dp ranks this is the ZeRO paper's accounting (Rajbhandari et al., 2020: 16 Psi in 16-bit training, 4 Psi +
+12 Psi / N at stage 1, 2 Psi + 14 Psi / N at stage 2, 16 Psi / N at stage 3) made exact: padding, the gradient
+buffer's fp32 even for 16-bit parameters, Adam's per-tensor step counters, buffers a stage keeps whole.
+
+Activations follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"):
+count, per transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the
+micro-batches in flight on a pipeline stage. Counted for this model's operators rather than Megatron's: attention
+runs a fused kernel (flash / memory-efficient) that saves q, k, v, its output and an fp32 logsumexp, never the
+s x s scores, so Korthikanti's 5as/h term is absent, and selective recomputation of the attention core saves only
+the logsumexp. With s tokens, b sequences, h the model width, f the MLP width, a heads, t = tp, t_sp = t under
+sequence parallelism (else 1), e the activation dtype's bytes and e_n a LayerNorm's (fp32 under 16-bit autocast
+on CUDA, where layer_norm is an fp32 op; the activation dtype on CPU, where it is not):
+
+    per layer, no recomputation   LayerNorm inputs, mean, rstd    2 sb (h + 2) e_n / t_sp
+                                  qkv and fc inputs               2 sbh e    (whole: all-gathered under SP)
+                                  q, k, v, attention output       4 sbh e / t (the output is the projection's input)
+                                  attention logsumexp             4 abs / t
+                                  fc output, GELU output          2 sbf e / t
+                                  dropout masks (p > 0)           2 sbh / t_sp  (bool; attention dropout: not modelled)
+    selective recomputation       the same without the logsumexp
+    full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
+
+For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
+without their two dropout masks. The first stage adds the position ids (and at tp > 1 the vocab-parallel lookup's
+mask and local ids), the last stage the final LayerNorm, the head's whole input and the loss's fp32 probabilities
+over this rank's vocab block, 4 b s V. Micro-batches in flight come from walking each stage's forward/backward
+order (GPipe: all M; 1F1B: min(pp - r, M) on stage r; interleaved: Megatron's warm-up of 2 (pp - r - 1) +
+(vpp - 1) pp chunk forwards, which on the first stage holds Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers).
+Not counted: the logits the runner holds while backward runs, allocator fragmentation, communication buffers,
+the CUDA context and workspaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trident.config import Config, ModelConfig, grad_accum_steps, resolve_schedule
+from trident.memory import KINDS, PLACES, Figures
+from trident.models.gpt import count_params, padded_vocab_size
+from trident.parallel.layout import FlatLayout
+from trident.parallel.reducer import bucket_numel
+from trident.parallel.zero.grads import ShardedGradReducer
+from trident.parallel.zero.optimizer import shard_segments
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one element each per parameter element
+STEP_COUNTER = 4  # AdamW's per-tensor step: a float32 scalar
+POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A launch to predict: the parallel layout, precision, batch shape and where model states live."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    zero: int = 0
+    offload: str = "none"  # none | cpu: the optimizer shard's first ``offload_ratio`` on the host
+    offload_ratio: float = 1.0
+    precision: str = "fp32"
+    micro_batch_size: int = 1
+    micro_batches: int = 1  # per rank per step (gradient accumulation): global / (micro_batch_size * dp)
+    seq_len: int | None = None  # None: the model's
+    activation_checkpointing: str = "none"
+    schedule: str | None = None  # None: 1f1b, or interleaved when vpp > 1
+    sequence_parallel: bool = False
+    bucket_mb: float = 25.0
+    device: str = "cuda"  # cuda | cpu: on a CPU run the "device" is host memory too
+
+    @classmethod
+    def from_config(cls, cfg: Config, dp: int, device: str = "cuda") -> Layout:
+        par, tr = cfg.parallel, cfg.train
+        return cls(
+            dp=dp,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            zero=par.zero,
+            offload=par.offload.optimizer,
+            offload_ratio=par.offload.ratio,
+            precision=tr.precision,
+            micro_batch_size=tr.micro_batch_size,
+            micro_batches=grad_accum_steps(tr, dp),
+            seq_len=cfg.model.seq_len,
+            activation_checkpointing=tr.activation_checkpointing,
+            schedule=resolve_schedule(par),
+            sequence_parallel=par.sequence_parallel,
+            bucket_mb=par.bucket_mb,
+            device=device,
+        )
+
+    @property
+    def resolved_schedule(self) -> str:
+        if self.schedule is not None:
+            return self.schedule
+        return "interleaved" if self.vpp > 1 else "1f1b"
+
+
+# --- parameters -----------------------------------------------------------------------------------------------
+
+
+def _layer_norm(prefix: str, m: ModelConfig) -> list[tuple[str, int]]:
+    return [(f"{prefix}.weight", m.d_model)] + ([(f"{prefix}.bias", m.d_model)] if m.bias else [])
+
+
+def _linear(prefix: str, out_local: int, in_local: int, bias_local: int, m: ModelConfig) -> list[tuple[str, int]]:
+    return [(f"{prefix}.weight", out_local * in_local)] + ([(f"{prefix}.bias", bias_local)] if m.bias else [])
+
+
+def block_params(m: ModelConfig, tp: int, prefix: str = "") -> list[tuple[str, int]]:
+    """(name, local numel) of one transformer block at tp, in registration order: qkv and fc split by output rows
+    (with their biases), the two projections by input columns (their biases whole), LayerNorms whole."""
+    d, f = m.d_model, m.ffn_dim
+    return [
+        *_layer_norm(f"{prefix}ln_1", m),
+        *_linear(f"{prefix}attn.qkv", 3 * d // tp, d, 3 * d // tp, m),
+        *_linear(f"{prefix}attn.proj", d, d // tp, d, m),
+        *_layer_norm(f"{prefix}ln_2", m),
+        *_linear(f"{prefix}mlp.fc", f // tp, d, f // tp, m),
+        *_linear(f"{prefix}mlp.proj", d, f // tp, d, m),
+    ]
+
+
+def chunk_params(m: ModelConfig, tp: int, pp: int, vpp: int, chunk: int) -> list[tuple[str, int]]:
+    """(name, local numel) of model chunk ``chunk`` of pp * vpp (global order), in registration order.
+
+    Chunk 0 holds the embeddings, the last chunk the final LayerNorm and, when it is on another stage (pp > 1), a
+    copy of the token embedding for the tied head; the layers split evenly over the chunks.
+    """
+    chunks = pp * vpp
+    per = m.n_layers // chunks
+    wte = ("wte.weight", padded_vocab_size(m.vocab_size, m.vocab_multiple, tp) // tp * m.d_model)
+    out: list[tuple[str, int]] = []
+    if chunk == 0:
+        out += [wte, ("wpe.weight", m.seq_len * m.d_model)]
+    for i in range(chunk * per, (chunk + 1) * per):
+        out += block_params(m, tp, f"layers.{i}.")
+    if chunk == chunks - 1:
+        out += _layer_norm("ln_f", m)
+        if pp > 1:
+            out.append(wte)
+    return out
+
+
+def rank_chunks(layout: Layout, stage: int) -> list[int]:
+    """The global indices of the model chunks pipeline stage ``stage`` holds: stage, stage + pp, ..."""
+    return [stage + v * layout.pp for v in range(layout.vpp)]
+
+
+def rank_params(m: ModelConfig, layout: Layout, stage: int) -> list[tuple[str, int]]:
+    """(name, local numel) of every parameter a rank of pipeline stage ``stage`` holds, chunk after chunk."""
+    return [p for c in rank_chunks(layout, stage) for p in chunk_params(m, layout.tp, layout.pp, layout.vpp, c)]
+
+
+def _meta(numel: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(numel, device="meta"))
+
+
+def flat_layout(params: list[tuple[str, int]], layout: Layout) -> FlatLayout:
+    """The flat layout trident builds over these parameters (trident/optimizer_setup.py), from stand-in
+    parameters on the meta device: at stages 0-2 the reducer's buckets of about ``bucket_mb`` of fp32 in reverse
+    registration order, with pipeline parallelism the tied embedding (and its copy) in a bucket of its own; at
+    stage 3 one bucket per transformer block, last block first, then the rest (the root); every bucket padded to
+    a multiple of dp."""
+    metas = [(name, _meta(n)) for name, n in params]
+    if layout.zero < 3:
+        tied = [p for name, p in metas if name == "wte.weight"] if layout.pp > 1 else []
+        numel = bucket_numel(layout.bucket_mb, torch.float32)
+        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=tied)
+    blocks: dict[str, list[nn.Parameter]] = {}
+    root = []
+    for name, p in metas:
+        if name.startswith("layers."):
+            blocks.setdefault(name.split(".")[1], []).append(p)
+        else:
+            root.append(p)
+    units = [list(reversed(u)) for u in reversed(blocks.values())]
+    return FlatLayout([*units, list(reversed(root))], layout.dp)
+
+
+# --- model states ---------------------------------------------------------------------------------------------
+
+
+def _figures() -> Figures:
+    return {kind: dict.fromkeys(PLACES, 0) for kind in KINDS}
+
+
+def _total(figures: Figures) -> Figures:
+    figures["total"] = {place: sum(figures[kind][place] for kind in KINDS) for place in PLACES}
+    return figures
+
+
+def _place(figures: Figures, layout: Layout) -> Figures:
+    """On a CPU run the "device" is host memory: fold it in."""
+    if layout.device != "cpu":
+        return figures
+    return {kind: {"device": 0, "host": v["device"] + v["host"]} for kind, v in figures.items()}
+
+
+@dataclass
+class ModelStates:
+    """One rank's predicted model-state bytes, and the transient buffers above them."""
+
+    figures: Figures  # kind -> place -> bytes, as ``trident.memory.measure_model_states`` measures them
+    staging: int  # stages 2-3: fp32 staging of the bucket filling and those in flight (the largest ones)
+    gathered: int  # stage 3: full buffers of gathered buckets (the root and two blocks, in the parameter dtype)
+
+
+def model_states(params: list[tuple[str, int]], layout: Layout, dp_rank: int | None = None) -> ModelStates:
+    """Bytes of parameters, gradients and optimizer states that dp rank ``dp_rank`` (None: the largest) holds
+    for ``params`` (``rank_params``), held as trident/optimizer_setup.py holds them. B is the flat layout's
+    numel (parameters plus bucket padding), S the shards (dp at stages 1-3, else 1), p the parameter dtype's
+    bytes:
+
+        zero 0, fp32      parameters 4 N (their own tensors); gradients 4 B (the reducer's buffer);
+                          AdamW: 2 x 4 N moments and a 4-byte step per tensor
+        otherwise         ZeRO's optimizer over this rank's 1/S of every bucket, cut into pieces per parameter
+                          parameters  p B (stages 0-2: one flat buffer), p B / S (stage 3: the shards)
+                          gradients   4 B (stages 0-1: the reducer's buffer), 4 B / S (stages 2-3: the shard)
+                          masters     4 B / S in fp32 (none where fp32 parameters are their own masters)
+                          moments     2 x 4 per parameter element of the shard (padding has none), a step per piece
+        offload ratio r   the shard's first round(r B / S) elements keep masters and moments on the host, and a
+                          host copy of their gradients (4 bytes each)
+
+    Transient, above these: stages 2-3 stage each bucket's fp32 gradients while it fills and until its
+    reduce-scatter is waited for; ``staging`` bounds it by the largest buckets that can be held at once: those
+    filling (at stage 2 two, where one bucket ends and the next begins; at stage 3 a block and the root, which fills
+    from backward's first gradient to its last) and MAX_IN_FLIGHT = 2 in flight (under gradient accumulation, maybe
+    another micro-batch's copies of those filling). Stage 3 gathers a block's parameters while it runs
+    (``gathered``: the root and two blocks, the running and the prefetched).
+    """
+    flat = flat_layout(params, layout)
+    ranks = range(layout.dp if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
+    return max((_rank_states(params, flat, layout, r) for r in ranks), key=lambda s: sum(s.figures["total"].values()))
+
+
+def _rank_states(params: list[tuple[str, int]], flat: FlatLayout, layout: Layout, dp_rank: int) -> ModelStates:
+    numels = [n for _, n in params]
+    n = sum(numels)
+    fig = _figures()
+    pb = DTYPE_BYTES[layout.precision]
+    ratio = layout.offload_ratio if layout.offload == "cpu" else 0.0
+    if layout.zero == 0 and pb == FP32:
+        fig["params"]["device"] = n * FP32
+        fig["grads"]["device"] = flat.numel * FP32
+        fig["optimizer"]["device"] = n * ADAM_MOMENTS * FP32 + len(numels) * STEP_COUNTER
+        return ModelStates(_place(_total(fig), layout), 0, 0)
+
+    shards = layout.dp if layout.zero >= 1 else 1
+    rank = dp_rank if layout.zero >= 1 else 0
+    shard = flat.numel // shards
+    host_numel = round(ratio * flat.numel / shards)
+    fig["params"]["device"] = (shard if layout.zero == 3 else flat.numel) * pb
+    fig["grads"]["device"] = (shard if layout.zero >= 2 else flat.numel) * FP32
+    fig["grads"]["host"] = host_numel * FP32
+    fig["optimizer"]["host"] = host_numel * FP32
+    if pb != FP32:
+        fig["optimizer"]["device"] = (shard - host_numel) * FP32
+    for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel):
+        pieces = flat.pieces(span, start, stop)
+        place = "host" if on_host else "device"
+        fig["optimizer"][place] += sum(p.numel for p in pieces) * ADAM_MOMENTS * FP32 + len(pieces) * STEP_COUNTER
+    staging = gathered = 0
+    if layout.zero >= 2:
+        largest = sorted((s.numel for s in flat.spans), reverse=True)
+        in_flight = sum(largest[: ShardedGradReducer.MAX_IN_FLIGHT])
+        if layout.zero == 2:  # filling: two buckets at most, where one ends and the next begins
+            staging = (sum(largest[:2]) + in_flight) * FP32
+        else:  # filling: a block, and the root from backward's first gradient (final LayerNorm) to its last
+            root, blocks = flat.spans[-1].numel, sorted((s.numel for s in flat.spans[:-1]), reverse=True)
+            staging = (root + blocks[0] + in_flight) * FP32
+            gathered = (root + sum(blocks[:2])) * pb
+    return ModelStates(_place(_total(fig), layout), staging, gathered)
+
+
+# --- activations ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Shape:
+    b: int  # sequences per micro-batch
+    s: int  # tokens per sequence
+    h: int
+    f: int
+    a: int
+    t: int  # tp
+    t_sp: int  # tp with sequence parallelism, else 1
+    e: int  # bytes of an activation element (the compute dtype)
+    e_norm: int  # bytes of a LayerNorm's saved input, mean and rstd: fp32 under 16-bit autocast on CUDA
+
+    @classmethod
+    def of(cls, m: ModelConfig, layout: Layout) -> _Shape:
+        e = DTYPE_BYTES[layout.precision]
+        return cls(
+            b=layout.micro_batch_size,
+            s=layout.seq_len or m.seq_len,
+            h=m.d_model,
+            f=m.ffn_dim,
+            a=m.n_heads,
+            t=layout.tp,
+            t_sp=layout.tp if layout.sequence_parallel and layout.tp > 1 else 1,
+            e=e,
+            e_norm=FP32 if layout.device != "cpu" else e,
+        )
+
+    def layer_norm(self) -> int:
+        """A LayerNorm's saved input and its mean and rstd, on this rank's share of the sequence."""
+        return self.s * self.b * (self.h + 2) * self.e_norm // self.t_sp
+
+
+def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
+    """Activation bytes one transformer layer keeps for backward per micro-batch (see the module docstring)."""
+    x = _Shape.of(m, layout)
+    sbh, sbf = x.s * x.b * x.h, x.s * x.b * x.f
+    if policy == "full":
+        return sbh * x.e // x.t_sp
+    masks = 2 * sbh // x.t_sp if m.dropout > 0 else 0
+    logsumexp = FP32 * x.a * x.b * x.s // x.t if policy == "none" else 0
+    return (
+        2 * x.layer_norm()
+        + 2 * sbh * x.e  # qkv and fc inputs
+        + 4 * sbh * x.e // x.t  # q, k, v and the attention output
+        + 2 * sbf * x.e // x.t  # fc output, GELU output
+        + logsumexp
+        + masks
+    )
+
+
+def embed_bytes(m: ModelConfig, layout: Layout) -> int:
+    """What the first stage's embedding keeps per micro-batch: int64 position ids (this rank's share of them under
+    sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64 local ids; the embedding
+    dropout's mask."""
+    x = _Shape.of(m, layout)
+    out = 8 * x.s // x.t_sp
+    if x.t > 1:
+        out += x.b * x.s * (1 + 8)
+    if m.dropout > 0:
+        out += x.b * x.s * x.h // x.t_sp
+    return out
+
+
+def head_bytes(m: ModelConfig, layout: Layout) -> int:
+    """What the last stage's head keeps per micro-batch: the final LayerNorm, the head matmul's (whole) input and
+    the loss's fp32 probabilities over this rank's vocab block (at tp > 1 with a bool and an int64 per token)."""
+    x = _Shape.of(m, layout)
+    if x.t == 1:  # log-probabilities, and nll_loss's output and total weight
+        loss = FP32 * x.b * x.s * m.vocab_size + 2 * FP32
+    else:  # the vocab-parallel loss's probabilities, owner mask and local ids, and the loss
+        block = padded_vocab_size(m.vocab_size, m.vocab_multiple, x.t) // x.t
+        loss = FP32 * x.b * x.s * min(block, m.vocab_size) + x.b * x.s * (1 + 8) + FP32
+    return x.layer_norm() + x.s * x.b * x.h * x.e + loss
+
+
+def schedule_order(schedule: str, pp: int, vpp: int, micro_batches: int, stage: int) -> list[tuple[str, int, int]]:
+    """Stage ``stage``'s forward and backward passes in order, as ("F" or "B", local chunk, micro-batch):
+    GPipe all forwards then all backwards; 1F1B (and zb-h1, whose peak memory is 1F1B's) pp - stage - 1 warm-up
+    forwards then one forward and one backward in turn; interleaved as Megatron-LM orders it, micro-batches in
+    groups of pp through chunk after chunk."""
+    m = micro_batches
+    if pp == 1 or schedule == "gpipe":
+        order = [(c, mb) for mb in range(m) for c in range(vpp)]
+        if pp == 1:  # gradient accumulation: one micro-batch's backward before the next forward
+            return [(kind, c, mb) for c, mb in order for kind in ("F", "B")]
+        return [("F", c, mb) for c, mb in order] + [("B", c, mb) for c, mb in reversed(order)]
+    if schedule == "interleaved":
+        total = m * vpp
+
+        def forward(k: int) -> tuple[int, int]:
+            return (k // pp) % vpp, (k // (pp * vpp)) * pp + k % pp
+
+        def backward(k: int) -> tuple[int, int]:
+            c, mb = forward(k)
+            return vpp - 1 - c, mb
+
+        warmup = min((pp - stage - 1) * 2 + (vpp - 1) * pp, total)
+    else:  # 1f1b, zb-h1
+        total = m
+
+        def forward(k: int) -> tuple[int, int]:
+            return 0, k
+
+        backward = forward
+        warmup = min(pp - stage - 1, total)
+    order = [("F", *forward(k)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("F", *forward(warmup + k)), ("B", *backward(k))]
+    order += [("B", *backward(k)) for k in range(total - warmup, total)]
+    return order
+
+
+def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> int:
+    """Peak activation bytes pipeline stage ``stage`` keeps for backward: walk its schedule, adding a chunk's
+    bytes at each forward and releasing them at its backward."""
+    policy = policy or layout.activation_checkpointing
+    chunks = rank_chunks(layout, stage)
+    per_layer = layer_bytes(m, layout, policy)
+    layers = m.n_layers // (layout.pp * layout.vpp)
+    last = layout.pp * layout.vpp - 1
+    chunk_bytes = [
+        layers * per_layer + (embed_bytes(m, layout) if c == 0 else 0) + (head_bytes(m, layout) if c == last else 0)
+        for c in chunks
+    ]
+    held = peak = 0
+    schedule = layout.resolved_schedule
+    for kind, c, _ in schedule_order(schedule, layout.pp, layout.vpp, layout.micro_batches, stage):
+        held += chunk_bytes[c] if kind == "F" else -chunk_bytes[c]
+        peak = max(peak, held)
+    return peak
+
+
+def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None) -> int:
+    """Transient bytes above the held activations while backward recomputes: one whole layer under full
+    recomputation, one attention core's logsumexp under selective."""
+    policy = policy or layout.activation_checkpointing
+    if policy == "none":
+        return 0
+    return layer_bytes(m, layout, "none") - (0 if policy == "full" else layer_bytes(m, layout, "selective"))
+
+
+# --- the whole prediction -------------------------------------------------------------------------------------
+
+
+@dataclass
+class StageEstimate:
+    """A rank of one pipeline stage (every tp rank of it holds the same; the largest dp shard)."""
+
+    stage: int
+    compute_place: str  # where activations and transient buffers live: "device", or "host" on a CPU run
+    params: int  # parameter elements this rank holds (local, unpadded)
+    model_states: Figures  # kind -> place -> bytes
+    staging: int  # transient gradient buffers (stages 2-3)
+    gathered: int  # transient gathered parameters (stage 3)
+    activations: dict[str, int]  # bytes kept for backward at the schedule's peak, per recomputation policy
+    recompute: dict[str, int]  # transient bytes while backward recomputes, per policy
+
+    def peak(self, policy: str) -> dict[str, int]:
+        """Model states, transient buffers and activations, by place, at the schedule's peak under ``policy``."""
+        out = dict(self.model_states["total"])
+        out[self.compute_place] += self.staging + self.gathered + self.activations[policy] + self.recompute[policy]
+        return out
+
+
+@dataclass
+class Estimate:
+    model: str
+    layout: Layout
+    total_params: int  # the model's, unpadded, tied embedding once
+    stages: list[StageEstimate] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StageEstimate:
+        """The pipeline stage needing the most memory at its peak under the layout's checkpointing policy."""
+        policy = self.layout.activation_checkpointing
+        return max(self.stages, key=lambda s: (s.peak(policy)["device"], s.peak(policy)["host"]))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def estimate(m: ModelConfig, layout: Layout) -> Estimate:
+    """Predicted per-rank bytes of every pipeline stage: model states, transient buffers and activations."""
+    out = Estimate(model=m.name, layout=layout, total_params=count_params(m))
+    for stage in range(layout.pp):
+        params = rank_params(m, layout, stage)
+        states = model_states(params, layout)
+        out.stages.append(
+            StageEstimate(
+                stage=stage,
+                compute_place="host" if layout.device == "cpu" else "device",
+                params=sum(n for _, n in params),
+                model_states=states.figures,
+                staging=states.staging,
+                gathered=states.gathered,
+                activations={p: activation_bytes(m, layout, stage, p) for p in POLICIES},
+                recompute={p: recompute_bytes(m, layout, p) for p in POLICIES},
+            )
+        )
+    return out
