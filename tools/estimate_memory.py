@@ -20,13 +20,12 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from unittest import mock
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.config import NOT_YET_IMPLEMENTED, Config, register_configs, resolve_schedule, to_config, validate
+from trident.config import Config, register_configs, resolve_schedule, to_config, validate
 from trident.errors import ConfigError
 from trident.memory import format_bytes
 from trident.memory_estimate import POLICIES, Estimate, Layout, estimate
@@ -42,23 +41,6 @@ def load_config(overrides: list[str]) -> Config:
 
 def default_world(cfg: Config) -> int:
     return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
-
-
-def not_yet(cfg: Config) -> list[str]:
-    """The capabilities this layout uses that this build refuses as not implemented yet."""
-    out = []
-    for key, why in NOT_YET_IMPLEMENTED.items():
-        section, name = key.split(".", 1)
-        value = getattr(getattr(cfg, section), name)
-        if value != getattr(type(getattr(cfg, section))(), name):
-            out.append(f"{key}={value}: {why}")
-    return out
-
-
-def check(cfg: Config, world: int) -> int:
-    """train.py's validation, every rule but "not implemented yet": a layout is predicted as it will run."""
-    with mock.patch.dict(NOT_YET_IMPLEMENTED, clear=True):
-        return validate(cfg, world)
 
 
 def option_rows(cfg: Config, world: int, device: str) -> list[tuple[str, Estimate | str, bool]]:
@@ -78,7 +60,7 @@ def option_rows(cfg: Config, world: int, device: str) -> list[tuple[str, Estimat
             label = f"zero={zero}" + (f", offload.optimizer=cpu, offload.ratio={ratio:g}" if offload == "cpu" else "")
             asked = zero == par.zero and offload == par.offload.optimizer
             try:
-                dp = check(variant, world)
+                dp = validate(variant, world)
             except ConfigError as e:
                 rows.append((label, str(e), asked))
                 continue
@@ -91,7 +73,7 @@ def _cell(n: int) -> str:
 
 
 def report(cfg: Config, world: int, device: str) -> str:
-    dp = check(cfg, world)
+    dp = validate(cfg, world)
     layout = Layout.from_config(cfg, dp, device)
     asked = estimate(cfg.model, layout)
     worst = asked.worst
@@ -141,7 +123,6 @@ def report(cfg: Config, world: int, device: str) -> str:
             lines.append(f"  {name:<36} {cells[0]} {cells[1]}")
     peak = worst.peak(policy)
     lines.append(f"  {'peak (recomputation ' + policy + ')':<36} {_cell(peak['device'])} {_cell(peak['host'])}")
-    lines += [f"note: not in this build yet, predicted as it will run: {why}" for why in not_yet(cfg)]
     lines += [
         "",
         "Not included: the logits held while backward runs, allocator fragmentation, communication buffers, the "
@@ -161,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.overrides)
         world = args.world or default_world(cfg)
         if args.json:
-            dp = check(cfg, world)
+            dp = validate(cfg, world)
             print(json.dumps(estimate(cfg.model, Layout.from_config(cfg, dp, args.device)).to_dict(), indent=1))
         else:
             print(report(cfg, world, args.device))
