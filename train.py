@@ -24,9 +24,11 @@ from trident import cli
 from trident.checkpoint import Checkpointer
 from trident.config import Config, ModelConfig, ParallelConfig, register_configs, resolve_schedule, to_config, validate
 from trident.data.dataset import open_dataset
-from trident.device import local_world_size, pick_backend, pick_device, set_cpu_threads, use_tensor_cores
+from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores
 from trident.loop import Trainer
-from trident.metrics import MetricsLogger, announce_run, device_peak_tflops
+from trident.memory import log_model_states
+from trident.memory_estimate import Layout, estimate
+from trident.metrics import MetricsLogger, announce_run
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, flops_per_token, init_weights
 from trident.optim import GradStep
@@ -44,6 +46,7 @@ from trident.parallel.pipeline.stages import stage_layers, sum_tied_grads
 from trident.parallel.random import RNGTracker, model_parallel_rng
 from trident.parallel.tensor import sum_grads_over_tp
 from trident.parallel.topology import Topology
+from trident.peak import device_peak_tflops
 from trident.rundir import take_ownership
 from trident.runner import LocalRunner
 from trident.signals import StopRequest
@@ -78,9 +81,10 @@ def _build_and_fit(
     eval_batches = tr.eval_batches if tr.eval_every else None
     train_data, val_data = dataset.split(cfg.model.seq_len, cfg.data.val_fraction, tr.global_batch_size, eval_batches)
     lg = cfg.logging
-    peak = device_peak_tflops(device, tr.precision, lg.peak_tflops, lg.cpu_peak_tflops, local_world_size())
     if owns_group and device.type == "cpu":
         set_cpu_threads()
+    # On a CPU the peak is measured on the threads this rank trains with, so after they are set.
+    peak = device_peak_tflops(device, tr.precision, lg.peak_tflops)
 
     init_distributed(pick_backend(cfg.parallel.backend, device), device, cfg.parallel.timeout_s)
     groups = build_process_groups(topology, cfg.parallel.timeout_s)
@@ -135,6 +139,8 @@ def _build_and_fit(
             seq_divisor=groups.tp_size if cfg.parallel.sequence_parallel else 1,
             timings=run_dir / "pipeline_timings" / f"rank{groups.rank}.jsonl" if record else None,
         )
+    # memory.json: each rank's model-state bytes beside the prediction made before launch (tools/estimate_memory.py).
+    predicted = estimate(cfg.model, Layout.from_config(cfg, dp, device.type)).to_dict()
     trainer = Trainer(
         train_cfg=tr,
         optim_cfg=cfg.optim,
@@ -152,6 +158,7 @@ def _build_and_fit(
         make_logger=lambda start: MetricsLogger(run_dir, tr.steps, lg, cfg.wandb, config_dict, start),
         stop=stop,
         after_reduce=_after_reduce(chunks, setup.grad_step, groups),
+        after_first_step=lambda: log_model_states(setup.grad_step, groups, run_dir, {"estimate": predicted}),
     )
     return trainer.fit()
 

@@ -163,7 +163,6 @@ INVALID = [
     pytest.param({"checkpoint.resume": ""}, 1, ["checkpoint.resume"], id="resume-empty"),
     pytest.param({"logging.interval": 0}, 1, ["logging.interval=0"], id="log-interval"),
     pytest.param({"logging.peak_tflops": 0.0}, 1, ["logging.peak_tflops"], id="peak_tflops"),
-    pytest.param({"logging.cpu_peak_tflops": 0.0}, 1, ["logging.cpu_peak_tflops"], id="cpu_peak_tflops"),
 ]
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import run_distributed
+from tests.layouts import tiny, train_in_process
 from trident.config import Config, ModelConfig, OffloadConfig
 from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
 from trident.memory_estimate import (
@@ -308,3 +309,21 @@ def test_tp2_parameters_and_activations_match_the_prediction() -> None:
         for p in POLICIES:
             measured = max(r[sp][p] for r in ranks)
             assert activation_bytes(cfg, lay, 0, p) == pytest.approx(measured, rel=0.01), (sp, p)
+
+
+def test_a_run_logs_its_model_states_beside_the_prediction(tiny_dataset: Path, tmp_path: Path) -> None:
+    """train.py writes memory.json once, after the first step: every rank's bytes, the max, and the estimate of
+    the same layout, which the measured bytes match within 5% (zero 1, bf16, dp=2: no staging pool)."""
+    overrides = tiny(tiny_dataset, "train.steps=2", "parallel.zero=1", "train.precision=bf16", "train.eval_every=0")
+    train_in_process(tmp_path, overrides, world=2)
+    report = json.loads((tmp_path / "memory.json").read_text())
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    (stage,) = report["estimate"]["stages"]
+    assert report["estimate"]["layout"]["zero"] == 1 and report["estimate"]["layout"]["dp"] == 2
+    for r in report["ranks"]:
+        for kind in ("params", "grads", "optimizer", "total"):
+            measured, predicted = r[kind], stage["model_states"][kind]
+            assert sum(measured.values()) == pytest.approx(sum(predicted.values()), rel=0.05), kind
+    assert report["max"]["total"] == {
+        place: max(r["total"][place] for r in report["ranks"]) for place in ("device", "host")
+    }

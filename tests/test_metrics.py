@@ -1,4 +1,4 @@
-"""trident/metrics.py: the GPU peak table, the per-rank peak, metrics.jsonl, the console line and resume trimming."""
+"""trident/metrics.py: metrics.jsonl, the console line and resume trimming."""
 
 from __future__ import annotations
 
@@ -6,91 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from trident import metrics
 from trident.config import LoggingConfig, WandbConfig
-from trident.metrics import MetricsLogger, device_peak_tflops, gpu_peak_bf16_tflops
-
-# Names as torch.cuda.get_device_name() reports them on real machines, with the peak each must get.
-# Several are chosen because a plain substring test gets them wrong: "L40" contains "L4",
-# "A100" contains "A10", "GH200" contains "H200", "H100 PCIe" starts with "H100".
-GPU_NAMES = [
-    ("NVIDIA L40", 181.0),
-    ("NVIDIA L4", 121.0),
-    ("NVIDIA L40S", 362.0),
-    ("NVIDIA H100 80GB HBM3", 989.0),
-    ("NVIDIA H100 PCIe", 756.0),
-    ("NVIDIA H100 NVL", 835.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0),
-    ("NVIDIA A10", 125.0),
-    ("NVIDIA A100 80GB PCIe", 312.0),
-    ("NVIDIA GH200 480GB", 989.0),
-    ("Tesla V100-SXM2-16GB", 125.0),
-    ("AMD Instinct MI300X", 1307.0),
-]
-
-
-@pytest.mark.parametrize(("name", "peak"), GPU_NAMES, ids=[name for name, _ in GPU_NAMES])
-def test_gpu_peak_matches_whole_words(name: str, peak: float) -> None:
-    """Each real device name maps to its own table entry, not to a shorter key it happens to contain."""
-    assert gpu_peak_bf16_tflops(name) == peak
-
-
-def test_gpu_peak_unknown_is_none() -> None:
-    """A GPU missing from the table gives None (MFU logged as null), not a guess."""
-    assert gpu_peak_bf16_tflops("NVIDIA RTX PRO 9999") is None
-    # A Quadro T400 is not a T4: only whole-word matching keeps "T4" from claiming it.
-    assert gpu_peak_bf16_tflops("NVIDIA T400 4GB") is None
-
-
-# One-word keys that are prefixes or suffixes of one another. The table lists the longer key first, which alone
-# would hide a prefix match; trying both orders shows the whole-word rule itself tells them apart.
-ONE_WORD_KEYS = [
-    ("NVIDIA L40", "L40"),
-    ("NVIDIA L4", "L4"),
-    ("NVIDIA A100 80GB PCIe", "A100"),
-    ("NVIDIA A10", "A10"),
-    ("NVIDIA GH200 480GB", "GH200"),
-    ("NVIDIA H200", "H200"),
-    ("NVIDIA H20", "H20"),
-]
-
-
-@pytest.mark.parametrize("order", ["table", "reversed"])
-@pytest.mark.parametrize(("name", "key"), ONE_WORD_KEYS, ids=[name for name, _ in ONE_WORD_KEYS])
-def test_gpu_peak_whole_words_in_any_order(monkeypatch: pytest.MonkeyPatch, name: str, key: str, order: str) -> None:
-    """Each one-word name finds its own key with the table in either order. The peaks are replaced by each
-    key's position, so a neighbour with the same peak (H200 for GH200) cannot pass for it."""
-    keys = list(metrics.GPU_PEAK_BF16_TFLOPS)
-    if order == "reversed":
-        keys.reverse()
-    monkeypatch.setattr(metrics, "GPU_PEAK_BF16_TFLOPS", {k: float(i) for i, k in enumerate(keys)})
-    assert gpu_peak_bf16_tflops(name) == float(keys.index(key))
-
-
-def test_device_peak_override_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An explicit logging.peak_tflops is used as is, on CPU and on a GPU the table knows."""
-    assert device_peak_tflops(torch.device("cpu"), "bf16", 42.0, cpu_node_peak=0.2, ranks_per_node=4) == 42.0
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA H100 80GB HBM3")
-    assert device_peak_tflops(torch.device("cuda", 0), "bf16", 42.0, cpu_node_peak=0.2, ranks_per_node=4) == 42.0
-
-
-def test_device_peak_cpu_is_share_of_node() -> None:
-    """On CPU each rank gets the node's peak divided by the ranks sharing that node."""
-    peak = device_peak_tflops(torch.device("cpu"), "fp32", None, cpu_node_peak=0.2, ranks_per_node=4)
-    assert peak == pytest.approx(0.05)
-
-
-def test_device_peak_gpu_from_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU the table is used; fp32 (TF32) runs get half the bf16 peak; an unknown GPU gives None."""
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA A100-SXM4-80GB")
-    cuda = torch.device("cuda", 0)
-    assert device_peak_tflops(cuda, "bf16", None, cpu_node_peak=0.2, ranks_per_node=8) == 312.0
-    assert device_peak_tflops(cuda, "fp32", None, cpu_node_peak=0.2, ranks_per_node=8) == 156.0
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA RTX PRO 9999")
-    assert device_peak_tflops(cuda, "bf16", None, cpu_node_peak=0.2, ranks_per_node=8) is None
-
+from trident.metrics import MetricsLogger
 
 # --- MetricsLogger, with wandb disabled so nothing leaves the run directory.
 

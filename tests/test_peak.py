@@ -1,4 +1,5 @@
-"""trident/peak.py: the measured CPU peak is positive, probed once per machine and cached; an override wins."""
+"""trident/peak.py: the measured CPU peak is positive, probed once per machine and cached; an override wins; the GPU
+table matches device names by whole words."""
 
 from __future__ import annotations
 
@@ -65,3 +66,60 @@ def test_gpu_peak_is_the_datasheet_figure_for_the_dtype(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA RTX PRO 9999")
     assert device_peak_tflops(cuda, "bf16", None) is None
     assert gpu_peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+
+
+# Names as torch.cuda.get_device_name() reports them on real machines, with the peak each must get.
+# Several are chosen because a plain substring test gets them wrong: "L40" contains "L4",
+# "A100" contains "A10", "GH200" contains "H200", "H100 PCIe" starts with "H100".
+GPU_NAMES = [
+    ("NVIDIA L40", 181.0),
+    ("NVIDIA L4", 121.0),
+    ("NVIDIA L40S", 362.0),
+    ("NVIDIA H100 80GB HBM3", 989.0),
+    ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A10", 125.0),
+    ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA GH200 480GB", 989.0),
+    ("Tesla V100-SXM2-16GB", 125.0),
+    ("AMD Instinct MI300X", 1307.0),
+]
+
+
+@pytest.mark.parametrize(("name", "tflops"), GPU_NAMES, ids=[name for name, _ in GPU_NAMES])
+def test_gpu_peak_matches_whole_words(name: str, tflops: float) -> None:
+    """Each real device name maps to its own table entry, not to a shorter key it happens to contain."""
+    assert gpu_peak_bf16_tflops(name) == tflops
+
+
+def test_gpu_peak_unknown_is_none() -> None:
+    """A GPU missing from the table gives None (MFU logged as null), not a guess."""
+    assert gpu_peak_bf16_tflops("NVIDIA RTX PRO 9999") is None
+    # A Quadro T400 is not a T4: only whole-word matching keeps "T4" from claiming it.
+    assert gpu_peak_bf16_tflops("NVIDIA T400 4GB") is None
+
+
+# One-word keys that are prefixes or suffixes of one another. The table lists the longer key first, which alone
+# would hide a prefix match; trying both orders shows the whole-word rule itself tells them apart.
+ONE_WORD_KEYS = [
+    ("NVIDIA L40", "L40"),
+    ("NVIDIA L4", "L4"),
+    ("NVIDIA A100 80GB PCIe", "A100"),
+    ("NVIDIA A10", "A10"),
+    ("NVIDIA GH200 480GB", "GH200"),
+    ("NVIDIA H200", "H200"),
+    ("NVIDIA H20", "H20"),
+]
+
+
+@pytest.mark.parametrize("order", ["table", "reversed"])
+@pytest.mark.parametrize(("name", "key"), ONE_WORD_KEYS, ids=[name for name, _ in ONE_WORD_KEYS])
+def test_gpu_peak_whole_words_in_any_order(monkeypatch: pytest.MonkeyPatch, name: str, key: str, order: str) -> None:
+    """Each one-word name finds its own key with the table in either order. The peaks are replaced by each
+    key's position, so a neighbour with the same peak (H200 for GH200) cannot pass for it."""
+    keys = list(peak.GPU_PEAK_BF16_TFLOPS)
+    if order == "reversed":
+        keys.reverse()
+    monkeypatch.setattr(peak, "GPU_PEAK_BF16_TFLOPS", {k: float(i) for i, k in enumerate(keys)})
+    assert gpu_peak_bf16_tflops(name) == float(keys.index(key))

@@ -130,10 +130,8 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     interval: int = 10  # console line every N steps
-    # Peak dense TFLOP/s of one device for MFU; None: looked up for known GPUs.
+    # Peak dense TFLOP/s of one device for MFU; None: measured on a CPU, the datasheet's for a known GPU.
     peak_tflops: float | None = None
-    # Peak TFLOP/s of a whole CPU node, shared by the ranks on it.
-    cpu_peak_tflops: float = 0.2
     # With pp > 1: append each step's action start/end times per pipeline rank (one pipeline: dp 0, tp 0) to
     # <run dir>/pipeline_timings/rank<r>.jsonl, for tools/plot_schedule.py --measured.
     pipeline_timings: bool = False
@@ -361,9 +359,8 @@ def validate(cfg: Config, world_size: int) -> int:
     _need(cfg.logging.interval >= 1, f"logging.interval={cfg.logging.interval} must be >= 1")
     _need(
         cfg.logging.peak_tflops is None or cfg.logging.peak_tflops > 0,
-        "logging.peak_tflops must be > 0 (or null to look it up)",
+        "logging.peak_tflops must be > 0 (or null to measure or look it up)",
     )
-    _need(cfg.logging.cpu_peak_tflops > 0, "logging.cpu_peak_tflops must be > 0")
 
     # An explicit dp is part of the config: its batch arithmetic is checked before the fit to the launch.
     if par.dp is not None:

@@ -67,10 +67,11 @@ class Trainer:
         make_logger: Callable[[int], MetricsLogger | None],
         after_reduce: Callable[[], None] | None = None,
         stop: StopRequest | None = None,
+        after_first_step: Callable[[], None] | None = None,
     ) -> None:
         self.cfg, self.optim_cfg, self.groups = train_cfg, optim_cfg, groups
         self.model_chunks, self.runner, self.loss_fn, self.grad_step = model_chunks, runner, loss_fn, grad_step
-        self.after_reduce = after_reduce
+        self.after_reduce, self.after_first_step = after_reduce, after_first_step
         self.train_data, self.val_data, self.device = train_data, val_data, device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.checkpointer, self.make_logger, self.stop = checkpointer, make_logger, stop
@@ -196,10 +197,13 @@ class Trainer:
     def _train(self, history: list[dict], logger: MetricsLogger | None) -> None:
         total = self.cfg.steps
         save_pending = False  # a checkpoint was due at a step whose loss was not finite: save at the next one
+        first = self.step
         for step in range(self.step, total):
             start = time.perf_counter()
             result = self.train_step(step, self.micro_batches(step))  # ends in a dp all-reduce
             elapsed = time.perf_counter() - start
+            if step == first and self.after_first_step is not None:
+                self.after_first_step()  # every rank, once: the optimizer's state exists from its first step on
             self.step = step + 1
             row = self._row(result, step, elapsed)
             if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or self.step == total):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import resource
 import secrets
 import shutil
@@ -18,61 +17,6 @@ from torch import nn
 from trident.config import Config, LoggingConfig, WandbConfig
 from trident.errors import TridentError
 from trident.parallel.topology import Topology
-
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s; fp32 runs use the TF32 peak, half of these.
-# Keys match whole words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
-# the more specific first, so "L40" is never read as "L4".
-GPU_PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "GH200": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "H800 PCIe": 756.0,
-    "H800": 989.0,
-    "H20": 148.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "L40": 181.0,
-    "L4": 121.0,
-    "A40": 150.0,
-    "RTX A6000": 155.0,
-    "A10G": 125.0,
-    "A10": 125.0,
-    "RTX 4090": 165.0,
-    "RTX 3090": 71.0,
-    "V100": 125.0,  # fp16: V100 has no bf16
-    "T4": 65.0,  # fp16
-    "MI300X": 1307.0,
-    "MI250X": 383.0,
-}
-
-
-def gpu_peak_bf16_tflops(name: str) -> float | None:
-    """The table's peak for a device name, or None for a GPU it does not know."""
-    for key, peak in GPU_PEAK_BF16_TFLOPS.items():
-        if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", name):
-            return peak
-    return None
-
-
-def device_peak_tflops(
-    device: torch.device, precision: str, override: float | None, cpu_node_peak: float, ranks_per_node: int
-) -> float | None:
-    """Peak TFLOP/s of the device one rank drives (on CPU: its share of the node); None if unknown.
-
-    An unknown GPU only costs the MFU figure (logged as null), never the run.
-    """
-    if override is not None:
-        return override
-    if device.type == "cuda":
-        peak = gpu_peak_bf16_tflops(torch.cuda.get_device_name(device))
-        if peak is None:
-            return None
-        return peak if precision != "fp32" else peak / 2
-    return cpu_node_peak / max(1, ranks_per_node)
 
 
 def announce_run(
