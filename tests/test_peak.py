@@ -4,6 +4,7 @@ table matches device names by whole words."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,11 @@ def test_gpu_peak_whole_words_in_any_order(monkeypatch: pytest.MonkeyPatch, name
         keys.reverse()
     monkeypatch.setattr(peak, "GPU_PEAK_BF16_TFLOPS", {k: float(i) for i, k in enumerate(keys)})
     assert gpu_peak_bf16_tflops(name) == float(keys.index(key))
+
+
+def test_ranks_oversubscribing_the_cores_share_the_peak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "peak.json"
+    alone = device_peak_tflops(torch.device("cpu"), "fp32", None, threads=1, cache=cache)
+    cores = os.cpu_count() or 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))  # four one-thread ranks per core
+    assert device_peak_tflops(torch.device("cpu"), "fp32", None, threads=1, cache=cache) == pytest.approx(alone / 4)

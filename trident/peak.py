@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from trident.device import local_world_size
+
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s; fp32 runs use the TF32 peak, half of these.
 # Keys match whole words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
 # the more specific first, so "L40" is never read as "L4".
@@ -146,7 +148,8 @@ def device_peak_tflops(
     """Peak dense TFLOP/s of the device one rank drives; None for a GPU the table does not know.
 
     ``override`` (``logging.peak_tflops``) wins. On a CPU: the measured peak of ``threads`` threads (default: the
-    threads torch uses now, so call this after the rank's threads are set). An unknown GPU only costs the MFU
+    threads torch uses now, so call this after the rank's threads are set), scaled down when the node's ranks
+    together use more threads than it has cores. An unknown GPU only costs the MFU
     figure (logged as null), never the run.
     """
     if override is not None:
@@ -156,4 +159,8 @@ def device_peak_tflops(
         if peak is None:
             return None
         return peak if precision != "fp32" else peak / 2
-    return cpu_peak_tflops(precision, threads or torch.get_num_threads(), cache)
+    threads = threads or torch.get_num_threads()
+    peak = cpu_peak_tflops(precision, threads, cache)
+    # Ranks of one node asking together for more threads than it has cores share them: the probe saw the cores
+    # to itself, training does not (8 ranks of 1 thread on 2 cores get a quarter of a core each).
+    return peak * min(1.0, (os.cpu_count() or 1) / (threads * local_world_size()))
