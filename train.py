@@ -27,6 +27,7 @@ from trident.device import local_world_size, pick_backend, pick_device, set_cpu_
 from trident.loop import Trainer
 from trident.metrics import MetricsLogger, announce_run, device_peak_tflops
 from trident.models.checkpointing import apply_activation_checkpointing
+from trident.models.compile import compile_blocks
 from trident.models.gpt import GPT, flops_per_token, init_weights
 from trident.optim import GradStep, build_optimizer
 from trident.parallel.agree import on_one_rank
@@ -90,6 +91,8 @@ def _build_and_fit(
     model = GPT(cfg.model, groups.tp_group, sequence_parallel=cfg.parallel.sequence_parallel, rng=rng)
     init_weights(model, cfg.model, tr.seed)
     model.to(device)
+    if tr.compile:  # before activation checkpointing, which then wraps the compiled blocks
+        compile_blocks(model, device)
     apply_activation_checkpointing(model, tr.activation_checkpointing)
     chunks = [model]
     optimizer = build_optimizer(chunks, cfg.optim)
