@@ -32,6 +32,7 @@ from trident.models.gpt import GPT, flops_per_token, init_weights
 from trident.optim import GradStep, build_optimizer
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import build_process_groups, init_distributed, launch_world_size, shutdown_distributed
+from trident.parallel.heartbeat import watch_peers
 from trident.parallel.random import model_parallel_rng
 from trident.parallel.reducer import GradReducer
 from trident.parallel.tensor import sum_grads_over_tp
@@ -76,6 +77,7 @@ def _build_and_fit(
         set_cpu_threads()
 
     init_distributed(pick_backend(cfg.parallel.backend, device), device, cfg.parallel.timeout_s)
+    cleanup.enter_context(watch_peers())  # a collective failing on a dead or stuck rank names it
     groups = build_process_groups(topology, cfg.parallel.timeout_s)
     agreed = [str(run_dir)]
     dist.broadcast_object_list(agreed, src=0)  # ranks started a second apart must share rank 0's run dir
