@@ -3,6 +3,7 @@ logits and the run's tokenizer beside it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import sentencepiece as spm
@@ -12,9 +13,10 @@ import transformers
 from tests.layouts import tiny, train_in_process
 from tests.test_checkpoint import run_tool
 from trident.checkpoint import read_model_tensors
-from trident.consolidated import from_checkpoint
-from trident.hf_export import model_config
-from trident.models.gpt import GPT
+from trident.config import ModelConfig
+from trident.consolidated import ModelWeights, from_checkpoint
+from trident.hf_export import model_config, write_hf
+from trident.models.gpt import GPT, init_weights
 from trident.parallel.placement import placement_of
 
 
@@ -61,10 +63,7 @@ def test_a_tp2_checkpoint_exports_to_hf_gpt2_with_our_logits(tiny_dataset, tmp_p
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
 
 
-def test_a_bad_target_is_refused_in_one_line(tiny_dataset, tmp_path, monkeypatch, capsys):
-    overrides = tiny(tiny_dataset, "train.steps=1", "train.eval_every=0", "train.micro_batch_size=16")
-    train_in_process(tmp_path / "run", overrides)
-    source = str(tmp_path / "run" / "checkpoints")
+def test_a_bad_target_is_refused_in_one_line_before_the_checkpoint_is_read(tmp_path, monkeypatch, capsys):
     a_file = tmp_path / "taken"
     a_file.write_text("mine")
     for args, line in [
@@ -74,6 +73,23 @@ def test_a_bad_target_is_refused_in_one_line(tiny_dataset, tmp_path, monkeypatch
         ),
         (["--to", "hf", "--out", str(a_file)], f"error: --out {a_file} is a file; --to hf writes a directory"),
     ]:
-        code, _, err = run_tool("convert_checkpoint", source, *args, monkeypatch=monkeypatch, capsys=capsys)
+        code, _, err = run_tool(
+            "convert_checkpoint", str(tmp_path / "none"), *args, monkeypatch=monkeypatch, capsys=capsys
+        )
         assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
-    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["run", "taken"]
+    assert a_file.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["taken"]
+
+
+def test_a_model_without_biases_exports_with_zero_biases(tmp_path):
+    """model.bias=false: GPT-2 always has biases; zero ones are the same function."""
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=70, bias=False)
+    model = GPT(cfg)
+    init_weights(model, cfg, seed=3)
+    # The logical tensors: at tp=1 each parameter's real part (the embedding without its padding rows).
+    tensors = {name: placement_of(p).real_part(p.detach()) for name, p in model.named_parameters()}
+    write_hf(ModelWeights(tensors, {"model": dataclasses.asdict(cfg)}, 0, None, tmp_path), tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 70, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.eval()(ids), rtol=0, atol=2e-5)

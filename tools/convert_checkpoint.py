@@ -3,8 +3,8 @@
     python tools/convert_checkpoint.py runs/a/checkpoints --out model.safetensors
     python tools/convert_checkpoint.py runs/a/checkpoints --to hf --out gpt2-mine
 
-CHECKPOINT is one checkpoint (``step_XXXXXXXX``), a directory of them (the newest is used), or (for ``--to hf``)
-the one file ``--to consolidated`` made. It runs in one process, without torchrun.
+CHECKPOINT is one checkpoint (``step_XXXXXXXX``), a directory of them (the newest is used), or
+the one file ``--to consolidated`` made of one. It runs in one process, without torchrun.
 
 ``--to consolidated`` (the default) writes a single safetensors file: every parameter as its full logical tensor
 under its canonical name, with the run config, the step and the tokenizer in the file's metadata.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from trident.consolidated import load_weights, write_consolidated
 from trident.errors import TridentError
-from trident.hf_export import write_hf
+from trident.hf_export import check_out_dir, write_hf
 
 TARGETS = ("consolidated", "hf")
 
@@ -39,6 +39,8 @@ def main() -> None:
     try:
         if args.to not in TARGETS:
             raise TridentError(f"--to {args.to} is not a target; use --to consolidated or --to hf")
+        if args.to == "hf":
+            check_out_dir(args.out)
         weights = load_weights(args.checkpoint, what="checkpoint")
         try:
             if args.to == "hf":

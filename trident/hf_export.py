@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 from trident.config import ModelConfig
 from trident.consolidated import ModelWeights
-from trident.errors import CheckpointError
+from trident.errors import CheckpointError, TridentError
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.model"
 
@@ -133,15 +133,19 @@ def hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return out
 
 
+def check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise TridentError(f"--out {out} is a file; --to hf writes a directory (config.json, model.safetensors)")
+
+
 def write_hf(weights: ModelWeights, out: Path) -> list[str]:
     """Write config.json, model.safetensors and (if the run had one) tokenizer.model into ``out``.
 
     The files are made in a temporary sibling directory, then each is moved into ``out`` by rename: a failed
     export leaves no half-written file there. Returns the names written."""
+    check_out_dir(out)
     cfg = model_config(weights)
     state = hf_state_dict(weights.tensors, cfg)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"--out {out} is a file; --to hf writes a directory (config.json, model.safetensors)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
