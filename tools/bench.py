@@ -59,7 +59,7 @@ def model_state_bytes(memory: dict | None) -> str:
 def baseline(model: str, mbs: int, gbs: int, precision: str, steps: int, timeout: float) -> float | None:
     """tools/bench_throughput.py's plain-torch-loop tokens/s for one process."""
     cmd = [sys.executable, str(REPO / "tools" / "bench_throughput.py"), "--model", model, "--micro-batch", str(mbs)]
-    cmd += ["--global-batch", str(gbs), "--precision", precision, "--steps", str(steps), "--rounds", "4"]
+    cmd += ["--global-batch", str(gbs), "--precision", precision, "--steps", str(steps), "--rounds", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     found = re.search(r"^plain torch loop\s+([\d,]+) tokens/s", proc.stdout, re.MULTILINE)
     if proc.returncode != 0 or not found:
@@ -121,7 +121,7 @@ def main() -> None:
             print(f"[{i + 1}/{len(trials)}] {' | '.join(rows[-1])}", file=sys.stderr, flush=True)
     if args.baseline and trials[0].config is not None:
         tr = trials[0].config.train
-        rate = baseline(args.model, tr.micro_batch_size, tr.global_batch_size, tr.precision, 5, args.timeout)
+        rate = baseline(args.model, tr.micro_batch_size, tr.global_batch_size, tr.precision, 3, args.timeout)
         first = next(iter(rates.values()), None)
         ratio = f"{rate / first:.2f}" if rate and first else "-"
         rows.append(["plain torch loop (bench_throughput.py)", "1", f"{rate:,.0f}" if rate else "failed", ratio])
