@@ -30,6 +30,7 @@ from trident.memory import log_model_states
 from trident.memory_estimate import Layout, estimate
 from trident.metrics import MetricsLogger, announce_run
 from trident.models.checkpointing import apply_activation_checkpointing
+from trident.models.compile import compile_blocks
 from trident.models.gpt import GPT, flops_per_token, init_weights
 from trident.optim import GradStep
 from trident.optimizer_setup import build_optimizer_setup
@@ -41,6 +42,7 @@ from trident.parallel.groups import (
     launch_world_size,
     shutdown_distributed,
 )
+from trident.parallel.heartbeat import watch_peers
 from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.stages import stage_layers, sum_tied_grads
 from trident.parallel.random import RNGTracker, model_parallel_rng
@@ -87,6 +89,7 @@ def _build_and_fit(
     peak = device_peak_tflops(device, tr.precision, lg.peak_tflops)
 
     init_distributed(pick_backend(cfg.parallel.backend, device), device, cfg.parallel.timeout_s)
+    cleanup.enter_context(watch_peers())  # a collective failing on a dead or stuck rank names it
     groups = build_process_groups(topology, cfg.parallel.timeout_s)
     agreed = [str(run_dir)]
     dist.broadcast_object_list(agreed, src=0)  # ranks started a second apart must share rank 0's run dir
@@ -103,6 +106,8 @@ def _build_and_fit(
     for chunk in chunks:
         init_weights(chunk, cfg.model, tr.seed)
         chunk.to(device)
+        if tr.compile:  # before activation checkpointing, which then wraps the compiled blocks
+            compile_blocks(chunk, device)
         apply_activation_checkpointing(chunk, tr.activation_checkpointing)
     # Reducer, optimizer (plain or ZeRO) and step; ZeRO also casts the parameters to the precision's dtype. The
     # tied embedding copies get buckets of their own, so their shards line up across the first and last stage.

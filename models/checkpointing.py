@@ -10,6 +10,7 @@ model's RNG tracker, if it has one, restores its tensor-parallel streams (``RNGT
 
 from __future__ import annotations
 
+import torch
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from trident.models.gpt import GPT
@@ -18,7 +19,10 @@ from trident.parallel.random import RNGTracker
 
 def _recomputed(fn, rng: RNGTracker | None):
     contexts = rng.checkpoint_contexts if rng is not None else noop_context_fn
-    return lambda *args: checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
+    # Opaque to torch.compile (train.compile): dynamo cannot trace a checkpoint with our context_fn, so a compiled
+    # block calls the checkpointed part as an eager island (selective), or the checkpoint wraps the compiled block
+    # (full: models/compile.py runs first).
+    return torch.compiler.disable(lambda *args: checkpoint(fn, *args, use_reentrant=False, context_fn=contexts))
 
 
 def apply_activation_checkpointing(model: GPT, policy: str) -> None:

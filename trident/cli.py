@@ -19,7 +19,7 @@ from typing import NoReturn
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.errors import TridentError, is_lost_peer, one_line
+from trident.errors import TridentError, gist, is_lost_peer, one_line
 from trident.signals import Stopped
 
 
@@ -27,16 +27,6 @@ def _leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _gist(error: BaseException) -> str:
-    """The first sentence of a collective's error, without gloo's source location:
-    "[.../pair.cc:537] Read error [127.0.0.1]:22433: Connection reset by peer. This is typically..." ->
-    "Read error [127.0.0.1]:22433: Connection reset by peer"."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text.split(". ", 1)[0]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -59,7 +49,7 @@ def user_errors() -> Iterator[None]:
     except Exception as e:
         if is_lost_peer(e):
             # Another rank has gone: its own line, if it could leave one, is the cause and came first.
-            fail(f"lost contact with another rank ({_gist(e)}); the first error above, if any, says why it stopped", 1)
+            fail(f"lost contact with another rank ({gist(e)}); the first error above, if any, says why it stopped", 1)
         traceback.print_exc()  # a bug: its traceback is the message, and it too must be out before the launcher acts
         _leave(1)
 

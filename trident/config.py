@@ -79,6 +79,7 @@ class TrainConfig:
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16
     activation_checkpointing: str = "none"  # none | full | selective
+    compile: bool = False  # each transformer block compiled with torch.compile (models/compile.py)
     eval_every: int = 20  # 0 disables periodic validation
     # Global batches of validation data per evaluation, at most what the validation set holds; None: up to 4.
     eval_batches: int | None = None

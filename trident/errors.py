@@ -60,3 +60,13 @@ def is_lost_peer(error: BaseException) -> bool:
     import torch.distributed as dist  # here, not at the top: tools/prepare_data.py imports this module without torch
 
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport" in str(error))
+
+
+def gist(error: BaseException) -> str:
+    """The first sentence of a collective's error, without gloo's source location:
+    "[.../pair.cc:537] Read error [127.0.0.1]:22433: Connection reset by peer. This is typically..." ->
+    "Read error [127.0.0.1]:22433: Connection reset by peer"."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0]

@@ -1,0 +1,39 @@
+"""``train.compile=true`` as an applier: each transformer block's forward compiled with ``torch.compile``.
+
+Only the blocks: they are the same code ``n_layers`` times, so one compilation serves them all (dynamo treats
+the block as an input, not a constant), while the embedding, the head and the vocab-parallel loss stay eager.
+The compiled forward is set on the block instance, so no wrapper module appears and parameter names (and with
+them checkpoints) do not change.
+
+Apply it *before* activation checkpointing: ``full`` then checkpoints the compiled block, and ``selective``
+leaves the recomputed attention core as an eager island inside it (dynamo cannot trace a checkpoint whose
+``context_fn`` restores the tensor-parallel RNG streams). Random numbers are drawn as eager draws them
+(inductor's ``fallback_random``), so dropout masks, and their replay in recomputation, are the eager ones.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from trident.errors import ConfigError
+
+
+def check_toolchain(device: torch.device) -> None:
+    """On a CPU, inductor compiles C++: without a compiler the first step would fail deep inside torch."""
+    cxx = os.environ.get("CXX") or "g++"
+    if device.type == "cpu" and shutil.which(cxx) is None:
+        raise ConfigError(
+            f"train.compile=true on a CPU needs a C++ compiler for torch.compile ({cxx} is not on PATH); "
+            "install one (or set CXX), or use train.compile=false"
+        )
+
+
+def compile_blocks(model: nn.Module, device: torch.device) -> None:
+    """Compile the forward of every block in ``model.layers`` (a model chunk: all layers, or a pipeline stage's)."""
+    check_toolchain(device)
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward, options={"fallback_random": True})

@@ -1,0 +1,142 @@
+"""Short training runs launched as a user launches them, for the tools that compare layouts
+(``tools/layout_matrix.py``, ``tools/bench.py``).
+
+A layout is written as overrides of train.py, with short forms for the common ones::
+
+    "dp=2 tp=2 sp ac=selective"  ->  parallel.dp=2 parallel.tp=2 parallel.sequence_parallel=true
+                                     train.activation_checkpointing=selective
+
+``dp tp pp vpp schedule zero`` are ``parallel.*``; ``sp`` is sequence parallelism; ``ac=`` activation
+checkpointing; ``precision=``, ``mbs=`` (micro-batch size) and ``compile`` are ``train.*``; anything with a dot
+passes through unchanged; ``1`` alone is the one-process run. The world size is dp x tp x pp (dp 1 when left out).
+Each layout is checked by train.py's own ``validate`` before anything starts, so a refused layout costs nothing
+and reports the validator's line; the rest run as ``torchrun --standalone train.py`` (plain ``python train.py``
+for one process) in a run directory of their own, and come back as their metrics.jsonl rows, the memory.json
+report if the run wrote one, and the error line if it failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from trident.config import Config, register_configs, to_config, validate
+from trident.errors import ConfigError, one_line
+
+SHORT = {
+    "dp": "parallel.dp",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "vpp": "parallel.vpp",
+    "schedule": "parallel.schedule",
+    "zero": "parallel.zero",
+    "ac": "train.activation_checkpointing",
+    "precision": "train.precision",
+    "mbs": "train.micro_batch_size",
+}
+FLAGS = {"sp": "parallel.sequence_parallel=true", "compile": "train.compile=true"}
+
+
+def expand(layout: str) -> list[str]:
+    """A layout's train.py overrides."""
+    out = []
+    for word in layout.split():
+        key, eq, value = word.partition("=")
+        if word == "1":
+            continue
+        if word in FLAGS:
+            out.append(FLAGS[word])
+        elif eq and key in SHORT:
+            out.append(f"{SHORT[key]}={value}")
+        elif eq and "." in key:
+            out.append(word)
+        else:
+            raise ValueError(f"layout {layout!r}: cannot read {word!r}; use {', '.join([*SHORT, *FLAGS])} or key=value")
+    return out
+
+
+def compose_config(conf_dir: Path, overrides: list[str]) -> Config:
+    """train.py's typed config for ``overrides``, from the YAML under ``conf_dir``."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return to_config(compose("config", overrides=overrides))
+
+
+def world_size(cfg: Config) -> int:
+    return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
+
+
+@dataclass
+class Trial:
+    layout: str
+    overrides: list[str]
+    world: int = 1
+    config: Config | None = None  # None if its overrides do not compose (refused)
+    refused: str | None = None  # the validator's line, when the layout was not run
+    error: str | None = None  # the run's last error line, when it failed
+    rows: list[dict] = field(default_factory=list)  # metrics.jsonl
+    memory: dict | None = None  # memory.json
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.refused is None and self.error is None
+
+
+def plan(repo: Path, layout: str, base: list[str]) -> Trial:
+    """The trial of ``layout`` on top of ``base`` overrides, checked by the validator (not run)."""
+    overrides = [*base, *expand(layout)]
+    trial = Trial(layout, overrides)
+    try:
+        trial.config = compose_config(repo / "conf", overrides)
+        trial.world = world_size(trial.config)
+        validate(trial.config, trial.world)
+    except ConfigError as e:
+        trial.refused = str(e)
+    except (HydraException, OmegaConfBaseException) as e:  # an unknown key or a value of the wrong type
+        trial.refused = one_line(str(e))
+    return trial
+
+
+def run(repo: Path, trial: Trial, run_dir: Path, timeout_s: float) -> Trial:
+    """Launch ``trial`` (already planned and not refused) and read back what it left in ``run_dir``."""
+    launcher = [sys.executable]
+    if trial.world > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={trial.world}"]
+    cmd = [*launcher, str(repo / "train.py"), f"hydra.run.dir={run_dir}", *trial.overrides]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_SILENT="true")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=repo)
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "stopped by"))]
+            tail = proc.stderr.strip().splitlines()
+            trial.error = lines[0] if lines else (tail[-1] if tail else f"exit code {proc.returncode}")
+    except subprocess.TimeoutExpired:
+        trial.error = f"did not finish within {timeout_s:g} s"
+    trial.wall_s = time.monotonic() - start
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        trial.rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+    memory = run_dir / "memory.json"
+    if memory.is_file():
+        try:
+            trial.memory = json.loads(memory.read_text())
+        except ValueError:
+            trial.memory = None
+    return trial
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
