@@ -20,6 +20,8 @@ from trident.checkpoint import checkpoint_name
 # dp=2 x tp=2, a checkpoint every 2 steps, steps slow enough (4 micro-batches a rank) to signal one mid-run.
 STEPS = 12
 LAYOUT = ["parallel.tp=2", "train.micro_batch_size=2", "train.eval_every=0", "logging.interval=1000"]
+# The whole 3D for the killed rank: dp=2 x tp=2 x pp=2 on 8 ranks, one layer per stage.
+LAYOUT_3D = [*LAYOUT, "parallel.pp=2"]
 
 
 def _workers(launcher: int) -> dict[int, int]:
@@ -47,15 +49,15 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_killed_rank_ends_every_rank_and_the_run_resumes_with_the_uninterrupted_losses(tiny_dataset, tmp_path):
-    overrides = tiny(tiny_dataset, f"train.steps={STEPS}", *LAYOUT, "checkpoint.every=2", "parallel.timeout_s=30")
+    overrides = tiny(tiny_dataset, f"train.steps={STEPS}", *LAYOUT_3D, "checkpoint.every=2", "parallel.timeout_s=30")
     run_dir = tmp_path / "run"
-    cmd = [*_torchrun(4), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    cmd = [*_torchrun(8), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         _wait_for_rows(run_dir, 3, launcher)
         workers = _workers(launcher.pid)
-        assert sorted(workers) == [0, 1, 2, 3]
-        os.kill(workers[3], signal.SIGKILL)
+        assert sorted(workers) == list(range(8))
+        os.kill(workers[5], signal.SIGKILL)  # dp 0, pp 1, tp 1: a last-stage rank holding a tied copy
         killed = time.monotonic()
         _, err = launcher.communicate(timeout=60)
         took = time.monotonic() - killed
@@ -66,11 +68,11 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_with_the_uninterrupte
     # torchrun's agent names the dead rank; the survivors, SIGTERMed by it as their collectives fail, say a peer
     # is gone (or, if their collective failed first, name it too) and leave their step unsaved.
     root_cause = err.split("Root Cause")[1]
-    assert "rank      : 3 (local_rank: 3)" in root_cause and "Signal 9 (SIGKILL)" in root_cause, err
+    assert "rank      : 5 (local_rank: 5)" in root_cause and "Signal 9 (SIGKILL)" in root_cause, err
     k = _rows(run_dir)[-1]["step"]
     assert k < STEPS, "the run ended before the kill: make its steps longer"
     survivors = [line for line in _lines(err) if line.startswith(("stopped by", "error:"))]
-    assert survivors and all("another rank is gone" in s or "lost contact with rank 3" in s for s in survivors), err
+    assert survivors and all("another rank is gone" in s or "lost contact with rank 5" in s for s in survivors), err
 
     # The run resumes from its last checkpoint (step k or the one before) with the losses of a run never
     # interrupted; here in one process, which is cheaper to start (a checkpoint resumes under any layout).
