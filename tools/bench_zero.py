@@ -1,7 +1,7 @@
 """Tokens/s and model-state bytes of trident's ZeRO stages against stage 0, FSDP2 and DDP + ZeroRedundancyOptimizer.
 
     python tools/bench_zero.py [--worlds 2,4] [--layers 4] [--d-model 256] [--seq-len 128] [--vocab 8192]
-        [--micro-batch 4] [--micro-batches 2] [--steps 3] [--rounds 3] [--precision fp32] [--state-only]
+        [--batch-seq 0] [--micro-batch 4] [--micro-batches 2] [--steps 3] [--rounds 3] [--precision fp32] [--state-only]
 
 One invocation spawns a gloo group of each size in --worlds on this machine (CPU) and trains, on every rank, these
 variants of one GPT (models/gpt.py at tp=1, so plain torch layers), all from the same initial weights (trident's
@@ -23,15 +23,14 @@ tokens/s (all ranks' tokens). The loss of the first and last step of every varia
 Model-state bytes per rank are measured on the live tensors after the steps (each storage once: parameters,
 gradients, optimizer states; the torch variants' .grad and optimizer state, DTensors by their local shards) and
 set against the formula of parallel/zero/__init__.py with Psi the model's parameter count and N the dp size.
---state-only builds, steps once and measures one variant at a time (no tokens/s): gpt-small's shape at dp=4 is
-``--state-only --worlds 4 --layers 12 --d-model 768 --seq-len 1024 --vocab 50257 --micro-batch 1 --micro-batches 1``
-(its batches are --seq-len tokens long; pass a shorter one for speed only when the preset's seq_len is not needed).
+--state-only steps once and measures each variant in processes of its own (no tokens/s): gpt-small at dp=4 is
+``--state-only --worlds 4 --layers 12 --d-model 768 --seq-len 1024 --vocab 50257 --batch-seq 64 --micro-batch 1
+--micro-batches 1`` (--batch-seq: shorter sequences than the model's seq_len, so activations stay small).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import time
@@ -177,7 +176,8 @@ class _nothing:
 
 def batches_for(step: int, rank: int, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1_000 * step + rank)
-    tokens = torch.randint(0, args.vocab, (args.micro_batches, args.micro_batch, args.seq_len + 1), generator=gen)
+    length = args.batch_seq or args.seq_len
+    tokens = torch.randint(0, args.vocab, (args.micro_batches, args.micro_batch, length + 1), generator=gen)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
@@ -204,7 +204,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
     if args.precision != "fp32":
         builders.pop("ddp+zro")
         builders.pop("fsdp2")
-    tokens = world * args.micro_batches * args.micro_batch * args.seq_len
+    builders = {name: build for name, build in builders.items() if not args.only or name == args.only}
+    tokens = world * args.micro_batches * args.micro_batch * (args.batch_seq or args.seq_len)
     losses: dict[str, list[float]] = {name: [] for name in builders}
     times: dict[str, list[float]] = {name: [float("nan")] for name in builders}
     nbytes: dict[str, int] = {}
@@ -218,9 +219,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
     for name, build in builders.items():  # untimed first step: warm-up, and the first loss
         variants[name] = build()
         train(name, 0)
-        if args.state_only:  # one variant at a time: a large model's states would not fit six times over
-            nbytes[name] = variants.pop(name).state_bytes()
-            gc.collect()  # gradient hooks hold the model in reference cycles
+        if args.state_only:
+            nbytes[name] = variants[name].state_bytes()
     if not args.state_only:
         times = {name: [] for name in variants}
         step = {name: 1 for name in variants}
@@ -237,7 +237,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
     state = torch.tensor([nbytes[name] for name in builders], dtype=torch.float64)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
     if rank == 0:
-        psi = sum(p.numel() for p in GPT(model).parameters())
+        with torch.device("meta"):
+            psi = sum(p.numel() for p in GPT(model).parameters())
         results.put(
             {
                 "world": world,
@@ -267,15 +268,17 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch-seq", type=int, default=0, help="tokens per sequence (0: the model's seq-len)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument(
-        "--state-only", action="store_true", help="one step per variant, one at a time: bytes only, no tokens/s"
+        "--state-only", action="store_true", help="one step per variant, each in its own ranks: bytes only"
     )
     args = parser.parse_args()
+    args.only = None
     b = 4 if args.precision == "fp32" else 2
     ctx = mp.get_context("spawn")
     print(
@@ -287,10 +290,15 @@ def main() -> None:
         f"{'first loss':>12}{'last loss':>11}{'state MiB':>11}{'formula':>9}{'ratio':>7}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
-        results = ctx.SimpleQueue()
-        mp.start_processes(run_rank, args=(world, free_port(), args, results), nprocs=world, start_method="spawn")
-        got = results.get()
-        rows = {name: row for name, *row in got["rows"]}
+        # --state-only: each variant in processes of its own, so a large model's states are never held twice.
+        names = VARIANTS if args.precision == "fp32" else VARIANTS[:4]  # the torch variants run fp32 only
+        runs = [argparse.Namespace(**{**vars(args), "only": v}) for v in names] if args.state_only else [args]
+        rows = {}
+        for run in runs:
+            results = ctx.SimpleQueue()
+            mp.start_processes(run_rank, args=(world, free_port(), run, results), nprocs=world, start_method="spawn")
+            got = results.get()
+            rows.update({name: row for name, *row in got["rows"]})
         print(f"\nPsi = {got['psi']:,} parameters, N = dp = {world}\n" + header)
         for name, (tps, first, last, nbytes) in rows.items():
             speed = vs_zero0 = versus = ""
