@@ -1,7 +1,8 @@
 """Tokens/s and model-state bytes of trident's ZeRO stages against stage 0, FSDP2 and DDP + ZeroRedundancyOptimizer.
 
     python tools/bench_zero.py [--worlds 2,4] [--layers 4] [--d-model 256] [--seq-len 128] [--vocab 8192]
-        [--batch-seq 0] [--micro-batch 4] [--micro-batches 2] [--steps 3] [--rounds 3] [--precision fp32] [--state-only]
+        [--variants zero0,...] [--batch-seq 0] [--micro-batch 4] [--micro-batches 2] [--steps 3] [--rounds 3]
+        [--precision fp32] [--state-only]
 
 One invocation spawns a gloo group of each size in --worlds on this machine (CPU) and trains, on every rank, these
 variants of one GPT (models/gpt.py at tp=1, so plain torch layers), all from the same initial weights (trident's
@@ -18,7 +19,9 @@ name-seeded init) on the same batches (each dp rank its own micro-batches):
 
 Every step is --micro-batches micro-batches of --micro-batch sequences per rank; the timed blocks of --steps steps
 alternate between variants over --rounds rounds so machine noise hits all alike, and the median step time gives
-tokens/s (all ranks' tokens). The loss of the first and last step of every variant is printed: they must agree.
+tokens/s (all ranks' tokens); CPU-s/step is the CPU time a step costs all ranks together (compute and gloo threads),
+which other load on the machine hardly changes. The first and last step's loss of every variant are printed: they
+must agree.
 
 Model-state bytes per rank are measured on the live tensors after the steps (each storage once: parameters,
 gradients, optimizer states; the torch variants' .grad and optimizer state, DTensors by their local shards) and
@@ -204,10 +207,11 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
     if args.precision != "fp32":
         builders.pop("ddp+zro")
         builders.pop("fsdp2")
-    builders = {name: build for name, build in builders.items() if not args.only or name == args.only}
+    builders = {name: build for name, build in builders.items() if name in (args.only or args.variants)}
     tokens = world * args.micro_batches * args.micro_batch * (args.batch_seq or args.seq_len)
     losses: dict[str, list[float]] = {name: [] for name in builders}
     times: dict[str, list[float]] = {name: [float("nan")] for name in builders}
+    cpu: dict[str, list[float]] = {name: [float("nan")] for name in builders}
     nbytes: dict[str, int] = {}
     variants: dict[str, object] = {}
 
@@ -223,19 +227,25 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
             nbytes[name] = variants[name].state_bytes()
     if not args.state_only:
         times = {name: [] for name in variants}
+        cpu = {name: [] for name in variants}
         step = {name: 1 for name in variants}
         for _ in range(args.rounds):
             for name in variants:
                 dist.barrier()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 for _ in range(args.steps):
                     train(name, step[name])
                     step[name] += 1
                 dist.barrier()
                 times[name].append((time.perf_counter() - start) / args.steps)
+                cpu[name].append((time.process_time() - start_cpu) / args.steps)
         nbytes = {name: variant.state_bytes() for name, variant in variants.items()}
     state = torch.tensor([nbytes[name] for name in builders], dtype=torch.float64)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    # CPU seconds a step costs all ranks together (their compute and gloo threads): unlike wall time, it hardly
+    # moves when other processes load the machine.
+    cpu_s = torch.tensor([statistics.median(cpu[name]) for name in builders], dtype=torch.float64)
+    dist.all_reduce(cpu_s)
     if rank == 0:
         with torch.device("meta"):
             psi = sum(p.numel() for p in GPT(model).parameters())
@@ -244,7 +254,14 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
                 "world": world,
                 "psi": psi,
                 "rows": [
-                    (name, tokens / statistics.median(times[name]), losses[name][0], losses[name][-1], int(state[i]))
+                    (
+                        name,
+                        tokens / statistics.median(times[name]),
+                        cpu_s[i].item(),
+                        losses[name][0],
+                        losses[name][-1],
+                        int(state[i]),
+                    )
                     for i, name in enumerate(builders)
                 ],
             }
@@ -264,6 +281,7 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="a subset of " + ",".join(VARIANTS))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -278,7 +296,7 @@ def main() -> None:
         "--state-only", action="store_true", help="one step per variant, each in its own ranks: bytes only"
     )
     args = parser.parse_args()
-    args.only = None
+    args.only, args.variants = None, args.variants.split(",")
     b = 4 if args.precision == "fp32" else 2
     ctx = mp.get_context("spawn")
     print(
@@ -286,12 +304,12 @@ def main() -> None:
         f"{args.micro_batches} micro-batches of {args.micro_batch} per rank per step; gloo on {os.cpu_count()} CPUs"
     )
     header = (
-        f"{'dp':>3}  {'variant':<8}{'tokens/s':>10}{'vs zero0':>10}{'vs torch':>10}"
+        f"{'dp':>3}  {'variant':<8}{'tokens/s':>10}{'vs zero0':>10}{'vs torch':>10}{'CPU-s/step':>11}{'vs zero0':>9}"
         f"{'first loss':>12}{'last loss':>11}{'state MiB':>11}{'formula':>9}{'ratio':>7}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
         # --state-only: each variant in processes of its own, so a large model's states are never held twice.
-        names = VARIANTS if args.precision == "fp32" else VARIANTS[:4]  # the torch variants run fp32 only
+        names = [v for v in args.variants if args.precision == "fp32" or v.startswith("zero")]  # torch: fp32 only
         runs = [argparse.Namespace(**{**vars(args), "only": v}) for v in names] if args.state_only else [args]
         rows = {}
         for run in runs:
@@ -300,15 +318,17 @@ def main() -> None:
             got = results.get()
             rows.update({name: row for name, *row in got["rows"]})
         print(f"\nPsi = {got['psi']:,} parameters, N = dp = {world}\n" + header)
-        for name, (tps, first, last, nbytes) in rows.items():
-            speed = vs_zero0 = versus = ""
+        for name, (tps, cpu_s, first, last, nbytes) in rows.items():
+            speed = vs_zero0 = versus = cost = cost_vs = ""
             if not args.state_only:
-                speed, vs_zero0 = f"{tps:,.0f}", f"{tps / rows['zero0'][0]:.2f}x"
+                speed, cost = f"{tps:,.0f}", f"{cpu_s:.3f}"
+                if "zero0" in rows:
+                    vs_zero0, cost_vs = f"{tps / rows['zero0'][0]:.2f}x", f"{cpu_s / rows['zero0'][1]:.2f}x"
                 if name in BASELINE and BASELINE[name] in rows:
                     versus = f"{tps / rows[BASELINE[name]][0]:.2f}x"
             formula = formula_bytes(name, got["psi"], world, b)
             print(
-                f"{world:>3}  {name:<8}{speed:>10}{vs_zero0:>10}{versus:>10}"
+                f"{world:>3}  {name:<8}{speed:>10}{vs_zero0:>10}{versus:>10}{cost:>11}{cost_vs:>9}"
                 f"{first:>12.5f}{last:>11.5f}{nbytes / 2**20:>11.2f}{formula / 2**20:>9.2f}{nbytes / formula:>7.3f}"
             )
 
