@@ -35,6 +35,7 @@ LAYOUTS = [
     "tp=2 sp ac=selective",
     "precision=bf16",
     "dp=2 precision=fp16",
+    "tp=2 sp compile",
     "pp=2",
     "pp=4",
     "pp=2 vpp=2",
