@@ -78,6 +78,14 @@ def storages(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def torch_state_bytes(model: torch.nn.Module, optimizer_state: dict) -> int:
+    """A torch baseline's model states: its parameters, their ``.grad`` and the optimizer's state tensors."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [t for s in optimizer_state.values() for t in s.values() if torch.is_tensor(t)]
+    return storages([*params, *grads, *states])
+
+
 class Trident:
     def __init__(self, cfg: Config, groups, zero: int) -> None:
         self.model = GPT(cfg.model)
@@ -131,10 +139,7 @@ class TorchDDPZero:
         return total
 
     def state_bytes(self) -> int:
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        states = [t for s in self.optimizer.optim.state.values() for t in s.values() if torch.is_tensor(t)]
-        return storages([*params, *grads, *states])
+        return torch_state_bytes(self.model, self.optimizer.optim.state)  # the local shard's AdamW
 
 
 class TorchFSDP2:
@@ -163,10 +168,7 @@ class TorchFSDP2:
         return total
 
     def state_bytes(self) -> int:
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        return storages([*params, *grads, *states])
+        return torch_state_bytes(self.model, self.optimizer.state)
 
 
 class _nothing:
