@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from trident import cli
-from trident.checkpoint import Checkpointer
+from trident.checkpoint.manager import Checkpointer
 from trident.config import Config, ModelConfig, ParallelConfig, register_configs, resolve_schedule, to_config, validate
 from trident.data.dataset import open_dataset
 from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores

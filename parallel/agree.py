@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from trident.errors import TridentError
+from trident.parallel.errors import TridentError
 
 T = TypeVar("T")
 Failure = tuple[str, str] | None  # (error class name, message), or None for success

@@ -30,7 +30,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
-from trident.errors import TridentError, gist, is_lost_peer
+from trident.parallel.errors import TridentError, gist, is_lost_peer
 
 
 class LostPeerError(TridentError):

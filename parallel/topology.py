@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from trident.errors import ConfigError
+from trident.parallel.errors import ConfigError
 
 
 class Coord(NamedTuple):

@@ -1,4 +1,4 @@
-"""Checkpoints (trident/checkpoint.py, checkpoint_format.py, checkpoint_state.py, consolidated.py): atomic
+"""Checkpoints (trident/checkpoint/: manager, files, dcp, state, consolidated): atomic
 publishing and discovery, exact resume, resharding across tp and dp layouts, deduplicated writes, hostile
 files refused, and the consolidated file the tools read.
 
@@ -26,26 +26,31 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import trident.checkpoint as ckpt_mod
-import trident.checkpoint_format as format_mod
-import trident.consolidated as consolidated_mod
+import trident.checkpoint.consolidated as consolidated_mod
+import trident.checkpoint.dcp as format_mod
+import trident.checkpoint.files as files_mod
+import trident.checkpoint.manager as manager_mod
 from tests.conftest import REPO
 from tests.dist import run_distributed
-from trident.checkpoint import (
+from trident.checkpoint.consolidated import (
+    ModelWeights,
+    load_weights,
+    read_consolidated,
+    read_model_tensors,
+    write_consolidated,
+)
+from trident.checkpoint.dcp import METADATA_FILE, read_metadata
+from trident.checkpoint.files import (
     FORMAT,
-    Checkpointer,
     checkpoint_name,
     find_resume_path,
     list_checkpoints,
     new_temporary,
     prune_checkpoints,
     publish,
-    read_model_tensors,
-    schedule_changes,
 )
-from trident.checkpoint_format import METADATA_FILE, read_metadata
+from trident.checkpoint.manager import Checkpointer, schedule_changes
 from trident.config import ModelConfig
-from trident.consolidated import ModelWeights, load_weights, read_consolidated, write_consolidated
 from trident.errors import CheckpointError
 from trident.models.gpt import GPT, init_weights, lm_loss_sum, padded_vocab_size
 from trident.parallel.groups import ProcessGroups, build_process_groups
@@ -290,7 +295,7 @@ def test_failure_before_rename_publishes_nothing(tmp_path: Path, monkeypatch) ->
     def failing_fsync(path: Path) -> None:
         raise OSError("fsync failed")
 
-    monkeypatch.setattr(ckpt_mod, "_fsync_dir", failing_fsync)
+    monkeypatch.setattr(files_mod, "_fsync_dir", failing_fsync)
     with pytest.raises(OSError, match="fsync failed"):
         fake_checkpoint(tmp_path, 3)
     assert list(tmp_path.iterdir()) == []
@@ -641,19 +646,19 @@ def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str) -> Non
     # Errors are agreed: a bad path decided on rank 0, a checkpoint only rank 1 cannot read.
     with pytest.raises(CheckpointError, match=r"checkpoint\.resume="):
         checkpointer(root, groups, fresh, fresh_opt, str(root / "nope"), cfg=TP_CFG).maybe_resume(FakeTrainer())
-    real_read = ckpt_mod.read_metadata
+    real_read = manager_mod.read_metadata
 
     def unreadable_on_rank_1(directory: Path):
         if dist.get_rank() == 1:
             raise CheckpointError(f"{directory} not here")
         return real_read(directory)
 
-    ckpt_mod.read_metadata = unreadable_on_rank_1
+    manager_mod.read_metadata = unreadable_on_rank_1
     try:
         with pytest.raises(CheckpointError, match=r"^rank 1: .*step_00000002 not here$"):
             checkpointer(root, groups, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer())
     finally:
-        ckpt_mod.read_metadata = real_read
+        manager_mod.read_metadata = real_read
 
     # A crash while rank 1 writes its data: every rank raises it, nothing is published, no temporary is left.
     real_write = format_mod._Writer.write_data

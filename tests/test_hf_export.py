@@ -12,10 +12,9 @@ import transformers
 
 from tests.layouts import tiny, train_in_process
 from tests.test_checkpoint import run_tool
-from trident.checkpoint import read_model_tensors
+from trident.checkpoint.consolidated import ModelWeights, from_checkpoint, read_model_tensors
+from trident.checkpoint.export import model_config, write_hf
 from trident.config import ModelConfig
-from trident.consolidated import ModelWeights, from_checkpoint
-from trident.hf_export import model_config, write_hf
 from trident.models.gpt import GPT, init_weights
 from trident.parallel.placement import placement_of
 

@@ -19,7 +19,7 @@ from tests.conftest import REPO
 from tests.dist import free_port, run_distributed
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
 from train import run
-from trident.checkpoint import checkpoint_name, list_checkpoints
+from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.config import Config
 from trident.divergence import DivergencePolicy
 from trident.errors import RunDirError

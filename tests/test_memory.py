@@ -28,9 +28,9 @@ from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
 from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.groups import ProcessGroups, build_process_groups
+from trident.parallel.precision import autocast
 from trident.parallel.topology import Topology
 from trident.peak import PRECISION_DTYPES
-from trident.precision import autocast
 
 TINY = ModelConfig(name="gpt-tiny", n_layers=2, d_model=64, n_heads=4, seq_len=64, vocab_size=512)
 # Odd sizes: a vocab that pads, a bias-free model, an MLP width that is not 4 d.

@@ -81,3 +81,20 @@ def test_ruff_bans_the_bare_package_names(tmp_path: Path) -> None:
     assert proc.stdout.count("TID251") == 2, proc.stdout
     clean = subprocess.run([*cmd, str(REPO)], capture_output=True, text=True, timeout=60)
     assert clean.returncode == 0, clean.stdout
+
+
+def test_parallel_never_imports_the_product_above_it() -> None:
+    """parallel/ sits below the product: its modules import torch and each other, never trident.<product>."""
+    import ast
+
+    for path in (REPO / "parallel").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("trident"):
+                    assert name.startswith("trident.parallel"), f"{path.relative_to(REPO)} imports {name}"

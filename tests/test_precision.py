@@ -13,8 +13,8 @@ from trident.errors import DivergenceError
 from trident.models.gpt import GPT, init_weights
 from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.groups import build_process_groups
+from trident.parallel.precision import LossScaler
 from trident.parallel.topology import Topology
-from trident.precision import LossScaler
 
 # 200 steps of 4 sequences: a few seconds each on one core.
 LONG = ("train.steps=200", "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_every=0")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from trident.checkpoint.zero_state import piece_boxes, range_boxes
 from trident.parallel.layout import FlatLayout, padded_numel
 from trident.parallel.placement import Placement, set_placement
-from trident.parallel.zero.checkpoint import piece_boxes, range_boxes
 from trident.parallel.zero.optimizer import shard_segments
 
 

@@ -31,9 +31,9 @@ from trident.loop import Trainer
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.optim import GradStep, ReplicatedUpdate, build_optimizer
 from trident.parallel.groups import build_process_groups, init_distributed, shutdown_distributed
+from trident.parallel.precision import LossScaler, autocast
 from trident.parallel.reducer import GradReducer
 from trident.parallel.topology import Topology
-from trident.precision import LossScaler, autocast
 from trident.runner import LocalRunner
 
 # The model presets of the checkout this script belongs to (the YAML under conf/ is not inside the package).

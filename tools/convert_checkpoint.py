@@ -21,9 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from trident.consolidated import load_weights, write_consolidated
+from trident.checkpoint.consolidated import load_weights, write_consolidated
+from trident.checkpoint.export import check_out_dir, write_hf
 from trident.errors import TridentError
-from trident.hf_export import check_out_dir, write_hf
 
 TARGETS = ("consolidated", "hf")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from trident.checkpoint.consolidated import ModelWeights, load_weights
 from trident.config import ModelConfig
-from trident.consolidated import ModelWeights, load_weights
 from trident.errors import CheckpointError, TridentError
 from trident.models.gpt import GPT
 from trident.parallel.placement import placement_of

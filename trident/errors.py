@@ -1,21 +1,13 @@
-"""Errors a user can fix. ``train.py`` turns them into one line on stderr and an exit code (2 unless said)."""
+"""Errors a user can fix. ``train.py`` turns them into one line on stderr and an exit code (2 unless said).
 
+The base class, the config error and the lost-peer test are the parallel layer's (trident/parallel/errors.py),
+which sits below the product; the rest are the product's own.
+"""
 
-class TridentError(Exception):
-    """Base class: the message says what is wrong and how to fix it.
+from trident.parallel.errors import ConfigError, TridentError, gist, is_lost_peer
 
-    ``agreed`` marks an error that every rank raises alike (a config rule, or an outcome the ranks exchanged);
-    any other error was met by some ranks alone. Either way every rank that knows it prints it.
-    """
-
-    agreed = False
-    exit_code = 2
-
-
-class ConfigError(TridentError):
-    """The configuration (or its fit to the launch) is invalid. Same on every rank."""
-
-    agreed = True
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DivergenceError", "RunDirError", "TridentError"]
+__all__ += ["gist", "is_lost_peer", "one_line"]
 
 
 class DataError(TridentError):
@@ -52,21 +44,3 @@ def one_line(text: str) -> str:
         else:
             out.append(line.strip())
     return "; ".join(line.rstrip(".") for line in out)
-
-
-def is_lost_peer(error: BaseException) -> bool:
-    """A collective failed because another rank is gone: torch raises ``DistError`` (NCCL, the store), gloo a plain
-    RuntimeError from its transport ("[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset")."""
-    import torch.distributed as dist  # here, not at the top: tools/prepare_data.py imports this module without torch
-
-    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport" in str(error))
-
-
-def gist(error: BaseException) -> str:
-    """The first sentence of a collective's error, without gloo's source location:
-    "[.../pair.cc:537] Read error [127.0.0.1]:22433: Connection reset by peer. This is typically..." ->
-    "Read error [127.0.0.1]:22433: Connection reset by peer"."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text.split(". ", 1)[0]

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.checkpoint import Checkpointer, checkpoint_name, list_checkpoints
+from trident.checkpoint.files import checkpoint_name, list_checkpoints
+from trident.checkpoint.manager import Checkpointer
 from trident.config import OptimConfig, TrainConfig
 from trident.data.dataset import TokenWindows, eval_batch_count
 from trident.data.sampler import GlobalBatchSampler, ValidationBatches

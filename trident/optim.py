@@ -14,8 +14,8 @@ from trident.config import OptimConfig
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.norms import global_grad_norm
 from trident.parallel.placement import Placement, placement_of
+from trident.parallel.precision import LossScaler
 from trident.parallel.reducer import GradReducer
-from trident.precision import LossScaler
 
 
 def build_optimizer(model_chunks: list[nn.Module], cfg: OptimConfig) -> torch.optim.AdamW:

@@ -22,12 +22,12 @@ from trident.config import Config
 from trident.optim import GradStep, ReplicatedUpdate, build_optimizer
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.layout import FlatLayout
+from trident.parallel.precision import LossScaler, precision_policy
 from trident.parallel.reducer import GradReducer, bucket_numel
 from trident.parallel.zero.grads import ScatterReducer, ShardedGradReducer
 from trident.parallel.zero.optimizer import ZeroOptimizer
 from trident.parallel.zero.params import FlatParams, ShardedParams
 from trident.parallel.zero.stage3 import ParameterSharding, unit_layout
-from trident.precision import LossScaler, precision_policy
 
 
 @dataclass

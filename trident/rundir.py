@@ -16,7 +16,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from trident.checkpoint import PARTIAL_SAVE_PATTERNS
+from trident.checkpoint.files import PARTIAL_SAVE_PATTERNS
 from trident.errors import RunDirError
 
 LOCK_FILE = ".trident.lock"

@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from trident.parallel.precision import autocast
 from trident.parallel.reducer import GradReducer
-from trident.precision import autocast
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids [B, T], targets [B, T]
 # (model output, targets) -> summed token loss in fp32; the caller divides by the global token count.

@@ -35,8 +35,8 @@ from torch.distributed.pipelining._backward import stage_backward_input
 
 from trident.parallel.pipeline.messages import Message, Step, needs_of, p2p_plan, sends_of
 from trident.parallel.pipeline.schedules import Action, B, F, I, W, build_schedule, forward_only, stage_of
+from trident.parallel.precision import autocast
 from trident.parallel.reducer import GradReducer
-from trident.precision import autocast
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

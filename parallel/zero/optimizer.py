@@ -20,7 +20,7 @@ runs (Twin-Flow). On a CPU-only machine "host" and "accelerator" are the same me
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,7 +30,6 @@ from torch import nn
 
 from trident.parallel.layout import FlatLayout, Piece, Span
 from trident.parallel.placement import Placement, placement_of
-from trident.parallel.zero.checkpoint import MasterState, MomentState
 
 
 class Store(Protocol):
@@ -215,7 +214,7 @@ class ZeroOptimizer:
             "optimizer": [self.host_masters, self.device_masters, *states],
         }
 
-    # What checkpoints read (parallel/zero/checkpoint.py).
+    # What checkpoints read (trident/checkpoint/zero_state.py).
 
     def pieces(self) -> Iterable[tuple[Segment, Piece]]:
         for seg in self.segments:
@@ -234,14 +233,6 @@ class ZeroOptimizer:
             if seg.master is not seg.param:
                 seg.param.copy_(seg.master)
         self.store.publish()
-
-    def sharded_model_state(self, params: Mapping[str, nn.Parameter]) -> MasterState:
-        """The model weights a checkpoint saves: this rank's fp32 masters (``model/<name>``)."""
-        return MasterState(self, params)
-
-    def sharded_checkpoint_state(self, params: Mapping[str, nn.Parameter]) -> MomentState:
-        """AdamW's state of this rank's pieces under the keys a plain AdamW saves (``optim/<name>/exp_avg``...)."""
-        return MomentState(self, params)
 
 
 def _record_event(host: list[Segment]) -> torch.cuda.Event | None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trident.checkpoint_format import Sharded
+from trident.checkpoint.dcp import Sharded
 from trident.parallel.layout import Piece
 from trident.parallel.placement import Placement, placement_of
 

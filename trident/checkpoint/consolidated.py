@@ -24,10 +24,24 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from trident.checkpoint import find_resume_path, read_head, read_model_tensors
+from trident.checkpoint.dcp import Sharded, read_metadata, read_sharded
+from trident.checkpoint.files import find_resume_path, read_head
+from trident.checkpoint.state import MODEL
 from trident.errors import CheckpointError
 
 FORMAT = "trident-consolidated-1"
+
+
+def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every model parameter of a checkpoint as its full logical tensor, in this process (no process group)."""
+    metadata = read_metadata(path)
+    state = {
+        key: Sharded.whole(torch.zeros(entry.size, dtype=entry.properties.dtype))
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL)
+    }
+    read_sharded(state, path, metadata)
+    return {key[len(MODEL) :]: s.boxes[0][1] for key, s in state.items()}
 
 
 @dataclass

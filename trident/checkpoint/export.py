@@ -41,8 +41,8 @@ from einops import rearrange
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from trident.checkpoint.consolidated import ModelWeights
 from trident.config import ModelConfig
-from trident.consolidated import ModelWeights
 from trident.errors import CheckpointError, TridentError
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.model"

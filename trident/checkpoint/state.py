@@ -20,9 +20,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trident.checkpoint_format import Sharded
+from trident.checkpoint.dcp import Sharded
+from trident.checkpoint.zero_state import MasterState, MomentState
 from trident.parallel.placement import placement_of
 from trident.parallel.topology import Coord
+from trident.parallel.zero.optimizer import ZeroOptimizer
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
 
@@ -89,8 +91,7 @@ class ParamsByName:
 
 def weights_state(optimizer: object, params: Mapping[str, nn.Parameter]) -> ModelState:
     """The optimizer's ``sharded_model_state(params)`` if it has one (ZeRO's masters), else the parameters."""
-    own = getattr(optimizer, "sharded_model_state", None)
-    return own(params) if own is not None else ParamsByName(params)
+    return MasterState(optimizer, params) if isinstance(optimizer, ZeroOptimizer) else ParamsByName(params)
 
 
 class OptimizerState(Protocol):
@@ -115,8 +116,7 @@ class OptimizerState(Protocol):
 
 def optimizer_state(optimizer: object, params: Mapping[str, nn.Parameter]) -> OptimizerState:
     """The optimizer's own ``sharded_checkpoint_state(params)`` if it has one (ZeRO), else AdamW state by name."""
-    own = getattr(optimizer, "sharded_checkpoint_state", None)
-    return own(params) if own is not None else StateByName(optimizer, params)
+    return MomentState(optimizer, params) if isinstance(optimizer, ZeroOptimizer) else StateByName(optimizer, params)
 
 
 class StateByName:
