@@ -1,1 +1,1 @@
-"""Test package: makes ``from tests.dist import run_distributed`` work under pytest and in the pooled ranks."""
+"""Test package: makes ``from trident.ranks import run_distributed`` work under pytest and in the pooled ranks."""

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from train import run
 from trident.config import Config, to_config
 

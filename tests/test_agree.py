@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from trident.errors import CheckpointError, ConfigError, DataError, TridentError
 from trident.parallel.agree import on_every_rank, on_one_rank
 

@@ -31,7 +31,7 @@ import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
 import trident.checkpoint.manager as manager_mod
 from tests.conftest import REPO
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from trident.checkpoint.consolidated import (
     ModelWeights,
     load_weights,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.dist import free_port, run_distributed
+from trident.ranks import free_port, run_distributed
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
 from train import run
 from trident.checkpoint.files import checkpoint_name, list_checkpoints

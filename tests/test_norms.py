@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from trident.parallel.groups import build_process_groups
 from trident.parallel.norms import global_grad_norm
 from trident.parallel.placement import Placement

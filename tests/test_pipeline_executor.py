@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import train
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from trident.models.gpt import init_weights
 from trident.optim import GradStep, ReplicatedUpdate, build_optimizer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import trident.optimizer_setup
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from tests.layouts import make_config, tiny, train_in_process
 from train import run
 from trident.errors import DivergenceError

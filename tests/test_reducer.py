@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.parallel.layout import plan_buckets

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from trident.config import ModelConfig
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, check_tp_split, init_weights, lm_loss_sum, padded_vocab_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from trident.ranks import run_distributed
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.models.gpt import GPT, init_weights
 from trident.optimizer_setup import build_optimizer_setup

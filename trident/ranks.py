@@ -1,9 +1,9 @@
 """Run a function on ``world_size`` local processes that share one torch.distributed group.
 
-Usage from a test module (``tests/`` is a package, so pytest puts the repository root on sys.path, and
-the ranks inherit it)::
+The tests' multi-process tier and the tools that compare layouts (tools/fuzz_layouts.py) run on it. Usage (the
+function must pickle by name: a module-level function of an importable module, which the ranks import)::
 
-    from tests.dist import run_distributed
+    from trident.ranks import run_distributed
 
     def _check(rank, world_size, extra):  # module level, so it pickles by name
         ...
