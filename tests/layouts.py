@@ -10,9 +10,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.conftest import REPO
-from trident.ranks import run_distributed
 from train import run
 from trident.config import Config, to_config
+from trident.ranks import run_distributed
 
 
 def make_config(*overrides: str) -> Config:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from trident.ranks import run_distributed
 from trident.errors import CheckpointError, ConfigError, DataError, TridentError
 from trident.parallel.agree import on_every_rank, on_one_rank
+from trident.ranks import run_distributed
 
 
 def _raise_on(ranks: set[int], error: Exception):

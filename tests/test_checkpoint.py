@@ -31,7 +31,6 @@ import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
 import trident.checkpoint.manager as manager_mod
 from tests.conftest import REPO
-from trident.ranks import run_distributed
 from trident.checkpoint.consolidated import (
     ModelWeights,
     load_weights,
@@ -56,6 +55,7 @@ from trident.models.gpt import GPT, init_weights, lm_loss_sum, padded_vocab_size
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.placement import Placement, placement_of, set_placement
 from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
 
 LAYOUT = {"dp": 1, "tp": 1, "pp": 1}
 

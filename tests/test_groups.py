@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trident.ranks import run_distributed
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
 
 LAYOUTS_BY_WORLD = {
     4: [

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from trident.ranks import free_port, run_distributed
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
 from train import run
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.config import Config
 from trident.divergence import DivergencePolicy
 from trident.errors import RunDirError
+from trident.ranks import free_port, run_distributed
 from trident.rundir import LOCK_FILE, RunDirLock, remove_partial_saves
 from trident.signals import SAME_KEY_PRESS_S, Stopped
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trident.ranks import run_distributed
 from tests.layouts import tiny, train_in_process
 from trident.config import Config, ModelConfig, OffloadConfig
 from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
@@ -31,6 +30,7 @@ from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.precision import autocast
 from trident.parallel.topology import Topology
 from trident.peak import PRECISION_DTYPES
+from trident.ranks import run_distributed
 
 TINY = ModelConfig(name="gpt-tiny", n_layers=2, d_model=64, n_heads=4, seq_len=64, vocab_size=512)
 # Odd sizes: a vocab that pads, a bias-free model, an MLP width that is not 4 d.

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from trident.ranks import run_distributed
 from trident.parallel.groups import build_process_groups
 from trident.parallel.norms import global_grad_norm
 from trident.parallel.placement import Placement
 from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
 
 # One logical model: per pipeline stage a column-split matrix, a tp-replicated vector and an embedding whose
 # vocab is padded (first stage) with its tied copy as LM head (last stage).

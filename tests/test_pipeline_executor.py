@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 import train
-from trident.ranks import run_distributed
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from trident.models.gpt import init_weights
 from trident.optim import GradStep, ReplicatedUpdate, build_optimizer
@@ -19,6 +18,7 @@ from trident.parallel.pipeline.schedules import build_schedule, stage_of
 from trident.parallel.random import TENSOR_PARALLEL, model_parallel_rng
 from trident.parallel.reducer import GradReducer
 from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
 
 MODEL = ModelConfig(name="t", n_layers=4, d_model=32, n_heads=4, seq_len=16, vocab_size=100)
 

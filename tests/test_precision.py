@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 import trident.optimizer_setup
-from trident.ranks import run_distributed
 from tests.layouts import make_config, tiny, train_in_process
 from train import run
 from trident.errors import DivergenceError
@@ -15,6 +14,7 @@ from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.groups import build_process_groups
 from trident.parallel.precision import LossScaler
 from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
 
 # 200 steps of 4 sequences: a few seconds each on one core.
 LONG = ("train.steps=200", "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_every=0")

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trident.ranks import run_distributed
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.parallel.layout import plan_buckets
 from trident.parallel.reducer import GradReducer
+from trident.ranks import run_distributed
 
 CFG = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100)
 

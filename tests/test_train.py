@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from trident.ranks import free_port
 from tests.layouts import tiny, train_in_process
+from trident.ranks import free_port
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"}
 

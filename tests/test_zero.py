@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trident.ranks import run_distributed
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.models.gpt import GPT, init_weights
 from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
 from trident.runner import LocalRunner
 
 REL = 2e-4  # fp32, up to the order of floating-point reductions
