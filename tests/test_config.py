@@ -183,8 +183,6 @@ LAUNCH_LAST = [
     pytest.param({"parallel.tp": 2, "model.n_heads": 3}, 1, "model.d_model=256 is not divisible", id="shape"),
     pytest.param({"parallel.pp": 2, "model.n_layers": 3}, 1, "model.n_layers=3", id="split"),
     pytest.param({"parallel.dp": 2, "train.precision": "fp8"}, 1, "train.precision='fp8'", id="choice"),
-    # An explicit dp belongs to the config: its batch arithmetic is wrong whatever the launch.
-    pytest.param({"parallel.dp": 3}, 2, "train.global_batch_size=32 is not divisible", id="explicit-dp"),
 ]
 
 
@@ -193,6 +191,29 @@ def test_the_launch_hint_comes_after_every_other_check(overrides: dict, world: i
     with pytest.raises(ConfigError) as excinfo:
         validate(make(overrides), world)
     assert message in str(excinfo.value) and "world size" not in str(excinfo.value), str(excinfo.value)
+
+
+# --- an explicit dp that does not fit the launch is the first thing said, before the batch arithmetic (issue 17).
+
+DP_MISFIT = [
+    # parallel.dp=3 on 2 processes used to ask for a global batch divisible by 12: no batch makes it run.
+    pytest.param({"parallel.dp": 3}, 2, "set parallel.dp=2", "launch 3", id="dp3-world2"),
+    # dp=4 fits the default batch (32 = 4 x 8), so launching 4 processes is offered too.
+    pytest.param({"parallel.dp": 4}, 2, "set parallel.dp=2 or launch 4 processes", None, id="dp4-world2"),
+    pytest.param({"parallel.dp": 3, "parallel.tp": 2}, 3, "leave parallel.dp out", "launch 6", id="no-dp-fits"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "world", "hint", "not_offered"), DP_MISFIT)
+def test_an_explicit_dp_that_does_not_fit_the_world_is_said_first(
+    overrides: dict, world: int, hint: str, not_offered: str | None
+) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        validate(make(overrides), world)
+    message = str(excinfo.value)
+    assert message.startswith(f"world size {world} != dp {overrides['parallel.dp']}"), message
+    assert hint in message and "global_batch_size" not in message, message
+    assert not_offered is None or not_offered not in message, message
 
 
 @pytest.mark.parametrize(

@@ -219,8 +219,9 @@ def _one_of(key: str, value: object, allowed: tuple) -> None:
     _need(value in allowed, f"{key}={value!r} is not valid; use one of {', '.join(map(str, allowed))}")
 
 
-def resolve_dp(par: ParallelConfig, world_size: int) -> int:
-    """dp may be left out: it is world_size / (tp * pp)."""
+def resolve_dp(par: ParallelConfig, world_size: int, batch_error: str | None = None) -> int:
+    """dp may be left out: it is world_size / (tp * pp). ``batch_error``: what is wrong with the batch arithmetic
+    of an explicit dp, if anything; then relaunching for that dp is not offered, as it would fix nothing."""
     _need(par.tp >= 1 and par.pp >= 1, f"parallel.tp={par.tp} and parallel.pp={par.pp} must be >= 1")
     mp = par.tp * par.pp
     if par.dp is None:
@@ -231,10 +232,14 @@ def resolve_dp(par: ParallelConfig, world_size: int) -> int:
         )
         return world_size // mp
     _need(par.dp >= 1, f"parallel.dp={par.dp} must be >= 1")
+    fixes = [f"set parallel.dp={world_size // mp}"] if world_size % mp == 0 else []
+    if batch_error is None:
+        fixes.append(f"launch {par.dp * mp} processes")
+    if not fixes:
+        fixes.append(f"leave parallel.dp out and launch a multiple of {mp} processes")
     _need(
         par.dp * mp == world_size,
-        f"world size {world_size} != dp {par.dp} x tp {par.tp} x pp {par.pp} = {par.dp * mp}; "
-        f"set parallel.dp={world_size // mp if world_size % mp == 0 else '?'} or launch {par.dp * mp} processes",
+        f"world size {world_size} != dp {par.dp} x tp {par.tp} x pp {par.pp} = {par.dp * mp}; {' or '.join(fixes)}",
     )
     return par.dp
 
@@ -250,24 +255,25 @@ def resolve_schedule(par: ParallelConfig) -> str:
     return "interleaved" if par.vpp > 1 else "1f1b"
 
 
-def _check_batches(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str) -> None:
-    """The batch arithmetic of one dp size."""
+def _batch_error(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str) -> str | None:
+    """What is wrong with the batch arithmetic of one dp size, or None."""
     per_step = tr.micro_batch_size * dp
-    _need(
-        tr.global_batch_size % per_step == 0,
-        f"train.global_batch_size={tr.global_batch_size} is not divisible by micro_batch_size "
-        f"{tr.micro_batch_size} x dp {dp} = {per_step}; use a multiple of {per_step}",
-    )
+    if tr.global_batch_size % per_step != 0:
+        return (
+            f"train.global_batch_size={tr.global_batch_size} is not divisible by micro_batch_size "
+            f"{tr.micro_batch_size} x dp {dp} = {per_step}; use a multiple of {per_step}"
+        )
     # Exactly what the schedule builder accepts (the interleaved one takes any micro-batch count).
     error = schedule_error(schedule, par.pp, par.vpp, grad_accum_steps(tr, dp)) if par.pp > 1 else None
-    _need(error is None, f"{error}; change train.global_batch_size or train.micro_batch_size")
+    return None if error is None else f"{error}; change train.global_batch_size or train.micro_batch_size"
 
 
 def validate(cfg: Config, world_size: int) -> int:
     """Check every rule that can be checked before any collective; return the resolved dp size.
 
-    The fit to the launch (world size = dp x tp x pp) is checked last: a config that is wrong in itself must
-    say so first, rather than ask for a relaunch that would only reveal its next error.
+    The fit to the launch (world size = dp x tp x pp) is checked after every rule of the config itself: a config
+    that is wrong in itself must say so first, rather than ask for a relaunch that would only reveal its next
+    error. Only the batch arithmetic comes after it, since it depends on the dp the launch resolves.
     """
     m, par, tr, opt, ck = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.checkpoint
 
@@ -363,9 +369,9 @@ def validate(cfg: Config, world_size: int) -> int:
         "logging.peak_tflops must be > 0 (or null to measure or look it up)",
     )
 
-    # An explicit dp is part of the config: its batch arithmetic is checked before the fit to the launch.
-    if par.dp is not None:
-        _check_batches(tr, par, par.dp, schedule)
-    dp = resolve_dp(par, world_size)
-    _check_batches(tr, par, dp, schedule)
+    # The fit to the launch comes before the batch arithmetic: the arithmetic of a dp that cannot run on this
+    # world (parallel.dp=3 on 2 processes) would ask for a batch change that fixes nothing.
+    dp = resolve_dp(par, world_size, _batch_error(tr, par, par.dp, schedule) if par.dp is not None else None)
+    error = _batch_error(tr, par, dp, schedule)
+    _need(error is None, error or "")
     return dp
