@@ -31,7 +31,7 @@ from torch import nn
 
 from trident.config import ModelConfig
 from trident.parallel.comm import rank_and_size
-from trident.parallel.placement import Placement, placement_of, replicated, set_placement
+from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
 from trident.parallel.random import Dropout, RNGTracker, drawing_from
 from trident.parallel.tensor import (
     ColumnParallelLinear,
@@ -174,6 +174,13 @@ class GPT(nn.Module):
                 self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, self.padded_vocab, sp)
                 w = self.lm_head.weight
                 set_placement(w, dataclasses.replace(placement_of(w), tied_to="wte.weight"))
+        # The sums each gradient needs beyond dp, as placement data (parallel/grad_sums.py reads them).
+        if first != last:  # the two tied copies live on different stages: each takes their summed gradient
+            add_grad_sum(self.wte.weight if first else self.lm_head.weight, "embedding")
+        if sp:  # held whole by every tp rank, whose backward saw only its own tokens
+            for param in self.parameters():
+                if placement_of(param).split_dim is None:
+                    add_grad_sum(param, "tp")
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings: what the first pipeline stage does before its blocks. Under sequence
@@ -204,27 +211,11 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(x) if self.is_last else x
 
-    def tied_params(self) -> list[nn.Parameter]:
-        """This stage's copy of the tied embedding when the other copy is on another stage (first xor last)."""
-        if self.is_first and not self.is_last:
-            return [self.wte.weight]
-        if self.is_last and not self.is_first:
-            return [self.lm_head.weight]
-        return []
-
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32 of this model's logits (the trainer's loss function)."""
         if self.tp_size == 1:
             return lm_loss_sum(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.cfg.vocab_size)
-
-    def sequence_parallel_params(self) -> list[nn.Parameter]:
-        """Parameters whose gradients each tp rank holds only in part: under sequence parallelism, every one
-        held whole by all tp ranks (LayerNorms, row-parallel biases, wpe) saw only its rank's tokens. Sum
-        their gradients over tp after backward (``sum_grads_over_tp``)."""
-        if not self.sequence_parallel:
-            return []
-        return [p for p in self.parameters() if placement_of(p).split_dim is None]
 
 
 def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

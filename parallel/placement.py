@@ -1,8 +1,15 @@
 """What each parameter is, as data: its logical (one-process) shape, the dim split across the tensor-parallel
-group, the padding of that dim, and the parameter it is tied to.
+group, the padding of that dim, the parameter it is tied to, and which sums its gradient needs beyond dp.
 
-Init, checkpoints, the gradient norm, ZeRO and export read this one description; none of them guesses from
-parameter names or local shapes.
+Init, checkpoints, the gradient norm, ZeRO, the gradient sums and export read this one description; none of
+them guesses from parameter names or local shapes.
+
+Gradient sums after the data-parallel reduction (``grad_sums``, read by parallel/grad_sums.py):
+
+    "tp"          a parameter every tp rank holds whole under sequence parallelism (LayerNorms, row-parallel
+                  biases, wpe): each rank's backward saw only its own tokens, so its gradient is a partial sum
+    "embedding"   one of the two copies of the tied embedding when the first and last pipeline stage are on
+                  different ranks (``wte.weight`` there, ``lm_head.weight`` here): both take the summed gradient
 
 A split parameter is padded along ``split_dim`` to ``padded`` (the embedding's vocab rows, rounded up so
 they split evenly and matmuls stay aligned) and tp rank r holds the contiguous block
@@ -16,10 +23,13 @@ that is what a checkpoint saves, at its global offset, so a checkpoint never dep
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+GRAD_SUMS = ("tp", "embedding")
 
 
 @dataclass(frozen=True)
@@ -30,8 +40,12 @@ class Placement:
     tp_size: int = 1
     padded: int | None = None  # size of split_dim after padding; None: no padding
     tied_to: str | None = None  # canonical name of the parameter this one is a copy of (same values)
+    grad_sums: tuple[str, ...] = ()  # groups its gradient is summed over after the dp reduction: "tp", "embedding"
 
     def __post_init__(self) -> None:
+        unknown = set(self.grad_sums) - set(GRAD_SUMS)
+        if unknown:
+            raise ValueError(f"unknown gradient sums {sorted(unknown)}; known: {', '.join(GRAD_SUMS)}")
         if self.split_dim is None:
             if self.padded is not None:
                 raise ValueError("padding needs a split_dim")
@@ -127,3 +141,11 @@ def placement_of(param: torch.Tensor) -> Placement:
 def replicated(param: nn.Parameter) -> nn.Parameter:
     """A parameter every tp rank holds whole."""
     return set_placement(param, Placement(tuple(param.shape)))
+
+
+def add_grad_sum(param: nn.Parameter, group: str) -> nn.Parameter:
+    """Mark ``param``'s gradient as one to sum over ``group`` ("tp" or "embedding") after the dp reduction."""
+    placement = placement_of(param)
+    if group not in placement.grad_sums:
+        set_placement(param, dataclasses.replace(placement, grad_sums=(*placement.grad_sums, group)))
+    return param

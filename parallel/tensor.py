@@ -10,12 +10,11 @@ Sequence parallelism (``sequence_parallel=True``): outside the column -> row reg
 taking it replicated, and a row-parallel layer reduce-scatters its output instead of all-reducing it: the same
 bytes as the all-reduce, with LayerNorm and dropout done once per token instead of on every tp rank.
 Parameters every tp rank holds whole then see only their rank's tokens, so their gradients are partial sums
-that ``sum_grads_over_tp`` completes after backward.
+that are completed after backward: the model marks them (``Placement.grad_sums``: "tp"), and
+parallel/grad_sums.py sums them over tp after the dp reduction.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -241,18 +240,3 @@ def vocab_parallel_cross_entropy(
     probability and no gradient. Every tp rank returns the same loss.
     """
     return _VocabParallelCrossEntropy.apply(logits, targets, tp_group, vocab_size)
-
-
-def sum_grads_over_tp(grads: Sequence[torch.Tensor], tp_group: dist.ProcessGroup) -> None:
-    """Sum, in place and in one all-reduce, gradients that each tp rank holds only in part.
-
-    Under sequence parallelism that is every parameter all tp ranks hold whole (LayerNorms, row-parallel
-    biases, position embeddings): each rank's backward saw only its own tokens. Afterwards the gradients are
-    bit-identical across tp, as the parameters must stay.
-    """
-    if not grads or dist.get_world_size(tp_group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp_group)
-    for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        g.copy_(summed.view_as(g))

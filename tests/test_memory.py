@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.layouts import tiny, train_in_process
+from trident.build import build_optimizer
 from trident.config import Config, ModelConfig, OffloadConfig
 from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
 from trident.memory_estimate import (
@@ -25,7 +26,6 @@ from trident.memory_estimate import (
 )
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
-from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.precision import autocast
 from trident.parallel.topology import Topology
@@ -201,7 +201,7 @@ def _measure_states(config: Config, groups: ProcessGroups, run_dir: Path | None,
     cfg, tr = config.model, config.train
     model = GPT(cfg, groups.tp_group)
     init_weights(model, cfg, 0)
-    setup = build_optimizer_setup([model], config, groups)
+    setup = build_optimizer([model], config, groups)
     try:
         g = torch.Generator().manual_seed(groups.dp_rank)
         for i in range(2):
@@ -211,12 +211,12 @@ def _measure_states(config: Config, groups: ProcessGroups, run_dir: Path | None,
                 out = model(x)
             model.loss_sum(out, x).backward()
         setup.reducer.finish()
-        setup.grad_step.step(1e-3)
-        out = {"states": measure_model_states(setup.grad_step.model_state_tensors())}
+        setup.step.step(1e-3)
+        out = {"states": measure_model_states(setup.step.model_state_tensors())}
         # Stages 2-3: the most staging memory the reducer held at once during the step.
         out["staging"] = getattr(setup.reducer, "peak_staging_bytes", 0)
         if run_dir is not None:
-            out["logged"] = log_model_states(setup.grad_step, groups, run_dir)
+            out["logged"] = log_model_states(setup.step, groups, run_dir)
         return out
     finally:
         setup.remove_hooks()

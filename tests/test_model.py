@@ -45,7 +45,7 @@ def test_a_tp_group_of_one_is_the_plain_model():
     try:
         plain, grouped = build(), GPT(TINY, dist.group.WORLD, sequence_parallel=True)
         init_weights(grouped, TINY, seed=0)
-        assert not grouped.sequence_parallel and grouped.sequence_parallel_params() == []
+        assert not grouped.sequence_parallel and not any(placement_of(p).grad_sums for p in grouped.parameters())
         x, y = batch()
         loss_plain, loss_grouped = lm_loss_sum(plain(x), y), grouped.loss_sum(grouped(x), y)
         assert torch.equal(loss_plain, loss_grouped)
@@ -90,7 +90,10 @@ def test_pipeline_stages_have_the_full_models_names_weights_and_outputs():
                 assert torch.equal(p, full_params[name]), name
     names = {n for s in (first, last) for n, _ in s.named_parameters()} - {"lm_head.weight"}
     assert names == set(full_params)
-    assert first.tied_params() == [first.wte.weight] and last.tied_params() == [last.lm_head.weight]
+    # Each copy of the tied embedding asks for the sum over the embedding group; nothing else asks for a sum.
+    for stage, copy in ((first, first.wte.weight), (last, last.lm_head.weight)):
+        marked = [p for p in stage.parameters() if placement_of(p).grad_sums]
+        assert len(marked) == 1 and marked[0] is copy and placement_of(copy).grad_sums == ("embedding",)
     idx = torch.randint(0, cfg.vocab_size, (2, 16))
     torch.testing.assert_close(last(first(idx)), full(idx), rtol=0, atol=0)
 

@@ -8,15 +8,12 @@ import json
 import torch
 import torch.distributed as dist
 
-import train
-from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig
-from trident.models.gpt import init_weights
-from trident.optim import GradStep, ReplicatedUpdate, build_optimizer
+from trident.build import build_parts
+from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trident.parallel.groups import build_process_groups
-from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.schedules import build_schedule, stage_of
+from trident.parallel.placement import placement_of
 from trident.parallel.random import TENSOR_PARALLEL, model_parallel_rng
-from trident.parallel.reducer import GradReducer
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
@@ -25,27 +22,19 @@ MODEL = ModelConfig(name="t", n_layers=4, d_model=32, n_heads=4, seq_len=16, voc
 
 def _tied_copies_after_steps(rank: int, world: int, schedule: str, vpp: int, timings) -> dict:
     par = ParallelConfig(pp=world, vpp=vpp, schedule=schedule)
+    cfg = Config(model=MODEL, parallel=par, train=TrainConfig(seed=0), optim=OptimConfig(lr=1e-2, grad_clip=1.0))
     groups = build_process_groups(Topology(dp=1, pp=world, tp=1))
-    rng = model_parallel_rng(0, groups.tp_rank, "cpu", groups.pp_rank)
-    chunks = train._model_chunks(MODEL, par, groups, rng)
-    for chunk in chunks:
-        init_weights(chunk, MODEL, seed=0)
-    reducer = GradReducer([p for c in chunks for p in c.parameters()], groups.dp_group)
-    update = ReplicatedUpdate(build_optimizer(chunks, OptimConfig(lr=1e-2)), reducer)
-    step = GradStep(update, groups, grad_clip=1.0)
+    parts = build_parts(cfg, groups, torch.device("cpu"), timings)
+    chunks, runner, step = parts.chunks, parts.runner, parts.optimizer.step
     path = timings / f"rank{rank}.jsonl"
-    runner = PipelineRunner(chunks, schedule, groups.pp_rank, groups.pp_ranks, groups.pp_group, reducer, "fp32",
-                            MODEL.d_model, timings=path)  # fmt: skip
-    after_reduce = train._after_reduce(chunks, step, groups)
-    (copy,) = [p for c in chunks for p in c.tied_params()]
+    (copy,) = [p for c in chunks for p in c.parameters() if "embedding" in placement_of(p).grad_sums]
     start = copy.detach().clone()
     gen = torch.Generator().manual_seed(1)
     losses, identical = [], []
     for _ in range(3):
         batches = [(torch.randint(0, 100, (2, 16), generator=gen), torch.randint(0, 100, (2, 16), generator=gen))]
         loss = runner.forward_backward(batches * 4, chunks[-1].loss_sum, 1.0 / 128)
-        after_reduce()
-        step.step(1e-2)
+        step.step(1e-2)  # sums the two copies' gradients first, as their placements ask
         losses.append(loss.item())
         # The first stage holds wte, the last lm_head: gather both over the embedding group.
         both = [torch.empty_like(copy) for _ in range(2)]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-import trident.optimizer_setup
+import trident.build
 from tests.layouts import make_config, tiny, train_in_process
 from train import run
+from trident.build import build_optimizer
 from trident.errors import DivergenceError
 from trident.models.gpt import GPT, init_weights
-from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.groups import build_process_groups
 from trident.parallel.precision import LossScaler
 from trident.parallel.topology import Topology
@@ -38,8 +38,8 @@ def _parameter_bytes(rank: int, world: int, precision: str) -> dict:
     model = GPT(cfg.model)
     init_weights(model, cfg.model, seed=0)
     reference = {name: p.detach().clone() for name, p in model.named_parameters()}
-    setup = build_optimizer_setup([model], cfg, groups)
-    optimizer = setup.grad_step.update
+    setup = build_optimizer([model], cfg, groups)
+    optimizer = setup.zero
     masters = {p: optimizer.master(pc) for _, pc in optimizer.pieces() for p in [pc.param]}
     return {
         "param_bytes": {p.element_size() for p in model.parameters()},
@@ -60,14 +60,14 @@ def test_a_bf16_model_holds_2_byte_parameters_and_exact_fp32_masters():
 
 def _hits_the_floor(rank: int, world: int, cfg, run_dir) -> str:
     # Scales so large that every fp16 backward overflows: the step is skipped and the scale halved, down to the floor.
-    original = trident.optimizer_setup.LossScaler
-    trident.optimizer_setup.LossScaler = lambda: LossScaler(init_scale=2.0**40, min_scale=2.0**30)
+    original = trident.build.LossScaler
+    trident.build.LossScaler = lambda: LossScaler(init_scale=2.0**40, min_scale=2.0**30)
     try:
         run(cfg, run_dir)
     except DivergenceError as e:
         return str(e)
     finally:
-        trident.optimizer_setup.LossScaler = original
+        trident.build.LossScaler = original
     return "did not stop"
 
 

@@ -15,13 +15,13 @@ from torch.utils.checkpoint import checkpoint
 from trident.config import ModelConfig
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, check_tp_split, init_weights, lm_loss_sum, padded_vocab_size
+from trident.parallel.grad_sums import all_reduce_flat
 from trident.parallel.placement import placement_of
 from trident.parallel.random import Dropout, RNGTracker, model_parallel_rng
 from trident.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    sum_grads_over_tp,
     tp_split_error,
     vocab_parallel_cross_entropy,
 )
@@ -93,7 +93,7 @@ def _check_layers(rank: int, world: int, sp: bool) -> None:
         _close(dh, h_full.grad[..., mine], "row input gradient")
         _close(row.weight.grad, placement_of(row.weight).shard(w_full.grad), "row weight gradient")
         if sp:  # each rank's bias saw only its own tokens
-            sum_grads_over_tp([row.bias.grad], group)
+            all_reduce_flat([row.bias.grad], group)
         _close(row.bias.grad, bias_full.grad, "row bias gradient")
 
     # Vocab-parallel embedding with padding, and its tied head.
@@ -154,6 +154,11 @@ def _batch(step: int, cfg: ModelConfig = CFG) -> tuple[torch.Tensor, torch.Tenso
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _summed_over_tp(model: GPT) -> list[torch.nn.Parameter]:
+    """The parameters whose placement asks for their gradient to be summed over tp (sequence parallelism)."""
+    return [p for p in model.parameters() if "tp" in placement_of(p).grad_sums]
+
+
 def _replicated(model: GPT) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if placement_of(p).split_dim is None]
 
@@ -167,7 +172,7 @@ def _check_gpt(rank: int, world: int, sp: bool) -> dict[str, list[torch.Tensor]]
     names = dict(one.named_parameters())
     for name, p in tp.named_parameters():
         assert torch.equal(p.detach(), placement_of(p).shard(placement_of(names[name]).real_part(names[name]))), name
-    assert tp.sequence_parallel_params() == (_replicated(tp) if sp else [])
+    assert _summed_over_tp(tp) == (_replicated(tp) if sp else [])
     opt_one, opt_tp = torch.optim.AdamW(one.parameters(), lr=1e-2), torch.optim.AdamW(tp.parameters(), lr=1e-2)
     grads = []
     for step in range(3):
@@ -176,7 +181,7 @@ def _check_gpt(rank: int, world: int, sp: bool) -> dict[str, list[torch.Tensor]]
         _close(loss_tp.detach(), loss_one.detach(), f"loss at step {step}")
         loss_one.backward()
         loss_tp.backward()
-        sum_grads_over_tp([p.grad for p in tp.sequence_parallel_params()], group)
+        all_reduce_flat([p.grad for p in _summed_over_tp(tp)], group)
         for name, p in tp.named_parameters():
             full = names[name]
             expected = placement_of(p).shard(placement_of(full).real_part(full.grad))
@@ -264,7 +269,7 @@ def _check_dropout(rank: int, world: int, sp: bool) -> list[torch.Tensor]:
         apply_activation_checkpointing(model, policy)
         loss = model.loss_sum(model(x), y)
         loss.backward()
-        sum_grads_over_tp([p.grad for p in model.sequence_parallel_params()], dist.group.WORLD)
+        all_reduce_flat([p.grad for p in _summed_over_tp(model)], dist.group.WORLD)
         results[policy] = (loss.detach(), [p.grad for p in model.parameters()])
     for policy in ("full", "selective"):
         assert torch.equal(results[policy][0], results["none"][0]), policy

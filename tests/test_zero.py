@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
+from trident.build import build_optimizer
 from trident.models.gpt import GPT, init_weights
-from trident.optimizer_setup import build_optimizer_setup
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
@@ -97,7 +97,7 @@ def _build(world: int, tp: int, *overrides: str):
     groups = build_process_groups(Topology(dp=world // tp, pp=1, tp=tp))
     model = GPT(cfg.model, groups.tp_group)
     init_weights(model, cfg.model, seed=0)
-    setup = build_optimizer_setup([model], cfg, groups)
+    setup = build_optimizer([model], cfg, groups)
     return cfg, groups, model, setup
 
 
@@ -109,13 +109,13 @@ def _train(cfg, groups, model, setup, steps: int, inject=None) -> list[tuple[flo
     for step in range(steps):
         tokens = torch.randint(0, cfg.model.vocab_size, (2, 4, cfg.model.seq_len + 1), generator=gen)
         handle = inject(step, model) if inject else None
-        scale = setup.grad_step.loss_scale
+        scale = setup.step.loss_scale
         runner.forward_backward(
             [(t[:, :-1], t[:, 1:]) for t in tokens], model.loss_sum, scale / tokens[..., 1:].numel()
         )
         if handle is not None:
             handle.remove()
-        norm, skipped = setup.grad_step.step(1e-3)
+        norm, skipped = setup.step.step(1e-3)
         out.append((norm, skipped, scale))
     return out
 
@@ -128,7 +128,7 @@ def _storages(tensors: list[torch.Tensor]) -> int:
 def _model_state(rank: int, world: int, zero: int) -> dict:
     cfg, groups, model, setup = _build(world, 1, f"parallel.zero={zero}")
     _train(cfg, groups, model, setup, steps=2)
-    tensors = setup.grad_step.model_state_tensors()
+    tensors = setup.step.model_state_tensors()
     layout = setup.reducer.layout
     return {
         "grads": _storages(tensors["grads"]),
@@ -159,7 +159,7 @@ def test_stage2_holds_only_its_gradient_shard_and_stage1_its_optimizer_shard():
 
 def _stage3_frees(rank: int, world: int) -> dict:
     cfg, groups, model, setup = _build(world, 1, "parallel.zero=3", "train.precision=bf16")
-    store = setup.grad_step.update.store
+    store = setup.zero.store
     seen = []
     for block in model.layers.values():
         block.register_forward_hook(lambda m, a, o: seen.append(store.full_bytes()))
@@ -185,7 +185,7 @@ def test_stage3_frees_full_parameters_after_use():
 
 def _fp16_overflow(rank: int, world: int) -> dict:
     cfg, groups, model, setup = _build(world, 1, "parallel.zero=2", "train.precision=fp16")
-    optimizer = setup.grad_step.update
+    optimizer = setup.zero
     masters = lambda: torch.cat([s.master.clone() for s in optimizer.segments])  # noqa: E731
 
     def inject(step: int, model):
@@ -202,7 +202,7 @@ def _fp16_overflow(rank: int, world: int) -> dict:
     after = masters()
     return {
         "skipped": [s for _, s, _ in history],
-        "scales": [scale for *_, scale in history] + [setup.grad_step.loss_scale],
+        "scales": [scale for *_, scale in history] + [setup.step.loss_scale],
         "unchanged_by_skip": torch.equal(before[1], before[2]),
         "changed_by_others": not torch.equal(before[0], before[1]) and not torch.equal(before[2], after),
         "param_bytes": {p.element_size() for p in model.parameters()},

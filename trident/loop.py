@@ -1,8 +1,6 @@
-"""The training loop: micro-batches -> gradient sync -> unscale, clip -> AdamW; evaluation, logging and
-checkpoints around it. ``train.py`` builds the parts and hands them to a ``Trainer``: the runner (the local
-one, or a pipeline schedule), the model chunks, the loss function (plain or vocab-parallel cross-entropy),
-the optimizer step (``GradStep``, or ZeRO's) and a hook run after the gradient reduction (tied or
-sequence-parallel gradients).
+"""The training loop: micro-batches -> gradient sync -> the sums placements ask for, unscale, clip -> AdamW;
+evaluation, logging and checkpoints around it. ``train.py`` builds a rank's parts (trident/build.py: model
+chunks, optimizer, runner) and hands them to a ``Trainer`` with the data, the checkpointer and the logger.
 
 The loss of a step is the mean token loss over the *global* batch: each micro-batch's summed token loss
 is divided by the global token count before backward and the gradients are summed over dp ranks, so
@@ -24,20 +22,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from trident.build import RunParts
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.checkpoint.manager import Checkpointer
-from trident.config import OptimConfig, TrainConfig
+from trident.config import Config
 from trident.data.dataset import TokenWindows, eval_batch_count
 from trident.data.sampler import GlobalBatchSampler, ValidationBatches
 from trident.divergence import DivergencePolicy
 from trident.errors import CheckpointError, DivergenceError, is_lost_peer
 from trident.metrics import MetricsLogger, peak_memory_mb, summary_line
-from trident.optim import GradStep, lr_at
+from trident.models.gpt import flops_per_token
+from trident.optim import lr_at
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import ProcessGroups
-from trident.runner import Batch, LossFn, Runner
+from trident.runner import Batch
 from trident.signals import Stopped, StopRequest, stop_line
 
 
@@ -52,33 +51,32 @@ class StepResult:
 class Trainer:
     def __init__(
         self,
-        train_cfg: TrainConfig,
-        optim_cfg: OptimConfig,
+        cfg: Config,
         groups: ProcessGroups,
-        model_chunks: list[nn.Module],
-        runner: Runner,
-        loss_fn: LossFn,
-        grad_step: GradStep,
-        train_data: TokenWindows,
-        val_data: TokenWindows,
-        device: torch.device,
-        flops_per_token: float,
-        peak_flops: float | None,
-        checkpointer: Checkpointer | None,
-        make_logger: Callable[[int], MetricsLogger | None],
-        after_reduce: Callable[[], None] | None = None,
+        parts: RunParts,
+        data: tuple[TokenWindows, TokenWindows],
+        *,
+        checkpointer: Checkpointer | None = None,
+        make_logger: Callable[[int], MetricsLogger | None] | None = None,
         stop: StopRequest | None = None,
+        peak_flops: float | None = None,
         after_first_step: Callable[[], None] | None = None,
     ) -> None:
-        self.cfg, self.optim_cfg, self.groups = train_cfg, optim_cfg, groups
-        self.model_chunks, self.runner, self.loss_fn, self.grad_step = model_chunks, runner, loss_fn, grad_step
-        self.after_reduce, self.after_first_step = after_reduce, after_first_step
-        self.train_data, self.val_data, self.device = train_data, val_data, device
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.checkpointer, self.make_logger, self.stop = checkpointer, make_logger, stop
-        self.sampler = GlobalBatchSampler(len(train_data), train_cfg.global_batch_size, train_cfg.seed)
-        self.eval_batches = eval_batch_count(train_cfg.eval_batches, len(val_data), train_cfg.global_batch_size)
-        self.seq_len = train_data.seq_len
+        """``data``: the train and validation windows. ``make_logger(start step)`` is called on the logging rank
+        only; ``peak_flops`` (all of one rank's device) makes the MFU; ``after_first_step`` runs on every rank
+        once the optimizer's state exists (memory accounting)."""
+        train_cfg = cfg.train
+        self.cfg, self.optim_cfg, self.groups, self.device = train_cfg, cfg.optim, groups, parts.device
+        self.model_chunks, self.runner = parts.chunks, parts.runner
+        self.loss_fn = parts.chunks[-1].loss_sum  # the loss is computed where the last stage is
+        self.grad_step = parts.optimizer.step
+        self.train_data, self.val_data = data
+        self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
+        self.checkpointer, self.stop, self.after_first_step = checkpointer, stop, after_first_step
+        self.make_logger = make_logger or (lambda start: None)
+        self.sampler = GlobalBatchSampler(len(self.train_data), train_cfg.global_batch_size, train_cfg.seed)
+        self.eval_batches = eval_batch_count(train_cfg.eval_batches, len(self.val_data), train_cfg.global_batch_size)
+        self.seq_len = self.train_data.seq_len
         self.tokens_per_step = train_cfg.global_batch_size * self.seq_len
         self.divergence = DivergencePolicy(train_cfg.max_skipped_steps, train_cfg.max_nonfinite_losses)
         self.step = 0  # optimizer steps completed
@@ -97,8 +95,6 @@ class Trainer:
         """One optimizer step over this rank's micro-batches of the global batch."""
         scale = self.grad_step.loss_scale
         loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
-        if self.after_reduce is not None:
-            self.after_reduce()
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
         loss = self._share_loss(loss_sum) / self.tokens_per_step
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=skipped)

@@ -171,7 +171,7 @@ def _meta(numel: int) -> nn.Parameter:
 
 
 def flat_layout(params: list[tuple[str, int]], layout: Layout) -> FlatLayout:
-    """The flat layout trident builds over these parameters (trident/optimizer_setup.py), from stand-in
+    """The flat layout trident builds over these parameters (trident/build.py), from stand-in
     parameters on the meta device: at stages 0-2 the reducer's buckets of about ``bucket_mb`` of fp32 in reverse
     registration order, with pipeline parallelism the tied embedding (and its copy) in a bucket of its own; at
     stage 3 one bucket per transformer block, last block first, then the rest (the root); every bucket padded to
@@ -222,13 +222,11 @@ class ModelStates:
 
 def model_states(params: list[tuple[str, int]], layout: Layout, dp_rank: int | None = None) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states that dp rank ``dp_rank`` (None: the largest) holds
-    for ``params`` (``rank_params``), held as trident/optimizer_setup.py holds them. B is the flat layout's
+    for ``params`` (``rank_params``), held as trident/build.py's optimizer holds them. B is the flat layout's
     numel (parameters plus bucket padding), S the shards (dp at stages 1-3, else 1), p the parameter dtype's
-    bytes:
+    bytes. Every stage, 0 included, is ZeRO's optimizer over this rank's 1/S of every bucket, cut into pieces
+    per parameter:
 
-        zero 0, fp32      parameters 4 N (their own tensors); gradients 4 B (the reducer's buffer);
-                          AdamW: 2 x 4 N moments and a 4-byte step per tensor
-        otherwise         ZeRO's optimizer over this rank's 1/S of every bucket, cut into pieces per parameter
                           parameters  p B (stages 0-2: one flat buffer), p B / S (stage 3: the shards)
                           gradients   4 B (stages 0-1: the reducer's buffer), 4 B / S (stages 2-3: the shard)
                           masters     4 B / S in fp32 (none where fp32 parameters are their own masters)
@@ -249,16 +247,9 @@ def model_states(params: list[tuple[str, int]], layout: Layout, dp_rank: int | N
 
 
 def _rank_states(params: list[tuple[str, int]], flat: FlatLayout, layout: Layout, dp_rank: int) -> ModelStates:
-    numels = [n for _, n in params]
-    n = sum(numels)
     fig = _figures()
     pb = DTYPE_BYTES[layout.precision]
     ratio = layout.offload_ratio if layout.offload == "cpu" else 0.0
-    if layout.zero == 0 and pb == FP32:
-        fig["params"]["device"] = n * FP32
-        fig["grads"]["device"] = flat.numel * FP32
-        fig["optimizer"]["device"] = n * ADAM_MOMENTS * FP32 + len(numels) * STEP_COUNTER
-        return ModelStates(_place(_total(fig), layout), 0, 0)
 
     shards = layout.dp if layout.zero >= 1 else 1
     rank = dp_rank if layout.zero >= 1 else 0

@@ -7,6 +7,7 @@ holder so that a refused second run can say who has the directory.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -16,8 +17,11 @@ import shutil
 import socket
 from pathlib import Path
 
+import torch.distributed as dist
+
 from trident.checkpoint.files import PARTIAL_SAVE_PATTERNS
 from trident.errors import RunDirError
+from trident.parallel.agree import on_one_rank
 
 LOCK_FILE = ".trident.lock"
 
@@ -117,3 +121,17 @@ def take_ownership(run_dir: Path, checkpoint_root: Path) -> list[RunDirLock]:
             flush=True,
         )
     return held
+
+
+def claim_run_dir(run_dir: Path, checkpoint_dir: str | None, cleanup: contextlib.ExitStack) -> tuple[Path, Path]:
+    """Every rank's run directory and checkpoint root, as rank 0 sees them (ranks started a second apart would
+    each get a Hydra directory of their own), and rank 0's locks on them, released when ``cleanup`` closes.
+    Rank 0 writes the checkpoints, so it owns the directories for as long as it lives. Collective."""
+    agreed = [str(run_dir)]
+    dist.broadcast_object_list(agreed, src=0)
+    run_dir = Path(agreed[0])
+    root = Path(checkpoint_dir).expanduser() if checkpoint_dir else run_dir / "checkpoints"
+    locks = on_one_rank(lambda: take_ownership(run_dir, root), 0, f"lock the run directory {run_dir}")
+    for lock in locks or []:
+        cleanup.callback(lock.release)
+    return run_dir, root

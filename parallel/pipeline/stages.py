@@ -9,15 +9,11 @@ LayerNorm, LM head and loss on stage S - 1. With P = 2, V = 2 and 8 layers:
 
 The LM head is tied to the embedding. When the two are on different ranks, the last stage holds a copy
 (``Placement.tied_to = "wte.weight"``) that starts equal to the embedding and receives the same update: the two
-copies' gradients are summed over the embedding group (first and last stage) after the data-parallel reduction.
+copies' gradients are summed over the embedding group (first and last stage) after the data-parallel reduction
+(their placements say so: ``grad_sums`` "embedding", parallel/grad_sums.py).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-
-import torch
-import torch.distributed as dist
 
 
 def stage_layers(n_layers: int, pp: int, vpp: int, stage: int) -> range:
@@ -29,12 +25,3 @@ def stage_layers(n_layers: int, pp: int, vpp: int, stage: int) -> range:
         raise ValueError(f"stage {stage} is outside pp {pp} x vpp {vpp} = {stages} stages")
     per = n_layers // stages
     return range(stage * per, (stage + 1) * per)
-
-
-def sum_tied_grads(grads: Sequence[torch.Tensor], embedding_group: dist.ProcessGroup | None) -> None:
-    """Sum the tied embedding copies' gradients over the first and last stage, in place: both copies then take
-    the same step and stay bit-identical. A no-op off those stages (no group) and when one rank holds both."""
-    if embedding_group is None or dist.get_world_size(embedding_group) == 1:
-        return
-    for g in grads:
-        dist.all_reduce(g, group=embedding_group)

@@ -15,13 +15,12 @@ reduce in fp32 (4 bytes), whatever the precision. "moments" is AdamW's exp_avg +
 (padding has no piece) plus a 4-byte ``step`` tensor per piece (a piece: one parameter's part of one bucket shard).
 
     stage  params           grads                     fp32 masters              moments   16-bit total    fp32 total
-    0*     4 Psi (own)      4 Psi' (flat buffer)      = params                  8 Psi     -               16 Psi
-    0      2 Psi' (flat)    4 Psi' (flat buffer)      4 Psi'                    8 Psi     18 Psi          -
+    0      b Psi' (flat)    4 Psi' (flat buffer)      4 Psi' (fp32: params)     8 Psi     18 Psi          16 Psi
     1      b Psi' (flat)    4 Psi' (flat buffer)      4 Psi'/N (fp32: params)   8 Psi/N   6 Psi+12 Psi/N  8 Psi+8 Psi/N
     2      b Psi' (flat)    4 Psi'/N (shard)+staging  4 Psi'/N (fp32: params)   8 Psi/N   2 Psi+16 Psi/N  4 Psi+12 Psi/N
     3      b Psi'/N (shard) 4 Psi'/N (shard)+staging  4 Psi'/N (fp32: params)   8 Psi/N   18 Psi/N        16 Psi/N
 
-    0*: zero=0 with fp32, the plain path (torch AdamW over the parameters, no ZeRO optimizer).
+    Every stage, 0 included, is one optimizer (optimizer.py); at stage 0 the shard is the whole layout.
 
 Transient, on top (not model state at rest): stages 2-3 stage gradients in a pool of fp32 buffers, one per bucket
 being filled by backward plus at most two whose reduce-scatter is in flight, each at most the largest bucket

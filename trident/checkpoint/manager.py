@@ -33,14 +33,14 @@ from trident.checkpoint.state import (
     MODEL,
     OPTIM,
     named_parameters,
-    optimizer_state,
     rng_destinations,
     rng_state,
-    weights_state,
 )
+from trident.checkpoint.zero_state import MasterState, MomentState
 from trident.errors import CheckpointError, TridentError
 from trident.parallel.agree import on_every_rank, on_one_rank
 from trident.parallel.groups import ProcessGroups
+from trident.parallel.zero.optimizer import ZeroOptimizer
 
 # Model settings that fix parameter shapes: a checkpoint only loads into the same ones.
 _SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "d_ff", "bias")
@@ -70,16 +70,16 @@ class Checkpointer:
         resume: str,
         groups: ProcessGroups,
         modules: list[nn.Module],
-        optimizer: object,
+        optimizer: ZeroOptimizer,
         config: dict,
         tokenizer: Path | None,
     ) -> None:
         self.root, self.every, self.keep_last, self.resume = root, every, keep_last, resume
         self.groups, self.config, self.tokenizer = groups, config, tokenizer
         self.params = named_parameters(modules)
-        # A torch optimizer, or one with its own checkpoint state (ZeRO: optimizer shards and fp32 masters).
-        self.weights = weights_state(optimizer, self.params)
-        self.optimizer = optimizer_state(optimizer, self.params)
+        # The weights saved are the optimizer's fp32 masters, with its AdamW state, as boxes of logical tensors.
+        self.weights = MasterState(optimizer, self.params)
+        self.optimizer = MomentState(optimizer, self.params)
         topo = groups.topology
         self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,9 +24,7 @@ from torch import nn
 from trident.checkpoint.dcp import Sharded
 from trident.parallel.layout import Piece
 from trident.parallel.placement import Placement, placement_of
-
-if TYPE_CHECKING:
-    from trident.parallel.zero.optimizer import ZeroOptimizer
+from trident.parallel.zero.optimizer import ZeroOptimizer
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -103,7 +100,7 @@ class MasterState:
 
 
 class MomentState:
-    """``optim/`` keys from AdamW's per-piece state (the ``OptimizerState`` of trident/checkpoint_state.py)."""
+    """``optim/`` keys from AdamW's per-piece state (AdamW's keys: ``<name>/exp_avg``, ``exp_avg_sq``, ``step``)."""
 
     def __init__(self, optimizer: ZeroOptimizer, params: Mapping[str, nn.Parameter]) -> None:
         self.optimizer = optimizer

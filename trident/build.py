@@ -1,0 +1,185 @@
+"""The parts of a run, built from the config and the process groups: what train.py composes, and what tests,
+tools and benches build through, so none of them copies the wiring.
+
+    model_chunks     this rank's GPT chunks: its virtual stages, initialised, on the device, compiled, recomputed
+    build_optimizer  the gradient reducer, the ZeRO optimizer (every stage, 0 included) and the step around it
+    build_runner     how a step's micro-batches go through the chunks: the local runner or a pipeline schedule
+    build_parts      the three above, as one ``RunParts``
+    build_checkpointer  the checkpointer of those parts
+
+Which reducer and parameter store each ZeRO stage uses:
+
+    zero=0   GradReducer (all-reduce)                    FlatParams, unsharded (fp32: the parameters are the masters)
+    zero=1   ScatterReducer (full buffer, reduce-scatter) FlatParams, the dp shard all-gathered after the step
+    zero=2   ShardedGradReducer (per bucket, shard only)  FlatParams, likewise
+    zero=3   ShardedGradReducer over one bucket per block ShardedParams, gathered around each block's use
+
+The ZeRO optimizer casts the parameters to the precision policy's dtype (after copying the fp32 values into its
+masters), so building the optimizer is also what makes a bf16 or fp16 model 16-bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trident.checkpoint.manager import Checkpointer
+from trident.config import Config, resolve_schedule
+from trident.models.checkpointing import apply_activation_checkpointing
+from trident.models.compile import compile_blocks
+from trident.models.gpt import GPT, init_weights
+from trident.optim import GradStep
+from trident.parallel.groups import ProcessGroups
+from trident.parallel.layout import FlatLayout
+from trident.parallel.pipeline.executor import PipelineRunner
+from trident.parallel.pipeline.stages import stage_layers
+from trident.parallel.placement import placement_of
+from trident.parallel.precision import LossScaler, precision_policy
+from trident.parallel.random import model_parallel_rng
+from trident.parallel.reducer import GradReducer, bucket_numel
+from trident.parallel.zero.grads import ScatterReducer, ShardedGradReducer
+from trident.parallel.zero.optimizer import ZeroOptimizer
+from trident.parallel.zero.params import FlatParams, ShardedParams
+from trident.parallel.zero.stage3 import ParameterSharding, unit_layout
+from trident.runner import LocalRunner, Runner
+
+
+def model_chunks(cfg: Config, groups: ProcessGroups, device: torch.device) -> list[GPT]:
+    """This rank's model chunks: chunk c is virtual stage c * pp + pp_rank (parallel/pipeline/stages.py), each
+    initialised from the seed as the one-process model is, then moved, compiled and wrapped for recomputation."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    rng = model_parallel_rng(tr.seed, groups.tp_rank, device, groups.pp_rank)
+    stages = par.pp * par.vpp
+    chunks = []
+    for c in range(par.vpp):
+        stage = c * par.pp + groups.pp_rank
+        layers = stage_layers(m.n_layers, par.pp, par.vpp, stage)
+        chunk = GPT(m, groups.tp_group, par.sequence_parallel, rng, layers, stage == 0, stage == stages - 1)
+        init_weights(chunk, m, tr.seed)
+        chunk.to(device)
+        if tr.compile:  # before activation checkpointing, which then wraps the compiled blocks
+            compile_blocks(chunk, device)
+        apply_activation_checkpointing(chunk, tr.activation_checkpointing)
+        chunks.append(chunk)
+    return chunks
+
+
+@dataclass
+class Optimizer:
+    """The reducer backward accumulates into, and the step that finishes and applies its gradients."""
+
+    reducer: GradReducer | ShardedGradReducer
+    zero: ZeroOptimizer  # what checkpoints save: fp32 masters and AdamW state, as boxes of logical tensors
+    step: GradStep
+    sharding: ParameterSharding | None  # stage 3's gather/free hooks
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+        if self.sharding is not None:
+            self.sharding.remove_hooks()
+
+
+def build_optimizer(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups) -> Optimizer:
+    """The reducer, the ZeRO optimizer of ``parallel.zero`` (with offload) and the ``GradStep`` around it.
+
+    Parameters whose gradients are summed across pipeline stages after the dp reduction (the tied embedding's
+    two copies) get a bucket of their own, so their shards line up on the ranks that sum them."""
+    zero, par, opt = cfg.parallel.zero, cfg.parallel, cfg.optim
+    policy = precision_policy(cfg.train.precision)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    isolate = [p for p in params if "embedding" in placement_of(p).grad_sums]
+    dp_group, device = groups.dp_group, params[0].device
+
+    sharding: ParameterSharding | None = None
+    if zero <= 1:
+        kind = ScatterReducer if zero == 1 else GradReducer
+        reducer = kind(params, dp_group, par.bucket_mb, policy.reduce_dtype, isolate)
+        layout = reducer.layout
+    elif zero == 2:
+        numel = bucket_numel(par.bucket_mb, policy.reduce_dtype)
+        layout = FlatLayout.by_size(params, numel, groups.dp_size, isolate)
+        reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, device)
+    else:
+        (model,) = chunks  # validate refuses stage 3 with pipeline parallelism
+        blocks = list(model.layers.values())
+        layout = unit_layout(model, blocks, groups.dp_size)
+        reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, device)
+
+    def make_store() -> FlatParams | ShardedParams:
+        if zero == 3:
+            return ShardedParams(layout, policy.param_dtype, dp_group)
+        return FlatParams(layout, policy.param_dtype, dp_group, shards=groups.dp_size if zero >= 1 else 1)
+
+    adamw = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
+    ratio = par.offload.ratio if par.offload.optimizer == "cpu" else 0.0
+    optimizer = ZeroOptimizer(layout, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio)
+    if zero == 3:
+        sharding = ParameterSharding(model, blocks, layout, optimizer.store)
+        reducer.on_reduced = optimizer.store.free
+    scaler = LossScaler() if policy.loss_scaling else None
+    step = GradStep(optimizer, groups, opt.grad_clip, scaler)
+    return Optimizer(reducer, optimizer, step, sharding)
+
+
+def build_runner(
+    chunks: list[GPT], cfg: Config, groups: ProcessGroups, optimizer: Optimizer, timings: Path | None = None
+) -> Runner:
+    """The local runner at pp=1, else the pipeline schedule of ``parallel.schedule`` over this rank's chunks.
+    ``timings``: a file to record each pipeline action's start and end in (``logging.pipeline_timings``)."""
+    precision = cfg.train.precision
+    if cfg.parallel.pp == 1:
+        return LocalRunner(chunks, optimizer.reducer, precision)
+    return PipelineRunner(
+        chunks,
+        resolve_schedule(cfg.parallel),
+        groups.pp_rank,
+        groups.pp_ranks,
+        groups.pp_group,
+        optimizer.reducer,
+        precision,
+        cfg.model.d_model,
+        seq_divisor=groups.tp_size if cfg.parallel.sequence_parallel else 1,
+        timings=timings,
+    )
+
+
+@dataclass
+class RunParts:
+    """What one rank trains with: its model chunks, their optimizer, and the runner of a step."""
+
+    device: torch.device
+    chunks: list[GPT]
+    optimizer: Optimizer
+    runner: Runner
+
+
+def build_parts(cfg: Config, groups: ProcessGroups, device: torch.device, timings_dir: Path | None = None) -> RunParts:
+    """Model chunks -> optimizer -> runner. ``timings_dir``: where pipeline ranks of the first dp and tp
+    coordinate (one pipeline's ranks) record their actions' timings, one file per rank."""
+    chunks = model_chunks(cfg, groups, device)
+    optimizer = build_optimizer(chunks, cfg, groups)
+    record = timings_dir is not None and groups.dp_rank == 0 and groups.tp_rank == 0
+    timings = timings_dir / f"rank{groups.rank}.jsonl" if record else None
+    return RunParts(device, chunks, optimizer, build_runner(chunks, cfg, groups, optimizer, timings))
+
+
+def build_checkpointer(
+    cfg: Config, groups: ProcessGroups, parts: RunParts, root: Path, tokenizer: Path | None
+) -> Checkpointer:
+    """The checkpointer of ``parts`` under ``root`` (``checkpoint.every``, ``keep_last``, ``resume``)."""
+    ck = cfg.checkpoint
+    return Checkpointer(
+        root=root,
+        every=ck.every,
+        keep_last=ck.keep_last,
+        resume=ck.resume,
+        groups=groups,
+        modules=parts.chunks,
+        optimizer=parts.optimizer.zero,
+        config=dataclasses.asdict(cfg),
+        tokenizer=tokenizer,
+    )
