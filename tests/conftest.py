@@ -1,12 +1,15 @@
-"""Shared fixtures: a small real dataset (a few standard-library packages, 512-piece BPE tokenizer)."""
+"""Shared fixtures: a small real dataset (a few standard-library packages, 512-piece BPE tokenizer); and the two
+test tiers: every test is ``pure`` unless marked ``multiprocess``, and a pure test that starts a process fails."""
 
 from __future__ import annotations
 
+import subprocess
 import sysconfig
 from pathlib import Path
 
 import pytest
 
+import trident.ranks
 from trident.data.prepare import collect_text_files, prepare_dataset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,3 +21,26 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared dataset directory for gpt-tiny (vocab 512): ~300k tokens of real Python source."""
     files = collect_text_files(SMALL_CORPUS, [".py"])
     return prepare_dataset(files, tmp_path_factory.mktemp("data") / "tiny", vocab_size=512, log=lambda _: None)
+
+
+class TierViolation(BaseException):
+    """Not an Exception: a test expecting a rank's or a subprocess's error must not swallow it."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("multiprocess") is None:
+            item.add_marker(pytest.mark.pure)
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the tiers honest: a test not marked multiprocess may not start ranks or subprocesses."""
+    if request.node.get_closest_marker("multiprocess") is not None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise TierViolation(f"{request.node.nodeid} starts a process: mark it pytest.mark.multiprocess")
+
+    monkeypatch.setattr(trident.ranks, "_pool", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)

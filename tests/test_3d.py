@@ -11,6 +11,8 @@ import pytest
 
 from tests.layouts import assert_same_curve, tiny, train_in_process
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 8
 SAVED_AT = 3  # the resumed runs take the next 5 steps
 

@@ -43,6 +43,7 @@ def _agreement(rank: int, world_size: int) -> None:
     dist.barrier()  # nobody is left inside a collective
 
 
+@pytest.mark.multiprocess
 def test_every_rank_agrees_on_failures() -> None:
     run_distributed(_agreement, 2)
 

@@ -15,6 +15,7 @@ from trident.models.compile import check_toolchain
 # as far from eager as another reduction order: the layout tests' tolerance.
 
 
+@pytest.mark.multiprocess
 def test_compiled_blocks_give_the_eager_curve_and_resumable_checkpoints(tiny_dataset, tmp_path):
     base = tiny(tiny_dataset, "train.steps=4", "train.micro_batch_size=8", "train.eval_every=0")
     (eager,) = train_in_process(tmp_path / "eager", base)

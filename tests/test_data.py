@@ -346,6 +346,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_cli(corpus, tmp_path):
     # Run from elsewhere: the script must find the package without it being installed.
     out = tmp_path / "ds"
@@ -355,6 +356,7 @@ def test_cli(corpus, tmp_path):
     assert TokenDataset(out).vocab_size == 512
 
 
+@pytest.mark.multiprocess
 def test_cli_error(tmp_path):
     r = _cli("--text", str(tmp_path / "nope"), "--out", str(tmp_path / "ds"), "--vocab-size", "512", cwd=REPO)
     assert r.returncode == 2
@@ -362,6 +364,7 @@ def test_cli_error(tmp_path):
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.mark.multiprocess
 def test_cli_unwritable_out(corpus, tmp_path):
     r = _cli("--text", str(corpus / "json"), "--out", "/proc/trident-ds", "--vocab-size", "512", cwd=tmp_path)
     assert r.returncode == 2

@@ -17,6 +17,8 @@ from torch.distributed.distributed_c10d import _world
 
 from trident.ranks import run_distributed
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = Path(__file__).resolve().parent.parent
 
 

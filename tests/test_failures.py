@@ -12,10 +12,14 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests.conftest import REPO
 from tests.layouts import assert_same_curve, tiny, train_in_process
 from tests.test_lifecycle import _env, _lines, _rows, _torchrun, _wait_for_rows
 from trident.checkpoint.files import checkpoint_name
+
+pytestmark = pytest.mark.multiprocess
 
 # dp=2 x tp=2, a checkpoint every 2 steps, steps slow enough (4 micro-batches a rank) to signal one mid-run.
 STEPS = 12

@@ -13,6 +13,8 @@ from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
+pytestmark = pytest.mark.multiprocess
+
 LAYOUTS_BY_WORLD = {
     4: [
         Topology(dp=1, pp=2, tp=2),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import sentencepiece as spm
 import torch
 import transformers
@@ -29,6 +30,7 @@ def ours(checkpoint: Path) -> GPT:
     return model.eval()
 
 
+@pytest.mark.multiprocess
 def test_a_tp2_checkpoint_exports_to_hf_gpt2_with_our_logits(tiny_dataset, tmp_path, monkeypatch, capsys):
     # vocab 515 (padded at tp=2 to 640 rows, none of them exported) and an MLP width that is not 4 * d_model.
     overrides = ["model.vocab_size=515", "model.d_ff=96", "parallel.tp=2", "train.steps=2", "train.eval_every=0"]

@@ -6,6 +6,8 @@ import pytest
 
 from tests.layouts import assert_same_curve, tiny, train_in_process
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture(scope="module")
 def reference(tiny_dataset, tmp_path_factory) -> list[dict]:

@@ -65,6 +65,7 @@ def _lines(text: str) -> list[str]:
 # --- 1. Errors reach the user from every rank.
 
 
+@pytest.mark.multiprocess
 def test_under_torchrun_the_first_line_is_the_error_and_nothing_aborts(tiny_dataset, tmp_path):
     """The launcher kills the other ranks as soon as one exits: the first rank out must have printed already."""
     cmd = [*_torchrun(2), str(REPO / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *tiny(tiny_dataset)]
@@ -79,6 +80,7 @@ def test_under_torchrun_the_first_line_is_the_error_and_nothing_aborts(tiny_data
     assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr.split(error)[0]
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_loses_its_peer_says_so_in_one_line(tiny_dataset, tmp_path):
     """kill -9 of one rank (started by hand: no launcher to end the other): the survivor's collective fails, and
     it ends at once with one line and exit code 1, not a traceback or an abort in teardown."""
@@ -111,6 +113,7 @@ def _bad_counts(rank: int, world: int, cfg: Config, run_dir: Path) -> str:
     return "trained"
 
 
+@pytest.mark.multiprocess
 def test_counts_bounded_by_the_data_are_checked_against_it_before_any_collective(tiny_dataset, tmp_path):
     """train.eval_batches=100000000 used to evaluate for days: it is refused on every rank, at once."""
     cfg = make_config(*tiny(tiny_dataset, "train.eval_batches=100000000"))
@@ -158,6 +161,7 @@ def _launch_id_of_two_children() -> str:
     )
 
 
+@pytest.mark.multiprocess
 def test_default_run_dir_is_shared_by_one_launch_and_unique_per_launch():
     launchers = [
         subprocess.Popen([sys.executable, "-c", _launch_id_of_two_children()], stdout=subprocess.PIPE, text=True)
@@ -169,6 +173,7 @@ def test_default_run_dir_is_shared_by_one_launch_and_unique_per_launch():
     assert outputs[0][0] != outputs[1][0]  # two jobs started in the same second: two directories
 
 
+@pytest.mark.multiprocess
 def test_a_second_run_in_the_directory_is_refused_until_the_first_is_gone(tiny_dataset, tmp_path):
     """Run A holds the directory; run B there is refused with A's name. SIGTERM ends A after its step with a
     checkpoint; B then owns the directory, removes the partial saves a killed run left, and resumes."""
@@ -227,6 +232,7 @@ def _diverge(rank: int, world: int, cfg: Config, run_dir: Path) -> str:
     return f"{type(e.value).__name__}: {e.value}"
 
 
+@pytest.mark.multiprocess
 def test_fp16_divergence_stops_every_rank_naming_step_scale_and_last_good_checkpoint(tiny_dataset, tmp_path):
     """lr=1000 in fp16: step 1 is fine, from step 2 the loss is nan (scale 65536, then halved on every skip)."""
     overrides = tiny(tiny_dataset, "train.precision=fp16", "optim.lr=1000", "optim.warmup_steps=0")
@@ -243,6 +249,7 @@ def test_fp16_divergence_stops_every_rank_naming_step_scale_and_last_good_checkp
     assert [r["loss"] for r in _rows(tmp_path)][1:] == [None, None, None]
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_losses_stop_any_precision_and_are_never_saved(tiny_dataset, tmp_path):
     cfg = make_config(*tiny(tiny_dataset, "model.init_std=1e30", "train.steps=30", "checkpoint.every=1"))
     (error,) = run_distributed(_diverge, 1, cfg, tmp_path, timeout_s=120)
@@ -271,6 +278,7 @@ def _signal_one_rank(rank: int, world: int, cfg: Config, run_dir: Path) -> tuple
     raise AssertionError("the run was not stopped")
 
 
+@pytest.mark.multiprocess
 def test_sigint_on_one_rank_stops_every_rank_after_the_same_step(tiny_dataset, tmp_path):
     cfg = make_config(*tiny(tiny_dataset, "train.steps=400", "train.eval_every=0"))
     outcomes = run_distributed(_signal_one_rank, 2, cfg, tmp_path, timeout_s=120)
@@ -281,6 +289,7 @@ def test_sigint_on_one_rank_stops_every_rank_after_the_same_step(tiny_dataset, t
     assert list_checkpoints(tmp_path / "checkpoints") == [Path(checkpoint)]
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_torchrun_saves_the_step_and_resuming_gives_the_uninterrupted_losses(tiny_dataset, tmp_path):
     """The launcher is signalled (as SLURM or Kubernetes do), not a worker. Rerunning the same command resumes
     from the step it stopped at, continues the same wandb run, and ends with the summary line."""
@@ -327,6 +336,7 @@ ABANDON = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signals,grace,why", ABANDON, ids=["second-ctrl-c", "grace-expired"])
 def test_a_stop_that_cannot_wait_ends_at_once_naming_the_last_checkpoint(tiny_dataset, tmp_path, signals, grace, why):
     """The first SIGINT asks for a clean stop after the step in flight; a second, a moment later, ends now. A step
@@ -359,6 +369,7 @@ def test_a_stop_that_cannot_wait_ends_at_once_naming_the_last_checkpoint(tiny_da
 # --- 6. Run output stays out of git.
 
 
+@pytest.mark.multiprocess
 def test_gitignore_covers_run_output():
     paths = ["runs/a/metrics.jsonl", "outputs/2025-01-01/12-00-00-123/metrics.jsonl"]
     proc = subprocess.run(["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True)

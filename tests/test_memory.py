@@ -264,6 +264,7 @@ def _check_states(ranks: list[list[dict]], cfg: ModelConfig, cases: list, dp: in
                 assert 4 * largest <= got["staging"] <= predicted.staging, (case, got["staging"], predicted.staging)
 
 
+@pytest.mark.multiprocess
 def test_model_states_match_the_prediction_at_every_stage(tmp_path: Path) -> None:
     """dp=2: zero 0-3, fp32 and bf16, offload ratios 0.5 and 1.0, many padded buckets or one: each rank's
     measured parameters, gradients and optimizer states are the prediction within 5%, and stage 2-3's staging
@@ -280,6 +281,7 @@ def test_model_states_match_the_prediction_at_every_stage(tmp_path: Path) -> Non
 TP_CASES = [(0, "fp32", None, 0.01), (1, "bf16", 0.5, 0.01), (2, "fp32", None, 25.0), (3, "bf16", None, 25.0)]
 
 
+@pytest.mark.multiprocess
 def test_model_states_match_the_prediction_with_tensor_parallelism(tmp_path: Path) -> None:
     """dp=2 x tp=2 (vocab 515 padded over tp): the same, for each rank's tp slices."""
     cfg = SHAPES[1]
@@ -295,6 +297,7 @@ def _tp2(rank: int, world: int, cfg: ModelConfig) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_tp2_parameters_and_activations_match_the_prediction() -> None:
     """At tp=2 (vocab 515 padded, so the ranks' blocks differ in real rows): each rank's parameters are the
     predicted ones, and the activations of one micro-batch with and without sequence parallelism are predicted
@@ -311,6 +314,7 @@ def test_tp2_parameters_and_activations_match_the_prediction() -> None:
             assert activation_bytes(cfg, lay, 0, p) == pytest.approx(measured, rel=0.01), (sp, p)
 
 
+@pytest.mark.multiprocess
 def test_a_run_logs_its_model_states_beside_the_prediction(tiny_dataset: Path, tmp_path: Path) -> None:
     """train.py writes memory.json once, after the first step: every rank's bytes, the max, and the estimate of
     the same layout, which the measured bytes match within 5% (zero 1, bf16, dp=2: no staging pool)."""

@@ -13,6 +13,8 @@ from trident.parallel.placement import Placement
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
+pytestmark = pytest.mark.multiprocess
+
 # One logical model: per pipeline stage a column-split matrix, a tp-replicated vector and an embedding whose
 # vocab is padded (first stage) with its tied copy as LM head (last stage).
 VOCAB, PADDED = 10, 12

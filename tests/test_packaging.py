@@ -29,6 +29,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.multiprocess  # the wheel fixture builds it with pip in a subprocess
 def test_wheel_has_one_top_level_name(wheel: Path) -> None:
     assert wheel.name.startswith("trident_pretrain-")
     names = zipfile.ZipFile(wheel).namelist()
@@ -38,6 +39,7 @@ def test_wheel_has_one_top_level_name(wheel: Path) -> None:
         assert module in names, module
 
 
+@pytest.mark.multiprocess
 def test_installed_wheel_imports_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run(
@@ -71,6 +73,7 @@ def test_tools_do_not_edit_sys_path() -> None:
         assert "sys.path" not in tool.read_text(), tool
 
 
+@pytest.mark.multiprocess
 def test_ruff_bans_the_bare_package_names(tmp_path: Path) -> None:
     """The lint rule is what keeps a stray ``from parallel.x import y`` out; prove it fires on one."""
     bad = tmp_path / "bad.py"

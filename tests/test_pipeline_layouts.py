@@ -11,6 +11,8 @@ import pytest
 
 from tests.layouts import assert_same_curve, tiny, train_in_process
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _base(dataset, layers: int, *extra: str) -> list[str]:
     return tiny(

@@ -3,6 +3,7 @@ steps and stops the run at its floor."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import trident.build
@@ -15,6 +16,8 @@ from trident.parallel.groups import build_process_groups
 from trident.parallel.precision import LossScaler
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
+
+pytestmark = pytest.mark.multiprocess
 
 # 200 steps of 4 sequences: a few seconds each on one core.
 LONG = ("train.steps=200", "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_every=0")

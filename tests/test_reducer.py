@@ -139,6 +139,7 @@ def _dp_matches_full_batch(rank: int, world: int, micro: int, bucket_mb: float) 
         torch.testing.assert_close(reducer.grad(p), expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("micro,bucket_mb", [(4, 25.0), (1, 0.005)])
 def test_dp2_gradients_equal_full_batch_gradients(micro, bucket_mb):
     run_distributed(_dp_matches_full_batch, 2, micro, bucket_mb)
@@ -159,5 +160,6 @@ def _unused_parameter_does_not_hang(rank: int, world: int) -> None:
     assert torch.equal(other, reducer.buffer)
 
 
+@pytest.mark.multiprocess
 def test_unused_parameter_is_reduced_at_finish():
     run_distributed(_unused_parameter_does_not_hang, 2)

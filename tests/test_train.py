@@ -17,6 +17,8 @@ from tests.conftest import REPO
 from tests.layouts import tiny, train_in_process
 from trident.ranks import free_port
 
+pytestmark = pytest.mark.multiprocess
+
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"}
 
 

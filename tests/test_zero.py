@@ -14,6 +14,8 @@ from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 from trident.runner import LocalRunner
 
+pytestmark = pytest.mark.multiprocess
+
 # Small buckets, so that the non-block stages reduce and gather several of them.
 BASE = ("train.steps=6", "parallel.bucket_mb=0.05")
 
