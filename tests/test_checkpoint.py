@@ -1,10 +1,12 @@
-"""Checkpoints (trident/checkpoint/: manager, files, dcp, state, consolidated): atomic
-publishing and discovery, exact resume, resharding across tp and dp layouts, deduplicated writes, hostile
-files refused, and the consolidated file the tools read.
+"""Checkpoints (trident/checkpoint/: manager, files, dcp, state, zero_state, consolidated): atomic publishing and
+discovery, exact resume, resharding across tp and dp layouts, deduplicated writes, hostile files refused, and the
+consolidated file the tools read.
 
-Tensor comparisons are bit for bit. Optimizer state comes from AdamW steps on synthetic gradients (each rank
-cuts its block of one logical gradient), which are elementwise: a tp rank's state is exactly its block of the
-one-process state, in any process.
+Every run is built as train.py builds it (trident/build.py: model chunks, reducer, the ZeRO optimizer of every
+stage, 0 included), on real gloo groups. Tensor comparisons are bit for bit. Optimizer state comes from steps on
+synthetic gradients (each rank hands the reducer its block of one logical gradient, through a backward), and
+AdamW is elementwise: a tp rank's masters and moments are exactly its blocks of the one-process ones, in any
+process. Logical tensors are read back through the checkpoint's own key space (``MasterState``, ``MomentState``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,7 @@ import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
 import trident.checkpoint.manager as manager_mod
 from tests.conftest import REPO
+from trident.build import RunParts, build_checkpointer, build_parts
 from trident.checkpoint.consolidated import (
     ModelWeights,
     load_weights,
@@ -38,7 +42,7 @@ from trident.checkpoint.consolidated import (
     read_model_tensors,
     write_consolidated,
 )
-from trident.checkpoint.dcp import METADATA_FILE, read_metadata
+from trident.checkpoint.dcp import METADATA_FILE, Sharded, read_metadata
 from trident.checkpoint.files import (
     FORMAT,
     checkpoint_name,
@@ -49,15 +53,19 @@ from trident.checkpoint.files import (
     publish,
 )
 from trident.checkpoint.manager import Checkpointer, schedule_changes
-from trident.config import ModelConfig
+from trident.checkpoint.zero_state import MasterState, MomentState
+from trident.config import CheckpointConfig, Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trident.errors import CheckpointError
-from trident.models.gpt import GPT, init_weights, lm_loss_sum, padded_vocab_size
+from trident.models.gpt import GPT
 from trident.parallel.groups import ProcessGroups, build_process_groups
-from trident.parallel.placement import Placement, placement_of, set_placement
+from trident.parallel.layout import FlatLayout, Piece
+from trident.parallel.placement import placement_of
 from trident.parallel.topology import Topology
+from trident.parallel.zero.optimizer import ZeroOptimizer
 from trident.ranks import run_distributed
 
 LAYOUT = {"dp": 1, "tp": 1, "pp": 1}
+LR = 1e-2
 
 
 def tiny_cfg(n_layers: int = 2, vocab_size: int = 100, vocab_multiple: int = 64) -> ModelConfig:
@@ -77,85 +85,145 @@ def tiny_cfg(n_layers: int = 2, vocab_size: int = 100, vocab_multiple: int = 64)
 TP_CFG = tiny_cfg(n_layers=1, vocab_size=10, vocab_multiple=16)
 
 
-def adamw(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
-    """AdamW as trident builds it: decay on matrices only, two parameter groups."""
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=lr, foreach=True)
+@dataclass
+class Run:
+    """One rank's model and optimizer, as train.py builds them."""
+
+    cfg: Config
+    groups: ProcessGroups
+    parts: RunParts
+
+    @property
+    def model(self) -> GPT:
+        (model,) = self.parts.chunks
+        return model
+
+    @property
+    def zero(self) -> ZeroOptimizer:
+        return self.parts.optimizer.zero
 
 
-def build(seed: int, cfg: ModelConfig | None = None) -> tuple[GPT, torch.optim.AdamW]:
-    cfg = cfg or tiny_cfg()
-    model = GPT(cfg)
-    init_weights(model, cfg, seed)
-    return model, adamw(model)
+def build(groups: ProcessGroups, seed: int, model: ModelConfig | None = None, zero: int = 0, **optim: float) -> Run:
+    """A run of ``model`` initialised from ``seed`` in the layout of ``groups``, through trident/build.py.
+
+    No gradient clipping: the clip factor comes from a global norm that another layout sums in another order, so
+    it could differ in its last bit, and a step on a synthetic gradient is then elementwise in every layout."""
+    topo = groups.topology
+    cfg = Config(
+        model=model or tiny_cfg(),
+        parallel=ParallelConfig(dp=topo.dp, tp=topo.tp, pp=topo.pp, zero=zero),
+        train=TrainConfig(seed=seed, global_batch_size=8),
+        optim=OptimConfig(**{"lr": LR, "grad_clip": 0.0, **optim}),
+    )
+    return Run(cfg, groups, build_parts(cfg, groups, torch.device("cpu")))
 
 
-def split_for_tp(model: GPT, tp_rank: int, tp_size: int) -> GPT:
-    """Give each split parameter the block tp rank ``tp_rank`` holds (the embedding padded for tp, as a
-    vocab-parallel layer pads it), then re-initialise: each block is then its slice of the one-process tensor."""
-    cfg = model.cfg
-    for param in model.parameters():
-        one = placement_of(param)
-        if one.split_dim is None:
-            continue
-        padded = padded_vocab_size(cfg.vocab_size, cfg.vocab_multiple, tp_size) if one.padded is not None else None
-        mine = Placement(one.shape, one.split_dim, tp_rank, tp_size, padded)
-        param.data = torch.zeros(mine.local_shape)
-        set_placement(param, mine)
-    return model
+def fake_step(run: Run, i: int) -> None:
+    """A step on a synthetic gradient: each parameter's block of one logical gradient per (step, name).
 
-
-def fake_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, i: int) -> None:
-    """An AdamW step on a synthetic gradient: each parameter's block of one logical gradient per (step, name)."""
-    for name, p in model.named_parameters():
+    The gradient reaches the reducer as a model's does, through a backward (with the parameters as its roots), each
+    dp rank handing in an equal share (1/dp, exact for a power of two, and so is the sum of the shares)."""
+    dp = run.groups.dp_size
+    assert dp & (dp - 1) == 0, "only a power-of-two dp splits a gradient exactly"
+    params = dict(run.model.named_parameters())
+    grads = []
+    for name, p in params.items():
         gen = torch.Generator().manual_seed(i * 1_000_003 + zlib.crc32(name.encode()))
-        p.grad = placement_of(p).shard(torch.randn(placement_of(p).shape, generator=gen))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        grads.append(placement_of(p).shard(torch.randn(placement_of(p).shape, generator=gen)) / dp)
+    optimizer = run.parts.optimizer
+    optimizer.reducer.set_sync(True)
+    torch.autograd.backward(list(params.values()), grads)
+    optimizer.reducer.finish()
+    _, skipped = optimizer.step.step(LR)
+    assert not skipped
 
 
-def train_step(model: GPT, optimizer: torch.optim.Optimizer, i: int) -> None:
+def train_step(run: Run, i: int) -> None:
+    """A real step: forward and backward of one batch through the run's runner, then the optimizer's step."""
+    m = run.cfg.model
     gen = torch.Generator().manual_seed(1000 + i)
-    x = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_len), generator=gen)
-    y = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_len), generator=gen)
-    (lm_loss_sum(model(x), y) / y.numel()).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    x = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=gen)
+    y = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=gen)
+    run.parts.runner.forward_backward([(x, y)], run.model.loss_sum, 1 / y.numel())
+    _, skipped = run.parts.optimizer.step.step(LR)
+    assert not skipped
 
 
-def reference(steps: int = 2) -> tuple[GPT, torch.optim.AdamW]:
+def reference(groups: ProcessGroups, steps: int = 2) -> Run:
     """The one-process run every tp/dp layout must match: seed 1, ``steps`` synthetic steps."""
-    model, optimizer = build(1, TP_CFG)
+    run = build(groups, 1, TP_CFG)
     for i in range(steps):
-        fake_step(model, optimizer, i)
-    return model, optimizer
+        fake_step(run, i)
+    # Every real element got its gradients: the comparisons below compare stepped state, not zeros.
+    squares = {key: value for key, value in logical(run).items() if key.endswith("/exp_avg_sq")}
+    assert len(squares) == len(list(run.model.parameters())) and all(bool((v > 0).all()) for v in squares.values())
+    return run
 
 
-def logical(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and state tensor as its logical tensor (padding dropped), keyed ``name`` / ``name/state``."""
+def saved_state(run: Run) -> dict[str, Sharded]:
+    """The boxes this rank saves (keys without ``model/`` and ``optim/``): the optimizer's fp32 masters under the
+    parameters' names, its AdamW state under ``<name>/exp_avg``, ``<name>/exp_avg_sq``, ``<name>/step``."""
+    params = dict(run.model.named_parameters())
+    return {**MasterState(run.zero, params).sharded_state(), **MomentState(run.zero, params).sharded_state()}
+
+
+def box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+
+
+def logical(run: Run) -> dict[str, torch.Tensor]:
+    """Every weight and AdamW state tensor of a one-process run as its logical tensor (padding dropped), keyed
+    ``name`` / ``name/state``: its saved boxes put together, which must cover each tensor exactly once."""
+    assert run.groups.topology == Topology(dp=1, pp=1, tp=1), "only a one-process run holds whole logical tensors"
     out = {}
-    for name, p in model.named_parameters():
-        placement = placement_of(p)
-        assert placement.tp_size == 1, "only a one-process model holds whole logical tensors"
-        out[name] = placement.real_part(p.detach()).clone()
-        for key, value in optimizer.state[p].items():
-            out[f"{name}/{key}"] = value.clone() if value.dim() == 0 else placement.real_part(value).clone()
+    for key, sharded in saved_state(run).items():
+        full = torch.full(sharded.shape, float("nan"))
+        for offsets, values in sharded.boxes:
+            full[box(offsets, values.shape)] = values
+        assert sum(v.numel() for _, v in sharded.boxes) == full.numel() and not full.isnan().any(), key
+        out[key] = full
     return out
 
 
-def assert_holds_blocks_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, expected: dict) -> None:
-    """Each parameter and state tensor is exactly its placement's block of the expected logical tensor."""
-    for name, p in model.named_parameters():
-        placement = placement_of(p)
-        assert torch.equal(p.detach(), placement.shard(expected[name])), name
-        assert set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}, name
-        for key, value in optimizer.state[p].items():
-            want = expected[f"{name}/{key}"]
-            assert torch.equal(value, want if value.dim() == 0 else placement.shard(want)), f"{name}/{key}"
+def piece_of(full: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """A piece's elements of a logical tensor: its range of the flattened tp block (padding zero)."""
+    return placement_of(piece.param).shard(full).reshape(-1)[piece.start : piece.stop]
+
+
+def assert_holds_blocks_of(run: Run, expected: dict[str, torch.Tensor]) -> None:
+    """This rank's parameters, and each piece of the ZeRO optimizer's masters and AdamW state, are exactly their
+    blocks of the expected logical tensors (tp padding zero); so is every box it saves."""
+    names = {p: name for name, p in run.model.named_parameters()}
+    for p, name in names.items():
+        assert torch.equal(p.detach(), placement_of(p).shard(expected[name])), name
+    for seg, piece in run.zero.pieces():
+        name = names[piece.param]
+        master = run.zero.master(piece)
+        assert torch.equal(master, piece_of(expected[name], piece)), name
+        state = run.zero.optimizer_of(seg).state[master]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}, name
+        for kind, value in state.items():
+            want = expected[f"{name}/{kind}"]
+            assert torch.equal(value, want if value.dim() == 0 else piece_of(want, piece)), f"{name}/{kind}"
+    saved = saved_state(run)
+    # A rank steps a piece of every parameter unless ZeRO shards the optimizer over dp.
+    assert saved.keys() <= expected.keys() and (run.zero.dp_sharded or saved.keys() == expected.keys())
+    for key, sharded in saved.items():
+        assert sharded.shape == tuple(expected[key].shape), key
+        for offsets, values in sharded.boxes:
+            assert torch.equal(values, expected[key][box(offsets, values.shape)]), key
+
+
+def assert_same_state(a: Run, b: Run) -> None:
+    """Two runs of one layout hold the same parameters, masters and AdamW state, bit for bit."""
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    sa, sb = saved_state(a), saved_state(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert [o for o, _ in sa[key].boxes] == [o for o, _ in sb[key].boxes], key
+        for (_, u), (_, v) in zip(sa[key].boxes, sb[key].boxes, strict=True):
+            assert torch.equal(u, v), key
 
 
 class FakeTrainer:
@@ -171,21 +239,12 @@ class FakeTrainer:
         self.step = state["step"]
 
 
-def run_config(cfg: ModelConfig | None = None) -> dict:
-    return {"model": dataclasses.asdict(cfg or tiny_cfg()), "train": {"global_batch_size": 8}}
-
-
 def checkpointer(
-    root: Path,
-    groups: ProcessGroups,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    resume: str = "auto",
-    cfg: ModelConfig | None = None,
-    keep_last: int = 0,
-    tokenizer: Path | None = None,
+    root: Path, run: Run, resume: str = "auto", keep_last: int = 0, tokenizer: Path | None = None
 ) -> Checkpointer:
-    return Checkpointer(root, 0, keep_last, resume, groups, [model], optimizer, run_config(cfg), tokenizer)
+    """The run's checkpointer, as train.py builds it (the run's config is its config.json)."""
+    cfg = dataclasses.replace(run.cfg, checkpoint=CheckpointConfig(every=0, keep_last=keep_last, resume=resume))
+    return build_checkpointer(cfg, run.groups, run.parts, root, tokenizer)
 
 
 @pytest.fixture
@@ -344,16 +403,22 @@ def test_schedule_changes_names_each_changed_setting() -> None:
 # --- one process: exact resume, by-name optimizer state, refusals ------------------------------------------
 
 
+def storages(run: Run) -> set[int]:
+    """The storages holding a run's model state (parameters, gradients, masters, AdamW state)."""
+    tensors = [t for ts in run.parts.optimizer.step.model_state_tensors().values() for t in ts]
+    return {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes() > 0}
+
+
 def test_resume_is_exact_and_keeps_this_runs_hyper_parameters(one_process, tmp_path: Path, capsys) -> None:
     tokenizer = tmp_path / "tok.model"
     tokenizer.write_bytes(b"tokenizer bytes")
     root = tmp_path / "ckpts"
-    model, optimizer = build(1)
+    run = build(one_process, 1)
     for i in range(2):
-        train_step(model, optimizer, i)
+        train_step(run, i)
     torch.manual_seed(123)
     rng_at_save = torch.get_rng_state()
-    saver = checkpointer(root, one_process, model, optimizer, tokenizer=tokenizer)
+    saver = checkpointer(root, run, tokenizer=tokenizer)
     assert saver.maybe_resume(FakeTrainer()) is None  # nothing saved yet
     saver.save(FakeTrainer(step=2))
 
@@ -364,68 +429,78 @@ def test_resume_is_exact_and_keeps_this_runs_hyper_parameters(one_process, tmp_p
     )
     assert json.loads((path / "meta.json").read_text())["layout"] == LAYOUT
     assert json.loads((path / "trainer.json").read_text()) == {"step": 2, "global_batch_size": 8}
-    assert json.loads((path / "config.json").read_text()) == run_config()
+    assert json.loads((path / "config.json").read_text()) == dataclasses.asdict(run.cfg)
     # Logical tensors: the embedding without its padding rows (100 of 128).
     saved = read_model_tensors(path)
     assert saved["wte.weight"].shape == (100, 32)
-    assert torch.equal(saved["wte.weight"], model.wte.weight.detach()[:100])
+    assert torch.equal(saved["wte.weight"], run.model.wte.weight.detach()[:100])
+    # The saved optimizer state is AdamW's, by parameter name, for every parameter.
+    keys = set(read_metadata(path).state_dict_metadata)
+    names = [name for name, _ in run.model.named_parameters()]
+    assert {k for k in keys if k.startswith("model/")} == {f"model/{n}" for n in names}
+    assert {k for k in keys if k.startswith("optim/")} == {
+        f"optim/{n}/{kind}" for n in names for kind in ("exp_avg", "exp_avg_sq", "step")
+    }
 
     torch.rand(10)  # move on, so restoring the RNG is observable
-    fresh, fresh_opt = build(7)  # other weights, and an optimizer that has never stepped
-    fresh_opt.param_groups[0]["lr"] = 123.0  # this run's hyper-parameters must win over the saved ones
+    fresh = build(one_process, 7)  # other weights, and an optimizer that has never stepped
     trainer = FakeTrainer()
     capsys.readouterr()
-    assert checkpointer(root, one_process, fresh, fresh_opt).maybe_resume(trainer) == 2
+    assert checkpointer(root, fresh).maybe_resume(trainer) == 2
     assert capsys.readouterr().out == f"resumed from {path} at step 2\n"
     assert trainer.step == 2
     assert torch.equal(torch.get_rng_state(), rng_at_save)  # same layout: this rank's stream comes back
-    assert fresh_opt.param_groups[0]["lr"] == 123.0
-    assert [g["weight_decay"] for g in fresh_opt.param_groups] == [0.1, 0.0]
-    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(p, q), name
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(optimizer.state[p][key], fresh_opt.state[q][key]), (name, key)
-        assert optimizer.state[p]["exp_avg"].data_ptr() != fresh_opt.state[q]["exp_avg"].data_ptr()
-    assert torch.count_nonzero(fresh.wte.weight[100:]) == 0  # padding rows stay zero
+    assert_holds_blocks_of(fresh, logical(run))
+    assert not storages(run) & storages(fresh)  # loaded into the fresh run's own tensors
+    assert torch.count_nonzero(fresh.model.wte.weight[100:]) == 0  # padding rows stay zero
 
-    fresh_opt.param_groups[0]["lr"] = optimizer.param_groups[0]["lr"]
-    train_step(model, optimizer, 2)
-    train_step(fresh, fresh_opt, 2)
-    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(p, q)
+    # This run's hyper-parameters win over the saved run's; resuming says which schedule settings changed.
+    other = build(one_process, 7, lr=123.0, weight_decay=0.05, beta1=0.8, beta2=0.99, eps=1e-6)
+    capsys.readouterr()
+    assert checkpointer(root, other).maybe_resume(FakeTrainer()) == 2
+    assert "optim.lr 0.01 -> 123.0, optim.weight_decay 0.1 -> 0.05" in capsys.readouterr().out
+    assert_holds_blocks_of(other, logical(run))
+    (adamw,) = other.zero.optimizers
+    hyper = [(g["lr"], g["weight_decay"], g["betas"], g["eps"]) for g in adamw.param_groups]
+    assert hyper == [(123.0, 0.05, (0.8, 0.99), 1e-6), (123.0, 0.0, (0.8, 0.99), 1e-6)]
+
+    train_step(run, 2)
+    train_step(fresh, 2)
+    assert_same_state(run, fresh)
 
 
-def test_optimizer_state_follows_names_not_order(one_process, tmp_path: Path) -> None:
-    model, optimizer = build(1)
-    train_step(model, optimizer, 0)
-    checkpointer(tmp_path, one_process, model, optimizer).save(FakeTrainer(1))
+def test_optimizer_state_follows_names_not_order(one_process, tmp_path: Path, monkeypatch) -> None:
+    run = build(one_process, 1)
+    train_step(run, 0)
+    checkpointer(tmp_path, run).save(FakeTrainer(1))
 
-    fresh, _ = build(1)
-    params = list(fresh.parameters())
-    reversed_opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in reversed(params) if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in reversed(params) if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=1.0,
-        foreach=True,
-    )
-    checkpointer(tmp_path, one_process, fresh, reversed_opt).maybe_resume(FakeTrainer())
-    names = {p: n for n, p in fresh.named_parameters()}
-    by_name = {names[p]: s for p, s in reversed_opt.state.items()}
-    for name, p in model.named_parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(by_name[name][key], optimizer.state[p][key]), (name, key)
+    # The same build with the flat layout in registration order, the reverse of the one build_optimizer makes:
+    # every piece of the ZeRO optimizer, and every view of its AdamW, sits at another index.
+    monkeypatch.setattr(FlatLayout, "by_size", classmethod(lambda cls, params, *_: cls([list(params)], 1)))
+    fresh = build(one_process, 1)
+    monkeypatch.undo()
+    saved_order, loaded_order = piece_order(run), piece_order(fresh)
+    assert loaded_order == saved_order[::-1] and len(set(saved_order)) == len(saved_order)
+    checkpointer(tmp_path, fresh).maybe_resume(FakeTrainer())
+    expected, loaded = logical(run), logical(fresh)
+    assert loaded.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(loaded[key], expected[key]), key
+
+
+def piece_order(run: Run) -> list[str]:
+    """The parameter name of each piece the run's ZeRO optimizer steps, in its order."""
+    names = {p: name for name, p in run.model.named_parameters()}
+    return [names[piece.param] for _, piece in run.zero.pieces()]
 
 
 def test_resume_refusals_name_what_is_wrong(one_process, tmp_path: Path) -> None:
-    model, optimizer = build(1)
-    checkpointer(tmp_path, one_process, model, optimizer).save(FakeTrainer(1))
+    run = build(one_process, 1)
+    checkpointer(tmp_path, run).save(FakeTrainer(1))
     path = tmp_path / "step_00000001"
 
     def resume(cfg: ModelConfig | None = None, resume: str = "auto") -> None:
-        fresh, fresh_opt = build(2, cfg)
-        checkpointer(tmp_path, one_process, fresh, fresh_opt, resume, cfg).maybe_resume(FakeTrainer())
+        checkpointer(tmp_path, build(one_process, 2, cfg), resume).maybe_resume(FakeTrainer())
 
     with pytest.raises(CheckpointError, match=r"has model\.n_layers=2 but this run has 3"):
         resume(tiny_cfg(n_layers=3))
@@ -480,10 +555,10 @@ def test_the_payload_is_real(tmp_path: Path) -> None:
 
 def test_every_hostile_file_is_refused_and_never_run(one_process, tiny_dataset: Path, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    model, optimizer = build(1)
-    train_step(model, optimizer, 0)
+    run = build(one_process, 1)
+    train_step(run, 0)
     tokenizer = tiny_dataset / "tokenizer.model"
-    checkpointer(tmp_path / "ckpts", one_process, model, optimizer, tokenizer=tokenizer).save(FakeTrainer(1))
+    checkpointer(tmp_path / "ckpts", run, tokenizer=tokenizer).save(FakeTrainer(1))
     good = tmp_path / "ckpts" / "step_00000001"
     files = sorted(p.name for p in good.iterdir())
     assert files == sorted(
@@ -491,8 +566,7 @@ def test_every_hostile_file_is_refused_and_never_run(one_process, tiny_dataset: 
     )
 
     def resume(path: Path) -> None:
-        fresh, fresh_opt = build(2)
-        checkpointer(tmp_path / "unused", one_process, fresh, fresh_opt, resume=str(path)).maybe_resume(FakeTrainer())
+        checkpointer(tmp_path / "unused", build(one_process, 2), resume=str(path)).maybe_resume(FakeTrainer())
 
     def load_for_tools(path: Path) -> None:
         load_weights(path).sentencepiece()
@@ -522,9 +596,9 @@ def test_every_hostile_file_is_refused_and_never_run(one_process, tiny_dataset: 
 
 
 def test_metadata_allow_list_is_what_dcp_writes(one_process, tmp_path: Path) -> None:
-    model, optimizer = build(1)
-    train_step(model, optimizer, 0)
-    checkpointer(tmp_path, one_process, model, optimizer).save(FakeTrainer(1))
+    run = build(one_process, 1)
+    train_step(run, 0)
+    checkpointer(tmp_path, run).save(FakeTrainer(1))
     path = tmp_path / "step_00000001"
 
     seen: set[tuple[str, str]] = set()
@@ -555,75 +629,93 @@ def test_metadata_allow_list_is_what_dcp_writes(one_process, tmp_path: Path) -> 
 # --- tp: a real reshard, both ways ----------------------------------------------------------------------
 
 
-def _tp2_ranks(rank: int, world_size: int, one_root: str, tp_root: str) -> None:
+def _tp2_ranks(rank: int, world_size: int, one_root: str, tp_root: str, expected: list[dict]) -> None:
+    """``expected``: the one-process run's logical tensors after 2 steps and after 3."""
     groups = build_process_groups(Topology(dp=1, pp=1, tp=2), timeout_s=60)
-    expected = logical(*reference(2))
 
     # Save from the tp layout: each rank holds its blocks of the same run.
-    model, optimizer = build(1, TP_CFG)
-    split_for_tp(model, rank, world_size)
-    init_weights(model, TP_CFG, 1)
+    run = build(groups, 1, TP_CFG)
     for i in range(2):
-        fake_step(model, optimizer, i)
-    assert_holds_blocks_of(model, optimizer, expected)  # the layout itself is right
+        fake_step(run, i)
+    assert_holds_blocks_of(run, expected[0])  # the layout itself is right
     if rank == 1:
-        assert placement_of(model.wte.weight).real == 0  # this rank holds only padding rows
-    checkpointer(Path(tp_root), groups, model, optimizer, cfg=TP_CFG).save(FakeTrainer(2))
+        assert placement_of(run.model.wte.weight).real == 0  # this rank holds only padding rows
+    checkpointer(Path(tp_root), run).save(FakeTrainer(2))
 
     # Load a one-process checkpoint into the tp layout, with a fresh optimizer.
-    fresh, fresh_opt = build(5, TP_CFG)
-    split_for_tp(fresh, rank, world_size)
-    init_weights(fresh, TP_CFG, 5)
-    assert checkpointer(Path(one_root), groups, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer()) == 2
-    assert_holds_blocks_of(fresh, fresh_opt, expected)
-    # And both continue alike.
-    fake_step(model, optimizer, 2)
-    fake_step(fresh, fresh_opt, 2)
-    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(p, q)
+    fresh = build(groups, 5, TP_CFG)
+    assert checkpointer(Path(one_root), fresh).maybe_resume(FakeTrainer()) == 2
+    assert_holds_blocks_of(fresh, expected[0])
+    # And both continue alike, as the one-process run does.
+    fake_step(run, 2)
+    fake_step(fresh, 2)
+    assert_same_state(run, fresh)
+    assert_holds_blocks_of(fresh, expected[1])
 
 
+@pytest.mark.multiprocess
 def test_tp_reshard_both_ways(one_process, tmp_path: Path) -> None:
     one_root, tp_root = tmp_path / "one", tmp_path / "tp2"
-    model, optimizer = reference(2)
-    checkpointer(one_root, one_process, model, optimizer, cfg=TP_CFG).save(FakeTrainer(2))
+    run = reference(one_process, 2)
+    checkpointer(one_root, run).save(FakeTrainer(2))
+    expected = logical(run)
+    fake_step(run, 2)
 
-    run_distributed(_tp2_ranks, 2, str(one_root), str(tp_root), timeout_s=90)
+    run_distributed(_tp2_ranks, 2, str(one_root), str(tp_root), [expected, logical(run)], timeout_s=90)
 
     path = tp_root / "step_00000002"
     assert json.loads((path / "meta.json").read_text())["layout"] == {"dp": 1, "tp": 2, "pp": 1}
     chunks = read_metadata(path).state_dict_metadata
-    # The saved embedding is the logical one: rank 0's 10 real rows, nothing from rank 1.
-    assert chunks["model/wte.weight"].size == (10, 32) and len(chunks["model/wte.weight"].chunks) == 1
-    assert len(chunks["model/layers.0.mlp.fc.weight"].chunks) == 2  # one block from each tp rank
+    # The saved embedding is the logical one: rank 0's 10 real rows, nothing from rank 1; its moments too.
+    for key in ("model/wte.weight", "optim/wte.weight/exp_avg", "optim/wte.weight/exp_avg_sq"):
+        assert chunks[key].size == (10, 32) and len(chunks[key].chunks) == 1, key
+    for key in ("model/layers.0.mlp.fc.weight", "optim/layers.0.mlp.fc.weight/exp_avg"):
+        assert len(chunks[key].chunks) == 2, key  # one block from each tp rank
     assert len(chunks["model/layers.0.ln_1.weight"].chunks) == 1  # replicated over tp: written once
 
-    fresh, fresh_opt = build(5, TP_CFG)
+    fresh = build(one_process, 5, TP_CFG)
     rng = torch.get_rng_state()
-    assert checkpointer(tp_root, one_process, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer()) == 2
-    assert_holds_blocks_of(fresh, fresh_opt, logical(model, optimizer))
+    assert checkpointer(tp_root, fresh).maybe_resume(FakeTrainer()) == 2
+    assert_holds_blocks_of(fresh, expected)
     assert torch.equal(torch.get_rng_state(), rng)  # another layout: the fresh RNG stream is kept
 
 
 # --- dp: written once, RNG per coordinate, agreed errors, crash mid-save --------------------------------------
 
 
-def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str) -> None:
+def assert_tiled(key: str, entry: object) -> None:
+    """The saved boxes of one tensor cover each of its elements exactly once."""
+    count = torch.zeros(tuple(entry.size), dtype=torch.int32)
+    for chunk in entry.chunks:
+        count[box(tuple(chunk.offsets), tuple(chunk.sizes))] += 1
+    assert bool((count == 1).all()), key
+
+
+def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str, zero: int, expected: dict) -> None:
     root, tokenizer = Path(root_s), Path(tokenizer_s)
     groups = build_process_groups(Topology(dp=2, pp=1, tp=1), timeout_s=60)
-    model, optimizer = reference(2)  # identical replicas
+    run = build(groups, 1, TP_CFG, zero=zero)
+    for i in range(2):
+        fake_step(run, i)
+    # Replicas (zero 0) or dp shards (zero 1) of the one-process run, bit for bit.
+    assert_holds_blocks_of(run, expected)
     torch.manual_seed(100 + rank)  # ... with a different RNG stream on each rank
     rng_at_save = torch.get_rng_state()
-    saver = checkpointer(root, groups, model, optimizer, cfg=TP_CFG, tokenizer=tokenizer)
+    saver = checkpointer(root, run, tokenizer=tokenizer)
     assert saver.maybe_resume(FakeTrainer()) is None
     saver.save(FakeTrainer(step=2))
     path = root / "step_00000002"
     assert list_checkpoints(root) == [path] and leftovers(root) == []  # every rank sees the finished one
 
-    # Written once: one box per tensor, and the data files hold nothing but the indexed boxes.
+    # Written once: the boxes of each tensor tile it (replicas' boxes are one box), and the data files hold
+    # nothing but the indexed boxes.
     metadata = read_metadata(path)
     for key, entry in metadata.state_dict_metadata.items():
-        assert len(entry.chunks) == 1, key
+        assert_tiled(key, entry)
+        if zero == 0:
+            assert len(entry.chunks) == 1, key
+    if zero == 1:  # the dp shards cut a parameter: it is saved as a few boxes from each side of the cut
+        assert any(len(e.chunks) > 1 for k, e in metadata.state_dict_metadata.items() if k.startswith("optim/"))
     assert {k for k in metadata.state_dict_metadata if k.startswith("rng/")} == {
         "rng/dp0.pp0.tp0/cpu",
         "rng/dp1.pp0.tp0/cpu",
@@ -635,17 +727,17 @@ def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str) -> Non
 
     # Same layout: each rank gets its own RNG stream back.
     torch.rand(10)
-    fresh, fresh_opt = build(5, TP_CFG)
+    fresh = build(groups, 5, TP_CFG, zero=zero)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert checkpointer(root, groups, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer()) == 2
+        assert checkpointer(root, fresh).maybe_resume(FakeTrainer()) == 2
     assert out.getvalue() == (f"resumed from {path} at step 2\n" if rank == 0 else "")
     assert torch.equal(torch.get_rng_state(), rng_at_save)
-    assert_holds_blocks_of(fresh, fresh_opt, logical(model, optimizer))
+    assert_holds_blocks_of(fresh, expected)
 
     # Errors are agreed: a bad path decided on rank 0, a checkpoint only rank 1 cannot read.
     with pytest.raises(CheckpointError, match=r"checkpoint\.resume="):
-        checkpointer(root, groups, fresh, fresh_opt, str(root / "nope"), cfg=TP_CFG).maybe_resume(FakeTrainer())
+        checkpointer(root, fresh, str(root / "nope")).maybe_resume(FakeTrainer())
     real_read = manager_mod.read_metadata
 
     def unreadable_on_rank_1(directory: Path):
@@ -656,7 +748,7 @@ def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str) -> Non
     manager_mod.read_metadata = unreadable_on_rank_1
     try:
         with pytest.raises(CheckpointError, match=r"^rank 1: .*step_00000002 not here$"):
-            checkpointer(root, groups, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer())
+            checkpointer(root, fresh).maybe_resume(FakeTrainer())
     finally:
         manager_mod.read_metadata = real_read
 
@@ -678,27 +770,30 @@ def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str) -> Non
     assert list_checkpoints(root) == [path] and leftovers(root) == []
 
     # keep_last prunes after a later save; every rank returns.
-    checkpointer(root / "pruned", groups, model, optimizer, cfg=TP_CFG, keep_last=1).save(FakeTrainer(step=3))
-    checkpointer(root / "pruned", groups, model, optimizer, cfg=TP_CFG, keep_last=1).save(FakeTrainer(step=4))
+    checkpointer(root / "pruned", run, keep_last=1).save(FakeTrainer(step=3))
+    checkpointer(root / "pruned", run, keep_last=1).save(FakeTrainer(step=4))
     assert [p.name for p in list_checkpoints(root / "pruned")] == ["step_00000004"]
     dist.barrier()  # the group still works after the errors above: nobody is stuck in a collective
 
 
-def test_dp2_writes_each_box_once_and_resumes_at_dp1(one_process, tmp_path: Path) -> None:
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp2_writes_each_box_once_and_resumes_at_dp1(one_process, tmp_path: Path, zero: int) -> None:
     tokenizer = tmp_path / "tok.model"
     tokenizer.write_bytes(b"tokenizer bytes")
     root = tmp_path / "ckpts"
-    run_distributed(_dp2_ranks, 2, str(root), str(tokenizer), timeout_s=90)
+    run = reference(one_process, 2)
+    run_distributed(_dp2_ranks, 2, str(root), str(tokenizer), zero, logical(run), timeout_s=90)
 
     path = root / "step_00000002"
     assert (path / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
     # At dp=1 the same run continues exactly as if never stopped.
-    model, optimizer = reference(2)
-    fresh, fresh_opt = build(5, TP_CFG)
-    assert checkpointer(root, one_process, fresh, fresh_opt, cfg=TP_CFG).maybe_resume(FakeTrainer()) == 2
-    fake_step(model, optimizer, 2)
-    fake_step(fresh, fresh_opt, 2)
-    assert_holds_blocks_of(fresh, fresh_opt, logical(model, optimizer))
+    fresh = build(one_process, 5, TP_CFG)
+    assert checkpointer(root, fresh).maybe_resume(FakeTrainer()) == 2
+    assert_holds_blocks_of(fresh, logical(run))
+    fake_step(run, 2)
+    fake_step(fresh, 2)
+    assert_same_state(run, fresh)
 
 
 # --- the consolidated file and the tools ---------------------------------------------------------------------
@@ -718,17 +813,19 @@ def run_tool(name: str, *args: str, monkeypatch, capsys) -> tuple[int, str, str]
     return code, out.out, out.err
 
 
+@pytest.mark.multiprocess
 def test_consolidate_then_generate_gives_the_checkpoints_text(
     one_process, tiny_dataset: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
     # vocab 600 pads to 640 rows (the file must hold the 600 real ones), past the tokenizer's 512 pieces.
     cfg = tiny_cfg(vocab_size=600)
-    model, optimizer = build(3, cfg)
+    run = build(one_process, 3, cfg)
     for i in range(3):
-        train_step(model, optimizer, i)
+        train_step(run, i)
+    model = run.model
     root = tmp_path / "ckpts"
     tokenizer = tiny_dataset / "tokenizer.model"
-    checkpointer(root, one_process, model, optimizer, cfg=cfg, tokenizer=tokenizer).save(FakeTrainer(3))
+    checkpointer(root, run, tokenizer=tokenizer).save(FakeTrainer(3))
     out = tmp_path / "out" / "model.safetensors"
     dist.destroy_process_group()  # the tools run without one
 
@@ -738,7 +835,8 @@ def test_consolidate_then_generate_gives_the_checkpoints_text(
     assert converted.returncode == 0, converted.stderr
     assert converted.stderr == f"wrote {out}: {len(weights_of(model))} tensors from {root / 'step_00000003'} (step 3)\n"
     weights = read_consolidated(out)
-    assert weights.step == 3 and weights.config == run_config(cfg) and weights.tokenizer == tokenizer.read_bytes()
+    assert weights.step == 3 and weights.config == dataclasses.asdict(run.cfg)
+    assert weights.tokenizer == tokenizer.read_bytes()
     assert weights.tensors.keys() == weights_of(model).keys()
     assert torch.equal(weights.tensors["wte.weight"], model.wte.weight.detach()[:600])
     for name, tensor in read_model_tensors(root / "step_00000003").items():
