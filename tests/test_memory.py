@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.layouts import tiny, train_in_process
-from trident.build import build_optimizer
+from trident.build import build_optimizer, model_chunks
 from trident.config import Config, ModelConfig, OffloadConfig
 from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
 from trident.memory_estimate import (
@@ -199,8 +199,7 @@ def _measure_states(config: Config, groups: ProcessGroups, run_dir: Path | None,
     """Build the reducer, optimizer and step as train.py does, run one step of two micro-batches (of ``seq``
     tokens: model states do not depend on it), measure."""
     cfg, tr = config.model, config.train
-    model = GPT(cfg, groups.tp_group)
-    init_weights(model, cfg, 0)
+    (model,) = model_chunks(config, groups, torch.device("cpu"))
     setup = build_optimizer([model], config, groups)
     try:
         g = torch.Generator().manual_seed(groups.dp_rank)

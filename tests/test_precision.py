@@ -9,9 +9,8 @@ import torch
 import trident.build
 from tests.layouts import make_config, tiny, train_in_process
 from train import run
-from trident.build import build_optimizer
+from trident.build import build_optimizer, model_chunks
 from trident.errors import DivergenceError
-from trident.models.gpt import GPT, init_weights
 from trident.parallel.groups import build_process_groups
 from trident.parallel.precision import LossScaler
 from trident.parallel.topology import Topology
@@ -38,8 +37,7 @@ def test_bf16_and_fp16_runs_end_within_2_percent_of_the_fp32_loss(tiny_dataset, 
 def _parameter_bytes(rank: int, world: int, precision: str) -> dict:
     cfg = make_config("model=gpt-tiny", f"train.precision={precision}")
     groups = build_process_groups(Topology(dp=1, pp=1, tp=1))
-    model = GPT(cfg.model)
-    init_weights(model, cfg.model, seed=0)
+    (model,) = model_chunks(cfg, groups, torch.device("cpu"))
     reference = {name: p.detach().clone() for name, p in model.named_parameters()}
     setup = build_optimizer([model], cfg, groups)
     optimizer = setup.zero

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
-from trident.build import build_optimizer
-from trident.models.gpt import GPT, init_weights
+from trident.build import build_optimizer, model_chunks
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
@@ -96,8 +95,7 @@ def test_a_bf16_run_resumes_exactly_from_its_fp32_masters(tiny_dataset, tmp_path
 def _build(world: int, tp: int, *overrides: str):
     cfg = make_config("model=gpt-tiny", "model.n_layers=4", "parallel.bucket_mb=0.05", *overrides)
     groups = build_process_groups(Topology(dp=world // tp, pp=1, tp=tp))
-    model = GPT(cfg.model, groups.tp_group)
-    init_weights(model, cfg.model, seed=0)
+    (model,) = model_chunks(cfg, groups, torch.device("cpu"))
     setup = build_optimizer([model], cfg, groups)
     return cfg, groups, model, setup
 
