@@ -5,7 +5,7 @@ whose reduced gradient the reducer leaves it (``reduced_grad(span)``) and whose 
 (``store.shard(span)``, parallel/zero/params.py). At stage 0 the "shard" is the whole layout (16-bit parameters
 still need fp32 masters). Each bucket's shard is a ``Segment``; a segment cuts parameters into ``Piece``s, and
 torch's AdamW (fused on GPU, foreach on CPU) steps one 1-D view of the masters per piece, in two param groups
-(weight decay on pieces of >= 2-D parameters, as ``build_optimizer`` does). AdamW's state therefore lives per
+(weight decay on pieces of >= 2-D parameters only: ``_adamw``). AdamW's state therefore lives per
 piece, exactly the shape of this rank's share.
 
 Masters: with fp32 parameters the master of a segment on the accelerator *is* the parameter shard (no copy);
@@ -99,7 +99,7 @@ class ZeroOptimizer:
 
     ``make_store`` builds the parameter store after the masters have copied the fp32 values (the store casts the
     parameters to its dtype). ``stage`` >= 1 shards over ``dp_group``; stage 0 steps everything on every rank.
-    Implements the update protocol ``GradStep`` drives (trident/optim.py).
+    ``GradStep`` (trident/optim.py) drives it through the methods below.
     """
 
     def __init__(
@@ -164,7 +164,7 @@ class ZeroOptimizer:
         self.device_optimizer = _adamw(sides[False], device, adamw)
         self.optimizers = [o for o in (self.device_optimizer, self.host_optimizer) if o is not None]
 
-    # The update protocol (trident/optim.py GradStep).
+    # What GradStep (trident/optim.py) calls.
 
     def grads(self) -> list[torch.Tensor]:
         """The reduced gradients this rank steps from, to unscale and clip in place."""

@@ -10,7 +10,7 @@ A contiguous range of a row-major tensor is a few boxes (``range_boxes``): a par
 row, recursively in the trailing dims, each itself contiguous in memory, so each box is a view of the piece. Tensor
 parallelism's padding rows (past ``placement.real`` on ``split_dim``) are cut off, and the boxes are shifted by
 the tp block's offsets: what is saved is a set of boxes of the logical tensor, which DCP reassembles under any
-layout (trident/checkpoint_format.py).
+layout (trident/checkpoint/dcp.py).
 """
 
 from __future__ import annotations
