@@ -1,0 +1,172 @@
+"""The layout fuzzer (trident/fuzz.py, tools/fuzz_layouts.py): its drawing, its refusal check and its comparisons
+(pure), and the CI sample: a fixed, seeded set of cases run as a sweep would run them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from trident.curves import REL
+from trident.errors import ConfigError
+from trident.fuzz import (
+    LAUNCH_LIMIT_S,
+    LOW_PRECISION_REL,
+    REFUSALS,
+    Case,
+    Fuzzer,
+    curve_problems,
+    draw_case,
+    load_config,
+    refusal_problem,
+    unsupported_entry,
+    verdict,
+)
+
+# --- drawing
+
+
+def test_drawing_is_deterministic_per_seed_and_case() -> None:
+    assert [draw_case(7, i) for i in range(50)] == [draw_case(7, i) for i in range(50)]
+    assert [draw_case(7, i).overrides for i in range(50)] != [draw_case(8, i).overrides for i in range(50)]
+    assert len({draw_case(7, i).overrides for i in range(50)}) == 50
+
+
+def test_a_few_hundred_draws_cover_every_knob() -> None:
+    seen: dict[str, set[str]] = defaultdict(set)
+    for index in range(400):
+        case = draw_case(1, index)
+        seen["world"].add(str(case.world))
+        knobs = case.knobs
+        for key, value in knobs.items():
+            seen[key].add(value)
+        if knobs.get("parallel.offload.optimizer") == "cpu" and knobs["parallel.pp"] != "1":
+            seen["offload with pp > 1"].add(knobs["parallel.offload.ratio"])
+        seen["dp explicit"].add(str("parallel.dp" in knobs))
+    expected = {
+        "world": {str(w) for w in range(1, 9)},
+        "parallel.tp": {"1", "2", "3", "4"},
+        "parallel.pp": {"1", "2", "3", "4"},
+        "parallel.vpp": {"1", "2", "3"},
+        "parallel.schedule": {"gpipe", "1f1b", "interleaved", "zb-h1"},
+        "parallel.zero": {"0", "1", "2", "3"},
+        "parallel.offload.optimizer": {"cpu"},
+        "parallel.sequence_parallel": {"true", "false"},
+        "train.activation_checkpointing": {"none", "selective", "full"},
+        "train.micro_batch_size": {"1", "2", "4", "8"},
+        "parallel.bucket_mb": {"25.0", "1.0", "0.05", "0.001"},
+        "model.vocab_size": {"512", "515"},
+        "model.n_layers": {"2", "3", "4", "8"},
+        "model.dropout": {"0.0", "0.1"},
+        "train.global_batch_size": {"8", "16", "24"},
+        "train.precision": {"fp32", "bf16", "fp16"},
+        "dp explicit": {"True", "False"},
+    }
+    for key, values in expected.items():
+        assert values <= seen[key], (key, seen[key])
+    ratios = {float(r) for r in seen["parallel.offload.ratio"]}
+    assert all(0 < r <= 1 for r in ratios) and 1.0 in ratios and any(r < 1 for r in ratios), ratios
+    assert seen["offload with pp > 1"]
+
+
+def test_about_half_the_draws_are_refused_and_each_refusal_is_a_listed_one() -> None:
+    """Drawn freely but not wildly: the validator refuses some of everything, and trains the rest."""
+    verdicts = [verdict(load_config(REPO, draw_case(3, i).overrides), draw_case(3, i).world) for i in range(60)]
+    refused = [v for v in verdicts if v is not None]
+    assert 10 <= len(refused) <= 45, len(refused)
+    assert [refusal_problem(v) for v in refused] == [None] * len(refused)
+
+
+# --- refusals against the README
+
+
+def test_the_readme_lists_every_refusal_of_the_table() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Unsupported combinations", 1)[1].split("\n#", 1)[0]
+    listed = [line[2:] for line in section.splitlines() if line.startswith("- ")]
+    assert listed == [u.readme for u in REFUSALS]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "entry"),
+    [
+        (["parallel.zero=3", "parallel.pp=2", "model.n_layers=2"], 2, 0),
+        (["parallel.offload.optimizer=cpu"], 1, 1),
+        (["parallel.dp=3"], 2, 8),  # said first, before the batch arithmetic (issue 17)
+    ],
+)
+def test_a_known_refusal_is_matched_to_its_readme_entry(overrides: list[str], world: int, entry: int) -> None:
+    refusal = verdict(load_config(REPO, ["model=gpt-tiny", *overrides]), world)
+    assert isinstance(refusal, ConfigError)
+    assert refusal_problem(refusal) is None
+    assert unsupported_entry(str(refusal)) == REFUSALS[entry]
+
+
+def test_a_made_up_refusal_is_a_finding() -> None:
+    problem = refusal_problem(ConfigError("parallel.tp=2 does not work with train.precision=bf16"))
+    assert problem is not None and "does not list" in problem
+    two_lines = ConfigError("parallel.zero=3 does not work with pipeline\nparallelism")
+    assert "one line" in (refusal_problem(two_lines) or "")
+    assert "not a ConfigError" in (refusal_problem(ValueError("parallel.zero=3 does not work")) or "")
+
+
+# --- comparisons
+
+
+def _rows(losses: list[float], norms: list[float] | None = None, **extra: object) -> list[dict]:
+    norms = norms or [1.0] * len(losses)
+    pairs = enumerate(zip(losses, norms, strict=True))
+    return [{"step": i + 1, "loss": x, "grad_norm": n, **extra} for i, (x, n) in pairs]
+
+
+def test_fp32_curves_compare_to_reduction_order_and_16_bit_within_two_percent() -> None:
+    ref = _rows([6.0, 5.5], [1.0, 0.8])
+    assert curve_problems(ref, _rows([6.0 * (1 + REL / 2), 5.5], [1.0, 0.8 * (1 + REL / 2)]), "fp32", "r") == []
+    assert curve_problems(ref, _rows([6.0 * (1 + 2 * REL), 5.5], [1.0, 0.8]), "fp32", "r")
+    assert curve_problems(ref, _rows([6.0, 5.5], [1.0, 0.801]), "fp32", "r")  # grad norm off by 1.2e-3
+    assert curve_problems(ref, _rows([6.0 * (1 + LOW_PRECISION_REL / 2), 5.5], [9.0, 9.0]), "bf16", "r") == []
+    assert curve_problems(ref, _rows([6.0 * (1 + 2 * LOW_PRECISION_REL), 5.5]), "fp16", "r")
+    assert curve_problems(ref, _rows([6.0, 5.5], [1.0, 0.8], skipped=True), "fp16", "r")
+    assert curve_problems(ref, _rows([6.0]), "fp32", "r")  # a step missing
+    assert curve_problems(ref, _rows([6.0, float("nan")], [1.0, 0.8]), "fp32", "r")
+
+
+@pytest.fixture(scope="module")
+def fuzzer(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Fuzzer:
+    return Fuzzer(REPO, tiny_dataset, timeout_s=180, work_dir=tmp_path_factory.mktemp("fuzz"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2], ids=["python", "torchrun"])
+def test_a_refused_launch_exits_2_with_the_validators_line_within_seconds(fuzzer: Fuzzer, world: int) -> None:
+    case = Case(SEED, -1, world, ("parallel.zero=3", "parallel.pp=2", "model.n_layers=2"))
+    refusal = verdict(fuzzer.config(case.overrides), world)
+    assert refusal is not None
+    problem, seconds = fuzzer.check_launch(case, str(refusal))
+    assert problem is None and seconds < LAUNCH_LIMIT_S
+
+
+# --- the CI sample: the cases a sweep of seed 0 starts with, about four minutes on a 2-core machine.
+
+SEED = 0
+SAMPLE = range(24)
+
+
+def _sample_param(index: int) -> object:
+    case = draw_case(SEED, index)
+    marks = []
+    if case.knobs["model.dropout"] != "0.0":
+        # Dropout masks are drawn per rank today, so a layout with dropout does not give the one-process curve;
+        # issue 17 part 2 derives them per sample from the seed. Kept in the sample: it is the point.
+        marks.append(pytest.mark.xfail(reason="dropout masks are not layout-invariant yet (issue 17)", strict=False))
+    return pytest.param(case, id=f"case{index}", marks=marks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [_sample_param(i) for i in SAMPLE])
+def test_the_ci_sample_of_the_fuzzer(fuzzer: Fuzzer, case) -> None:
+    result = fuzzer.run_case(case)
+    reproduce = f"python tools/fuzz_layouts.py --seed {SEED} --case {case.index}"
+    assert result.passed, f"{case.describe()}\n" + "\n".join(result.problems) + f"\nreproduce: {reproduce}"

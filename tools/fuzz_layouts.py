@@ -1,0 +1,68 @@
+"""Random layouts against one process: every case a random configuration, refused as the README says or training
+to the one-process curve and resuming under another layout (trident/fuzz.py says what is checked).
+
+    python tools/fuzz_layouts.py --cases 200 --seed 1     # a sweep; ends with `fuzz: P/N cases passed ...`
+    python tools/fuzz_layouts.py --seed 1 --case 17       # one case again, as a failing case's line says
+
+Exits 1 when any case fails. Run from a checkout: it trains through the checkout's train.py and conf/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from trident.fuzz import Fuzzer, draw_case, prepare_corpus
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=20, help="cases to draw (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="the sweep's seed (default 0)")
+    parser.add_argument("--case", type=int, action="append", help="run only this case index (repeatable)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds a run may take before it counts as hung")
+    parser.add_argument(
+        "--launch-every",
+        type=int,
+        default=2,
+        help="check the real command (python train.py / torchrun) on every Nth refused case; 0: never (default 2)",
+    )
+    parser.add_argument("--cache-dir", default="~/.cache/trident", help="where the small dataset is cached")
+    args = parser.parse_args()
+
+    fuzzer = Fuzzer(REPO, prepare_corpus(args.cache_dir), timeout_s=args.timeout)
+    indices = args.case or list(range(args.cases))
+    start = time.monotonic()
+    results, refused, launches = [], 0, []
+    for index in indices:
+        case = draw_case(args.seed, index)
+        check_launch = args.launch_every > 0 and (len(args.case or []) > 0 or refused % args.launch_every == 0)
+        result = fuzzer.run_case(case, check_launch)
+        refused += result.refused
+        if result.launch_seconds is not None:
+            launches.append(result.launch_seconds)
+        results.append(result)
+        verdict = "refused" if result.refused else "trained"
+        status = "ok" if result.passed else "FAIL"
+        print(f"case {index}: {status} {verdict} ({result.seconds:.1f} s) {case.describe()}", flush=True)
+        for problem in result.problems[:5]:
+            print(f"    {problem}")
+        if not result.passed:
+            print(f"    reproduce: python tools/fuzz_layouts.py --seed {args.seed} --case {index}", flush=True)
+
+    passed = sum(r.passed for r in results)
+    elapsed = time.monotonic() - start
+    launch = f", refused launches checked {len(launches)} (max {max(launches):.1f} s)" if launches else ""
+    print(
+        f"fuzz: {passed}/{len(results)} cases passed ({len(results) - refused} trained, {refused} refused{launch}) "
+        f"in {elapsed:.0f} s, {elapsed / max(1, len(results)):.1f} s/case; seed {args.seed}"
+    )
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

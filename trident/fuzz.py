@@ -1,0 +1,449 @@
+"""Random layouts against one process: the layout fuzzer behind ``tools/fuzz_layouts.py``.
+
+Each case draws a configuration from the whole space (world size, dp, tp, pp, vpp, schedule, ZeRO stage, CPU
+offload, sequence parallelism, recomputation, micro-batch and bucket sizes, layer count, a vocabulary tp may not
+divide, dropout, precision), valid or not: the validator is under test as much as the training. Then:
+
+- refused: the refusal is a one-line ``ConfigError`` naming a combination the README lists as unsupported
+  (``REFUSALS`` is that list; anything else is a finding), and, for some cases, the real command
+  (``python train.py`` or ``torchrun``) exits 2 with that line within seconds;
+- accepted: the run gives the one-process curve (fp32: trident/curves.py's comparison, every step, every rank;
+  bf16 / fp16: no skipped step and losses within 2% of fp32), and its mid-run checkpoint resumes under another
+  random valid layout with the uninterrupted run's next losses. Every run has a time limit: nothing may hang.
+
+Cases are deterministic per (seed, case index), so one failing case is reproduced alone. Training runs
+in-process on warm rank pools (``trident.ranks``) through ``run(cfg, run_dir)`` of the checkout's ``train.py``,
+and each one-process reference is computed once per sweep and shared by every case with the same model and batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import random
+import re
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+
+from trident.config import Config, DataConfig, register_configs, to_config, validate
+from trident.curves import curve_mismatches
+from trident.errors import ConfigError
+from trident.ranks import run_distributed
+
+STEPS = 6
+SAVE_AT = 3  # the resumed run takes steps 4..6
+MAX_WORLD = 8
+LOW_PRECISION_REL = 2e-2  # bf16 / fp16 against the fp32 one-process losses
+LAUNCH_LIMIT_S = 30.0  # a refused launch must end within seconds, even on a loaded 2-core machine
+# The embedded test corpus: a few standard-library packages, tokenized to gpt-tiny's 512 pieces.
+CORPUS_PACKAGES = ("json", "email", "logging")
+CORPUS_VOCAB = 512
+# What a resumed run keeps of the case (with the model.* knobs): the math of the run, not its layout.
+KEPT_ON_RESUME = ("train.global_batch_size", "train.precision")
+
+
+# --- the space
+
+
+def _weighted(rng: random.Random, choices: dict[Any, float]) -> Any:
+    return rng.choices(list(choices), weights=list(choices.values()))[0]
+
+
+# Each rule the validator enforces is broken on purpose in about this share of the cases that could break it:
+# drawn fully at random, nearly every case would break several and few would train.
+MISTAKE = 0.1
+
+
+def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """A world size and train.py's knobs. ``fixed`` (a resumed case's model, batch and precision) is kept as is.
+
+    Each knob is drawn among the values that suit the ones drawn before it, except with probability ``mistake``,
+    when it is drawn from all of them: so every refusal happens, alone or with others, and about half the cases
+    train. The model and batch knobs take few values, so that cases share their one-process references.
+    """
+    wrong = lambda: rng.random() < mistake  # noqa: E731  (a fresh draw per rule)
+    tp = _weighted(rng, {1: 0.4, 2: 0.4, 4: 0.15, 3: 0.05})  # 3 divides neither the 4 heads nor the sequence
+    pp = _weighted(rng, {1: 0.4, 2: 0.4, 4: 0.15, 3: 0.05})
+    dp = rng.randint(1, max(1, MAX_WORLD // (tp * pp)))
+    world = dp * tp * pp
+    if world > MAX_WORLD or wrong():  # a launch that does not fit the layout
+        world = rng.randint(1, MAX_WORLD)
+    knobs: dict[str, Any] = {"parallel.tp": tp, "parallel.pp": pp}
+    if rng.random() < 0.3:  # otherwise dp is what the world leaves
+        knobs["parallel.dp"] = dp
+    vpp = _weighted(rng, {1: 0.6, 2: 0.35, 3: 0.05}) if pp > 1 or wrong() else 1
+    knobs["parallel.vpp"] = vpp
+    if rng.random() < 0.6:  # otherwise the default: 1f1b, or interleaved when vpp > 1
+        fits = ["interleaved"] if vpp > 1 else ["gpipe", "1f1b", "zb-h1"]
+        knobs["parallel.schedule"] = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"] if wrong() else fits)
+    knobs["parallel.zero"] = rng.randint(0, 3) if pp == 1 or wrong() else rng.randint(0, 2)
+    if rng.random() < 0.3:
+        if knobs["parallel.zero"] >= 1 or wrong():
+            knobs["parallel.offload.optimizer"] = "cpu"
+            knobs["parallel.offload.ratio"] = rng.choice([1.0, 0.5, round(rng.uniform(0.05, 1.0), 2)])
+    knobs["parallel.sequence_parallel"] = rng.random() < 0.25 and (tp > 1 or wrong())
+    knobs["train.activation_checkpointing"] = rng.choice(["none", "selective", "full"])
+    # gpt-tiny's gradients are ~0.5 MB: the small sizes give tens to hundreds of buckets.
+    knobs["parallel.bucket_mb"] = rng.choice([25.0, 1.0, 0.05, 0.001])
+
+    model = dict(fixed or {})
+    if not fixed:
+        layers = [n for n in (2, 3, 4, 8) if n % (pp * vpp) == 0]
+        model["model.n_layers"] = rng.choice(layers if layers and not wrong() else [2, 3, 4, 8])
+        model["model.vocab_size"] = rng.choice([512, 515])  # 515: no tp divides it, the padded vocab is exercised
+        model["model.dropout"] = _weighted(rng, {0.0: 0.75, 0.1: 0.25})
+        batches = [b for b in (8, 16, 24) if b % dp == 0]
+        model["train.global_batch_size"] = rng.choice(batches if batches and not wrong() else [8, 16, 24])
+        model["train.precision"] = _weighted(rng, {"fp32": 0.6, "bf16": 0.2, "fp16": 0.2})
+    batch = int(model["train.global_batch_size"])
+    micro = [m for m in (1, 2, 4, 8) if batch % (m * dp) == 0]
+    knobs["train.micro_batch_size"] = rng.choice(micro if micro and not wrong() else [1, 2, 4, 8])
+    return world, {**model, **knobs}
+
+
+def _overrides(knobs: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in knobs.items())
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn configuration: the overrides of train.py's command line and the world size it is launched on."""
+
+    seed: int
+    index: int
+    world: int
+    overrides: tuple[str, ...]
+
+    @property
+    def knobs(self) -> dict[str, str]:
+        return dict(o.split("=", 1) for o in self.overrides)
+
+    @property
+    def precision(self) -> str:
+        return self.knobs["train.precision"]
+
+    def describe(self) -> str:
+        return f"world {self.world}: {' '.join(self.overrides)}"
+
+
+def draw_case(seed: int, index: int) -> Case:
+    """The case ``index`` of sweep ``seed``: the same on every machine and Python run (string seeds hash alike)."""
+    world, knobs = _draw_knobs(random.Random(f"fuzz:{seed}:{index}"), MISTAKE)
+    return Case(seed, index, world, _overrides(knobs))
+
+
+def draw_resume_layout(case: Case, accepts: Callable[[int, tuple[str, ...]], bool]) -> tuple[int, tuple[str, ...]]:
+    """Another layout for resuming ``case``'s checkpoint: same model, batch and precision, drawn until ``accepts``
+    (the validator) takes it. Deterministic per case, like the case itself."""
+    rng = random.Random(f"fuzz-resume:{case.seed}:{case.index}")
+    kept = {k: v for k, v in case.knobs.items() if k.startswith("model.") or k in KEPT_ON_RESUME}
+    for _ in range(100):
+        world, knobs = _draw_knobs(rng, 0.0, kept)
+        overrides = _overrides(knobs)
+        moved = (world, knobs["parallel.tp"], knobs["parallel.pp"], knobs["parallel.zero"]) != (
+            case.world,
+            int(case.knobs["parallel.tp"]),
+            int(case.knobs["parallel.pp"]),
+            int(case.knobs["parallel.zero"]),
+        )
+        if world <= MAX_WORLD and moved and accepts(world, overrides):
+            return world, overrides
+    raise RuntimeError(f"no valid resume layout in 100 draws for case {case.index}")
+
+
+# --- what the README lists as unsupported
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """One combination the README's "Unsupported combinations" section lists, and how its refusal reads."""
+
+    readme: str  # the README's wording, verbatim (a test keeps the two in step)
+    pattern: str  # a regular expression the validator's message matches from its start
+
+
+REFUSALS: tuple[Unsupported, ...] = (
+    Unsupported(
+        "ZeRO stage 3 with pipeline parallelism (`parallel.zero=3` with `parallel.pp` > 1)",
+        r"parallel\.zero=3 does not work with pipeline parallelism",
+    ),
+    Unsupported(
+        "CPU offload without a ZeRO stage (`parallel.offload.optimizer=cpu` with `parallel.zero=0`)",
+        r"parallel\.offload\.optimizer=cpu needs a ZeRO stage",
+    ),
+    Unsupported(
+        "sequence parallelism without tensor parallelism (`parallel.sequence_parallel=true` with `parallel.tp=1`)",
+        r"parallel\.sequence_parallel=true needs parallel\.tp > 1",
+    ),
+    Unsupported(
+        "virtual stages without pipeline parallelism (`parallel.vpp` > 1 with `parallel.pp=1`)",
+        r"parallel\.vpp=\d+ needs pipeline parallelism",
+    ),
+    Unsupported(
+        "virtual stages under a schedule other than `interleaved`, and `interleaved` without virtual stages",
+        r"parallel\.vpp=\d+ needs parallel\.schedule=interleaved|parallel\.schedule=interleaved needs parallel\.vpp",
+    ),
+    Unsupported(
+        "a layer count that `pp` x `vpp` does not divide",
+        r"model\.n_layers=\d+ is not divisible by pp \d+ x vpp \d+",
+    ),
+    Unsupported(
+        "heads, FFN width or (with sequence parallelism) sequence length that `tp` does not divide",
+        r"model\.(n_heads|d_ff|seq_len)=\d+ is not divisible by parallel\.tp=\d+",
+    ),
+    Unsupported(
+        "a global batch that is not a multiple of `micro_batch_size` x `dp`",
+        r"train\.global_batch_size=\d+ is not divisible by micro_batch_size \d+ x dp \d+",
+    ),
+    Unsupported(
+        "a world size other than `dp` x `tp` x `pp` (with `dp` left out: not a multiple of `tp` x `pp`)",
+        r"world size \d+ (!= dp|is not divisible by tp)",
+    ),
+)
+
+
+def unsupported_entry(message: str) -> Unsupported | None:
+    """The README entry a refusal's message names, or None when it names none."""
+    return next((u for u in REFUSALS if re.match(u.pattern, message)), None)
+
+
+def refusal_problem(error: BaseException) -> str | None:
+    """Why a refusal is itself a finding (not a one-line ConfigError, or not a listed combination), or None."""
+    if not isinstance(error, ConfigError):
+        return f"refused with {type(error).__name__}, not a ConfigError: {error}"
+    message = str(error)
+    if not message or "\n" in message:
+        return f"the refusal is not one line: {message!r}"
+    if unsupported_entry(message) is None:
+        return f"refused a combination the README does not list as unsupported: {message}"
+    return None
+
+
+# --- configs and runs
+
+
+def load_config(repo: Path, overrides: list[str] | tuple[str, ...]) -> Config:
+    """The typed config train.py would build from these overrides (the checkout's conf/)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str((repo / "conf").resolve()), version_base="1.3"):
+        return to_config(compose("config", overrides=list(overrides)))
+
+
+def verdict(cfg: Config, world: int) -> BaseException | None:
+    """The validator's refusal of ``cfg`` on ``world`` processes, or None when it accepts it."""
+    try:
+        validate(cfg, world)
+    except Exception as e:  # anything but a ConfigError is itself a finding, reported by refusal_problem
+        return e
+    return None
+
+
+def prepare_corpus(cache_dir: str = "~/.cache/trident") -> Path:
+    """The small real dataset (tests/conftest.py's corpus), prepared once and cached under ``cache_dir``."""
+    import sysconfig
+
+    from trident.data.prepare import resolve_dataset
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = DataConfig(text=[str(stdlib / p) for p in CORPUS_PACKAGES], suffixes=[".py"], cache_dir=cache_dir)
+    return resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None)
+
+
+def base_overrides(dataset: Path) -> tuple[str, ...]:
+    """gpt-tiny on the small dataset, a short run that validates at its last step (the forward-only path)."""
+    return (
+        "model=gpt-tiny",
+        f"data.dataset_dir={dataset}",
+        "wandb.mode=disabled",
+        f"train.steps={STEPS}",
+        f"train.eval_every={STEPS}",
+        "train.eval_batches=1",
+        "optim.warmup_steps=2",
+        "logging.peak_tflops=1",  # MFU against a fixed peak: no matmul probe on a machine the sweep keeps busy
+    )
+
+
+_RUN: dict[str, Callable[[Config, Path], list[dict]]] = {}
+
+
+def _train_on_rank(rank: int, world: int, train_py: str, cfg: Config, run_dir: Path) -> list[dict]:
+    # train.py is a script, not part of the package: loaded by path once per rank process, then reused.
+    run = _RUN.get(train_py)
+    if run is None:
+        run = _RUN[train_py] = runpy.run_path(train_py)["run"]
+    with contextlib.redirect_stdout(io.StringIO()):  # the console lines of hundreds of runs are noise here
+        return run(cfg, run_dir)
+
+
+# --- comparisons
+
+
+def curve_problems(expected: list[dict], got: list[dict], precision: str, what: str) -> list[str]:
+    """How ``got`` departs from ``expected`` (rows of the same steps): in fp32 the project's one comparison
+    (trident/curves.py: loss, gradient norm and validation loss to reduction order); in bf16 / fp16 the losses
+    within 2%. No step may be skipped. Empty when it does not depart."""
+    if precision == "fp32":
+        problems = curve_mismatches(expected, got)
+    elif [r["step"] for r in got] != [r["step"] for r in expected]:
+        problems = [f"steps differ: expected {[r['step'] for r in expected]}, got {[r['step'] for r in got]}"]
+    else:
+        problems = []
+        for want, have in zip(expected, got, strict=True):
+            for key in ("loss", "val_loss"):
+                if (key in want) != (key in have):
+                    problems.append(f"step {want['step']}: {key} in only one of the runs")
+                elif key in want and not math.isclose(have[key], want[key], rel_tol=LOW_PRECISION_REL):
+                    off = abs(have[key] - want[key]) / abs(want[key])
+                    problems.append(
+                        f"step {want['step']}: {key} {have[key]:.6g} vs fp32 {want[key]:.6g} (rel {off:.1e})"
+                    )
+    problems += [f"step {r['step']} skipped (non-finite gradients)" for r in got if r.get("skipped")]
+    return [f"{what}: {p}" for p in problems]
+
+
+# --- one case
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    refused: bool
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    launch_seconds: float | None = None  # the real command's time, when it was checked
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def _first_line(error: BaseException) -> str:
+    """The gist of a failed run: the last line of the earliest failing rank's traceback, and the first line."""
+    text = str(error).strip()
+    lines = text.splitlines()
+    tail = next((line for line in reversed(lines) if line and not line.startswith(" ")), "")
+    head = lines[0] if lines else type(error).__name__
+    return head if tail in ("", head) else f"{head} ... {tail}"
+
+
+class Fuzzer:
+    """Runs cases on one dataset; keeps the one-process references of a sweep."""
+
+    def __init__(self, repo: Path, dataset: Path, timeout_s: float = 180.0, work_dir: Path | None = None) -> None:
+        self.repo = repo
+        self.train_py = str(repo / "train.py")
+        self.dataset = dataset
+        self.timeout_s = timeout_s
+        self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="fuzz-")
+        self.work_dir = work_dir or Path(self._tmp.name)
+        self._references: dict[tuple[str, ...], list[dict]] = {}
+        self._runs = 0
+
+    def config(self, overrides: tuple[str, ...] | list[str]) -> Config:
+        return load_config(self.repo, [*base_overrides(self.dataset), *overrides])
+
+    def accepts(self, world: int, overrides: tuple[str, ...]) -> bool:
+        return verdict(self.config(overrides), world) is None
+
+    def train(self, world: int, overrides: tuple[str, ...] | list[str]) -> tuple[Path, list[list[dict]]]:
+        """Every rank's history of one run, in a fresh run directory; raises what the run raised, or TimeoutError."""
+        self._runs += 1
+        run_dir = self.work_dir / f"run{self._runs:05d}"
+        cfg = self.config(overrides)
+        return run_dir, run_distributed(_train_on_rank, world, self.train_py, cfg, run_dir, timeout_s=self.timeout_s)
+
+    def reference(self, case: Case) -> list[dict]:
+        """The fp32 one-process curve of the case's model and batch (one micro-batch a step)."""
+        knobs = case.knobs
+        key = tuple(f"{k}={v}" for k, v in knobs.items() if k.startswith("model.") or k == "train.global_batch_size")
+        if key not in self._references:
+            batch = knobs["train.global_batch_size"]
+            _, (history,) = self.train(1, (*key, f"train.micro_batch_size={batch}", "train.precision=fp32"))
+            self._references[key] = history
+        return self._references[key]
+
+    def run_case(self, case: Case, check_launch: bool = False) -> CaseResult:
+        start = time.monotonic()
+        refusal = verdict(self.config(case.overrides), case.world)
+        result = CaseResult(case, refused=refusal is not None)
+        try:
+            if refusal is not None:
+                problem = refusal_problem(refusal)
+                result.problems += [problem] if problem else []
+                if check_launch and problem is None:
+                    problem, result.launch_seconds = self.check_launch(case, str(refusal))
+                    result.problems += [problem] if problem else []
+            else:
+                result.problems += self._check_training(case)
+        except TimeoutError as e:
+            result.problems.append(f"hung: {e}")
+        except Exception as e:
+            result.problems.append(f"failed: {_first_line(e)}")
+        result.seconds = time.monotonic() - start
+        return result
+
+    def _check_training(self, case: Case) -> list[str]:
+        try:
+            reference = self.reference(case)
+        except Exception as e:
+            return [f"the one-process reference failed: {_first_line(e)}"]
+        save = (f"checkpoint.every={SAVE_AT}",)
+        run_dir, histories = self.train(case.world, (*case.overrides, *save))
+        problems = []
+        for rank, history in enumerate(histories):  # every rank knows the loss and the global norm
+            problems += curve_problems(reference, history, case.precision, f"rank {rank}")
+        if problems:
+            return problems
+        world, overrides = draw_resume_layout(case, self.accepts)
+        checkpoint = run_dir / "checkpoints" / f"step_{SAVE_AT:08d}"
+        try:
+            _, resumed = self.train(world, (*overrides, f"checkpoint.resume={checkpoint}"))
+        except TimeoutError:
+            raise
+        except Exception as e:
+            return [f"resume at world {world}: {' '.join(overrides)}: {_first_line(e)}"]
+        for rank, history in enumerate(resumed):
+            what = f"resumed at world {world} ({' '.join(overrides)}), rank {rank}"
+            problems += curve_problems(histories[0][SAVE_AT:], history, case.precision, what)
+        return problems
+
+    def check_launch(self, case: Case, message: str) -> tuple[str | None, float]:
+        """The real command on a refused case: exit 2 and the validator's line, within LAUNCH_LIMIT_S."""
+        launcher = [sys.executable]
+        if case.world > 1:  # --standalone: a free port of its own, beside other jobs on the machine
+            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.world}"]
+        hydra = (f"hydra.run.dir={self.work_dir / 'launch'}", "hydra.output_subdir=null")
+        cmd = [*launcher, self.train_py, *base_overrides(self.dataset), *case.overrides, *hydra]
+        start = time.monotonic()
+        try:
+            done = subprocess.run(cmd, cwd=self.repo, capture_output=True, text=True, timeout=LAUNCH_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            return f"the refused launch did not end within {LAUNCH_LIMIT_S:g} s", LAUNCH_LIMIT_S
+        seconds = time.monotonic() - start
+        line = f"error: {message}"
+        errors = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+        if case.world == 1:
+            if done.returncode != 2 or done.stderr.strip() != line or done.stdout.strip():
+                out = (done.stdout + done.stderr).strip().replace("\n", " | ")[-300:]
+                return (
+                    f"python train.py: exit {done.returncode}, expected 2 and one line {line!r}; got {out!r}",
+                    seconds,
+                )
+            return None, seconds
+        # torchrun: every rank that gets to print says the same line; the one torchrun saw first exited with 2
+        # (torchrun itself then exits 1 with its own report, which is the launcher's, not the run's).
+        root = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", done.stderr, re.DOTALL)
+        if not errors or set(errors) != {line} or root is None or root.group(1) != "2":
+            out = done.stderr.strip().replace("\n", " | ")[-300:]
+            return f"torchrun: expected every rank's line {line!r} and exit code 2; got {out!r}", seconds
+        return None, seconds
