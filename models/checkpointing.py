@@ -4,8 +4,8 @@
 - ``selective``: only the attention core (softmax(QK^T)V, the part whose activations grow with T^2 and
   cost little to recompute) is recomputed, as in Megatron's selective recomputation.
 
-Dropout redraws the same masks when recomputed: torch restores the default generator itself, and the
-model's RNG tracker, if it has one, restores its tensor-parallel streams (``RNGTracker.checkpoint_contexts``).
+Dropout redraws the same masks when recomputed: they are derived from the micro-batch the forward ran on, which
+the model's RNG tracker, if it has one, puts back around the recomputation (``RNGTracker.checkpoint_contexts``).
 """
 
 from __future__ import annotations

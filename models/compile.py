@@ -7,8 +7,9 @@ them checkpoints) do not change.
 
 Apply it *before* activation checkpointing: ``full`` then checkpoints the compiled block, and ``selective``
 leaves the recomputed attention core as an eager island inside it (dynamo cannot trace a checkpoint whose
-``context_fn`` restores the tensor-parallel RNG streams). Random numbers are drawn as eager draws them
-(inductor's ``fallback_random``), so dropout masks, and their replay in recomputation, are the eager ones.
+``context_fn`` restores the RNG tracker's micro-batch). Dropout masks are drawn eagerly (``RNGTracker.keep_mask``
+is an eager island), so they, and their replay in recomputation, are the eager ones; inductor's
+``fallback_random`` would keep any other random op as eager draws it.
 """
 
 from __future__ import annotations

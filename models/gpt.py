@@ -1,6 +1,12 @@
 """A GPT-2 family language model: pre-LayerNorm blocks, learned positions, GELU MLP, causal attention
 through scaled_dot_product_attention, and an LM head tied to the token embedding.
 
+Dropout (``model.dropout``) sits where GPT-2's does: on the embeddings, the attention probabilities and each
+residual branch. Its masks are derived from (seed, step, sample, site) by the RNG tracker the model is given
+(trident/parallel/random.py), so every layout drops what one process drops. Training with dropout therefore
+computes attention explicitly (SDPA's own dropout draws from the global generator); dropout 0 and evaluation
+keep SDPA.
+
 Built from tensor-parallel layers (trident/parallel/tensor.py): attention splits its heads over the tp group
 (the fused qkv is laid out head by head, ``(h three d)``, so a column-parallel block of its rows holds whole
 heads with their q, k and v), the MLP is column- then row-parallel, and the token embedding is vocab-parallel,
@@ -32,7 +38,15 @@ from torch import nn
 from trident.config import ModelConfig
 from trident.parallel.comm import rank_and_size
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
-from trident.parallel.random import Dropout, RNGTracker, drawing_from
+from trident.parallel.random import (
+    ATTENTION,
+    ATTENTION_RESIDUAL,
+    EMBEDDING,
+    EMBEDDING_LAYER,
+    MLP_RESIDUAL,
+    Dropout,
+    RNGTracker,
+)
 from trident.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -59,14 +73,22 @@ def check_tp_split(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -
 
 
 class CausalSelfAttention(nn.Module):
-    """Heads split over tp: qkv column-parallel (whole heads per rank), proj row-parallel."""
+    """Heads split over tp: qkv column-parallel (whole heads per rank), proj row-parallel. The attention
+    probabilities' dropout keeps this rank's heads of the logical ``[n_heads, T, T]`` mask."""
 
     def __init__(
-        self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool, rng: RNGTracker | None
+        self,
+        cfg: ModelConfig,
+        tp_group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        rng: RNGTracker | None,
+        layer: int,
     ) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads // rank_and_size(tp_group)[1]  # this rank's heads
-        self.dropout, self.rng = cfg.dropout, rng
+        tp_rank, tp_size = rank_and_size(tp_group)
+        self.n_heads = cfg.n_heads // tp_size  # this rank's heads
+        self.dropout = cfg.dropout
+        self.drop = Dropout(cfg.dropout, rng, layer, ATTENTION, shard_dim=0, rank=tp_rank, parts=tp_size)
         d = cfg.d_model
         self.qkv = ColumnParallelLinear(d, 3 * d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(d, d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
@@ -75,15 +97,22 @@ class CausalSelfAttention(nn.Module):
         """Attention proper, no weights: the part selective checkpointing recomputes."""
         q, k, v = rearrange(qkv, "b t (h three d) -> three b h t d", three=3, h=self.n_heads)
         if self.training and self.dropout > 0:
-            # Each tp rank holds other heads: their attention dropout must not repeat one mask.
-            with drawing_from(self.rng):
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+            y = self.drop(causal_attention_probs(q, k)) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return rearrange(y, "b h t d -> b t (h d)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.core(self.qkv(x)))
+
+
+def causal_attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) under the causal mask, [b, h, T, T]: what SDPA computes inside, spelled out so that
+    dropout can act on it."""
+    t = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
 
 
 class MLP(nn.Module):
@@ -97,31 +126,43 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
-def _residual_dropout(cfg: ModelConfig, sequence_parallel: bool, rng: RNGTracker | None) -> nn.Module:
-    """Dropout on the residual stream: replicated over tp (the default generator), or under sequence
-    parallelism a different shard on each rank (the tp stream). None of it at dropout 0."""
-    p = cfg.dropout
-    if p == 0:
+def _residual_dropout(
+    cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool, rng: RNGTracker | None, site: tuple
+) -> nn.Module:
+    """Dropout on the residual stream (logical ``[T, d]`` a sample): replicated over tp, every tp rank drawing the
+    whole mask, or under sequence parallelism this rank's sequence shard of it. None of it at dropout 0."""
+    if cfg.dropout == 0:
         return nn.Identity()
-    return Dropout(p, rng if sequence_parallel else None)
+    if not sequence_parallel:
+        return Dropout(cfg.dropout, rng, *site)
+    tp_rank, tp_size = rank_and_size(tp_group)
+    return Dropout(cfg.dropout, rng, *site, shard_dim=0, rank=tp_rank, parts=tp_size)
 
 
 class Block(nn.Module):
+    """Layer ``layer`` (its global index: the dropout sites are the layer's wherever it is held)."""
+
     def __init__(
-        self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool, rng: RNGTracker | None
+        self,
+        cfg: ModelConfig,
+        tp_group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        rng: RNGTracker | None,
+        layer: int,
     ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng)
+        self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng, layer)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
         self.mlp = MLP(cfg, tp_group, sequence_parallel)
-        self.drop = _residual_dropout(cfg, sequence_parallel, rng)
+        self.drop_attn = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, ATTENTION_RESIDUAL))
+        self.drop_mlp = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, MLP_RESIDUAL))
         for p in [*self.ln_1.parameters(), *self.ln_2.parameters()]:
             replicated(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x)))
-        return x + self.drop(self.mlp(self.ln_2(x)))
+        x = x + self.drop_attn(self.attn(self.ln_1(x)))
+        return x + self.drop_mlp(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
@@ -130,8 +171,8 @@ class GPT(nn.Module):
     from the blocks without ever gathering the vocabulary.
 
     ``tp_group``: the tensor-parallel group (None: one process). ``sequence_parallel``: split the activations
-    outside the tp regions along the sequence. ``rng``: the model-parallel RNG tracker, which dropout needs
-    at tp>1 (``model.dropout``; none by default).
+    outside the tp regions along the sequence. ``rng``: the RNG tracker dropout derives its masks from, which
+    training needs at ``model.dropout`` > 0 (evaluation and dropout 0 do not); a runner sets its micro-batch.
 
     A pipeline stage: ``layers`` (global indices; default all), ``first`` (holds the embedding and takes token
     ids) and ``last`` (holds the final norm and LM head and returns logits); a stage that is not last returns
@@ -152,8 +193,6 @@ class GPT(nn.Module):
         self.tp_rank, self.tp_size = rank_and_size(tp_group)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         check_tp_split(cfg, self.tp_size, self.sequence_parallel)
-        if cfg.dropout > 0 and self.tp_size > 1 and rng is None:
-            raise ValueError("dropout at tp > 1 needs the model-parallel RNG tracker (rng=model_parallel_rng(...))")
         self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
         sp = self.sequence_parallel
         self.is_first, self.is_last = first, last
@@ -162,9 +201,9 @@ class GPT(nn.Module):
         if first:
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, self.padded_vocab, sp)
             self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-            self.drop = _residual_dropout(cfg, sp, rng)
+            self.drop = _residual_dropout(cfg, tp_group, sp, rng, (EMBEDDING_LAYER, EMBEDDING))
             replicated(self.wpe.weight)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng, i) for i in layers})
         if last:
             self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
             for p in self.ln_f.parameters():

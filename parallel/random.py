@@ -1,123 +1,171 @@
-"""Randomness under tensor parallelism: Megatron's model-parallel RNG tracker, and dropout drawing from it.
+"""Dropout masks derived, not streamed: every mask is a pure function of (run seed, optimizer step, global sample
+index, site), where a site is a global layer index and which of its dropouts it is (``EMBEDDING``, ``ATTENTION``
+probabilities, ``ATTENTION_RESIDUAL``, ``MLP_RESIDUAL``).
 
-Where an activation is replicated over the tp group (the residual stream without sequence parallelism),
-every tp rank must drop the same elements, or the copies diverge. Where each rank holds a different piece
-(its attention heads, its sequence shard), the masks must differ, or the pieces are dropped in lockstep.
-The default generator, seeded alike on every tp rank, is the replicated stream; the tracker keeps named
-streams seeded per tp rank and swaps one into the default generator for the length of a ``fork``.
+A site's mask is defined on the logical (one-process) tensor of one sample: ``[T, d]`` for the residual stream
+and the embeddings, ``[n_heads, T, T]`` for the attention probabilities. A rank draws that whole tensor from a
+generator seeded by a hash of those numbers, on the activation's device, and keeps the part it holds: its heads
+under tensor parallelism, its sequence shard under sequence parallelism, everything where the activation is
+replicated over tp (every tp rank then drops the same elements, as the copies must). So:
 
-Recomputation must redraw the same masks. torch.utils.checkpoint restores the default generator before it
-recomputes, but not the tracker's streams, which have moved on by then: ``checkpoint_contexts`` is the
-``context_fn`` that puts them back as they were in the original forward.
+- no generator state needs saving: a checkpoint resumes exactly under any layout;
+- pipeline stages hold different layers, hence different sites, and never repeat one another's masks;
+- recomputation (full or selective activation checkpointing, a split backward that recomputes twice) redraws the
+  same masks, once ``checkpoint_contexts`` has put back the micro-batch the forward ran on;
+- every layout (dp, tp, pp, sequence parallelism, micro-batch size) drops exactly what one process drops.
+
+The cost: at tp > 1 each rank draws the full logical mask of its samples and keeps 1/tp of it (for the attention
+probabilities, tp x the RNG work of a per-rank stream). A counter-based draw of just the slice (a Philox offset
+per slice, on CUDA) would avoid it; not done yet.
+
+Which micro-batch is running is the tracker's context (``RNGTracker.context(step, sample_ids)``), set by the
+runners around each micro-batch's forward; the model receives the tracker at construction.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import hashlib
+import struct
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-TENSOR_PARALLEL = "tensor-parallel"
-# Megatron's offset: keeps the tp streams clear of the default stream's seed.
-_TP_SEED_OFFSET = 2718
-_PP_SEED_STRIDE = 100
+# Which dropout of a layer a site is. The embedding's has no layer: it is layer -1.
+EMBEDDING, ATTENTION, ATTENTION_RESIDUAL, MLP_RESIDUAL = range(4)
+EMBEDDING_LAYER = -1
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
-    """The generator that random kernels on ``device`` draw from."""
-    if device.type == "cpu":
-        return torch.default_generator
-    module = getattr(torch, device.type)  # torch.cuda and its peers share this interface
-    return module.default_generators[device.index if device.index is not None else module.current_device()]
+def mask_seed(seed: int, step: int, sample: int, layer: int, kind: int) -> int:
+    """The generator seed of one sample's mask at one site (63 bits of a hash: no two inputs share a stream)."""
+    digest = hashlib.blake2b(struct.pack("<5q", seed, step, sample, layer, kind), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class RNGTracker:
-    """Named generator states for one device, each used through ``fork``."""
+    """The run's seed and the micro-batch now running (its optimizer step and global sample indices): all a
+    dropout mask is derived from. One per rank, shared by its model chunks."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self.states: dict[str, torch.Tensor] = {}
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.step: int | None = None
+        self.sample_ids: tuple[int, ...] | None = None
+        self._generators: dict[torch.device, torch.Generator] = {}
 
-    def add(self, name: str, seed: int) -> None:
-        if name in self.states:
-            raise ValueError(f"RNG stream {name!r} already exists")
-        gen = _default_generator(self.device)
-        outer = gen.get_state()
-        gen.manual_seed(seed)
-        self.states[name] = gen.get_state()
-        gen.set_state(outer)
-
-    @contextlib.contextmanager
-    def fork(self, name: str = TENSOR_PARALLEL) -> Iterator[None]:
-        """Draw from stream ``name`` inside the block; the default generator is left as it was."""
-        gen = _default_generator(self.device)
-        outer = gen.get_state()
-        gen.set_state(self.states[name])
-        try:
-            yield
-        finally:
-            self.states[name] = gen.get_state()
-            gen.set_state(outer)
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return dict(self.states)  # get_state() returns fresh tensors, so a shallow copy is a snapshot
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = dict(states)
+    def context(self, step: int, sample_ids: torch.Tensor | Sequence[int]) -> _Context:
+        """The micro-batch of ``step`` whose samples are ``sample_ids`` (one per row), for the length of a block."""
+        ids = sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids
+        return _Context(self, step, tuple(int(i) for i in ids))
 
     def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """``context_fn`` for torch.utils.checkpoint (use_reentrant=False). It is called as the original forward
-        starts, so the streams are captured here and restored around the recomputation (each one: a split
-        backward, as zero-bubble pipeline schedules run, recomputes once for the input and once for the weights)."""
-        return contextlib.nullcontext(), _AsAt(self, self.get_states())
+        starts, so the micro-batch is captured here and put back around each recomputation, which runs in
+        backward, outside the runner's context (twice for a split backward, as zero-bubble schedules run)."""
+        return contextlib.nullcontext(), _Context(self, self.step, self.sample_ids)
+
+    @torch.compiler.disable  # hashing and seeding in Python: an eager island inside a compiled block
+    def keep_mask(
+        self,
+        p: float,
+        layer: int,
+        kind: int,
+        logical_shape: Sequence[int],
+        shard: tuple[int, int, int] | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Which elements dropout keeps, for the running micro-batch: bool ``[batch, *held]``.
+
+        ``logical_shape``: one sample's tensor in one process. ``shard``: ``(dim, rank, parts)`` when this rank
+        holds block ``rank`` of ``parts`` along ``dim`` of it, None when it holds all of it."""
+        if self.sample_ids is None or self.step is None:
+            raise RuntimeError(
+                "dropout in training needs the micro-batch's step and sample ids: run the forward inside "
+                "rng.context(step, sample_ids) (the runners do)"
+            )
+        index: tuple[slice, ...] = ()
+        if shard is not None:
+            dim, rank, parts = shard
+            size = logical_shape[dim] // parts
+            index = (slice(None),) * dim + (slice(rank * size, (rank + 1) * size),)
+        gen = self._generator(device)
+        masks = []
+        for sample in self.sample_ids:
+            gen.manual_seed(mask_seed(self.seed, self.step, sample, layer, kind))
+            masks.append(torch.rand(logical_shape, generator=gen, device=device)[index] >= p)
+        return torch.stack(masks)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device)
+        return self._generators[device]
 
 
-class _AsAt:
-    """The tracker's streams as they were at ``states`` for the length of a block, then as they were before.
+class _Context:
+    """The tracker's micro-batch set for the length of a block, then put back as it was. Reusable and reentrant
+    (a stack), unlike a generator-based context manager: a recomputation may enter it more than once."""
 
-    The recomputation runs in backward, long after the forward: the streams must move on from where they are
-    now, not from where the recomputation leaves them. Reusable, unlike a generator-based context manager."""
-
-    def __init__(self, tracker: RNGTracker, states: dict[str, torch.Tensor]) -> None:
-        self.tracker, self.states = tracker, states
-        self.outer: list[dict[str, torch.Tensor]] = []
+    def __init__(self, tracker: RNGTracker, step: int | None, sample_ids: tuple[int, ...] | None) -> None:
+        self.tracker, self.step, self.sample_ids = tracker, step, sample_ids
+        self.outer: list[tuple[int | None, tuple[int, ...] | None]] = []
 
     def __enter__(self) -> None:
-        self.outer.append(self.tracker.get_states())
-        self.tracker.set_states(self.states)
+        t = self.tracker
+        self.outer.append((t.step, t.sample_ids))
+        t.step, t.sample_ids = self.step, self.sample_ids
 
     def __exit__(self, *exc: object) -> None:
-        self.tracker.set_states(self.outer.pop())
+        t = self.tracker
+        t.step, t.sample_ids = self.outer.pop()
 
 
-def model_parallel_rng(seed: int, tp_rank: int, device: torch.device | str = "cpu", pp_rank: int = 0) -> RNGTracker:
-    """Seed the default generator with ``seed`` (the same on every tp rank: the replicated stream) and return
-    a tracker whose tensor-parallel stream is seeded ``seed + 2718 + 100 * pp_rank + tp_rank``: pipeline stages
-    hold different layers, so their streams must not repeat one another's masks (Megatron's offsets)."""
+def model_parallel_rng(seed: int) -> RNGTracker:
+    """The tracker dropout derives its masks from. The default generator, which no mask draws from, is seeded
+    with ``seed`` too, so that anything else random in a run starts alike on every rank."""
     torch.manual_seed(seed)
-    tracker = RNGTracker(device)
-    tracker.add(TENSOR_PARALLEL, seed + _TP_SEED_OFFSET + _PP_SEED_STRIDE * pp_rank + tp_rank)
-    return tracker
+    return RNGTracker(seed)
 
 
-def drawing_from(rng: RNGTracker | None) -> contextlib.AbstractContextManager:
-    """The tracker's tensor-parallel stream, or the default generator when there is no tracker."""
-    return rng.fork() if rng is not None else contextlib.nullcontext()
+def dropout_context(model: nn.Module, step: int, sample_ids: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The micro-batch context of ``model``'s tracker (a runner's forward of one micro-batch); nothing for a model
+    without one."""
+    rng = getattr(model, "rng", None)
+    return rng.context(step, sample_ids) if rng is not None else contextlib.nullcontext()
 
 
 class Dropout(nn.Module):
-    """Dropout whose mask comes from ``rng``'s tensor-parallel stream (for an activation that differs across
-    tp ranks), or from the default generator with no tracker (for one replicated across tp)."""
+    """Dropout of site (``layer``, ``kind``) with a derived mask (see the module docstring).
 
-    def __init__(self, p: float, rng: RNGTracker | None = None) -> None:
+    ``x`` is ``[batch, *held]``: this rank's part of ``batch`` samples' logical tensors, which are
+    ``held`` with dim ``shard_dim`` (of one sample) multiplied by ``parts`` when sharded (this rank's block is
+    ``rank``), or ``held`` itself when ``shard_dim`` is None."""
+
+    def __init__(
+        self,
+        p: float,
+        rng: RNGTracker | None,
+        layer: int,
+        kind: int,
+        shard_dim: int | None = None,
+        rank: int = 0,
+        parts: int = 1,
+    ) -> None:
         super().__init__()
-        self.p, self.rng = p, rng
+        self.p, self.rng, self.layer, self.kind = p, rng, layer, kind
+        self.shard = None if shard_dim is None or parts == 1 else (shard_dim, rank, parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        with drawing_from(self.rng):
-            return F.dropout(x, self.p, training=True)
+        if self.rng is None:
+            raise RuntimeError("dropout in training needs the model's RNG tracker (rng=model_parallel_rng(seed))")
+        logical = list(x.shape[1:])
+        if self.shard is not None:
+            logical[self.shard[0]] *= self.shard[2]
+        keep = self.rng.keep_mask(self.p, self.layer, self.kind, logical, self.shard, x.device)
+        if len(keep) != len(x):
+            raise ValueError(f"a micro-batch of {len(x)} samples has {len(keep)} sample ids")
+        return x * keep * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, layer={self.layer}, kind={self.kind}, shard={self.shard}"

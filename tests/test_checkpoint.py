@@ -57,6 +57,7 @@ from trident.checkpoint.zero_state import MasterState, MomentState
 from trident.config import CheckpointConfig, Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trident.errors import CheckpointError
 from trident.models.gpt import GPT
+from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.layout import FlatLayout, Piece
 from trident.parallel.placement import placement_of
@@ -144,7 +145,7 @@ def train_step(run: Run, i: int) -> None:
     gen = torch.Generator().manual_seed(1000 + i)
     x = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=gen)
     y = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=gen)
-    run.parts.runner.forward_backward([(x, y)], run.model.loss_sum, 1 / y.numel())
+    run.parts.runner.forward_backward([Batch(x, y, torch.arange(2), i)], run.model.loss_sum, 1 / y.numel())
     _, skipped = run.parts.optimizer.step.step(LR)
     assert not skipped
 

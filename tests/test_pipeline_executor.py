@@ -1,21 +1,25 @@
 """The pipeline executor on real gloo ranks: the tied embedding copies stay bit-identical over steps, the measured
-action timings are recorded for every action, and the dropout streams differ between pipeline stages."""
+action timings are recorded for every action (only when asked). That pipeline stages draw different dropout masks
+is tests/test_dropout.py's."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from trident.build import build_parts
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
 from trident.parallel.pipeline.schedules import build_schedule, stage_of
 from trident.parallel.placement import placement_of
-from trident.parallel.random import TENSOR_PARALLEL, model_parallel_rng
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
+
+pytestmark = pytest.mark.multiprocess
 
 MODEL = ModelConfig(name="t", n_layers=4, d_model=32, n_heads=4, seq_len=16, vocab_size=100)
 
@@ -31,9 +35,10 @@ def _tied_copies_after_steps(rank: int, world: int, schedule: str, vpp: int, tim
     start = copy.detach().clone()
     gen = torch.Generator().manual_seed(1)
     losses, identical = [], []
-    for _ in range(3):
-        batches = [(torch.randint(0, 100, (2, 16), generator=gen), torch.randint(0, 100, (2, 16), generator=gen))]
-        loss = runner.forward_backward(batches * 4, chunks[-1].loss_sum, 1.0 / 128)
+    for i in range(3):
+        x, y = (torch.randint(0, 100, (2, 16), generator=gen) for _ in range(2))
+        batches = [Batch(x, y, torch.arange(2 * m, 2 * m + 2), i) for m in range(4)]
+        loss = runner.forward_backward(batches, chunks[-1].loss_sum, 1.0 / 128)
         step.step(1e-2)  # sums the two copies' gradients first, as their placements ask
         losses.append(loss.item())
         # The first stage holds wte, the last lm_head: gather both over the embedding group.
@@ -67,15 +72,4 @@ def test_tied_embedding_copies_stay_bit_identical_and_timings_are_recorded(tmp_p
                 assert all(start <= end for *_, start, end in spans)
                 assert all(a[4] <= b[3] for a, b in zip(spans, spans[1:], strict=False))  # one action at a time
         assert stage_of(vpp - 1, 1, 2) == 2 * vpp - 1  # the last rank holds the last stage and the loss
-
-
-def test_pipeline_stages_draw_different_tensor_parallel_dropout_masks():
-    draws = {}
-    for pp_rank in (0, 1):
-        tracker = model_parallel_rng(7, tp_rank=0, pp_rank=pp_rank)
-        default = torch.rand(4)  # the default generator: alike on every stage (seeded with the seed alone)
-        with tracker.fork(TENSOR_PARALLEL):
-            draws[pp_rank] = (default, torch.rand(4))
-    assert torch.equal(draws[0][0], draws[1][0])
-    assert not torch.equal(draws[0][1], draws[1][1])
     assert Config().logging.pipeline_timings is False

@@ -15,6 +15,10 @@ def test_splits_reproduce_global_batch(dp, micro):
         parts = [mb for rank in range(dp) for mb in sampler.micro_batches(step, rank, dp, micro)]
         assert all(len(mb) == micro for mb in parts)
         assert torch.equal(torch.cat(parts), sampler.global_batch(step))
+        # Each micro-batch's samples are named by their global index, whatever the split.
+        ids = [s for rank in range(dp) for s in sampler.sample_ids(step, rank, dp, micro)]
+        assert [len(s) for s in ids] == [micro] * len(parts)
+        assert torch.equal(torch.cat(ids), torch.arange(24 * step, 24 * (step + 1)))
 
 
 def test_epochs_cover_every_sample_once():

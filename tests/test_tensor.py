@@ -1,5 +1,5 @@
 """Tensor parallelism on real gloo groups: every parallel layer, the vocab-parallel loss and the whole GPT
-against their unsharded twins, and the RNG tracker. Each rank also computes the one-process result itself
+against their unsharded twins, and dropout on the GPT. Each rank also computes the one-process result itself
 (same seeds), so it can compare its own shard with the matching slice."""
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from trident.config import ModelConfig
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, check_tp_split, init_weights, lm_loss_sum, padded_vocab_size
 from trident.parallel.grad_sums import all_reduce_flat
 from trident.parallel.placement import placement_of
-from trident.parallel.random import Dropout, RNGTracker, model_parallel_rng
+from trident.parallel.random import model_parallel_rng
 from trident.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -115,6 +114,7 @@ def _check_layers(rank: int, world: int, sp: bool) -> None:
     _close(emb.logits(_seq_shard(x, rank, world, sp)).detach(), x @ block.T, "tied logits of this vocab block")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("tp,sp", LAYOUTS, ids=IDS)
 def test_each_layer_matches_its_unsharded_twin(tp, sp):
     run_distributed(_check_layers, tp, sp)
@@ -144,6 +144,7 @@ def _check_cross_entropy(rank: int, world: int) -> None:
         assert torch.count_nonzero(shard.grad[..., max(0, vocab - rank * block) :]) == 0, "padding got a gradient"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_cross_entropy_is_the_full_one_and_ignores_padding(tp):
     run_distributed(_check_cross_entropy, tp)
@@ -195,6 +196,7 @@ def _check_gpt(rank: int, world: int, sp: bool) -> dict[str, list[torch.Tensor]]
     return {"grads": [g for step in grads for g in step], "params": [p.detach() for p in _replicated(tp)]}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("tp,sp", LAYOUTS, ids=IDS)
 def test_gpt_matches_the_one_process_model_and_keeps_replicas_identical(tp, sp):
     """Loss and every gradient equal the one-process model's (each rank's its placement's slice), over three
@@ -206,81 +208,34 @@ def test_gpt_matches_the_one_process_model_and_keeps_replicas_identical(tp, sp):
             assert all(torch.equal(a, b) for a, b in zip(ranks[0][key], other[key], strict=True)), key
 
 
-def _check_rng_streams(rank: int, world: int) -> list[torch.Tensor]:
-    rng = model_parallel_rng(7, rank)
-    before = torch.rand(4)
-    with rng.fork():
-        tp_draw = torch.rand(4)
-    after = torch.rand(4)
-    replicated_mask = Dropout(0.5)(torch.ones(64))
-    sharded_mask = Dropout(0.5, rng)(torch.ones(64))
-    again = model_parallel_rng(7, rank)
-    with again.fork():
-        assert torch.equal(torch.rand(4), tp_draw), "the tp stream is not reproducible from the seed"
-    return [before, after, replicated_mask, tp_draw, sharded_mask]
-
-
-def test_rng_streams_are_shared_where_replicated_and_distinct_where_sharded():
-    ranks = run_distributed(_check_rng_streams, 2)
-    for shared in range(3):  # the default stream, untouched by a fork, and replicated dropout
-        assert torch.equal(ranks[0][shared], ranks[1][shared])
-    for distinct in (3, 4):  # the tp stream and dropout drawing from it
-        assert not torch.equal(ranks[0][distinct], ranks[1][distinct])
-    default = torch.Generator().manual_seed(7)  # the default stream, as if no fork had happened
-    assert torch.equal(torch.rand(4, generator=default), ranks[0][0])
-    assert torch.equal(torch.rand(4, generator=default), ranks[0][1])
-
-
-def test_recomputation_redraws_the_tracked_masks_only_with_the_tracker_context():
-    """torch restores the default generator for a recomputation, not the tracker's streams: without
-    ``checkpoint_contexts`` the recomputed dropout mask differs and the gradient is silently wrong."""
-    tracker = RNGTracker()
-    tracker.add("tensor-parallel", 3)
-    w, x = _randn(8, 8, seed=1).requires_grad_(), _randn(4, 8, seed=2)
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        with tracker.fork():
-            return F.dropout(x @ w, 0.5, training=True)
-
-    def grad_of(run) -> tuple[torch.Tensor, torch.Tensor]:
-        tracker.set_states(start)
-        w.grad = None
-        (run(x) * _randn(4, 8, seed=3)).sum().backward()
-        return w.grad, tracker.states["tensor-parallel"]
-
-    start = tracker.get_states()
-    plain, plain_state = grad_of(f)
-    tracked, tracked_state = grad_of(
-        lambda x: checkpoint(f, x, use_reentrant=False, context_fn=tracker.checkpoint_contexts)
-    )
-    naive, _ = grad_of(lambda x: checkpoint(f, x, use_reentrant=False))
-    assert torch.equal(tracked, plain) and torch.equal(tracked_state, plain_state)
-    assert not torch.allclose(naive, plain)
-
-
 def _check_dropout(rank: int, world: int, sp: bool) -> list[torch.Tensor]:
-    cfg = dataclasses.replace(CFG)
-    cfg.dropout = 0.1  # read with getattr: not a ModelConfig field yet
+    cfg = dataclasses.replace(CFG, dropout=0.1)
     x, y = _batch(0)
     results = {}
     for policy in ("none", "full", "selective"):
-        model = GPT(cfg, dist.group.WORLD, sequence_parallel=sp, rng=model_parallel_rng(5, rank))
+        model = GPT(cfg, dist.group.WORLD, sequence_parallel=sp, rng=model_parallel_rng(5))
         init_weights(model, cfg, seed=0)
         apply_activation_checkpointing(model, policy)
-        loss = model.loss_sum(model(x), y)
-        loss.backward()
+        with model.rng.context(step=0, sample_ids=range(len(x))):
+            loss = model.loss_sum(model(x), y)
+        loss.backward()  # recomputes outside the micro-batch's context: checkpoint_contexts puts it back
         all_reduce_flat([p.grad for p in _summed_over_tp(model)], dist.group.WORLD)
         results[policy] = (loss.detach(), [p.grad for p in model.parameters()])
     for policy in ("full", "selective"):
         assert torch.equal(results[policy][0], results["none"][0]), policy
         for a, b in zip(results[policy][1], results["none"][1], strict=True):
             assert torch.allclose(a, b, atol=1e-7), policy
+    one = GPT(cfg, rng=model_parallel_rng(5))  # the one-process model drops exactly the same elements
+    init_weights(one, cfg, seed=0)
+    with one.rng.context(step=0, sample_ids=range(len(x))):
+        _close(one.loss_sum(one(x), y), results["none"][0], "loss with dropout")
     no_dropout = GPT(CFG, dist.group.WORLD, sequence_parallel=sp)
     init_weights(no_dropout, CFG, seed=0)
     assert not torch.allclose(no_dropout.loss_sum(no_dropout(x), y), results["none"][0]), "dropout did nothing"
     return [g for g, p in zip(results["none"][1], model.parameters(), strict=True) if placement_of(p).split_dim is None]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_dropout_is_redrawn_exactly_under_recomputation_and_keeps_replicas_identical(sp):
     ranks = run_distributed(_check_dropout, 2, sp)

@@ -8,6 +8,7 @@ import torch
 
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.build import build_optimizer, model_chunks
+from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
@@ -109,9 +110,8 @@ def _train(cfg, groups, model, setup, steps: int, inject=None) -> list[tuple[flo
         tokens = torch.randint(0, cfg.model.vocab_size, (2, 4, cfg.model.seq_len + 1), generator=gen)
         handle = inject(step, model) if inject else None
         scale = setup.step.loss_scale
-        runner.forward_backward(
-            [(t[:, :-1], t[:, 1:]) for t in tokens], model.loss_sum, scale / tokens[..., 1:].numel()
-        )
+        micro = [Batch(t[:, :-1], t[:, 1:], torch.arange(4 * m, 4 * m + 4), step) for m, t in enumerate(tokens)]
+        runner.forward_backward(micro, model.loss_sum, scale / tokens[..., 1:].numel())
         if handle is not None:
             handle.remove()
         norm, skipped = setup.step.step(1e-3)

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
+from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
 from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.schedules import F, I, W, bubble_formula
@@ -97,11 +98,11 @@ def _chunks(cfg: ModelConfig, pp: int, vpp: int, rank: int) -> list[GPT]:
     return out
 
 
-def _batch(cfg: ModelConfig, micro: int, mbs: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batch(cfg: ModelConfig, micro: int, mbs: int, step: int) -> list[Batch]:
     gen = torch.Generator().manual_seed(step)
     shape = (mbs, cfg.seq_len)
     ids = torch.randint(0, cfg.vocab_size, (micro, 2, *shape), generator=gen)
-    return [(x, y) for x, y in ids.unbind(0)]
+    return [Batch(x, y, torch.arange(m * mbs, (m + 1) * mbs), step) for m, (x, y) in enumerate(ids.unbind(0))]
 
 
 class _Ours:

@@ -453,7 +453,7 @@ class DTensorVariant:
 
     def step(self, step: int, micro: list[Batch]) -> float:
         self.model.train()
-        (x, y), tokens = micro[0], micro[0][0].numel()
+        x, y, tokens = micro[0].tokens, micro[0].targets, micro[0].tokens.numel()
         with loss_parallel():
             logits = self.model(x)  # this rank's vocab block, a DTensor sharded on the last dim
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
@@ -528,7 +528,8 @@ def main() -> None:
     sampler = GlobalBatchSampler(n_windows, b, train_cfg.seed)
 
     def batches(step: int) -> list[Batch]:
-        return [tuple(t.to(device) for t in data.batch(i)) for i in sampler.micro_batches(step, 0, 1, b)]
+        windows, samples = sampler.micro_batches(step, 0, 1, b), sampler.sample_ids(step, 0, 1, b)
+        return [Batch(*data.batch(w), s, step).to(device) for w, s in zip(windows, samples, strict=True)]
 
     def trident(groups: ProcessGroups, sp: bool) -> TridentVariant:
         return TridentVariant(cfg, groups, sp, data, train_cfg, optim_cfg, device)

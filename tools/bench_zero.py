@@ -47,6 +47,7 @@ from trident.config import Config, ModelConfig, OptimConfig
 from trident.models.gpt import GPT, init_weights
 from trident.optim import build_optimizer
 from trident.optimizer_setup import build_optimizer_setup
+from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 from trident.runner import LocalRunner
@@ -94,7 +95,7 @@ class Trident:
         self.setup = build_optimizer_setup([self.model], cfg, groups)
         self.runner = LocalRunner([self.model], self.setup.reducer, cfg.train.precision)
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], tokens: int) -> torch.Tensor:
+    def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
         loss = self.runner.forward_backward(batches, self.model.loss_sum, 1.0 / tokens)
         self.setup.grad_step.step(1e-4)
         return loss
@@ -124,9 +125,9 @@ class TorchDDPZero:
             foreach=True,
         )
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], tokens: int) -> torch.Tensor:
+    def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
         total = torch.zeros(())
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y, _, _) in enumerate(batches):
             context = self.model.no_sync() if i < len(batches) - 1 else _nothing()
             with context:
                 loss = self.loss_fn(self.model(x), y)
@@ -156,9 +157,9 @@ class TorchFSDP2:
         self.model, self.clip = model, cfg.optim.grad_clip
         self.optimizer = build_optimizer([model], cfg.optim)
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], tokens: int) -> torch.Tensor:
+    def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
         total = torch.zeros(())
-        for x, y in batches:
+        for x, y, _, _ in batches:
             loss = self.model.loss_sum(self.model(x), y)
             (loss / tokens).backward()
             total += loss.detach()
@@ -179,11 +180,12 @@ class _nothing:
         return None
 
 
-def batches_for(step: int, rank: int, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches_for(step: int, rank: int, args: argparse.Namespace) -> list[Batch]:
     gen = torch.Generator().manual_seed(1_000 * step + rank)
     length = args.batch_seq or args.seq_len
     tokens = torch.randint(0, args.vocab, (args.micro_batches, args.micro_batch, length + 1), generator=gen)
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    mbs = args.micro_batch
+    return [Batch(t[:, :-1], t[:, 1:], torch.arange(m * mbs, (m + 1) * mbs), step) for m, t in enumerate(tokens)]
 
 
 def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:

@@ -52,7 +52,7 @@ def model_chunks(cfg: Config, groups: ProcessGroups, device: torch.device) -> li
     """This rank's model chunks: chunk c is virtual stage c * pp + pp_rank (parallel/pipeline/stages.py), each
     initialised from the seed as the one-process model is, then moved, compiled and wrapped for recomputation."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
-    rng = model_parallel_rng(tr.seed, groups.tp_rank, device, groups.pp_rank)
+    rng = model_parallel_rng(tr.seed)
     stages = par.pp * par.vpp
     chunks = []
     for c in range(par.vpp):

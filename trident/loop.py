@@ -82,14 +82,16 @@ class Trainer:
         self.step = 0  # optimizer steps completed
         self.last_checkpoint: Path | None = None  # the newest checkpoint of this run, every one of them finite
 
-    def _to_device(self, batch: Batch) -> Batch:
-        x, y = batch
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+    def _to_device(self, windows: tuple[torch.Tensor, torch.Tensor], sample_ids: torch.Tensor, step: int) -> Batch:
+        x, y = windows
+        return Batch(x, y, sample_ids, step).to(self.device)
 
     def micro_batches(self, step: int) -> list[Batch]:
-        g = self.groups
-        ids = self.sampler.micro_batches(step, g.dp_rank, g.dp_size, self.cfg.micro_batch_size)
-        return [self._to_device(self.train_data.batch(i)) for i in ids]
+        """This rank's micro-batches of ``step``, each with its samples' global indices (dropout's masks)."""
+        g, mbs = self.groups, self.cfg.micro_batch_size
+        windows = self.sampler.micro_batches(step, g.dp_rank, g.dp_size, mbs)
+        samples = self.sampler.sample_ids(step, g.dp_rank, g.dp_size, mbs)
+        return [self._to_device(self.train_data.batch(w), s, step) for w, s in zip(windows, samples, strict=True)]
 
     def train_step(self, step: int, micro_batches: list[Batch]) -> StepResult:
         """One optimizer step over this rank's micro-batches of the global batch."""
@@ -113,8 +115,10 @@ class Trainer:
         batches = ValidationBatches(len(self.val_data), self.cfg.global_batch_size, self.eval_batches)
         total = torch.zeros((), device=self.device)
         for b in range(len(batches)):
-            ids = batches.micro_batches(b, g.dp_rank, g.dp_size, mbs)
-            total += self.runner.forward_only([self._to_device(self.val_data.batch(i)) for i in ids], self.loss_fn)
+            windows = batches.micro_batches(b, g.dp_rank, g.dp_size, mbs)
+            samples = batches.sample_ids(b, g.dp_rank, g.dp_size, mbs)
+            micro = [self._to_device(self.val_data.batch(w), s, b) for w, s in zip(windows, samples, strict=True)]
+            total += self.runner.forward_only(micro, self.loss_fn)
         return self._share_loss(total) / (len(batches) * self.tokens_per_step)
 
     def state_dict(self) -> dict:

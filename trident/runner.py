@@ -4,7 +4,8 @@ The trainer calls only ``forward_backward`` and ``forward_only`` and gets back t
 which is real where the loss is computed (the last pipeline stage) and zero elsewhere. ``LocalRunner`` runs
 the whole model on this rank; a pipeline schedule is another runner with the same two calls. Each runner
 ends ``forward_backward`` with the data-parallel reduction finished, since only it knows which backward
-is the last one of the step.
+is the last one of the step. Around each training forward a runner sets the micro-batch (its step and sample
+ids) on the model's RNG tracker, which dropout derives its masks from.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from trident.parallel.batch import Batch
 from trident.parallel.precision import autocast
+from trident.parallel.random import dropout_context
 from trident.parallel.reducer import GradReducer
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # token ids [B, T], targets [B, T]
 # (model output, targets) -> summed token loss in fp32; the caller divides by the global token count.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -41,13 +43,14 @@ class LocalRunner:
 
     def forward_backward(self, micro_batches: list[Batch], loss_fn: LossFn, loss_multiplier: float) -> torch.Tensor:
         self.model.train()
-        total = torch.zeros((), device=micro_batches[0][0].device)
-        for i, (x, y) in enumerate(micro_batches):
+        total = torch.zeros((), device=micro_batches[0].tokens.device)
+        for i, batch in enumerate(micro_batches):
             # Gradient sync overlaps the backward of the last micro-batch only.
             self.reducer.set_sync(i == len(micro_batches) - 1)
-            with autocast(self.precision, x.device):
+            x = batch.tokens
+            with autocast(self.precision, x.device), dropout_context(self.model, batch.step, batch.sample_ids):
                 output = self.model(x)
-            loss = loss_fn(output, y)
+            loss = loss_fn(output, batch.targets)
             (loss * loss_multiplier).backward()
             total += loss.detach()
         self.reducer.finish()
@@ -56,9 +59,9 @@ class LocalRunner:
     @torch.no_grad()
     def forward_only(self, micro_batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         self.model.eval()
-        total = torch.zeros((), device=micro_batches[0][0].device)
-        for x, y in micro_batches:
-            with autocast(self.precision, x.device):
-                output = self.model(x)
-            total += loss_fn(output, y)
+        total = torch.zeros((), device=micro_batches[0].tokens.device)
+        for batch in micro_batches:
+            with autocast(self.precision, batch.tokens.device):
+                output = self.model(batch.tokens)
+            total += loss_fn(output, batch.targets)
         return total

@@ -15,7 +15,8 @@ before the action that needs it, a send only once its buffer could be reused (at
 
 Shapes are known in advance: [micro_batch, seq (/ tp under sequence parallelism), d_model] in the residual
 stream's dtype (the parameters'). Tokens are read on the first stage only, labels on the last; the last stage
-returns the summed loss of its micro-batches (unscaled), other stages zero. A micro-batch's activations are
+returns the summed loss of its micro-batches (unscaled), other stages zero. A training forward runs inside its
+micro-batch's context on the chunk's RNG tracker (dropout's masks are derived from it). A micro-batch's activations are
 dropped as soon as its backward (B, or W) is done. Gradient sync is off during the schedule and the reducer
 reduces every bucket after the last backward.
 """
@@ -33,12 +34,13 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import stage_backward_input
 
+from trident.parallel.batch import Batch
 from trident.parallel.pipeline.messages import Message, Step, needs_of, p2p_plan, sends_of
 from trident.parallel.pipeline.schedules import Action, B, F, I, W, build_schedule, forward_only, stage_of
 from trident.parallel.precision import autocast
+from trident.parallel.random import dropout_context
 from trident.parallel.reducer import GradReducer
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -126,7 +128,7 @@ class PipelineRunner:
         return self._plans[key]
 
     def activation_shape(self, micro_batches: list[Batch]) -> tuple[int, int, int]:
-        b, t = micro_batches[0][0].shape
+        b, t = micro_batches[0].tokens.shape
         return (b, t // self.seq_divisor, self.d_model)
 
 
@@ -211,11 +213,12 @@ class _Step:
         sends = sends_of(action, r.pp_rank, r.pp, r.stages)
         stage = stage_of(action.chunk, r.pp_rank, r.pp)
         if action.kind == F:
-            x = self.batches[action.micro][0] if received is None else received.requires_grad_(self.train)
-            with autocast(r.precision, r.device):
-                out = r.chunks[action.chunk](x)
+            batch, chunk = self.batches[action.micro], r.chunks[action.chunk]
+            x = batch.tokens if received is None else received.requires_grad_(self.train)
+            with autocast(r.precision, r.device), dropout_context(chunk, batch.step, batch.sample_ids):
+                out = chunk(x)
             if stage == r.stages - 1:
-                loss = self.loss_fn(out, self.batches[action.micro][1])
+                loss = self.loss_fn(out, batch.targets)
                 self.total += loss.detach()
                 out = loss * self.loss_multiplier
             elif out.shape != self.shape or out.dtype != r.dtype:

@@ -41,7 +41,9 @@ def rng_key(coord: Coord) -> str:
 
 
 def rng_state(coord: Coord) -> dict[str, Sharded]:
-    """This rank's generator states, under its own layout coordinate (no other rank writes that key)."""
+    """This rank's default generator states, under its own layout coordinate (no other rank writes that key).
+    Dropout needs none of them (its masks are derived from the step and the samples: parallel/random.py); they
+    are kept for anything else that draws from the default generators."""
     state = {rng_key(coord) + "cpu": Sharded.whole(torch.get_rng_state())}
     if torch.cuda.is_available():
         state[rng_key(coord) + "cuda"] = Sharded.whole(torch.cuda.get_rng_state())

@@ -3,7 +3,9 @@
 The global batch of a step is a pure function of (seed, step, dataset size, global batch size).
 Data-parallel ranks take contiguous slices of it and split their slice into micro-batches, so
 changing dp or the micro-batch size changes who computes what but never what is trained on, and
-resuming at step k needs nothing but k.
+resuming at step k needs nothing but k. Each micro-batch also has its samples' global indices (``sample_ids``:
+step * global batch size + position in the step's batch), which name a sample whatever the layout: dropout
+derives its masks from them.
 """
 
 from __future__ import annotations
@@ -26,17 +28,29 @@ class _Batches:
 
     def rank_batch(self, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
         """This rank's contiguous share of the global batch: ``global_batch_size / dp_size`` indices."""
+        return self._share(self.global_batch(step), dp_rank, dp_size)
+
+    def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[torch.Tensor]:
+        """This rank's share split into micro-batches of ``micro_batch_size``, in order."""
+        return _split(self.rank_batch(step, dp_rank, dp_size), micro_batch_size)
+
+    def sample_ids(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[torch.Tensor]:
+        """The global sample indices of the micro-batches ``micro_batches`` returns, one for one."""
+        start = step * self.global_batch_size
+        positions = torch.arange(start, start + self.global_batch_size)
+        return _split(self._share(positions, dp_rank, dp_size), micro_batch_size)
+
+    def _share(self, batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
         _check_split(self.global_batch_size, dp_size, f"dp_size={dp_size} ranks")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is not in [0, {dp_size})")
         per_rank = self.global_batch_size // dp_size
-        return self.global_batch(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        return batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
-    def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[torch.Tensor]:
-        """This rank's share split into micro-batches of ``micro_batch_size``, in order."""
-        mine = self.rank_batch(step, dp_rank, dp_size)
-        _check_split(len(mine), micro_batch_size, f"micro-batches of {micro_batch_size}")
-        return list(mine.split(micro_batch_size))
+
+def _split(mine: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+    _check_split(len(mine), micro_batch_size, f"micro-batches of {micro_batch_size}")
+    return list(mine.split(micro_batch_size))
 
 
 class GlobalBatchSampler(_Batches):

@@ -1,0 +1,173 @@
+"""Dropout masks derived from (seed, step, sample, site): a tp rank's slice is its part of the one-process mask,
+the same context redraws the same mask and any other context another one, recomputation redraws them, pipeline
+stages differ; and with dropout on, every layout gives the one-process curve and a checkpoint resumes exactly
+under another layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tests.layouts import assert_same_curve, tiny, train_in_process
+from trident.config import ModelConfig
+from trident.models.gpt import GPT, init_weights
+from trident.parallel.random import ATTENTION, ATTENTION_RESIDUAL, MLP_RESIDUAL, Dropout, RNGTracker
+from trident.ranks import run_distributed
+
+P = 0.5
+
+
+def _mask(drop: Dropout, shape: tuple[int, ...], step: int = 3, samples: tuple[int, ...] = (10, 11)) -> torch.Tensor:
+    with drop.rng.context(step, samples):
+        return drop(torch.ones(len(samples), *shape)) != 0
+
+
+def test_a_tp_ranks_slice_is_its_part_of_the_one_process_mask():
+    rng = RNGTracker(seed=5)
+    heads = _mask(Dropout(P, rng, 0, ATTENTION), (4, 8, 8))  # [batch, heads, T, T]
+    sequence = _mask(Dropout(P, rng, 0, MLP_RESIDUAL), (8, 6))  # [batch, T, d]
+    for rank in range(2):
+        mine = _mask(Dropout(P, rng, 0, ATTENTION, shard_dim=0, rank=rank, parts=2), (2, 8, 8))
+        assert torch.equal(mine, heads[:, 2 * rank : 2 * rank + 2])
+        shard = _mask(Dropout(P, rng, 0, MLP_RESIDUAL, shard_dim=0, rank=rank, parts=2), (4, 6))
+        assert torch.equal(shard, sequence[:, 4 * rank : 4 * rank + 4])
+    assert 0.3 < heads.float().mean() < 0.7
+
+
+def test_the_same_context_draws_the_same_mask_and_any_other_another():
+    drop = Dropout(P, RNGTracker(seed=5), 2, ATTENTION_RESIDUAL)
+    mask = _mask(drop, (8, 6))
+    assert torch.equal(mask, _mask(drop, (8, 6)))
+    assert torch.equal(mask, _mask(Dropout(P, RNGTracker(seed=5), 2, ATTENTION_RESIDUAL), (8, 6)))
+    # A sample's mask does not depend on the micro-batch it is in (micro-batch size, dp).
+    assert torch.equal(mask[1], _mask(drop, (8, 6), samples=(11,))[0])
+    assert not torch.equal(mask[0], mask[1])  # another sample
+    others = [
+        _mask(drop, (8, 6), step=4),
+        _mask(Dropout(P, RNGTracker(seed=6), 2, ATTENTION_RESIDUAL), (8, 6)),
+        _mask(Dropout(P, drop.rng, 3, ATTENTION_RESIDUAL), (8, 6)),  # another layer
+        _mask(Dropout(P, drop.rng, 2, MLP_RESIDUAL), (8, 6)),  # another dropout of the layer
+    ]
+    for other in others:
+        assert not torch.equal(mask[0], other[0]) and not torch.equal(mask[1], other[1])
+
+
+def test_dropout_needs_the_micro_batchs_context_in_training_only():
+    drop = Dropout(P, RNGTracker(seed=5), 0, ATTENTION_RESIDUAL)
+    with pytest.raises(RuntimeError, match="rng.context"):
+        drop(torch.ones(2, 3))
+    with drop.rng.context(0, (4, 5, 6)), pytest.raises(ValueError, match="2 samples has 3 sample ids"):
+        drop(torch.ones(2, 3))
+    assert torch.equal(drop.eval()(torch.ones(2, 3)), torch.ones(2, 3))
+
+
+def test_recomputation_redraws_the_forwards_masks_outside_its_context():
+    """Backward runs after the runner has left the micro-batch's context: ``checkpoint_contexts`` puts it back
+    for the recomputation (every time: a split backward recomputes twice)."""
+    rng = RNGTracker(seed=5)
+    drop = Dropout(P, rng, 1, MLP_RESIDUAL)
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+
+    def grad_of(run) -> torch.Tensor:
+        w.grad = None
+        with rng.context(7, range(4)):
+            y = run(x)
+        (y * x).sum().backward()  # outside the context
+        return w.grad
+
+    plain = grad_of(lambda x: drop(x @ w))
+    recomputed = grad_of(
+        lambda x: checkpoint(lambda x: drop(x @ w), x, use_reentrant=False, context_fn=rng.checkpoint_contexts)
+    )
+    assert torch.equal(recomputed, plain)
+    with pytest.raises(RuntimeError, match="rng.context"):
+        grad_of(lambda x: checkpoint(lambda x: drop(x @ w), x, use_reentrant=False))
+
+
+MODEL = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100, dropout=0.5)
+
+
+def _stage_masks(rank: int, world: int) -> list[torch.Tensor]:
+    """Every mask pipeline stage ``rank`` of 2 (layer ``rank``) draws for one micro-batch."""
+    model = GPT(MODEL, rng=RNGTracker(seed=7), layers=[rank], first=rank == 0, last=rank == 1)
+    masks = []
+    for module in model.modules():
+        if isinstance(module, Dropout):
+            shape = (MODEL.n_heads, 16, 16) if module.kind == ATTENTION else (16, MODEL.d_model)
+            masks.append(_mask(module, shape))
+    return masks
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stages_draw_different_masks():
+    """Each stage is its own process, seeded alike: no mask of one stage repeats a mask of the other."""
+    first, last = run_distributed(_stage_masks, 2)
+    assert len(first) == 4 and len(last) == 3  # the embedding's, and each layer's three
+    assert not any(a.shape == b.shape and torch.equal(a, b) for a in first for b in last)
+
+
+def test_the_explicit_attention_is_sdpas_at_dropout_zero():
+    """Training with dropout computes attention by hand; with the mask dropping nothing it is SDPA's result."""
+    torch.manual_seed(0)
+    model = GPT(MODEL, rng=RNGTracker(seed=7))
+    init_weights(model, MODEL, seed=0)
+    attn = model.layers["0"].attn
+    attn.drop.p = 1e-12  # keeps everything, but takes the explicit path
+    qkv = torch.randn(2, 16, 3 * MODEL.d_model)
+    with model.rng.context(0, (0, 1)):
+        explicit = attn.core(qkv)
+    attn.eval()
+    assert torch.allclose(explicit, attn.core(qkv), atol=1e-6)
+
+
+# --- every layout gives the one-process curve, and a checkpoint resumes under another ---------------------------
+
+
+def _run(dataset, *extra: str) -> list[str]:
+    return tiny(dataset, "model.dropout=0.1", "train.steps=6", "train.micro_batch_size=4", *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset, tmp_path_factory) -> tuple[list[dict], object]:
+    """The one-process run with dropout 0.1, saving at step 3: its curve and that checkpoint."""
+    run_dir = tmp_path_factory.mktemp("one")
+    (history,) = train_in_process(run_dir, _run(tiny_dataset, "checkpoint.every=3"))
+    return history, run_dir / "checkpoints" / "step_00000003"
+
+
+LAYOUTS = [
+    pytest.param(1, ["train.micro_batch_size=1"], id="mbs1"),
+    pytest.param(2, [], id="dp2"),
+    pytest.param(2, ["parallel.tp=2"], id="tp2"),
+    pytest.param(2, ["parallel.tp=2", "parallel.sequence_parallel=true"], id="tp2-sp"),
+    pytest.param(2, ["parallel.pp=2", "parallel.schedule=1f1b"], id="pp2-1f1b"),
+    pytest.param(
+        2, ["parallel.pp=2", "parallel.schedule=zb-h1", "train.activation_checkpointing=full"], id="pp2-zbh1-full"
+    ),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,extra", LAYOUTS)
+def test_with_dropout_every_layout_gives_the_one_process_curve(tiny_dataset, tmp_path, reference, world, extra):
+    for history in train_in_process(tmp_path, _run(tiny_dataset, *extra), world=world):
+        assert_same_curve(reference[0], history)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "world,extra",
+    [
+        pytest.param(1, [], id="same-layout"),
+        pytest.param(4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], id="tp2-pp2-sp"),
+    ],
+)
+def test_with_dropout_a_checkpoint_resumes_with_the_uninterrupted_losses(
+    tiny_dataset, tmp_path, reference, world, extra
+):
+    history, saved = reference
+    resumed = train_in_process(tmp_path, _run(tiny_dataset, f"checkpoint.resume={saved}", *extra), world=world)
+    for rows in resumed:
+        assert_same_curve(history[3:], rows)
