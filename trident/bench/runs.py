@@ -1,5 +1,5 @@
-"""Short training runs launched as a user launches them, for the tools that compare layouts
-(``tools/layout_matrix.py``, ``tools/bench.py``).
+"""Short training runs launched as a user launches them, for the bench subcommands that compare layouts
+(``tools/bench.py layouts`` and ``matrix``).
 
 A layout is written as overrides of train.py, with short forms for the common ones::
 
@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.config import Config, register_configs, to_config, validate
+from trident.bench.harness import config
+from trident.config import Config, validate
 from trident.errors import ConfigError, one_line
 
 SHORT = {
@@ -64,13 +64,6 @@ def expand(layout: str) -> list[str]:
     return out
 
 
-def compose_config(conf_dir: Path, overrides: list[str]) -> Config:
-    """train.py's typed config for ``overrides``, from the YAML under ``conf_dir``."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-        return to_config(compose("config", overrides=overrides))
-
-
 def world_size(cfg: Config) -> int:
     return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
 
@@ -97,7 +90,7 @@ def plan(repo: Path, layout: str, base: list[str]) -> Trial:
     overrides = [*base, *expand(layout)]
     trial = Trial(layout, overrides)
     try:
-        trial.config = compose_config(repo / "conf", overrides)
+        trial.config = config(repo / "conf", overrides)
         trial.world = world_size(trial.config)
         validate(trial.config, trial.world)
     except ConfigError as e:
@@ -107,7 +100,7 @@ def plan(repo: Path, layout: str, base: list[str]) -> Trial:
     return trial
 
 
-def run(repo: Path, trial: Trial, run_dir: Path, timeout_s: float) -> Trial:
+def run_trial(repo: Path, trial: Trial, run_dir: Path, timeout_s: float) -> Trial:
     """Launch ``trial`` (already planned and not refused) and read back what it left in ``run_dir``."""
     launcher = [sys.executable]
     if trial.world > 1:
@@ -134,9 +127,3 @@ def run(repo: Path, trial: Trial, run_dir: Path, timeout_s: float) -> Trial:
         except ValueError:
             trial.memory = None
     return trial
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""tools/bench.py: each subcommand on a tiny setting, through the tool's own argument parsing. Checks that its table
+has its columns and rows and that its figures are finite; never how fast anything is (benchmarks print numbers,
+tests do not time them). Also the layouts' short forms and the validator's verdict before anything is launched."""
+
+from __future__ import annotations
+
+import math
+import runpy
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from trident.bench.harness import Stat, Table, alternate
+from trident.bench.runs import expand, plan
+
+TOOL = runpy.run_path(str(REPO / "tools" / "bench.py"))
+
+
+def bench(*argv: str) -> list[Table]:
+    module, args = TOOL["parse"](list(argv))
+    return module.run(args)
+
+
+def figure(cell: str) -> float:
+    """A table cell as a number: "1,234", "1.05x", "±3%", "12.5%", "1.52 MiB"."""
+    text = cell.split()[0].replace(",", "").lstrip("±").rstrip("x%")
+    return float(text)
+
+
+def assert_finite(table: Table, *columns: str) -> None:
+    for name in columns:
+        for cell in table.column(name):
+            assert math.isfinite(figure(cell)), (name, cell)
+
+
+# --- the harness and the layouts' short forms (pure) ----------------------------------------------------------
+
+
+def test_alternate_rotates_the_order_and_times_every_round() -> None:
+    calls: list[tuple[str, int]] = []
+    variants = {name: (lambda step, name=name: calls.append((name, step))) for name in "abc"}
+    timings = alternate(variants, warmup=1, steps=2, rounds=3)
+    assert [len(t.wall) for t in timings.values()] == [3, 3, 3]
+    assert calls[:3] == [("a", 0), ("b", 0), ("c", 0)]  # warm-up
+    assert [name for name, _ in calls[3::2]] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [step for name, step in calls if name == "a"] == list(range(7))  # each variant's own step count
+    stat = Stat.of([2.0, 1.0, 4.0])
+    assert (stat.median, stat.low, stat.high, stat.spread) == (2.0, 1.0, 4.0, 1.5)
+    assert stat.map(lambda s: 8 / s) == Stat(4.0, 2.0, 8.0)
+
+
+def test_short_forms_expand_to_train_overrides() -> None:
+    layout = "dp=2 tp=2 pp=2 vpp=2 schedule=interleaved zero=1 sp ac=selective precision=bf16 mbs=2 compile"
+    layout += " model.dropout=0.1"
+    assert expand(layout) == [
+        "parallel.dp=2",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        "parallel.schedule=interleaved",
+        "parallel.zero=1",
+        "parallel.sequence_parallel=true",
+        "train.activation_checkpointing=selective",
+        "train.precision=bf16",
+        "train.micro_batch_size=2",
+        "train.compile=true",
+        "model.dropout=0.1",
+    ]
+    assert expand("1") == []
+    with pytest.raises(ValueError, match="cannot read 'tp2'"):
+        expand("dp=2 tp2")
+
+
+def test_a_layout_is_planned_with_its_world_size_and_refused_with_the_validators_line() -> None:
+    ok = plan(REPO, "dp=2 tp=2 sp", ["model=gpt-tiny"])
+    assert ok.refused is None and ok.world == 4 and ok.config.parallel.sequence_parallel
+    bad = plan(REPO, "dp=2 tp=3", ["model=gpt-tiny"])
+    assert bad.world == 6 and bad.refused.startswith("model.n_heads=4 is not divisible by parallel.tp=3; use ")
+    unknown = plan(REPO, "parallel.widths=3", ["model=gpt-tiny"])
+    assert unknown.refused.startswith("Could not override 'parallel.widths'")
+
+
+# --- each subcommand, tiny (multi-process) --------------------------------------------------------------------
+
+
+def tiny_run(dataset: Path) -> list[str]:
+    return [
+        "model=gpt-tiny",
+        f"data.dataset_dir={dataset}",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "logging.peak_tflops=1",
+    ]
+
+
+@pytest.mark.multiprocess
+def test_layouts_tables_each_run_a_refusal_and_the_plain_torch_loop(tiny_dataset: Path) -> None:
+    (table,) = bench(
+        "layouts", "--model", "gpt-tiny", "--layouts", "1", "dp=2", "tp=3", "--steps", "3", "--warmup", "1",
+        "--baseline", "--base", *tiny_run(tiny_dataset)[1:],
+    )  # fmt: skip
+    assert table.header[:4] == ["layout", "ranks", "tokens/s", "spread"]
+    assert table.column("layout") == ["1", "dp=2", "tp=3", "plain torch loop (throughput)"]
+    assert table.column("ranks") == ["1", "2", "3", "1"]
+    ran = Table(table.title, table.header, [table.rows[i] for i in (0, 1)])
+    assert_finite(ran, "tokens/s", "x first", "MFU", "peak mem (MB)")
+    assert all(cell != "-" for cell in ran.column("model states / rank"))
+    assert table.rows[2][2].startswith("refused: model.n_heads=4 is not divisible by parallel.tp=3")
+    assert math.isfinite(figure(table.rows[3][2])) and math.isfinite(figure(table.rows[3][4]))
+
+
+@pytest.mark.multiprocess
+def test_matrix_compares_each_layout_with_one_process(tiny_dataset: Path) -> None:
+    (table,) = bench(
+        "matrix", "--layouts", "dp=2", "pp=3", "--steps", "2",
+        "--base", *tiny_run(tiny_dataset), "train.eval_every=0", "wandb.mode=disabled",
+    )  # fmt: skip
+    assert table.header == ["layout", "ranks", "max rel. loss diff", "max rel. grad-norm diff", "status"]
+    assert table.column("layout") == ["dp=2", "pp=3"]
+    assert table.rows[0][4] == "ok" and table.ok
+    assert figure(table.rows[0][2]) <= 2e-4 and figure(table.rows[0][3]) <= 2e-4
+    assert table.rows[1][4].startswith("refused: model.n_layers=2 is not divisible by pp 3")
+
+
+@pytest.mark.multiprocess
+def test_throughput_times_what_train_py_runs_16_bit_parameters_against_ddp() -> None:
+    (table,) = bench(
+        "throughput", "--model", "gpt-tiny", "--dp", "2", "--precision", "bf16", "--zero", "1",
+        "--micro-batch", "2", "--global-batch", "4", "--steps", "1", "--rounds", "2", "--peak-tflops", "1",
+    )  # fmt: skip
+    assert table.column("variant") == ["trident", "torch DDP"]
+    # The drift it fixes: trident's bf16 step is bf16 parameters (fp32 masters in the optimizer), as in a run.
+    assert table.column("precision") == ["bfloat16 parameters", "float32 weights, bf16 autocast"]
+    assert_finite(table, "tokens/s", "spread", "x baseline", "MFU", "first loss", "last loss")
+    first = [figure(c) for c in table.column("first loss")]
+    assert first[0] == pytest.approx(first[1], rel=1e-2)  # the same weights and batch
+
+
+@pytest.mark.multiprocess
+def test_zero_tables_every_stage_and_torchs_against_the_formula() -> None:
+    (table,) = bench(
+        "zero", "--worlds", "2", "--layers", "2", "--d-model", "64", "--seq-len", "32", "--vocab", "512",
+        "--micro-batch", "1", "--micro-batches", "2", "--steps", "1", "--rounds", "1",
+    )  # fmt: skip
+    assert table.column("variant") == ["zero0", "zero1", "zero2", "zero3", "ddp+zro", "fsdp2"]
+    assert_finite(table, "tokens/s", "vs zero0", "CPU-s/step", "first loss", "last loss", "state MiB")
+    assert_finite(table, "formula MiB", "measured / formula")
+    for cell in table.column("measured / formula"):
+        assert figure(cell) == pytest.approx(1.0, abs=0.05)
+    assert_finite(Table("", table.header, table.rows[:4]), "estimate MiB")
+    assert len({c for c in table.column("first loss")}) == 1  # every variant starts from the same weights
+
+
+@pytest.mark.multiprocess
+def test_pp_tables_every_schedule_against_torch_and_one_process() -> None:
+    (table,) = bench(
+        "pp", "--pp", "2", "--layers", "4", "--d-model", "64", "--seq-len", "32", "--vocab", "512",
+        "--micro", "4", "--mbs", "1", "--steps", "1", "--warmup", "1",
+    )  # fmt: skip
+    assert table.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    assert_finite(table, "tokens/s", "pp=1 tokens/s", "vs pp=1", "bubble", "formula")
+    for cell in table.column("torch tokens/s"):
+        assert cell.startswith("n/a") or math.isfinite(figure(cell))
+    assert [c != "-" for c in table.column("act. peak (stage 0)")] == [True, True, False, False]

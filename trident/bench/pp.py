@@ -1,0 +1,257 @@
+"""``tools/bench.py pp``: pipeline schedules against one process and against torch.distributed.pipelining, in one
+invocation.
+
+    python tools/bench.py pp                          # small sizes: a few minutes on a CPU
+    python tools/bench.py pp --layers 16 --d-model 256 --micro 16
+
+For each pp in --pp and each schedule (gpipe, 1f1b, interleaved with vpp=2, zb-h1), pp gloo ranks (trident.ranks'
+pool, one CPU thread each) time forward + backward of one global batch of M micro-batches on the same GPT:
+trident's pipeline runner, built by trident/build.py as train.py builds it (``build_parts``), then
+torch.distributed.pipelining's schedule of the same name on the same stage modules (``model_chunks``: ScheduleGPipe,
+Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble with one stage per rank for zb-h1). The
+baseline is the whole model in one process (pp=1, one thread, on rank 0). The three alternate step by step
+(trident/bench/harness.py). A layout train.py's validator refuses is listed with its line.
+
+Per row: tokens/s and its ratio to pp=1 and to torch; the measured bubble, idle / step time per rank (worst rank,
+from the runner's recorded action timings, median over steps) beside the formula's (P-1)/(M+P-1) (interleaved:
+V*M; zb-h1 with the measured F, I, W costs); for gpipe and 1f1b the first stage's peak bytes of activations saved
+for backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once, parameters left out).
+
+On a machine with fewer cores than ranks (pp=4 on 2 cores) the ranks share cores: tokens/s then measures the
+schedule's overhead more than its speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trident.bench.harness import (
+    SavedBytes,
+    Table,
+    alternate,
+    barrier,
+    config,
+    number,
+    one_rank_groups,
+    random_batches,
+    ratio,
+)
+from trident.build import build_parts, model_chunks
+from trident.config import Config, resolve_schedule, validate
+from trident.errors import ConfigError
+from trident.parallel.batch import Batch
+from trident.parallel.groups import build_process_groups
+from trident.parallel.pipeline.schedules import F, I, W, bubble_formula
+from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+}
+HEADER = ["pp", "schedule", "tokens/s", "spread", "pp=1 tokens/s", "vs pp=1", "torch tokens/s", "vs torch"]
+HEADER += ["bubble", "formula", "act. peak (stage 0)"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--micro", type=int, default=8, help="micro-batches per step (M)")
+    p.add_argument("--mbs", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+
+
+@dataclasses.dataclass
+class Job:
+    cfg: Config  # the pipeline layout
+    one: Config  # the same model in one process
+    steps: int
+    warmup: int
+    timings: Path
+
+
+def run(args: argparse.Namespace) -> list[Table]:
+    base = [
+        "model=gpt-mini",
+        "model.name=bench",
+        f"model.n_layers={args.layers}",
+        f"model.d_model={args.d_model}",
+        "model.n_heads=4",
+        f"model.seq_len={args.seq_len}",
+        f"model.vocab_size={args.vocab}",
+        f"train.micro_batch_size={args.mbs}",
+        f"train.global_batch_size={args.micro * args.mbs}",
+    ]
+    one = config(args.conf, base)
+    tokens = args.micro * args.mbs * args.seq_len
+    t = Table(
+        f"GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}; M={args.micro} micro-batches of "
+        f"{args.mbs}; {tokens} tokens a step; tokens/s are medians of {args.steps} steps; {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f} at the start",
+        HEADER,
+    )
+    t.notes.append("bubble: idle / step time of the worst rank; formula: the schedule's, as idle / step time.")
+    with tempfile.TemporaryDirectory(prefix="bench-pp-") as tmp:
+        for pp in args.pp:
+            for schedule in args.schedules:
+                vpp = 2 if schedule == "interleaved" else 1
+                layout = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"]
+                cfg = config(args.conf, [*base, *layout])
+                try:
+                    validate(cfg, pp)  # as train.py decides
+                except ConfigError as e:
+                    t.add(pp, schedule, f"refused: {e}")
+                    continue
+                timings = Path(tmp) / f"pp{pp}-{schedule}"
+                job = Job(cfg, one, args.steps, args.warmup, timings)
+                res = run_distributed(_rank, pp, job, timeout_s=24 * 3600)
+                t.add(*row(job, res, tokens))
+    return [t]
+
+
+def row(job: Job, res: list[dict], tokens: int) -> list[str]:
+    cfg, first = job.cfg, res[0]
+    pp, vpp, micro = cfg.parallel.pp, cfg.parallel.vpp, cfg.train.global_batch_size // cfg.train.micro_batch_size
+    schedule = resolve_schedule(cfg.parallel)
+    ours = statistics.median(first["trident"])
+    ours_tps, base_tps = tokens / ours, tokens / statistics.median(first["one"])
+    per_rank = [
+        [json.loads(line)["spans"] for line in (job.timings / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(pp)
+    ]
+    steps = [list(step) for step in zip(*(rows[job.warmup : job.warmup + job.steps] for rows in per_rank), strict=True)]
+    bubble, costs = measured_bubble(steps)
+    if schedule == "zb-h1":
+        b = bubble_formula(schedule, pp, vpp, micro, {"F": costs[F], "I": costs[I], "W": costs[W]})
+    else:
+        b = bubble_formula(schedule, pp, vpp, micro)
+    formula = b / (1 + b)  # idle over busy -> idle over the step
+    torch_tps = tokens / statistics.median(first["torch"]) if "torch" in first else None
+    peak = first.get("peak")
+    return [
+        str(pp),
+        schedule,
+        number(ours_tps),
+        f"±{100 * (max(first['trident']) - min(first['trident'])) / ours:.0f}%",
+        number(base_tps),
+        ratio(ours_tps, base_tps),
+        number(torch_tps) if torch_tps else f"n/a: {first.get('torch_error')}",
+        ratio(ours_tps, torch_tps),
+        f"{bubble:.3f}",
+        f"{formula:.3f}",
+        f"{peak / 2**20:.2f} MiB" if peak is not None else "-",
+    ]
+
+
+def measured_bubble(spans_per_step: list[list[list]]) -> tuple[float, dict[str, float]]:
+    """Worst rank's idle / step time, median over steps; and the mean duration of each kind of action."""
+    fractions, costs = [], {}
+    for step in spans_per_step:
+        t0 = min(s[3] for rank in step for s in rank)
+        t1 = max(s[4] for rank in step for s in rank)
+        busy = [sum(s[4] - s[3] for s in rank) for rank in step]
+        fractions.append(max((t1 - t0 - b) / (t1 - t0) for b in busy))
+        for rank in step:
+            for kind, *_, start, end in rank:
+                costs.setdefault(kind, []).append(end - start)
+    return statistics.median(fractions), {k: statistics.mean(v) for k, v in costs.items()}
+
+
+def batches_for(cfg: Config, step: int) -> list[Batch]:
+    tr = cfg.train
+    micro = tr.global_batch_size // tr.micro_batch_size
+    first = step * tr.global_batch_size
+    return random_batches(cfg.model.vocab_size, micro, tr.micro_batch_size, cfg.model.seq_len, step, step, first)
+
+
+def _rank(rank: int, pp: int, job: Job) -> dict:
+    cfg, device = job.cfg, torch.device("cpu")
+    groups = build_process_groups(Topology(dp=1, pp=pp, tp=1))
+    alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 is in it
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    result: dict = {}
+
+    parts = build_parts(cfg, groups, device, timings_dir=job.timings)
+
+    def ours(step: int) -> None:
+        parts.runner.forward_backward(batches_for(cfg, step), parts.chunks[-1].loss_sum, 1.0 / tokens)
+        parts.optimizer.zero.zero_grad()
+
+    impls = {"trident": ours}
+    try:
+        impls["torch"] = torch_pipeline(cfg, groups, device, rank)
+    except Exception as e:  # a schedule torch cannot build for this layout
+        result["torch_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:60]
+    impls["one"] = one_process(job.one, alone, device, rank)
+
+    timings = alternate(impls, warmup=job.warmup, steps=1, rounds=job.steps, sync=lambda: barrier(device))
+    result.update({name: timing.wall for name, timing in timings.items()})
+    if rank == 0 and resolve_schedule(cfg.parallel) in ("gpipe", "1f1b"):
+        saved = SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            ours(0)
+        result["peak"] = saved.peak
+    else:
+        ours(0)  # every rank runs the same schedule
+    parts.optimizer.remove_hooks()
+    return result
+
+
+def torch_pipeline(cfg: Config, groups, device: torch.device, rank: int):
+    """torch.distributed.pipelining's schedule of the same name over this rank's stage modules."""
+    import torch.distributed.pipelining as pipelining
+
+    pp, vpp = cfg.parallel.pp, cfg.parallel.vpp
+    schedule = resolve_schedule(cfg.parallel)
+    chunks = model_chunks(cfg, groups, device)
+    stages = [
+        pipelining.PipelineStage(c, i * pp + rank, pp * vpp, device, group=groups.pp_group)
+        for i, c in enumerate(chunks)
+    ]
+    micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    loss_fn = lambda out, y: chunks[-1].loss_sum(out, y) / tokens  # noqa: E731
+    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    sched = cls(stages[0] if len(stages) == 1 and schedule != "zb-h1" else stages, micro, loss_fn)
+
+    def step(i: int) -> None:
+        batches = batches_for(cfg, i)
+        x, y = torch.cat([b.tokens for b in batches]), torch.cat([b.targets for b in batches])
+        kwargs = {"target": y, "losses": []} if rank == pp - 1 else {}
+        sched.step(x, **kwargs) if rank == 0 else sched.step(**kwargs)
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+
+    return step
+
+
+def one_process(one: Config, alone: dist.ProcessGroup, device: torch.device, rank: int):
+    """The whole model on rank 0 (the other ranks wait): the pp=1 baseline, timed between the pipelines' steps."""
+    if rank != 0:
+        return lambda step: None
+    (model,) = model_chunks(one, one_rank_groups(alone), device)
+    tokens = one.train.global_batch_size * one.model.seq_len
+
+    def step(i: int) -> None:
+        for x, y, *_ in batches_for(one, i):
+            (model.loss_sum(model(x), y) / tokens).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step

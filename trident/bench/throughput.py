@@ -1,0 +1,209 @@
+"""``tools/bench.py throughput``: trident's training step against a plain PyTorch loop over the same model and
+batches.
+
+    python tools/bench.py throughput [--model gpt-mini] [--micro-batch 4] [--global-batch 32] [--precision bf16]
+    python tools/bench.py throughput --dp 2        # dp=2: trident's reducer against torch DDP
+
+On ``--dp`` local ranks (trident.ranks' pool), from the same initial weights on the same batches, alternating in
+rounds (trident/bench/harness.py):
+
+- trident: what train.py runs, built by trident/build.py: ``build_parts`` (model chunks, the ZeRO optimizer of
+  ``--zero`` with its reducer, the runner) and ``Trainer.train_step``. With bf16 or fp16 the parameters are 16-bit,
+  cast by the optimizer's precision policy, with fp32 masters and fp32 gradient reduction, as in a run.
+- the baseline: what a user would write with torch alone, on the same GPT (``model_chunks``, left in fp32): torch's
+  automatic mixed precision (fp32 weights under autocast), loss / micro-batches, backward (under DDP's no_sync
+  except on the last micro-batch when dp > 1), clip_grad_norm_, AdamW, zero_grad, the loss all-reduced for logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trident.bench.harness import (
+    Table,
+    alternate,
+    barrier,
+    config,
+    mfu,
+    number,
+    peak_flops,
+    random_windows,
+    rank_device,
+    ratio,
+    tokens_per_s,
+)
+from trident.build import build_parts, model_chunks
+from trident.config import Config
+from trident.loop import Trainer
+from trident.models.gpt import flops_per_token
+from trident.optim import lr_at
+from trident.parallel.groups import build_process_groups
+from trident.parallel.precision import autocast
+from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
+
+HEADER = ["variant", "ranks", "precision", "tokens/s", "spread", "x baseline", "MFU", "first loss", "last loss"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-mini", help="a preset under conf/model")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--dp", type=int, default=1, help="local ranks; >1 compares with torch DDP")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="trident's parallel.zero")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    p.add_argument("--rounds", type=int, default=6, help="alternating timed blocks per side; the median is reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps of each side first")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--peak-tflops", type=float, help="one rank's peak for MFU (default: trident/peak.py's)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train.py overrides")
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    return config(
+        args.conf,
+        [
+            f"model={args.model}",
+            f"train.micro_batch_size={args.micro_batch}",
+            f"train.global_batch_size={args.global_batch}",
+            f"train.precision={args.precision}",
+            f"parallel.zero={args.zero}",
+            f"parallel.bucket_mb={args.bucket_mb}",
+            "train.steps=1000000",
+            "optim.warmup_steps=0",
+            *args.set,
+        ],
+    )
+
+
+def run(args: argparse.Namespace) -> list[Table]:
+    cfg = build_config(args)
+    if args.global_batch % (args.micro_batch * args.dp):
+        per_step = args.micro_batch * args.dp
+        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by --micro-batch x --dp = {per_step}")
+    return [table(cfg, args.dp, args.warmup, args.steps, args.rounds, args.peak_tflops)]
+
+
+def table(cfg: Config, dp: int, warmup: int, steps: int, rounds: int, peak_tflops: float | None) -> Table:
+    """trident's step and the torch baseline of ``cfg`` on ``dp`` ranks, as one table."""
+    job = Job(cfg, warmup, steps, rounds, peak_tflops)
+    result = run_distributed(_rank, dp, job, timeout_s=24 * 3600)[0]
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    baseline = "torch DDP" if dp > 1 else "plain torch loop"
+    rates = {name: tokens_per_s(tokens, r["wall"]) for name, r in result["variants"].items()}
+    t = Table(
+        f"model {cfg.model.name}, dp {dp}, {result['device']}, {cfg.train.precision}, global batch "
+        f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}, "
+        f"zero {cfg.parallel.zero}; {rounds} rounds x {steps} steps after {warmup} warm-up",
+        HEADER,
+    )
+    autocast_note = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
+    dtypes = result["param_dtypes"]
+    precisions = {"trident": f"{dtypes['trident']} parameters", baseline: f"{dtypes[baseline]} weights{autocast_note}"}
+    for name, r in result["variants"].items():
+        rate = rates[name]
+        t.add(
+            name,
+            dp,
+            precisions[name],
+            number(rate.median),
+            f"±{100 * rate.spread:.0f}%",
+            ratio(rate.median, rates[baseline].median),
+            number(mfu(rate.median, flops_per_token(cfg.model), result["peak_flops"]), ".2%"),
+            f"{r['first_loss']:.6f}",
+            f"{r['last_loss']:.6f}",
+        )
+    rounds_line = "; ".join(
+        f"{name} {', '.join(number(tokens / s) for s in r['wall'])}" for name, r in result["variants"].items()
+    )
+    t.notes.append(f"rounds (tokens/s): {rounds_line}. spread: (fastest - slowest round) / median.")
+    return t
+
+
+@dataclasses.dataclass
+class Job:
+    cfg: Config
+    warmup: int
+    steps: int
+    rounds: int
+    peak_tflops: float | None
+
+
+def _rank(rank: int, world: int, job: Job) -> dict:
+    cfg = job.cfg
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = rank_device(rank)
+    groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
+    data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
+
+    parts = build_parts(cfg, groups, device)
+    trainer = Trainer(cfg, groups, parts, (data, data))
+
+    (model,) = model_chunks(cfg, groups, device)  # the same weights, left fp32: torch's own mixed precision
+    o = cfg.optim
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+        fused=device.type == "cuda",
+    )  # fmt: skip
+    ddp = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True) if world > 1 else model
+    precision = cfg.train.precision
+
+    def baseline_step(step: int) -> float:
+        micro = trainer.micro_batches(step)
+        total = torch.zeros((), device=device)
+        for i, (x, y, *_) in enumerate(micro):
+            sync = world == 1 or i == len(micro) - 1
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                with autocast(precision, device):
+                    logits = ddp(x)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
+                loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, o, cfg.train.steps)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        return total.item() / world
+
+    losses: dict[str, list[float]] = {"trident": [], "base": []}
+
+    def ours(step: int) -> None:
+        losses["trident"].append(trainer.train_step(step, trainer.micro_batches(step)).loss)
+
+    def base(step: int) -> None:
+        losses["base"].append(baseline_step(step))
+
+    timings = alternate(
+        {"trident": ours, "base": base},
+        warmup=job.warmup,
+        steps=job.steps,
+        rounds=job.rounds,
+        sync=lambda: barrier(device),
+    )
+    parts.optimizer.remove_hooks()
+    baseline = "torch DDP" if world > 1 else "plain torch loop"
+    peak = peak_flops(device, precision, job.peak_tflops, world)
+    dtype = {
+        "trident": next(parts.chunks[0].parameters()).dtype,  # what the optimizer's precision policy made them
+        baseline: next(model.parameters()).dtype,
+    }
+    return {
+        "device": device.type,
+        "peak_flops": peak,
+        "param_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtype.items()},
+        "variants": {
+            label: {"wall": timings[name].wall, "first_loss": losses[name][0], "last_loss": losses[name][-1]}
+            for name, label in (("trident", "trident"), ("base", baseline))
+        },
+    }
