@@ -26,6 +26,7 @@ import re
 import runpy
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from hydra import compose, initialize_config_dir
 
 from trident.config import Config, DataConfig, register_configs, to_config, validate
 from trident.curves import curve_mismatches
+from trident.data.prepare import resolve_dataset
 from trident.errors import ConfigError
 from trident.ranks import run_distributed
 
@@ -250,10 +252,6 @@ def verdict(cfg: Config, world: int) -> BaseException | None:
 
 def prepare_corpus(cache_dir: str = "~/.cache/trident") -> Path:
     """The small real dataset (tests/conftest.py's corpus), prepared once and cached under ``cache_dir``."""
-    import sysconfig
-
-    from trident.data.prepare import resolve_dataset
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     data = DataConfig(text=[str(stdlib / p) for p in CORPUS_PACKAGES], suffixes=[".py"], cache_dir=cache_dir)
     return resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None)
