@@ -163,3 +163,22 @@ def test_pp_tables_every_schedule_against_torch_and_one_process() -> None:
     for cell in table.column("torch tokens/s"):
         assert cell.startswith("n/a") or math.isfinite(figure(cell))
     assert [c != "-" for c in table.column("act. peak (stage 0)")] == [True, True, False, False]
+
+
+@pytest.mark.multiprocess
+def test_tp_tables_trident_against_dtensor_and_one_process_and_counts_collectives() -> None:
+    tables = bench(
+        "tp", "--tp", "2", "--model", "gpt-tiny", "--micro-batch", "2", "--seq-len", "32", "--steps", "1",
+        "--rounds", "1", "--ref-threads", "1",
+    )  # fmt: skip
+    speed, *comms = tables
+    names = ["tp=1, 1 thread", "trident tp=2", "trident tp=2 +SP", "DTensor tp=2", "DTensor tp=2 +SP"]
+    assert speed.column("variant") == names
+    assert_finite(speed, "tokens/s", "vs tp=1", "step-0 loss", "last loss")
+    losses = [figure(c) for c in speed.column("step-0 loss")]
+    assert max(losses) == pytest.approx(min(losses), rel=1e-4)  # one model, one batch, five ways
+    assert len(comms) == 4 and all(t.header[:5] == ["op", "phase", "group", "elements", "calls"] for t in comms)
+    for t in comms[:2]:  # trident's collectives are counted against the analytic count
+        assert t.notes[0].endswith(": equal"), t.notes
+        assert t.column("calls") == t.column("analytic")
+    assert all(t.rows for t in comms)

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 REPO = Path(__file__).resolve().parent.parent
-SUBCOMMANDS = ("layouts", "matrix", "throughput", "pp", "zero")
+SUBCOMMANDS = ("layouts", "matrix", "throughput", "tp", "pp", "zero")
 
 
 def parse(argv: list[str] | None = None) -> tuple[ModuleType, argparse.Namespace]:

@@ -174,6 +174,17 @@ class _Holder:
         self.tensor = tensor
 
 
+def adamw_args(model: torch.nn.Module, cfg: Config, **kwargs: object) -> dict:
+    """torch.optim.AdamW's arguments for a torch baseline, as trident's optimizer steps: ``cfg.optim``'s
+    hyperparameters, decay on matrices only, foreach."""
+    o, params = cfg.optim, list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return {"params": groups, "lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "foreach": True, **kwargs}
+
+
 # --- the table ------------------------------------------------------------------------------------------------
 
 

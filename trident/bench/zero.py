@@ -43,7 +43,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from trident.bench.harness import Table, alternate, barrier, config, number, random_batches, ratio, storage_bytes
+from trident.bench.harness import (
+    Table,
+    adamw_args,
+    alternate,
+    barrier,
+    config,
+    number,
+    random_batches,
+    ratio,
+    storage_bytes,
+)
 from trident.build import build_parts, model_chunks
 from trident.config import Config
 from trident.memory_estimate import Layout, estimate
@@ -196,16 +206,6 @@ class Trident:
         self.parts.optimizer.remove_hooks()
 
 
-def adamw(model: torch.nn.Module, cfg: Config, **kwargs: object) -> dict:
-    """AdamW's arguments as trident's optimizer uses them: decay on matrices only."""
-    o, params = cfg.optim, list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return {"params": groups, "lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "foreach": True, **kwargs}
-
-
 def torch_state_bytes(model: torch.nn.Module, optimizer_state: dict) -> int:
     """A torch baseline's model states: its parameters, their ``.grad`` and the optimizer's state tensors."""
     params = list(model.parameters())
@@ -222,7 +222,7 @@ class TorchDDPZero:
         (model,) = model_chunks(cfg, groups, device)
         self.model = DistributedDataParallel(model, process_group=groups.dp_group, gradient_as_bucket_view=True)
         self.loss_fn, self.clip = model.loss_sum, cfg.optim.grad_clip
-        args = adamw(model, cfg)
+        args = adamw_args(model, cfg)
         self.optimizer = ZeroRedundancyOptimizer(
             args.pop("params"), optimizer_class=torch.optim.AdamW, process_group=groups.dp_group, **args
         )
@@ -257,7 +257,7 @@ class TorchFSDP2:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.model, self.clip = model, cfg.optim.grad_clip
-        self.optimizer = torch.optim.AdamW(**adamw(model, cfg))
+        self.optimizer = torch.optim.AdamW(**adamw_args(model, cfg))
 
     def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
         total = torch.zeros(())

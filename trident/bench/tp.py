@@ -1,25 +1,25 @@
-"""Tokens/s of trident's tensor parallelism against torch's own (DTensor) and one process, and the bytes it sends.
+"""``tools/bench.py tp``: tokens/s of trident's tensor parallelism against torch's own (DTensor) and one process,
+and the collectives it sends.
 
-    torchrun --nproc-per-node 2 tools/bench_tensor_parallel.py [--model gpt-mini] [--micro-batch 4] [--seq-len 128]
-        [--steps 3] [--rounds 4] [--ref-threads 1,2]
+    python tools/bench.py tp [--tp 2] [--model gpt-mini] [--micro-batch 4] [--seq-len 128] [--steps 3] [--rounds 4]
+        [--ref-threads 1 2]
 
 --seq-len overrides the preset's model.seq_len (gpt-mini's 256 is twice the default here; 0 keeps the preset's).
 
-One invocation on N ranks (tp = N) trains the variants below of one model config, from the same initial weights
-(trident's name-seeded init) on the same batches, alternating timed blocks in rounds so machine noise hits all
-alike, and prints the median tokens/s of each:
+One invocation on --tp ranks (trident.ranks' pool) trains the variants below of one model config, from the same
+initial weights on the same batches, alternating timed blocks in rounds (trident/bench/harness.py), and tables the
+median tokens/s of each:
 
-  tp=1        one rank trains the whole model alone (GPT with no tp group, through the same trainer pieces as
-              trident below) while the others wait at a barrier: the one-process speed, with the torch threads
-              each rank of this launch has (cores / N), or once per count in --ref-threads
-              (e.g. 1,2: 2 is what a lone `python train.py` takes on 2 cores; on a busy machine OpenMP threads
-              spinning for a preempted sibling can make that several times slower, unless OMP_WAIT_POLICY=passive).
-              "vs tp=1" divides by the fastest tp=1 row.
-  trident     GPT(cfg, tp_group) at tp=N through trident's own trainer pieces: Trainer.train_step with a
-              LocalRunner, a GradReducer over a dp group of one (its fp32 gradient buffer; no dp collective),
-              model.loss_sum (vocab-parallel cross-entropy), GradStep (global-norm clipping, AdamW).
-  trident+SP  the same with sequence_parallel=True; after_reduce sums the SP-partial gradients over tp
-              (parallel.tensor.sum_grads_over_tp).
+  tp=1        one rank trains the whole model alone (trident at tp=1, built by trident/build.py, through the
+              Trainer's step) while the others wait at a barrier: the one-process speed, with the torch threads each
+              rank of this launch has (cores / N), or once per count in --ref-threads (e.g. 1 2: 2 is what a lone
+              `python train.py` takes on 2 cores; on a busy machine OpenMP threads spinning for a preempted sibling
+              can make that several times slower, unless OMP_WAIT_POLICY=passive). "vs tp=1" divides by the fastest
+              tp=1 row.
+  trident     trident at tp=N as train.py builds it (``build_parts``: model chunks, reducer, the ZeRO optimizer at
+              stage 0, GradStep with global-norm clipping and the gradient sums placements ask for) through
+              ``Trainer.train_step``; model.loss_sum is the vocab-parallel cross-entropy.
+  trident+SP  the same with parallel.sequence_parallel=true.
   DTensor     the same GPT written with nn.Linear / nn.Embedding / nn.LayerNorm (same parameter names and shapes,
               loaded from the tp=1 model's state dict), parallelized with torch.distributed.tensor.parallel on a
               DeviceMesh over the same ranks: qkv and fc ColwiseParallel, the projections RowwiseParallel, the token
@@ -32,13 +32,13 @@ alike, and prints the median tokens/s of each:
               rank's sequence shard of positions (SequenceParallel on dim 0).
 
 Every step is one micro-batch of --micro-batch sequences (the global batch), fp32: forward, summed token loss
-divided by the step's tokens, backward, global-norm clipping at optim.grad_clip, AdamW with trident's
-build_optimizer (same hyperparameters, decay on matrices only) at lr_at(step). The DTensor step is the plain torch
-loop a user would write: clip_grad_norm_, optimizer.step, zero_grad. The first step of each variant is untimed: its
-loss is printed (all must agree; so must the last timed step's, after the same updates) and its collectives are
-counted on every rank. Trident's are counted by wrapping the torch.distributed functions (and the flat all-gather /
-reduce-scatter aliases parallel/comm.py binds at import) and checked against the analytic count; DTensor's, which
-never pass through those functions, by a dispatch mode that sees its functional collectives.
+divided by the step's tokens, backward, global-norm clipping at optim.grad_clip, AdamW (trident's hyperparameters,
+decay on matrices only) at lr_at(step). The DTensor step is the plain torch loop a user would write:
+clip_grad_norm_, optimizer.step, zero_grad. The first step of each variant is untimed: its loss is shown (all must
+agree; so must the last timed step's, after the same updates) and its collectives are counted on every rank.
+Trident's are counted by wrapping the torch.distributed functions (and the flat all-gather / reduce-scatter aliases
+parallel/comm.py binds at import) and checked against the analytic count; DTensor's, which never pass through those
+functions, by a dispatch mode that sees its functional collectives.
 """
 
 from __future__ import annotations
@@ -48,20 +48,17 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
-from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -74,40 +71,28 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trident.parallel.comm as comm
-from trident.config import ModelConfig, OptimConfig, TrainConfig
-from trident.data.dataset import TokenWindows
-from trident.data.sampler import GlobalBatchSampler
-from trident.device import pick_backend, pick_device, set_cpu_threads
-from trident.loop import Trainer
-from trident.models.gpt import GPT, check_tp_split, init_weights
-from trident.optim import GradStep, ReplicatedUpdate, build_optimizer, lr_at, set_lr
-from trident.parallel.groups import (
-    ProcessGroups,
-    build_process_groups,
-    init_distributed,
-    launch_world_size,
-    shutdown_distributed,
+from trident.bench.harness import (
+    Table,
+    adamw_args,
+    alternate,
+    barrier,
+    config,
+    number,
+    one_rank_groups,
+    random_windows,
 )
-from trident.parallel.reducer import GradReducer
-from trident.parallel.tensor import sum_grads_over_tp
+from trident.build import RunParts, build_parts, model_chunks
+from trident.config import Config, ModelConfig, validate
+from trident.errors import ConfigError
+from trident.loop import Trainer
+from trident.optim import lr_at
+from trident.parallel.groups import build_process_groups
+from trident.parallel.placement import placement_of
 from trident.parallel.topology import Topology
-from trident.runner import Batch, LocalRunner
+from trident.ranks import run_distributed
 
-# The model presets of the checkout this script belongs to (the YAML under conf/ is not inside the package).
-PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
-
-
-def model_config(name: str, seq_len: int | None) -> ModelConfig:
-    cfg = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(PRESETS / f"{name}.yaml"))
-    )
-    return dataclasses.replace(cfg, seq_len=seq_len) if seq_len else cfg
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
+HEADER = ["variant", "tokens/s", "spread", "vs tp=1", "vs DTensor", "step-0 loss", "last loss", "rounds (tokens/s)"]
+COMM_HEADER = ["op", "phase", "group", "elements", "calls", "analytic", "bytes passed", "ring wire", "what"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -229,7 +214,7 @@ def analytic_comms(cfg: ModelConfig, b: int, s: int, tp: int, sequence_parallel:
     rows[("all_reduce", False, tp, b * s)] = (1, "vocab-parallel CE: max over the vocab")
     rows[("all_reduce", False, tp, 2 * b * s)] = (1, "vocab-parallel CE: sum-exp and target logit")
     if sequence_parallel:
-        rows[("all_reduce", False, tp, sp_numel)] = (1, f"sum_grads_over_tp (LayerNorms, row biases, wpe; {h=})")
+        rows[("all_reduce", False, tp, sp_numel)] = (1, f"GradStep: tp sums (LayerNorms, biases, wpe; {h=})")
     rows[("all_reduce", False, tp, 1)] = (1, "GradStep: global grad norm (world group)")
     rows[("all_reduce", False, 1, 1)] = (1, "Trainer: loss over the dp group of one (no wire)")
     return rows
@@ -248,36 +233,6 @@ def dtensor_notes(cfg: ModelConfig, b: int, s: int, tp: int, n_params: int) -> d
         for backward in (False, True):
             notes[(op, backward, tp, act)] = "activations, as trident's"
     return {key: (None, what) for key, what in notes.items()}
-
-
-def comm_table(title: str, log: CommLog, analytic: dict) -> str:
-    """One row per kind of collective; ``analytic`` maps a row to (expected calls or None, what it is)."""
-    es = log.element_size
-    expected_keys = {key for key, (calls, _) in analytic.items() if calls is not None}
-    keys = sorted(set(log.calls) | expected_keys, key=lambda k: (-k[3], k[0], k[1], k[2]))
-    lines = [
-        title,
-        f"  {'op':<15}{'phase':<6}{'group':>6}{'elements':>11}{'calls':>7}{'analytic':>9}"
-        f"{'bytes passed':>14}{'ring wire':>12}  what",
-    ]
-    total = expected = wire = 0
-    for key in keys:
-        op, backward, group, numel = key
-        calls = log.calls.get(key, 0)
-        want, what = analytic.get(key, (None, ""))
-        nbytes = calls * numel * es
-        total += nbytes
-        expected += (want or 0) * numel * es
-        wire += ring_wire_bytes(op, group, nbytes)
-        flag = "" if want is None or want == calls else "  <-- differs"
-        lines.append(
-            f"  {op:<15}{'bwd' if backward else 'fwd':<6}{group:>6}{numel:>11,}{calls:>7}"
-            f"{'' if want is None else want:>9}{nbytes:>14,}{ring_wire_bytes(op, group, nbytes):>12,.0f}  {what}{flag}"
-        )
-    lines.append(f"  total bytes passed {total:,} (ring wire {wire:,.0f})")
-    if expected_keys:
-        lines[-1] += f"; analytic {expected:,}: {'equal' if total == expected else 'DIFFERENT'}"
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -386,247 +341,245 @@ def parallelize_torch_gpt(model: TorchGPT, mesh: DeviceMesh, sequence_parallel: 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The variants: each trains on step(i, micro-batches) and returns the step's mean token loss.
+# The run.
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=2, help="ranks, all in one tensor-parallel group")
+    p.add_argument("--model", default="gpt-mini", help="a preset under conf/model")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per step (one micro-batch per step)")
+    p.add_argument("--seq-len", type=int, default=128, help="model.seq_len and the training window (0: the preset's)")
+    p.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    p.add_argument("--rounds", type=int, default=4, help="alternating timed blocks per variant; the median is reported")
+    p.add_argument("--ref-threads", type=int, nargs="+", help="torch threads of the tp=1 runs (default: a rank's)")
+
+
+@dataclasses.dataclass
+class Job:
+    cfg: Config  # at tp=N, without sequence parallelism
+    steps: int
+    rounds: int
+    ref_threads: list[int] | None
+
+
+def run(args: argparse.Namespace) -> list[Table]:
+    tp, b = args.tp, args.micro_batch
+    if tp < 2:
+        raise SystemExit("error: --tp must be >= 2 (the ranks of one tensor-parallel group)")
+    overrides = [f"model={args.model}", f"parallel.tp={tp}", f"train.micro_batch_size={b}"]
+    overrides += [f"train.global_batch_size={b}", "train.steps=1000000", "optim.warmup_steps=0"]
+    if args.seq_len:
+        overrides.append(f"model.seq_len={args.seq_len}")
+    cfg = config(args.conf, overrides)
+    try:  # before any rank starts, as train.py decides: a bad shape never hangs
+        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True)), tp)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e} (--seq-len sets model.seq_len here)") from None
+    r = run_distributed(_rank, tp, Job(cfg, args.steps, args.rounds, args.ref_threads), timeout_s=24 * 3600)[0]
+
+    m, s = cfg.model, cfg.model.seq_len
+    tokens = b * s
+    rates = {name: [tokens / t for t in v["wall"]] for name, v in r["variants"].items()}
+    median = {name: statistics.median(v) for name, v in rates.items()}
+    references = [name for name in rates if name.startswith("tp=1")]
+    one_process = max(median[name] for name in references)
+    t = Table(
+        f"model {args.model} (d={m.d_model}, {m.n_layers} layers, {m.n_heads} heads, vocab {m.vocab_size}), seq {s}, "
+        f"micro-batch {b} = {b * s} tokens/step, fp32, {r['device']}, {tp} ranks x {r['threads']} torch threads, "
+        f"{args.rounds} rounds x {args.steps} steps; vs tp=1: against the fastest tp=1 row",
+        HEADER,
+    )
+    for name, v in r["variants"].items():
+        dtensor = f"DTensor tp={tp}" + (" +SP" if name.endswith("+SP") else "")
+        spread = (max(rates[name]) - min(rates[name])) / median[name]
+        t.add(
+            name,
+            number(median[name]),
+            f"±{100 * spread:.0f}%",
+            f"{median[name] / one_process:.3f}",
+            f"{median[name] / median[dtensor]:.3f}" if name not in references else "-",
+            f"{v['first_loss']:.6f}",
+            f"{v['last_loss']:.6f}",
+            ", ".join(number(x) for x in rates[name]),
+        )
+    tables = [t]
+    size = r["element_size"]
+    for sp in (False, True):
+        name = f"trident tp={tp}" + (" +SP" if sp else "")
+        log = r["variants"][name]
+        analytic = analytic_comms(m, b, s, tp, sp, r["sp_numel"])
+        title = (
+            f"{name}: collectives per step per rank (b*s*h = {b}*{s}*{m.d_model} = {b * s * m.d_model:,} elements "
+            f"x {size} bytes)"
+        )
+        tables.append(comm_table(title, log["calls"], size, analytic))
+    for sp in (False, True):
+        name = f"DTensor tp={tp}" + (" +SP" if sp else "")
+        notes = dtensor_notes(m, b, s, tp, r["n_params"][name])
+        title = f"{name}: functional collectives per step per rank (measured)"
+        tables.append(comm_table(title, r["variants"][name]["calls"], size, notes))
+    tables[-1].notes.append(
+        f"rank 0's counts; every rank's are {'the same' if r['same_everywhere'] else 'NOT the same'}. "
+        "phase: bwd inside autograd's backward, fwd anything else (forward, loss, optimizer step). "
+        "bytes passed: an all-reduce's tensor, an all-gather's output, a reduce-scatter's input (b*s*h for an "
+        "activation at any tp). ring wire: what one rank sends with ring algorithms, 2(N-1)/N of an all-reduce and "
+        "(N-1)/N of an all-gather or reduce-scatter; gloo picks its own algorithms."
+    )
+    return tables
+
+
+def comm_table(title: str, calls: dict[Key, int], element_size: int, analytic: dict) -> Table:
+    """One row per kind of collective; ``analytic`` maps a row to (expected calls or None, what it is)."""
+    expected_keys = {key for key, (n, _) in analytic.items() if n is not None}
+    keys = sorted(set(calls) | expected_keys, key=lambda k: (-k[3], k[0], k[1], k[2]))
+    t = Table(title, COMM_HEADER)
+    total = expected = wire = 0
+    for key in keys:
+        op, backward, group, numel = key
+        n = calls.get(key, 0)
+        want, what = analytic.get(key, (None, ""))
+        nbytes = n * numel * element_size
+        total += nbytes
+        expected += (want or 0) * numel * element_size
+        wire += ring_wire_bytes(op, group, nbytes)
+        flag = "" if want is None or want == n else " (differs)"
+        phase = "bwd" if backward else "fwd"
+        t.add(op, phase, group, f"{numel:,}", n, want, f"{nbytes:,}", number(ring_wire_bytes(op, group, nbytes)),
+              what + flag)  # fmt: skip
+    t.notes.append(f"total bytes passed {total:,} (ring wire {wire:,.0f})")
+    if expected_keys:
+        t.notes[-1] += f"; analytic {expected:,}: {'equal' if total == expected else 'DIFFERENT'}"
+    return t
 
 
 class TridentVariant:
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        groups: ProcessGroups,
-        sequence_parallel: bool,
-        data: TokenWindows,
-        train_cfg: TrainConfig,
-        optim_cfg: OptimConfig,
-        device: torch.device,
-    ) -> None:
-        tp_group = groups.tp_group if groups.tp_size > 1 else None
-        self.model = GPT(cfg, tp_group, sequence_parallel=sequence_parallel)
-        init_weights(self.model, cfg, seed=0)
-        self.model.to(device)
-        chunks = [self.model]
-        reducer = GradReducer(list(self.model.parameters()), groups.dp_group)
-        sp_grads = [reducer.grad(p) for p in self.model.sequence_parallel_params()]
-        self.sp_numel = sum(g.numel() for g in sp_grads)
-        self.trainer = Trainer(
-            train_cfg=train_cfg,
-            optim_cfg=optim_cfg,
-            groups=groups,
-            model_chunks=chunks,
-            runner=LocalRunner(chunks, reducer, train_cfg.precision),
-            loss_fn=self.model.loss_sum,
-            grad_step=GradStep(
-                ReplicatedUpdate(build_optimizer(chunks, optim_cfg), reducer), groups, optim_cfg.grad_clip
-            ),
-            train_data=data,
-            val_data=data,
-            device=device,
-            flops_per_token=1.0,
-            peak_flops=None,
-            checkpointer=None,
-            make_logger=lambda _: None,
-            after_reduce=(lambda: sum_grads_over_tp(sp_grads, groups.tp_group)) if sp_grads else None,
-        )
+    """trident at ``cfg``'s layout on ``groups``, as train.py builds it, stepped by the Trainer."""
 
-    def step(self, step: int, micro: list[Batch]) -> float:
-        return self.trainer.train_step(step, micro).loss
+    def __init__(self, cfg: Config, groups, device: torch.device) -> None:
+        self.parts: RunParts = build_parts(cfg, groups, device)
+        data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
+        self.trainer = Trainer(cfg, groups, self.parts, (data, data))
+        self.sp_numel = sum(p.numel() for p in self.parts.chunks[0].parameters() if "tp" in placement_of(p).grad_sums)
+
+    def step(self, step: int) -> float:
+        return self.trainer.train_step(step, self.trainer.micro_batches(step)).loss
 
 
 class DTensorVariant:
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        mesh: DeviceMesh,
-        sequence_parallel: bool,
-        weights: dict[str, torch.Tensor],
-        train_cfg: TrainConfig,
-        optim_cfg: OptimConfig,
-        device: torch.device,
-    ) -> None:
-        model = TorchGPT(cfg)
+    def __init__(self, cfg: Config, mesh: DeviceMesh, sequence_parallel: bool, weights: dict, batches) -> None:
+        m = cfg.model
+        model = TorchGPT(m)
         # trident pads the vocab rows of wte (vocab_multiple); the real rows are the weights.
-        wte = weights["wte.weight"][: cfg.vocab_size]
+        wte = weights["wte.weight"][: m.vocab_size]
         model.load_state_dict({**weights, "wte.weight": wte, "lm_head.weight": wte})
-        self.model = parallelize_torch_gpt(model.to(device), mesh, sequence_parallel)
-        self.optimizer = build_optimizer([self.model], optim_cfg)
-        self.optim_cfg, self.total_steps = optim_cfg, train_cfg.steps
+        self.model = parallelize_torch_gpt(model, mesh, sequence_parallel)
+        self.optimizer = torch.optim.AdamW(**adamw_args(self.model, cfg))
+        self.optim_cfg, self.total_steps, self.batches = cfg.optim, cfg.train.steps, batches
 
-    def step(self, step: int, micro: list[Batch]) -> float:
+    def step(self, step: int) -> float:
         self.model.train()
-        x, y, tokens = micro[0].tokens, micro[0].targets, micro[0].tokens.numel()
+        x, y, *_ = self.batches(step)[0]
+        tokens = x.numel()
         with loss_parallel():
             logits = self.model(x)  # this rank's vocab block, a DTensor sharded on the last dim
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
             (loss / tokens).backward()
         if self.optim_cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip, foreach=True)
-        set_lr(self.optimizer, lr_at(step, self.optim_cfg, self.total_steps))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.optim_cfg, self.total_steps)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.to_local().item() / tokens
 
 
-class ReferenceVariant:
-    """The whole model on rank 0 with ``threads`` torch threads; every other rank only waits."""
-
-    def __init__(self, inner: TridentVariant | None, threads: int) -> None:
-        self.inner, self.threads = inner, threads
-
-    def step(self, step: int, micro: list[Batch]) -> float:
-        if self.inner is None:
-            return float("nan")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            return self.inner.step(step, micro)
-        finally:
-            torch.set_num_threads(threads)
-
-
-def one_rank_groups(group: dist.ProcessGroup | None) -> ProcessGroups | None:
-    """Every group of a one-process layout, all ``group`` (rank 0 alone); None on the other ranks."""
-    if group is None:
-        return None
-    return ProcessGroups(Topology(1, 1, 1), 0, group, group, group, group, group, group, (0,))
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt-mini")
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per step (one micro-batch per step)")
-    p.add_argument("--seq-len", type=int, default=128, help="model.seq_len and the training window (0: the preset's)")
-    p.add_argument("--steps", type=int, default=3, help="steps per timed block")
-    p.add_argument("--rounds", type=int, default=4, help="alternating timed blocks per variant; the median is reported")
-    p.add_argument("--ref-threads", help="torch threads of the tp=1 runs, comma-separated (default: a rank's)")
-    args = p.parse_args()
-
-    cfg = model_config(args.model, args.seq_len)
-    tp = launch_world_size()
-    if tp < 2:
-        raise SystemExit("launch N >= 2 ranks: torchrun --nproc-per-node N tools/bench_tensor_parallel.py (tp = N)")
-    try:  # before joining the group: a bad shape never hangs
-        check_tp_split(cfg, tp, sequence_parallel=True)
-    except ValueError as e:
-        raise SystemExit(f"{e} (--seq-len sets model.seq_len here)") from None
-    device = pick_device("auto")
-    init_distributed(pick_backend("auto", device), device)
-    rank = dist.get_rank()
+def _rank(rank: int, tp: int, job: Job) -> dict:
+    threads = max(1, (os.cpu_count() or 1) // tp)
+    torch.set_num_threads(threads)
+    device = torch.device("cpu")
+    cfg = job.cfg
     groups = build_process_groups(Topology(dp=1, pp=1, tp=tp))
     alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 is in it
-    mesh = init_device_mesh(device.type, (tp,))
-    if device.type == "cpu":
-        set_cpu_threads()
-    ref_threads = [int(n) for n in args.ref_threads.split(",")] if args.ref_threads else [torch.get_num_threads()]
-    b, s = args.micro_batch, cfg.seq_len
-    train_cfg = TrainConfig(micro_batch_size=b, global_batch_size=b, steps=10**6, precision="fp32")
-    optim_cfg = OptimConfig(warmup_steps=0)
+    mesh = DeviceMesh.from_group(groups.tp_group, device.type)
+    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
+    sp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
 
-    # Random tokens: throughput does not depend on what the tokens say.
-    n_windows = 64 * b
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, n_windows * s + 1).astype(np.int64)
-    data = TokenWindows(tokens, s, 0, n_windows)
-    sampler = GlobalBatchSampler(n_windows, b, train_cfg.seed)
+    def reference(n: int) -> Callable[[int], float]:
+        """The whole model on rank 0 with ``n`` torch threads; every other rank only waits."""
+        if rank != 0:
+            return lambda step: float("nan")
+        inner = TridentVariant(one, one_rank_groups(alone), device)
 
-    def batches(step: int) -> list[Batch]:
-        windows, samples = sampler.micro_batches(step, 0, 1, b), sampler.sample_ids(step, 0, 1, b)
-        return [Batch(*data.batch(w), s, step).to(device) for w, s in zip(windows, samples, strict=True)]
+        def step(i: int) -> float:
+            torch.set_num_threads(n)
+            try:
+                return inner.step(i)
+            finally:
+                torch.set_num_threads(threads)
 
-    def trident(groups: ProcessGroups, sp: bool) -> TridentVariant:
-        return TridentVariant(cfg, groups, sp, data, train_cfg, optim_cfg, device)
+        return step
 
-    one = one_rank_groups(alone if rank == 0 else None)
-    plain = GPT(cfg)  # the tp=1 model's weights: what the DTensor models load
-    init_weights(plain, cfg, seed=0)
+    ours, ours_sp = TridentVariant(cfg, groups, device), TridentVariant(sp, groups, device)
+    # The tp=1 model's weights, for the DTensor twins to load: built as the one-process run builds them.
+    (plain,) = model_chunks(one, one_rank_groups(None), device)
     weights = plain.state_dict()
-    references = {
-        f"tp=1, {n} thread{'s' if n > 1 else ''}": ReferenceVariant(trident(one, False) if one else None, n)
-        for n in ref_threads
+    variants: dict[str, Callable[[int], float]] = {
+        f"tp=1, {n} thread{'s' if n > 1 else ''}": reference(n) for n in job.ref_threads or [threads]
     }
-    variants = {
-        **references,
-        f"trident tp={tp}": trident(groups, False),
-        f"trident tp={tp} +SP": trident(groups, True),
-        f"DTensor tp={tp}": DTensorVariant(cfg, mesh, False, weights, train_cfg, optim_cfg, device),
-        f"DTensor tp={tp} +SP": DTensorVariant(cfg, mesh, True, weights, train_cfg, optim_cfg, device),
-    }
-    names = list(variants)
-
-    def run(name: str, first_step: int, n: int) -> tuple[float, float]:
-        sync(device)
-        start = time.perf_counter()
-        loss = 0.0
-        for step in range(first_step, first_step + n):
-            loss = variants[name].step(step, batches(step))
-        sync(device)
-        return time.perf_counter() - start, loss
+    variants[f"trident tp={tp}"] = ours.step
+    variants[f"trident tp={tp} +SP"] = ours_sp.step
+    dtensor = {sp: DTensorVariant(cfg, mesh, sp, weights, ours.trainer.micro_batches) for sp in (False, True)}
+    variants[f"DTensor tp={tp}"] = dtensor[False].step
+    variants[f"DTensor tp={tp} +SP"] = dtensor[True].step
 
     # Step 0 of each variant, untimed: its loss, and its collectives counted.
     first_loss, logs = {}, {}
-    for name in names:
+    for name, step in variants.items():
         if name.startswith("trident"):
             with counting_collectives() as logs[name]:
-                _, first_loss[name] = run(name, 0, 1)
+                first_loss[name] = step(0)
         elif name.startswith("DTensor"):
             with DTensorComms(tp) as mode:
-                _, first_loss[name] = run(name, 0, 1)
+                first_loss[name] = step(0)
             logs[name] = mode.log
         else:
-            _, first_loss[name] = run(name, 0, 1)
-
+            first_loss[name] = step(0)
     every_rank: list[dict] = [{} for _ in range(tp)]
     dist.all_gather_object(every_rank, {name: dict(log.calls) for name, log in logs.items()})
-    same_everywhere = all(counts == every_rank[0] for counts in every_rank)
 
-    rates: dict[str, list[float]] = {name: [] for name in names}
     last_loss: dict[str, float] = {}
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order every round
-            elapsed, last_loss[name] = run(name, 1 + r * args.steps, args.steps)
-            rates[name].append(args.steps * b * s / elapsed)
 
-    if rank == 0:
-        median = {name: statistics.median(v) for name, v in rates.items()}
-        one_process = max(median[name] for name in references)
-        print(
-            f"model {args.model} (d={cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, vocab "
-            f"{cfg.vocab_size}), seq {s}, micro-batch {b} = {b * s} tokens/step, fp32, {device.type}, {tp} ranks x "
-            f"{torch.get_num_threads()} torch threads, {args.rounds} rounds x {args.steps} steps; "
-            "vs tp=1: against the fastest tp=1 row",
-            flush=True,
-        )
-        print(
-            f"{'variant':<22}{'tokens/s':>10}{'vs tp=1':>9}{'vs DTensor':>12}{'step-0 loss':>13}"
-            f"{'last loss':>11}  rounds (tokens/s)"
-        )
-        for name in names:
-            dtensor = f"DTensor tp={tp}" + (" +SP" if name.endswith("+SP") else "")
-            vs_dtensor = f"{median[name] / median[dtensor]:.3f}" if name not in references else "-"
-            print(
-                f"{name:<22}{median[name]:>10,.0f}{median[name] / one_process:>9.3f}{vs_dtensor:>12}"
-                f"{first_loss[name]:>13.6f}{last_loss[name]:>11.6f}  {', '.join(f'{x:,.0f}' for x in rates[name])}"
-            )
-        for sp in (False, True):
-            name = f"trident tp={tp}" + (" +SP" if sp else "")
-            analytic = analytic_comms(cfg, b, s, tp, sp, variants[name].sp_numel)
-            title = (
-                f"\n{name}: collectives per step per rank (b*s*h = {b}*{s}*{cfg.d_model} = {b * s * cfg.d_model:,} "
-                f"elements x {logs[name].element_size} bytes)"
-            )
-            print(comm_table(title, logs[name], analytic))
-        for sp in (False, True):
-            name = f"DTensor tp={tp}" + (" +SP" if sp else "")
-            notes = dtensor_notes(cfg, b, s, tp, len(list(variants[name].model.parameters())))
-            print(comm_table(f"\n{name}: functional collectives per step per rank (measured)", logs[name], notes))
-        print(
-            f"\nrank 0's counts; every rank's are {'the same' if same_everywhere else 'NOT the same'}. "
-            "phase: bwd inside autograd's backward, fwd anything else (forward, loss, optimizer step).\n"
-            "bytes passed: an all-reduce's tensor, an all-gather's output, a reduce-scatter's input (b*s*h for an "
-            "activation at any tp).\nring wire: what one rank sends with ring algorithms, 2(N-1)/N of an "
-            "all-reduce and (N-1)/N of an all-gather or reduce-scatter; gloo picks its own algorithms.",
-            flush=True,
-        )
-    shutdown_distributed()
+    def timed(name: str) -> Callable[[int], None]:
+        def step(i: int) -> None:
+            last_loss[name] = variants[name](1 + i)
 
+        return step
 
-if __name__ == "__main__":
-    main()
+    timings = alternate(
+        {name: timed(name) for name in variants},
+        warmup=0,
+        steps=job.steps,
+        rounds=job.rounds,
+        sync=lambda: barrier(device),
+    )
+    for v in (ours, ours_sp):
+        v.parts.optimizer.remove_hooks()
+    return {
+        "device": device.type,
+        "threads": threads,
+        "sp_numel": ours_sp.sp_numel,
+        "element_size": next(iter(logs.values())).element_size,
+        "same_everywhere": all(counts == every_rank[0] for counts in every_rank),
+        "n_params": {
+            f"DTensor tp={tp}" + (" +SP" if k else ""): len(list(v.model.parameters())) for k, v in dtensor.items()
+        },
+        "variants": {
+            name: {
+                "wall": timings[name].wall,
+                "first_loss": first_loss[name],
+                "last_loss": last_loss[name],
+                "calls": dict(logs[name].calls) if name in logs else {},
+            }
+            for name in variants
+        },
+    }
