@@ -2,9 +2,12 @@
 micro-batch and chunk, the gaps between boxes the bubble.
 
     python tools/plot_schedule.py --schedule 1f1b --pp 4 --micro 8 --out docs/schedule.svg        # as planned
+    python tools/plot_schedule.py --pp 4 --vpp 2 --out interleaved.svg   # the schedule train.py picks: interleaved
     python tools/plot_schedule.py --measured outputs/<run>/pipeline_timings --out measured.svg      # as measured
 
-Planned: the unit-cost simulation of parallel/pipeline/schedules.py (``--costs F=1,B=2,I=1,W=1``). Measured: the
+Planned: the unit-cost simulation of parallel/pipeline/schedules.py (``--costs F=1,B=2,I=1,W=1``) of the schedule
+train.py would run: ``--schedule`` left out is 1f1b, or interleaved when ``--vpp`` > 1 (``parallel.schedule``'s
+default), and a layout train.py refuses is refused here with the same line. Measured: the
 action timings a run records with ``logging.pipeline_timings=true`` (one file per pipeline rank; ``--call`` picks
 the step, default the last training step). SVG is written here without any dependency; a ``.png`` output needs
 matplotlib (``pip install matplotlib``).
@@ -14,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve_schedule, validate
+from trident.errors import ConfigError
 from trident.parallel.pipeline.schedules import (
     SCHEDULES,
     UNIT_COSTS,
@@ -31,6 +35,32 @@ from trident.parallel.pipeline.schedules import (
 
 COLORS = {"F": "#4c78a8", "B": "#54a24b", "I": "#88d27a", "W": "#f58518"}
 LANE, PAD, LEFT, TOP = 34, 6, 70, 40
+
+
+# train.py's keys for this tool's flags, so the validator's line names what to change here.
+FLAGS = {
+    "parallel.schedule": "--schedule",
+    "parallel.vpp": "--vpp",
+    "parallel.pp": "--pp",
+    "train.global_batch_size or train.micro_batch_size": "--micro",
+    "train.global_batch_size": "--micro",
+}
+
+
+def decide(schedule: str | None, pp: int, vpp: int, micro: int) -> str:
+    """The schedule train.py runs for this pipeline (``schedule`` None: its default for ``vpp``), checked by
+    train.py's own validator on a config of that layout: one rank per stage, one sequence per micro-batch."""
+    par = ParallelConfig(pp=pp, vpp=vpp, schedule=schedule)
+    model = ModelConfig(n_layers=max(1, pp * vpp))
+    cfg = Config(model=model, parallel=par, train=TrainConfig(micro_batch_size=1, global_batch_size=micro))
+    try:
+        validate(cfg, world_size=pp)
+    except ConfigError as e:
+        message = str(e)
+        for key, flag in FLAGS.items():
+            message = message.replace(key, flag)
+        raise SystemExit(f"error: {message}") from None
+    return resolve_schedule(par)
 
 
 def planned(name: str, pp: int, vpp: int, micro: int, costs: dict[str, float]) -> tuple[list[Span], str]:
@@ -137,7 +167,7 @@ def to_png(spans: list[Span], title: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES, help="default: 1f1b, or interleaved when --vpp > 1")
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--vpp", type=int, default=1)
     parser.add_argument("--micro", type=int, default=8, help="micro-batches per step")
@@ -150,10 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         spans, title = measured(args.measured, args.call)
     else:
         costs = {**UNIT_COSTS, **{k: float(v) for k, v in (kv.split("=") for kv in args.costs.split(","))}}
-        try:
-            spans, title = planned(args.schedule, args.pp, args.vpp, args.micro, costs)
-        except ValueError as e:
-            sys.exit(str(e))
+        schedule = decide(args.schedule, args.pp, args.vpp, args.micro)
+        spans, title = planned(schedule, args.pp, args.vpp, args.micro, costs)
     if args.out.suffix == ".png":
         to_png(spans, title, args.out)
     else:
