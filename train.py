@@ -45,12 +45,9 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
     with contextlib.ExitStack() as cleanup:
         stop = cleanup.enter_context(StopRequest(cfg.train.stop_grace_s))
         # Checks and data need no process group: a problem ends every rank the same way, before any collective.
-        dp = validate(cfg, launch_world_size() if owns_group else dist.get_world_size())
-        topology, device, tr = (
-            Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp),
-            pick_device(cfg.train.device),
-            cfg.train,
-        )
+        tr, dp = cfg.train, validate(cfg, launch_world_size() if owns_group else dist.get_world_size())
+        topology = Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
+        device = pick_device(tr.device)
         use_tensor_cores(device)
         dataset = open_dataset(cfg.data, cfg.model.vocab_size)
         eval_batches = tr.eval_batches if tr.eval_every else None
@@ -73,7 +70,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
         # memory.json: each rank's model-state bytes beside the prediction made before launch.
         predicted = estimate(cfg.model, Layout.from_config(cfg, dp, device.type)).to_dict()
         config_dict = dataclasses.asdict(cfg)
-        history = Trainer(
+        trainer = Trainer(
             cfg,
             groups,
             parts,
@@ -83,7 +80,8 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
             stop=stop,
             peak_flops=peak * 1e12 if peak else None,
             after_first_step=lambda: log_model_states(parts.optimizer.step, groups, run_dir, {"estimate": predicted}),
-        ).fit()
+        )
+        history = trainer.fit()
     if owns_group:
         shutdown_distributed()
     return history
