@@ -73,7 +73,8 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
 
 def test_about_half_the_draws_are_refused_and_each_refusal_is_a_listed_one() -> None:
     """Drawn freely but not wildly: the validator refuses some of everything, and trains the rest."""
-    verdicts = [verdict(load_config(REPO, draw_case(3, i).overrides), draw_case(3, i).world) for i in range(60)]
+    cases = [draw_case(3, i) for i in range(60)]
+    verdicts = [verdict(load_config(REPO, case.overrides), case.world) for case in cases]
     refused = [v for v in verdicts if v is not None]
     assert 10 <= len(refused) <= 45, len(refused)
     assert [refusal_problem(v) for v in refused] == [None] * len(refused)
@@ -125,7 +126,7 @@ def test_fp32_curves_compare_to_reduction_order_and_16_bit_within_two_percent() 
     ref = _rows([6.0, 5.5], [1.0, 0.8])
     assert curve_problems(ref, _rows([6.0 * (1 + REL / 2), 5.5], [1.0, 0.8 * (1 + REL / 2)]), "fp32", "r") == []
     assert curve_problems(ref, _rows([6.0 * (1 + 2 * REL), 5.5], [1.0, 0.8]), "fp32", "r")
-    assert curve_problems(ref, _rows([6.0, 5.5], [1.0, 0.801]), "fp32", "r")  # grad norm off by 1.2e-3
+    assert curve_problems(ref, _rows([6.0, 5.5], [1.0, 0.801]), "fp32", "r")  # the gradient norm off by 1.25e-3
     assert curve_problems(ref, _rows([6.0 * (1 + LOW_PRECISION_REL / 2), 5.5], [9.0, 9.0]), "bf16", "r") == []
     assert curve_problems(ref, _rows([6.0 * (1 + 2 * LOW_PRECISION_REL), 5.5]), "fp16", "r")
     assert curve_problems(ref, _rows([6.0, 5.5], [1.0, 0.8], skipped=True), "fp16", "r")
@@ -148,25 +149,18 @@ def test_a_refused_launch_exits_2_with_the_validators_line_within_seconds(fuzzer
     assert problem is None and seconds < LAUNCH_LIMIT_S
 
 
-# --- the CI sample: the cases a sweep of seed 0 starts with, about four minutes on a 2-core machine.
+# --- the CI sample: cases of the sweep of seed 0, about four minutes on a 2-core machine. The first 36 train every
+# knob of the space (dropout and 16-bit too) but CPU offload at ratios below 1, which the last three add (one with
+# pp 4, one at world 1); about a third of the cases are refusals.
 
 SEED = 0
-SAMPLE = range(24)
-
-
-def _sample_param(index: int) -> object:
-    case = draw_case(SEED, index)
-    marks = []
-    if case.knobs["model.dropout"] != "0.0":
-        # Dropout masks are drawn per rank today, so a layout with dropout does not give the one-process curve;
-        # issue 17 part 2 derives them per sample from the seed. Kept in the sample: it is the point.
-        marks.append(pytest.mark.xfail(reason="dropout masks are not layout-invariant yet (issue 17)", strict=False))
-    return pytest.param(case, id=f"case{index}", marks=marks)
+SAMPLE = [*range(36), 62, 85, 115]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", [_sample_param(i) for i in SAMPLE])
-def test_the_ci_sample_of_the_fuzzer(fuzzer: Fuzzer, case) -> None:
+@pytest.mark.parametrize("index", SAMPLE, ids=lambda i: f"case{i}")
+def test_the_ci_sample_of_the_fuzzer(fuzzer: Fuzzer, index: int) -> None:
+    case = draw_case(SEED, index)
     result = fuzzer.run_case(case)
-    reproduce = f"python tools/fuzz_layouts.py --seed {SEED} --case {case.index}"
+    reproduce = f"python tools/fuzz_layouts.py --seed {SEED} --case {index}"
     assert result.passed, f"{case.describe()}\n" + "\n".join(result.problems) + f"\nreproduce: {reproduce}"
