@@ -134,6 +134,19 @@ def test_fp32_curves_compare_to_reduction_order_and_16_bit_within_two_percent() 
     assert curve_problems(ref, _rows([6.0, float("nan")], [1.0, 0.8]), "fp32", "r")
 
 
+def test_a_run_past_its_time_limit_fails_its_case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The rank pool raises TimeoutError for a call not done in time (and kills the pool): the case fails."""
+
+    def hangs(self: Fuzzer, world: int, overrides: object) -> None:
+        raise TimeoutError(f"ranks [0, 1] of {world} still running after 1 s")
+
+    monkeypatch.setattr(Fuzzer, "train", hangs)
+    fuzzer = Fuzzer(REPO, tmp_path, timeout_s=1)
+    case = next(c for c in (draw_case(0, i) for i in range(20)) if fuzzer.accepts(c.world, c.overrides))
+    result = fuzzer.run_case(case)
+    assert not result.passed and result.problems[0].startswith("hung: "), result.problems
+
+
 @pytest.fixture(scope="module")
 def fuzzer(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Fuzzer:
     return Fuzzer(REPO, tiny_dataset, timeout_s=180, work_dir=tmp_path_factory.mktemp("fuzz"))

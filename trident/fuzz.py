@@ -393,6 +393,8 @@ class Fuzzer:
     def _check_training(self, case: Case) -> list[str]:
         try:
             reference = self.reference(case)
+        except TimeoutError:
+            raise
         except Exception as e:
             return [f"the one-process reference failed: {_first_line(e)}"]
         save = (f"checkpoint.every={SAVE_AT}",)
