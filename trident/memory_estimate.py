@@ -23,8 +23,11 @@ on CUDA, where layer_norm is an fp32 op; the activation dtype on CPU, where it i
                                   q, k, v, attention output       4 sbh e / t (the output is the projection's input)
                                   attention logsumexp             4 abs / t
                                   fc output, GELU output          2 sbf e / t
-                                  dropout masks (p > 0)           2 sbh / t_sp  (bool; attention dropout: not modelled)
-    selective recomputation       the same without the logsumexp
+                                  dropout masks (p > 0)           2 sbh / t_sp  (bool)
+                                  with dropout (p > 0), training runs attention explicitly (SDPA's dropout draws from
+                                  the global generator): instead of the logsumexp, the probabilities and their
+                                  dropped copy 2 a b s^2 e / t, the keep mask a b s^2 / t and the causal mask s^2
+    selective recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
     full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
 
 For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
@@ -320,13 +323,18 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
     if policy == "full":
         return sbh * x.e // x.t_sp
     masks = 2 * sbh // x.t_sp if m.dropout > 0 else 0
-    logsumexp = FP32 * x.a * x.b * x.s // x.t if policy == "none" else 0
+    core = 0  # what the attention core keeps beyond q, k, v and its output; nothing when it is recomputed
+    if policy == "none":
+        if m.dropout > 0:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
+            core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1) + x.s * x.s  # + the causal mask masked_fill keeps
+        else:  # the fused kernel's fp32 logsumexp
+            core = FP32 * x.a * x.b * x.s // x.t
     return (
         2 * x.layer_norm()
         + 2 * sbh * x.e  # qkv and fc inputs
         + 4 * sbh * x.e // x.t  # q, k, v and the attention output
         + 2 * sbf * x.e // x.t  # fc output, GELU output
-        + logsumexp
+        + core
         + masks
     )
 
