@@ -22,7 +22,12 @@ def _recomputed(fn, rng: RNGTracker | None):
     # Opaque to torch.compile (train.compile): dynamo cannot trace a checkpoint with our context_fn, so a compiled
     # block calls the checkpointed part as an eager island (selective), or the checkpoint wraps the compiled block
     # (full: models/compile.py runs first).
-    return torch.compiler.disable(lambda *args: checkpoint(fn, *args, use_reentrant=False, context_fn=contexts))
+
+    def recompute(*args: torch.Tensor) -> torch.Tensor:
+        # No generator state to save and restore around each call: no mask draws from a generator's running state.
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=False)
+
+    return torch.compiler.disable(recompute)
 
 
 def apply_activation_checkpointing(model: GPT, policy: str) -> None:
