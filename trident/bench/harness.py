@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
+from torch.distributed.device_mesh import DeviceMesh
 
 from trident.config import Config, register_configs, to_config
 from trident.data.dataset import TokenWindows
@@ -244,6 +245,16 @@ def one_rank_groups(group: dist.ProcessGroup) -> ProcessGroups:
     """The groups of a one-process layout on global rank 0, every one of them ``group`` (rank 0 alone; create it
     on every rank with ``dist.new_group([0])``)."""
     return ProcessGroups(Topology(1, 1, 1), 0, group, group, group, group, group, None, (0,))
+
+
+def device_mesh(group: dist.ProcessGroup, device_type: str, name: str) -> DeviceMesh:
+    """A one-dimensional DeviceMesh over ``group``, for torch's DTensor baselines (FSDP2, tensor parallelism).
+
+    DTensor caches its sharding decisions by mesh equality, which compares ranks, device type and dimension names but
+    not process groups: in a rank pool that runs one task after another, a mesh equal to an earlier task's would
+    find that task's destroyed groups in the cache. The group's name (the same on every rank, never reused) in the
+    dimension's name makes each task's mesh its own."""
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"{name}-{group.group_name}",))
 
 
 def rank_device(rank: int) -> torch.device:

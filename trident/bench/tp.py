@@ -77,6 +77,7 @@ from trident.bench.harness import (
     alternate,
     barrier,
     config,
+    device_mesh,
     number,
     one_rank_groups,
     random_windows,
@@ -500,7 +501,7 @@ def _rank(rank: int, tp: int, job: Job) -> dict:
     cfg = job.cfg
     groups = build_process_groups(Topology(dp=1, pp=1, tp=tp))
     alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 is in it
-    mesh = DeviceMesh.from_group(groups.tp_group, device.type)
+    mesh = device_mesh(groups.tp_group, device.type, "tp")
     one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
     sp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
 

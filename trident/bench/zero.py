@@ -49,6 +49,7 @@ from trident.bench.harness import (
     alternate,
     barrier,
     config,
+    device_mesh,
     number,
     random_batches,
     ratio,
@@ -248,11 +249,10 @@ class TorchDDPZero:
 
 class TorchFSDP2:
     def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         (model,) = model_chunks(cfg, groups, device)
-        mesh = DeviceMesh.from_group(groups.dp_group, device.type)
+        mesh = device_mesh(groups.dp_group, device.type, "dp")
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
