@@ -257,9 +257,14 @@ def device_mesh(group: dist.ProcessGroup, device_type: str, name: str) -> Device
     return DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"{name}-{group.group_name}",))
 
 
-def rank_device(rank: int) -> torch.device:
-    """A pool rank's device: its own GPU when there are enough, else the CPU."""
-    if torch.cuda.is_available() and rank < torch.cuda.device_count():
+def pool_backend(world: int) -> str:
+    """The backend of a rank pool of ``world`` ranks: nccl when each rank can have a GPU of its own, else gloo."""
+    return "nccl" if torch.cuda.is_available() and world <= torch.cuda.device_count() else "gloo"
+
+
+def rank_device(rank: int, world: int) -> torch.device:
+    """A pool rank's device (``pool_backend``'s choice): its own GPU, or the CPU."""
+    if pool_backend(world) == "nccl":
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
     return torch.device("cpu")

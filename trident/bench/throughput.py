@@ -35,6 +35,7 @@ from trident.bench.harness import (
     mfu,
     number,
     peak_flops,
+    pool_backend,
     random_windows,
     rank_device,
     ratio,
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> list[Table]:
 def table(cfg: Config, dp: int, warmup: int, steps: int, rounds: int, peak_tflops: float | None) -> Table:
     """trident's step and the torch baseline of ``cfg`` on ``dp`` ranks, as one table."""
     job = Job(cfg, warmup, steps, rounds, peak_tflops)
-    result = run_distributed(_rank, dp, job, timeout_s=24 * 3600)[0]
+    result = run_distributed(_rank, dp, job, backend=pool_backend(dp), timeout_s=24 * 3600)[0]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     baseline = "torch DDP" if dp > 1 else "plain torch loop"
     rates = {name: tokens_per_s(tokens, r["wall"]) for name, r in result["variants"].items()}
@@ -141,7 +142,7 @@ class Job:
 def _rank(rank: int, world: int, job: Job) -> dict:
     cfg = job.cfg
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    device = rank_device(rank)
+    device = rank_device(rank, world)
     groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
     data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
 

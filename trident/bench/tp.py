@@ -80,7 +80,9 @@ from trident.bench.harness import (
     device_mesh,
     number,
     one_rank_groups,
+    pool_backend,
     random_windows,
+    rank_device,
 )
 from trident.build import RunParts, build_parts, model_chunks
 from trident.config import Config, ModelConfig, validate
@@ -376,7 +378,8 @@ def run(args: argparse.Namespace) -> list[Table]:
         validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True)), tp)
     except ConfigError as e:
         raise SystemExit(f"error: {e} (--seq-len sets model.seq_len here)") from None
-    r = run_distributed(_rank, tp, Job(cfg, args.steps, args.rounds, args.ref_threads), timeout_s=24 * 3600)[0]
+    job = Job(cfg, args.steps, args.rounds, args.ref_threads)
+    r = run_distributed(_rank, tp, job, backend=pool_backend(tp), timeout_s=24 * 3600)[0]
 
     m, s = cfg.model, cfg.model.seq_len
     tokens = b * s
@@ -473,7 +476,7 @@ class DTensorVariant:
         # trident pads the vocab rows of wte (vocab_multiple); the real rows are the weights.
         wte = weights["wte.weight"][: m.vocab_size]
         model.load_state_dict({**weights, "wte.weight": wte, "lm_head.weight": wte})
-        self.model = parallelize_torch_gpt(model, mesh, sequence_parallel)
+        self.model = parallelize_torch_gpt(model.to(mesh.device_type), mesh, sequence_parallel)
         self.optimizer = torch.optim.AdamW(**adamw_args(self.model, cfg))
         self.optim_cfg, self.total_steps, self.batches = cfg.optim, cfg.train.steps, batches
 
@@ -497,7 +500,7 @@ class DTensorVariant:
 def _rank(rank: int, tp: int, job: Job) -> dict:
     threads = max(1, (os.cpu_count() or 1) // tp)
     torch.set_num_threads(threads)
-    device = torch.device("cpu")
+    device = rank_device(rank, tp)
     cfg = job.cfg
     groups = build_process_groups(Topology(dp=1, pp=1, tp=tp))
     alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 is in it
