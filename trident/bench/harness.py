@@ -3,8 +3,8 @@
 - ``alternate`` times variants in rounds, the order rotated each round, so load that comes and goes on the machine
   hits every variant alike; the warm-up steps (start-up, compilation, allocator growth) are not timed.
 - ``Stat`` is a median over rounds with its spread (lowest and highest round).
-- ``mfu``, ``storage_bytes`` (model states, each storage once), ``SavedBytes`` (activations autograd keeps for
-  backward) and ``peak_memory_mb`` are the figures beside tokens/s.
+- ``mfu``, ``storage_bytes`` (model states, each storage once) and ``SavedBytes`` (activations autograd keeps for
+  backward) are the figures beside tokens/s; a real run's peak memory is its own metrics' (``runs.py``).
 - ``Table`` is the one markdown table every subcommand prints.
 - ``config`` composes train.py's typed config from conf/; ``one_rank_groups`` gives rank 0 alone the groups of a
   one-process layout, so a reference run can sit inside a multi-rank pool (``trident.ranks.run_distributed``).
@@ -30,13 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from trident.config import Config, register_configs, to_config
 from trident.data.dataset import TokenWindows
 from trident.memory import format_bytes
-from trident.metrics import peak_memory_mb
 from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.topology import Topology
 from trident.peak import device_peak_tflops
 
-__all__ = ["format_bytes", "peak_memory_mb"]  # re-exported: the subcommands' figures come from one place
+__all__ = ["format_bytes"]  # re-exported: byte figures print alike everywhere
 
 
 # --- timing ---------------------------------------------------------------------------------------------------

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from trident.bench import throughput
-from trident.bench.harness import Table, format_bytes, number
+from trident.bench.harness import Table, format_bytes, number, spread
 from trident.bench.runs import Trial, plan, run_trial
 
 BASE = ["train.eval_every=0", "wandb.mode=disabled", "logging.interval=1000"]
@@ -114,7 +113,6 @@ def row(trial: Trial, warmup: int, steps: int, rates: dict[str, float]) -> list[
         return [trial.layout, str(trial.world), f"failed: {trial.error or 'missing steps'}"]
     measured = trial.rows[warmup:]
     rate = tokens_per_s(measured)
-    times = [r["step_time_s"] for r in measured]
     first = next(iter(rates.values()), rate)
     twin = trial.layout.removesuffix("compile").strip()  # the eager run of a compiled layout
     eager = rates.get(twin) if twin != trial.layout else None
@@ -124,7 +122,7 @@ def row(trial: Trial, warmup: int, steps: int, rates: dict[str, float]) -> list[
         trial.layout,
         str(trial.world),
         number(rate),
-        f"±{100 * (max(times) - min(times)) / statistics.median(times):.0f}%",
+        spread(r["step_time_s"] for r in measured),
         ratio(rate, first),
         ratio(rate, eager),
         f"{100 * sum(mfus) / len(mfus):.2f}%" if mfus else "-",

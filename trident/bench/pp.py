@@ -44,6 +44,7 @@ from trident.bench.harness import (
     one_rank_groups,
     random_batches,
     ratio,
+    spread,
 )
 from trident.build import build_parts, model_chunks
 from trident.config import Config, resolve_schedule, validate
@@ -149,7 +150,7 @@ def row(job: Job, res: list[dict], tokens: int) -> list[str]:
         str(pp),
         schedule,
         number(ours_tps),
-        f"±{100 * (max(first['trident']) - min(first['trident'])) / ours:.0f}%",
+        spread(first["trident"]),
         number(base_tps),
         ratio(ours_tps, base_tps),
         number(torch_tps) if torch_tps else f"n/a: {first.get('torch_error')}",

@@ -39,6 +39,7 @@ from trident.bench.harness import (
     random_windows,
     rank_device,
     ratio,
+    spread,
     tokens_per_s,
 )
 from trident.build import build_parts, model_chunks
@@ -117,7 +118,7 @@ def table(cfg: Config, dp: int, warmup: int, steps: int, rounds: int, peak_tflop
             dp,
             precisions[name],
             number(rate.median),
-            f"±{100 * rate.spread:.0f}%",
+            spread(r["wall"]),
             ratio(rate.median, rates[baseline].median),
             number(mfu(rate.median, flops_per_token(cfg.model), result["peak_flops"]), ".2%"),
             f"{r['first_loss']:.6f}",

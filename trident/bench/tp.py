@@ -83,6 +83,7 @@ from trident.bench.harness import (
     pool_backend,
     random_windows,
     rank_device,
+    spread,
 )
 from trident.build import RunParts, build_parts, model_chunks
 from trident.config import Config, ModelConfig, validate
@@ -395,11 +396,10 @@ def run(args: argparse.Namespace) -> list[Table]:
     )
     for name, v in r["variants"].items():
         dtensor = f"DTensor tp={tp}" + (" +SP" if name.endswith("+SP") else "")
-        spread = (max(rates[name]) - min(rates[name])) / median[name]
         t.add(
             name,
             number(median[name]),
-            f"±{100 * spread:.0f}%",
+            spread(rates[name]),
             f"{median[name] / one_process:.3f}",
             f"{median[name] / median[dtensor]:.3f}" if name not in references else "-",
             f"{v['first_loss']:.6f}",

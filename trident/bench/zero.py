@@ -53,6 +53,7 @@ from trident.bench.harness import (
     number,
     random_batches,
     ratio,
+    spread,
     storage_bytes,
 )
 from trident.build import build_parts, model_chunks
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> list[Table]:
                 world,
                 name,
                 number(tps),
-                f"±{100 * spread(r['wall']):.0f}%" if tps else None,
+                spread(r["wall"]) if tps else None,
                 ratio(tps, rates.get("zero0")),
                 ratio(tps, rates.get(BASELINE.get(name, ""))),
                 number(cpu, ".3f"),
@@ -179,10 +180,6 @@ def run(args: argparse.Namespace) -> list[Table]:
         "states; formula: parallel/zero/__init__.py's table; estimate: trident/memory_estimate.py (padding included)."
     )
     return [t]
-
-
-def spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / statistics.median(values)
 
 
 def job_tokens(job: Job, world: int) -> int:
