@@ -225,9 +225,9 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b and math.isfinite(a / b) else "-"
 
 
-def with_spread(stat: Stat, spec: str = ",.0f") -> str:
-    """ "1,234 ±5%": the median and the spread of the rounds."""
-    return f"{stat.median:{spec}} ±{100 * stat.spread:.0f}%"
+def spread(values: Iterable[float]) -> str:
+    """The spread of rounds (or steps) as a cell, (highest - lowest) / median: "±5%"."""
+    return f"±{100 * Stat.of(values).spread:.0f}%"
 
 
 # --- building -------------------------------------------------------------------------------------------------
