@@ -28,8 +28,8 @@ def main() -> int:
     parser.add_argument(
         "--launch-every",
         type=int,
-        default=2,
-        help="check the real command (python train.py / torchrun) on every Nth refused case; 0: never (default 2)",
+        default=3,
+        help="check the real command (python train.py / torchrun) on every Nth refused case; 0: never (default 3)",
     )
     parser.add_argument("--cache-dir", default="~/.cache/trident", help="where the small dataset is cached")
     args = parser.parse_args()
