@@ -71,7 +71,7 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
     assert seen["offload with pp > 1"]
 
 
-def test_about_half_the_draws_are_refused_and_each_refusal_is_a_listed_one() -> None:
+def test_some_draws_are_refused_and_each_refusal_is_a_listed_one() -> None:
     """Drawn freely but not wildly: the validator refuses some of everything, and trains the rest."""
     cases = [draw_case(3, i) for i in range(60)]
     verdicts = [verdict(load_config(REPO, case.overrides), case.world) for case in cases]

@@ -77,10 +77,13 @@ def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None
     """A world size and train.py's knobs. ``fixed`` (a resumed case's model, batch and precision) is kept as is.
 
     Each knob is drawn among the values that suit the ones drawn before it, except with probability ``mistake``,
-    when it is drawn from all of them: so every refusal happens, alone or with others, and about half the cases
-    train. The model and batch knobs take few values, so that cases share their one-process references.
+    when it is drawn from all of them: so every refusal happens, alone or with others, and about two thirds of the
+    cases train. The model and batch knobs take few values, so that cases share their one-process references.
     """
-    wrong = lambda: rng.random() < mistake  # noqa: E731  (a fresh draw per rule)
+
+    def wrong() -> bool:  # a fresh draw for each rule
+        return rng.random() < mistake
+
     tp = _weighted(rng, {1: 0.4, 2: 0.4, 4: 0.15, 3: 0.05})  # 3 divides neither the 4 heads nor the sequence
     pp = _weighted(rng, {1: 0.4, 2: 0.4, 4: 0.15, 3: 0.05})
     dp = rng.randint(1, max(1, MAX_WORLD // (tp * pp)))
