@@ -3,8 +3,9 @@
     "tp"         sequence parallelism: a parameter every tp rank holds whole saw only its rank's tokens
     "embedding"  the tied embedding split over the first and last pipeline stage: both copies take the sum
 
-Each group's gradients go in one all-reduce (flattened), so a step pays one collective per group whatever the
-parameter count. Afterwards the gradients are bit-identical across the group, as the parameters must stay.
+Each group's gradients go in one all-reduce (flattened, or in place when there is one), so a step pays one
+collective per group whatever the parameter count. Afterwards the gradients are bit-identical across the group,
+as the parameters must stay.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ GradViews = Callable[[Iterable[nn.Parameter]], list[torch.Tensor]]
 def all_reduce_flat(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Sum ``grads`` over ``group`` in place, in one all-reduce. A no-op with no group or a group of one."""
     if not grads or group is None or dist.get_world_size(group) == 1:
+        return
+    if len(grads) == 1 and grads[0].is_contiguous():  # the tied embedding alone: in place, no copies
+        dist.all_reduce(grads[0], group=group)
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)

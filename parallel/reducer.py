@@ -8,8 +8,8 @@ it splits into equal contiguous shards.
 A parameter's ``.grad`` is only the hand-off from autograd: as soon as it is accumulated, a hook adds it
 into the parameter's slice of the buffer and drops it (Megatron's ``main_grad``). So gradients of 16-bit
 parameters accumulate in fp32 across micro-batches, and nothing done to ``.grad`` (``zero_grad`` with or
-without ``set_to_none``, a library replacing it) can detach or drop what was accumulated. Right before the
-optimizer runs, ``attach_grads`` points each parameter's ``.grad`` at its slice of the buffer.
+without ``set_to_none``, a library replacing it) can detach or drop what was accumulated. The optimizer reads the
+reduced gradient from the buffer itself (``reduced_grad``), never from ``.grad``.
 
 During the backward of the last micro-batch a bucket's reduction starts asynchronously as soon as all its
 gradients are in, so communication overlaps the rest of backward; earlier micro-batches only accumulate.
@@ -133,15 +133,6 @@ class GradReducer:
             bucket.work.wait()
             bucket.ready = 0
         self._next = 0
-
-    def attach_grads(self) -> None:
-        """Point each ``.grad`` at the buffer for an optimizer that reads ``.grad`` (same dtype only)."""
-        for p in self.params:
-            p.grad = self._grad[p] if p.dtype == self.buffer.dtype else None
-
-    def detach_grads(self) -> None:
-        for p in self.params:
-            p.grad = None
 
     def zero_grad(self) -> None:
         self.buffer.zero_()

@@ -58,9 +58,6 @@ def test_nothing_done_to_grad_between_micro_batches_drops_accumulated_gradients(
             reducer.finish()
             assert all(p.grad is None for p in model.parameters())  # the buffer is the only copy
             results.append(reducer.buffer.clone())
-            reducer.attach_grads()
-            lo, hi = reducer.buffer.data_ptr(), reducer.buffer.data_ptr() + reducer.buffer.numel() * 4
-            assert all(lo <= p.grad.data_ptr() < hi for p in model.parameters())
             reducer.remove_hooks()
         assert results[0].abs().sum() > 0
         assert torch.equal(results[0], results[1])
@@ -98,8 +95,7 @@ def test_16_bit_gradients_accumulate_in_fp32():
                 bf16_sum[n] += p.grad
                 p.grad = None
         assert any(not torch.equal(bf16_sum[n].float(), expected[n]) for n in expected)
-        reducer.attach_grads()  # an optimizer of bf16 parameters cannot take fp32 .grad: it reads the buffer
-        assert all(p.grad is None for p in model.parameters())
+        assert all(p.grad is None for p in model.parameters())  # the fp32 buffer is the only copy
     finally:
         dist.destroy_process_group()
 
