@@ -1,1 +1,2 @@
-"""Test package: makes ``from trident.ranks import run_distributed`` work under pytest and in the pooled ranks."""
+"""Test package: makes ``from tests.layouts import ...`` work under pytest and in the pooled ranks, which import the
+functions they run by their module names."""

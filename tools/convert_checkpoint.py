@@ -12,7 +12,7 @@ under its canonical name, with the run config, the step and the tokenizer in the
 
 ``--to hf`` writes a directory that ``transformers.GPT2LMHeadModel.from_pretrained(DIR)`` loads (config.json and
 model.safetensors) and gives our logits, with the run's sentencepiece ``tokenizer.model`` beside it (load it with
-``sentencepiece``; it is not a GPT-2 BPE). The mapping is in ``trident/hf_export.py``.
+``sentencepiece``; it is not a GPT-2 BPE). The mapping is in ``trident/checkpoint/export.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 loads with our logits, and the run's sentencepiece ``tokenizer.model`` beside it.
 
 The input is the logical (one-process, unpadded) tensors under their canonical names, as
-``trident.consolidated`` reads them from a checkpoint of any layout. The mapping, ours -> HF
+``trident.checkpoint.consolidated`` reads them from a checkpoint of any layout. The mapping, ours -> HF
 (``d`` = model.d_model, ``h`` heads of ``dh`` = d / h, ``f`` = the MLP width, ``V`` = model.vocab_size):
 
     wte.weight               [V, d]        transformer.wte.weight           the same; lm_head is tied to it

@@ -188,8 +188,9 @@ class Checkpointer:
         saved_optim = {k[len(OPTIM) :]: v for k, v in saved.items() if k.startswith(OPTIM)}
         optim, install = self.optimizer.load_destinations(saved_optim)
         state.update({OPTIM + k: v for k, v in optim.items()})
-        # Each rank's RNG stream belongs to its coordinate in the layout that saved it; under another layout
-        # the streams mean something else, so the freshly seeded ones are kept.
+        # The default generators' states (dropout derives its masks and draws from none of them; they are kept so
+        # that anything else random resumes exactly) belong to a coordinate of the layout that saved them; under
+        # another layout they mean something else, so the freshly seeded ones are kept.
         restore_rng = lambda: None  # noqa: E731
         if meta.get("layout") == self.layout:
             rng, restore_rng = rng_destinations(self.groups.coord, saved)
