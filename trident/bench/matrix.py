@@ -21,6 +21,7 @@ from pathlib import Path
 
 from trident.bench.harness import Table
 from trident.bench.runs import Trial, plan, run_trial
+from trident.curves import REL, curve_mismatches
 
 LAYOUTS = [
     "dp=2",
@@ -61,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="+", default=LAYOUTS, help="layouts to run (default: the matrix)")
     p.add_argument("--base", nargs="*", default=BASE, help="train.py overrides every run shares")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--rel", type=float, default=2e-4, help="the largest relative difference an fp32 layout may show")
+    p.add_argument("--rel", type=float, default=REL, help="the largest relative difference an fp32 layout may show")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
 
 
@@ -81,7 +82,7 @@ def row(trial: Trial, reference: list[dict], steps: int, rel: float) -> tuple[li
     if not fp32:
         status = "lower precision: for information"
     else:
-        status = "ok" if max(loss, norm) <= rel else f"OFF: beyond {rel:g}"
+        status = "ok" if not curve_mismatches(reference, trial.rows, rel) else f"OFF: beyond {rel:g}"
     return [trial.layout, str(trial.world), f"{loss:.1e}", f"{norm:.1e}", status], fp32 and status != "ok"
 
 

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trident.bench.harness import (
     Table,
+    adamw_args,
     alternate,
     barrier,
     config,
@@ -151,11 +152,8 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     trainer = Trainer(cfg, groups, parts, (data, data))
 
     (model,) = model_chunks(cfg, groups, device)  # the same weights, left fp32: torch's own mixed precision
-    o = cfg.optim
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-        fused=device.type == "cuda",
-    )  # fmt: skip
+    o, on_cuda = cfg.optim, device.type == "cuda"  # decay on matrices only, as trident's optimizer steps
+    opt = torch.optim.AdamW(**adamw_args(model, cfg, foreach=not on_cuda, fused=on_cuda))
     ddp = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True) if world > 1 else model
     precision = cfg.train.precision
 
