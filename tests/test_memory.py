@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.layouts import tiny, train_in_process
-from trident.build import build_optimizer, model_chunks
+from trident.build import build_parts
 from trident.config import Config, ModelConfig, OffloadConfig
 from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
 from trident.memory_estimate import (
@@ -27,6 +27,7 @@ from trident.memory_estimate import (
 )
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
+from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.precision import autocast
 from trident.parallel.random import model_parallel_rng
@@ -205,18 +206,14 @@ def _config(cfg: ModelConfig, zero: int, precision: str, ratio: float | None, bu
 def _measure_states(config: Config, groups: ProcessGroups, run_dir: Path | None, seq: int | None = None) -> dict:
     """Build the reducer, optimizer and step as train.py does, run one step of two micro-batches (of ``seq``
     tokens: model states do not depend on it), measure."""
-    cfg, tr = config.model, config.train
-    (model,) = model_chunks(config, groups, torch.device("cpu"))
-    setup = build_optimizer([model], config, groups)
+    cfg = config.model
+    parts = build_parts(config, groups, torch.device("cpu"))
+    setup, (model,) = parts.optimizer, parts.chunks
     try:
         g = torch.Generator().manual_seed(groups.dp_rank)
-        for i in range(2):
-            x = torch.randint(0, cfg.vocab_size, (2, seq or cfg.seq_len), generator=g)
-            setup.reducer.set_sync(i == 1)
-            with autocast(tr.precision, x.device):
-                out = model(x)
-            model.loss_sum(out, x).backward()
-        setup.reducer.finish()
+        tokens = torch.randint(0, cfg.vocab_size, (2, 2, seq or cfg.seq_len), generator=g)
+        micro = [Batch(x, x, torch.arange(2 * m, 2 * m + 2), 0) for m, x in enumerate(tokens)]
+        parts.runner.forward_backward(micro, model.loss_sum, 1.0)
         setup.step.step(1e-3)
         out = {"states": measure_model_states(setup.step.model_state_tensors())}
         # Stages 2-3: the most staging memory the reducer held at once during the step.

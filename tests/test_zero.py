@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
-from trident.build import build_optimizer, model_chunks
+from trident.build import build_parts
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
-from trident.runner import LocalRunner
 
 pytestmark = pytest.mark.multiprocess
 
@@ -94,16 +93,16 @@ def test_a_bf16_run_resumes_exactly_from_its_fp32_masters(tiny_dataset, tmp_path
 
 
 def _build(world: int, tp: int, *overrides: str):
+    """A rank's parts as train.py builds them; returns (cfg, groups, model, optimizer, runner)."""
     cfg = make_config("model=gpt-tiny", "model.n_layers=4", "parallel.bucket_mb=0.05", *overrides)
     groups = build_process_groups(Topology(dp=world // tp, pp=1, tp=tp))
-    (model,) = model_chunks(cfg, groups, torch.device("cpu"))
-    setup = build_optimizer([model], cfg, groups)
-    return cfg, groups, model, setup
+    parts = build_parts(cfg, groups, torch.device("cpu"))
+    (model,) = parts.chunks
+    return cfg, groups, model, parts.optimizer, parts.runner
 
 
-def _train(cfg, groups, model, setup, steps: int, inject=None) -> list[tuple[float, bool, float]]:
+def _train(cfg, groups, model, setup, runner, steps: int, inject=None) -> list[tuple[float, bool, float]]:
     """``steps`` optimizer steps on random tokens (each dp rank its own); (grad norm, skipped, scale) per step."""
-    runner = LocalRunner([model], setup.reducer, cfg.train.precision)
     gen = torch.Generator().manual_seed(groups.dp_rank)
     out = []
     for step in range(steps):
@@ -125,8 +124,8 @@ def _storages(tensors: list[torch.Tensor]) -> int:
 
 
 def _model_state(rank: int, world: int, zero: int) -> dict:
-    cfg, groups, model, setup = _build(world, 1, f"parallel.zero={zero}")
-    _train(cfg, groups, model, setup, steps=2)
+    cfg, groups, model, setup, runner = _build(world, 1, f"parallel.zero={zero}")
+    _train(cfg, groups, model, setup, runner, steps=2)
     tensors = setup.step.model_state_tensors()
     layout = setup.reducer.layout
     return {
@@ -157,12 +156,12 @@ def test_stage2_holds_only_its_gradient_shard_and_stage1_its_optimizer_shard():
 
 
 def _stage3_frees(rank: int, world: int) -> dict:
-    cfg, groups, model, setup = _build(world, 1, "parallel.zero=3", "train.precision=bf16")
+    cfg, groups, model, setup, runner = _build(world, 1, "parallel.zero=3", "train.precision=bf16")
     store = setup.zero.store
     seen = []
     for block in model.layers.values():
         block.register_forward_hook(lambda m, a, o: seen.append(store.full_bytes()))
-    _train(cfg, groups, model, setup, steps=2)
+    _train(cfg, groups, model, setup, runner, steps=2)
     block_bytes = sum(p.numel() for p in model.layers["0"].parameters()) * 2
     root_bytes = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers.")) * 2
     return {
@@ -183,7 +182,7 @@ def test_stage3_frees_full_parameters_after_use():
 
 
 def _fp16_overflow(rank: int, world: int) -> dict:
-    cfg, groups, model, setup = _build(world, 1, "parallel.zero=2", "train.precision=fp16")
+    cfg, groups, model, setup, runner = _build(world, 1, "parallel.zero=2", "train.precision=fp16")
     optimizer = setup.zero
     masters = lambda: torch.cat([s.master.clone() for s in optimizer.segments])  # noqa: E731
 
@@ -197,7 +196,7 @@ def _fp16_overflow(rank: int, world: int) -> dict:
     history = []
     for step in range(3):
         before.append(masters())
-        history += _train(cfg, groups, model, setup, steps=1, inject=lambda s, m, step=step: inject(step, m))
+        history += _train(cfg, groups, model, setup, runner, steps=1, inject=lambda s, m, step=step: inject(step, m))
     after = masters()
     return {
         "skipped": [s for _, s, _ in history],
