@@ -6,18 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 from tests.conftest import REPO
 from train import run
-from trident.config import Config, to_config
+from trident.config import Config, compose_config
 from trident.curves import REL, curve_mismatches
 from trident.ranks import run_distributed
 
 
 def make_config(*overrides: str) -> Config:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return to_config(compose("config", overrides=list(overrides)))
+    return compose_config(REPO / "conf", overrides)
 
 
 def tiny(dataset: Path, *extra: str) -> list[str]:

@@ -21,11 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.config import Config, register_configs, resolve_schedule, to_config, validate
+from trident.config import Config, compose_config, resolve_schedule, validate
 from trident.errors import ConfigError
 from trident.memory import format_bytes
 from trident.memory_estimate import POLICIES, Estimate, Layout, estimate
@@ -34,9 +33,7 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
 def load_config(overrides: list[str]) -> Config:
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return to_config(compose("config", overrides=overrides))
+    return compose_config(CONF, overrides)
 
 
 def default_world(cfg: Config) -> int:

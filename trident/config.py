@@ -12,7 +12,9 @@ import datetime
 import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -208,6 +210,16 @@ def to_config(node: DictConfig) -> Config:
 
     check(node, Config(), "")
     return OmegaConf.to_object(node)
+
+
+def compose_config(conf_dir: Path | str, overrides: Iterable[str] = ()) -> Config:
+    """The typed config ``train.py`` builds from ``overrides``, composed from the YAML under ``conf_dir`` (a
+    checkout's conf/), for the tests and tools that start runs as a user would."""
+    from hydra import compose, initialize_config_dir  # here: only the tools and tests compose outside train.py
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
+        return to_config(compose("config", overrides=list(overrides)))
 
 
 def _need(ok: bool, msg: str) -> None:

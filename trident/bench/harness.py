@@ -19,15 +19,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from torch.distributed.device_mesh import DeviceMesh
 
-from trident.config import Config, register_configs, to_config
+from trident.config import Config
 from trident.data.dataset import TokenWindows
 from trident.memory import format_bytes
 from trident.parallel.batch import Batch
@@ -231,13 +229,6 @@ def spread(values: Iterable[float]) -> str:
 
 
 # --- building -------------------------------------------------------------------------------------------------
-
-
-def config(conf_dir: Path, overrides: Iterable[str]) -> Config:
-    """train.py's typed config for ``overrides``, from the YAML under ``conf_dir`` (the checkout's conf/)."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-        return to_config(compose("config", overrides=list(overrides)))
 
 
 def one_rank_groups(group: dist.ProcessGroup) -> ProcessGroups:

@@ -39,7 +39,6 @@ from trident.bench.harness import (
     Table,
     alternate,
     barrier,
-    config,
     number,
     one_rank_groups,
     random_batches,
@@ -47,7 +46,7 @@ from trident.bench.harness import (
     spread,
 )
 from trident.build import build_parts, model_chunks
-from trident.config import Config, resolve_schedule, validate
+from trident.config import Config, compose_config, resolve_schedule, validate
 from trident.errors import ConfigError
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
@@ -100,7 +99,7 @@ def run(args: argparse.Namespace) -> list[Table]:
         f"train.micro_batch_size={args.mbs}",
         f"train.global_batch_size={args.micro * args.mbs}",
     ]
-    one = config(args.conf, base)
+    one = compose_config(args.conf, base)
     tokens = args.micro * args.mbs * args.seq_len
     t = Table(
         f"GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}; M={args.micro} micro-batches of "
@@ -114,7 +113,7 @@ def run(args: argparse.Namespace) -> list[Table]:
             for schedule in args.schedules:
                 vpp = 2 if schedule == "interleaved" else 1
                 layout = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"]
-                cfg = config(args.conf, [*base, *layout])
+                cfg = compose_config(args.conf, [*base, *layout])
                 try:
                     validate(cfg, pp)  # as train.py decides
                 except ConfigError as e:

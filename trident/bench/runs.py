@@ -28,8 +28,7 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.bench.harness import config
-from trident.config import Config, validate
+from trident.config import Config, compose_config, validate
 from trident.errors import ConfigError, one_line
 
 SHORT = {
@@ -90,7 +89,7 @@ def plan(repo: Path, layout: str, base: list[str]) -> Trial:
     overrides = [*base, *expand(layout)]
     trial = Trial(layout, overrides)
     try:
-        trial.config = config(repo / "conf", overrides)
+        trial.config = compose_config(repo / "conf", overrides)
         trial.world = world_size(trial.config)
         validate(trial.config, trial.world)
     except ConfigError as e:

@@ -32,7 +32,6 @@ from trident.bench.harness import (
     adamw_args,
     alternate,
     barrier,
-    config,
     mfu,
     number,
     peak_flops,
@@ -44,7 +43,7 @@ from trident.bench.harness import (
     tokens_per_s,
 )
 from trident.build import build_parts, model_chunks
-from trident.config import Config
+from trident.config import Config, compose_config
 from trident.loop import Trainer
 from trident.models.gpt import flops_per_token
 from trident.optim import lr_at
@@ -72,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    return config(
+    return compose_config(
         args.conf,
         [
             f"model={args.model}",

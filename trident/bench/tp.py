@@ -76,7 +76,6 @@ from trident.bench.harness import (
     adamw_args,
     alternate,
     barrier,
-    config,
     device_mesh,
     number,
     one_rank_groups,
@@ -86,7 +85,7 @@ from trident.bench.harness import (
     spread,
 )
 from trident.build import RunParts, build_parts, model_chunks
-from trident.config import Config, ModelConfig, validate
+from trident.config import Config, ModelConfig, compose_config, validate
 from trident.errors import ConfigError
 from trident.loop import Trainer
 from trident.optim import lr_at
@@ -374,7 +373,7 @@ def run(args: argparse.Namespace) -> list[Table]:
     overrides += [f"train.global_batch_size={b}", "train.steps=1000000", "optim.warmup_steps=0"]
     if args.seq_len:
         overrides.append(f"model.seq_len={args.seq_len}")
-    cfg = config(args.conf, overrides)
+    cfg = compose_config(args.conf, overrides)
     try:  # before any rank starts, as train.py decides: a bad shape never hangs
         validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True)), tp)
     except ConfigError as e:

@@ -48,7 +48,6 @@ from trident.bench.harness import (
     adamw_args,
     alternate,
     barrier,
-    config,
     device_mesh,
     number,
     random_batches,
@@ -57,7 +56,7 @@ from trident.bench.harness import (
     storage_bytes,
 )
 from trident.build import build_parts, model_chunks
-from trident.config import Config
+from trident.config import Config, compose_config
 from trident.memory_estimate import Layout, estimate
 from trident.models.gpt import count_params
 from trident.parallel.batch import Batch
@@ -113,7 +112,7 @@ class Job:
 
 
 def run(args: argparse.Namespace) -> list[Table]:
-    cfg = config(
+    cfg = compose_config(
         args.conf,
         [
             "model=gpt-mini",
