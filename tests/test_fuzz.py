@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from trident.config import compose_config
 from trident.curves import REL
 from trident.errors import ConfigError
 from trident.fuzz import (
@@ -19,7 +20,6 @@ from trident.fuzz import (
     curve_problems,
     draw_case,
     launch_limit_s,
-    load_config,
     refusal_problem,
     unsupported_entry,
     verdict,
@@ -74,7 +74,7 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
 def test_some_draws_are_refused_and_each_refusal_is_a_listed_one() -> None:
     """Drawn freely but not wildly: the validator refuses some of everything, and trains the rest."""
     cases = [draw_case(3, i) for i in range(60)]
-    verdicts = [verdict(load_config(REPO, case.overrides), case.world) for case in cases]
+    verdicts = [verdict(compose_config(REPO / "conf", case.overrides), case.world) for case in cases]
     refused = [v for v in verdicts if v is not None]
     assert 10 <= len(refused) <= 45, len(refused)
     assert [refusal_problem(v) for v in refused] == [None] * len(refused)
@@ -99,7 +99,7 @@ def test_the_readme_lists_every_refusal_of_the_table() -> None:
     ],
 )
 def test_a_known_refusal_is_matched_to_its_readme_entry(overrides: list[str], world: int, entry: int) -> None:
-    refusal = verdict(load_config(REPO, ["model=gpt-tiny", *overrides]), world)
+    refusal = verdict(compose_config(REPO / "conf", ["model=gpt-tiny", *overrides]), world)
     assert isinstance(refusal, ConfigError)
     assert refusal_problem(refusal) is None
     assert unsupported_entry(str(refusal)) == REFUSALS[entry]

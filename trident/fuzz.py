@@ -34,9 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
-
-from trident.config import Config, DataConfig, register_configs, to_config, validate
+from trident.config import Config, DataConfig, compose_config, validate
 from trident.curves import curve_mismatches
 from trident.data.prepare import resolve_dataset
 from trident.errors import ConfigError
@@ -244,13 +242,6 @@ def refusal_problem(error: BaseException) -> str | None:
 # --- configs and runs
 
 
-def load_config(repo: Path, overrides: list[str] | tuple[str, ...]) -> Config:
-    """The typed config train.py would build from these overrides (the checkout's conf/)."""
-    register_configs()
-    with initialize_config_dir(config_dir=str((repo / "conf").resolve()), version_base="1.3"):
-        return to_config(compose("config", overrides=list(overrides)))
-
-
 def verdict(cfg: Config, world: int) -> BaseException | None:
     """The validator's refusal of ``cfg`` on ``world`` processes, or None when it accepts it."""
     try:
@@ -358,7 +349,7 @@ class Fuzzer:
         self._runs = 0
 
     def config(self, overrides: tuple[str, ...] | list[str]) -> Config:
-        return load_config(self.repo, [*base_overrides(self.dataset), *overrides])
+        return compose_config(self.repo / "conf", [*base_overrides(self.dataset), *overrides])
 
     def accepts(self, world: int, overrides: tuple[str, ...]) -> bool:
         return verdict(self.config(overrides), world) is None
