@@ -29,9 +29,17 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
+def say(line: str) -> None:
+    """Write ``line`` to stderr in one write. torchrun starts its workers unbuffered (``python -u``), where
+    ``print`` writes the text and its newline apart: two ranks failing together would glue their lines into one
+    ("error: a" "error: a" "\n" "\n"). One write of a short line to the shared pipe is never split."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print ``error: message`` and exit with ``code`` at once."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    say(f"error: {message}")
     _leave(code)
 
 
@@ -64,7 +72,7 @@ def launch(hydra_main: Callable[[], None]) -> None:
     try:
         hydra_main()
     except KeyboardInterrupt:  # Ctrl-C before the run's own handlers are in place
-        print("stopped by SIGINT before training started", file=sys.stderr, flush=True)
+        say("stopped by SIGINT before training started")
         _leave(130)
     except (HydraException, OmegaConfBaseException) as e:
         if wants_traceback:
