@@ -35,6 +35,7 @@ prints). --state-only steps once and measures each variant in a run of its own (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -225,22 +226,36 @@ class TorchDDPZero:
         )
 
     def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
-        total = torch.zeros(())
-        for i, (x, y, *_) in enumerate(batches):
-            with self.model.no_sync() if i < len(batches) - 1 else _nothing():
-                loss = self.loss_fn(self.model(x), y)
-                (loss / tokens).backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-        return total
+        return _torch_step(self.model, self.loss_fn, self.optimizer, self.clip, batches, tokens, self.model.no_sync)
 
     def state_bytes(self) -> int:
         return torch_state_bytes(self.model, self.optimizer.optim.state)  # the local shard's AdamW
 
     def close(self) -> None:
         pass
+
+
+def _torch_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    clip: float,
+    batches: list[Batch],
+    tokens: int,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> torch.Tensor:
+    """One step of a torch baseline: every micro-batch's backward (``no_sync`` around all but the last: DDP's
+    gradient accumulation), global-norm clipping, AdamW; returns the summed loss."""
+    total = torch.zeros(())
+    for i, (x, y, *_) in enumerate(batches):
+        with no_sync() if no_sync is not None and i < len(batches) - 1 else _nothing():
+            loss = loss_fn(model(x), y)
+            (loss / tokens).backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    return total
 
 
 class TorchFSDP2:
@@ -256,15 +271,7 @@ class TorchFSDP2:
         self.optimizer = torch.optim.AdamW(**adamw_args(model, cfg))
 
     def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
-        total = torch.zeros(())
-        for x, y, *_ in batches:
-            loss = self.model.loss_sum(self.model(x), y)
-            (loss / tokens).backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-        return total
+        return _torch_step(self.model, self.model.loss_sum, self.optimizer, self.clip, batches, tokens)
 
     def state_bytes(self) -> int:
         return torch_state_bytes(self.model, self.optimizer.state)
