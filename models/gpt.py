@@ -1,5 +1,12 @@
-"""A GPT-2 family language model: pre-LayerNorm blocks, learned positions, GELU MLP, causal attention
-through scaled_dot_product_attention, and an LM head tied to the token embedding.
+"""A decoder-only transformer, GPT-2 or Llama family, the block chosen by configuration (``model.*``):
+
+    model.norm      layernorm (GPT-2) | rmsnorm (Llama)         pre-norm blocks, and a final norm
+    model.mlp       gelu (GPT-2)      | swiglu (Llama)          d_ff is the hidden size either way
+    model.position  learned (GPT-2)   | rope (Llama)            a position table, or rotary q and k
+    model.n_kv_heads                    n_heads (MHA, default), fewer (grouped-query), 1 (multi-query)
+    model.bias, model.tie_embeddings    biases in linear layers; the LM head tied to the token embedding
+
+Attention is causal, through scaled_dot_product_attention.
 
 Dropout (``model.dropout``) sits where GPT-2's does: on the embeddings, the attention probabilities and each
 residual branch. Its masks are derived from (seed, step, sample, site) by the RNG tracker the model is given
@@ -8,18 +15,19 @@ computes attention explicitly (SDPA's own dropout draws from the global generato
 keep SDPA.
 
 Built from tensor-parallel layers (trident/parallel/tensor.py): attention splits its heads over the tp group
-(the fused qkv is laid out head by head, ``(h three d)``, so a column-parallel block of its rows holds whole
-heads with their q, k and v), the MLP is column- then row-parallel, and the token embedding is vocab-parallel,
-its weight doubling as the LM head. With no tp group, or a group of one, every layer is the plain torch one.
-With sequence parallelism the residual stream, LayerNorms and dropout work on ``[batch, seq / tp, d]`` shards.
+(``CausalSelfAttention`` says how the kv heads follow), the MLP is column- then row-parallel, and the token
+embedding is vocab-parallel, its weight doubling as the LM head when tied. With no tp group, or a group of one,
+every layer is the plain torch one. With sequence parallelism the residual stream, norms and dropout work on
+``[batch, seq / tp, d]`` shards.
 
 Layers live in a ModuleDict keyed by their global index ("0", "1", ...), so a parameter's name is the
 same whichever pipeline stage holds it, and the same at every tp: checkpoints and the name-seeded
 initialisation rely on that. Every parameter carries its ``Placement`` (trident/parallel/placement.py).
 
 A pipeline stage is a GPT built for some of the layers (``layers``), with the embedding if it is the first
-stage and the final LayerNorm and LM head if it is the last (trident/parallel/pipeline/stages.py). A last stage
-that is not also the first holds ``lm_head``, a copy of ``wte`` tied to it (``Placement.tied_to``).
+stage and the final norm and LM head if it is the last (trident/parallel/pipeline/stages.py). An untied head is
+``lm_head``; a tied one is ``wte`` itself, or on a last stage that is not also the first ``lm_head``, a copy of
+``wte`` tied to it (``Placement.tied_to``).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from einops import rearrange
 from torch import nn
 
 from trident.config import ModelConfig
+from trident.models.kv_cache import KVCache
+from trident.models.rope import apply_rope, rope_tables
 from trident.parallel.comm import rank_and_size
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
 from trident.parallel.random import (
@@ -49,8 +59,10 @@ from trident.parallel.random import (
 )
 from trident.parallel.tensor import (
     ColumnParallelLinear,
+    ReplicatedColumnLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    kv_heads_error,
     tp_split_error,
     vocab_parallel_cross_entropy,
 )
@@ -70,11 +82,21 @@ def check_tp_split(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -
     for key, value in sizes:
         if error := tp_split_error(key, value, tp):
             raise ValueError(error)
+    if error := kv_heads_error(cfg.n_heads, cfg.kv_heads, tp):
+        raise ValueError(error)
 
 
 class CausalSelfAttention(nn.Module):
-    """Heads split over tp: qkv column-parallel (whole heads per rank), proj row-parallel. The attention
-    probabilities' dropout keeps this rank's heads of the logical ``[n_heads, T, T]`` mask."""
+    """Heads split over tp: query heads column-parallel (whole heads per rank), the output projection row-parallel.
+
+    Multi-head attention (``n_kv_heads`` = ``n_heads``) keeps q, k and v in one fused ``qkv`` whose rows are laid out
+    head by head, ``(h three d)``, so a tp block of rows holds whole heads. Grouped-query attention has ``q`` (rows
+    ``(h d)``) and ``kv`` (rows ``(g two d)``, each kv head's k then v): split over tp like the query heads when tp
+    divides the kv heads, else held whole by every rank, each computing the one kv head its query heads read
+    (``ReplicatedColumnLinear``). Query head i reads kv head ``i // (n_heads / n_kv_heads)``, as in Hugging Face.
+
+    With ``position=rope``, q and k are rotated by their absolute positions. The attention probabilities' dropout
+    keeps this rank's heads of the logical ``[n_heads, T, T]`` mask."""
 
     def __init__(
         self,
@@ -86,24 +108,59 @@ class CausalSelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         tp_rank, tp_size = rank_and_size(tp_group)
-        self.n_heads = cfg.n_heads // tp_size  # this rank's heads
+        heads, kv_heads, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.layer, self.head_dim = layer, dh
+        self.n_heads = heads // tp_size  # this rank's query heads
+        self.n_kv_heads = kv_heads // tp_size if kv_heads % tp_size == 0 else 1  # and the kv heads they read
+        self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
         self.dropout = cfg.dropout
         self.drop = Dropout(cfg.dropout, rng, layer, ATTENTION, shard_dim=0, rank=tp_rank, parts=tp_size)
-        d = cfg.d_model
-        self.qkv = ColumnParallelLinear(d, 3 * d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(d, d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
+        d, sp = cfg.d_model, sequence_parallel
+        if kv_heads == heads:
+            self.qkv = ColumnParallelLinear(d, 3 * d, tp_group, bias=cfg.bias, sequence_parallel=sp)
+        else:
+            self.q = ColumnParallelLinear(d, heads * dh, tp_group, bias=cfg.bias, sequence_parallel=sp)
+            if kv_heads % tp_size == 0:
+                self.kv = ColumnParallelLinear(d, 2 * kv_heads * dh, tp_group, bias=cfg.bias, sequence_parallel=sp)
+            else:
+                self.kv = ReplicatedColumnLinear(d, 2 * kv_heads * dh, kv_heads, tp_group, bias=cfg.bias)
+        self.proj = RowParallelLinear(heads * dh, d, tp_group, bias=cfg.bias, sequence_parallel=sp)
 
-    def core(self, qkv: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's q ``[b, h, T, d]`` and k, v ``[b, kv_h, T, d]`` (rotated, with RoPE) of the whole sequence;
+        ``start``: the position of its first token."""
+        if hasattr(self, "qkv"):
+            q, k, v = rearrange(self.qkv(x), "b t (h three d) -> three b h t d", three=3, h=self.n_heads)
+        else:
+            x = self.q.enter(x)
+            q = rearrange(self.q.local(x), "b t (h d) -> b h t d", h=self.n_heads)
+            k, v = rearrange(self.kv.local(x), "b t (h two d) -> two b h t d", two=2, h=self.n_kv_heads)
+        if self.rope_theta is not None:
+            positions = torch.arange(start, start + q.shape[-2], device=q.device)
+            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention proper, no weights: the part selective checkpointing recomputes."""
-        q, k, v = rearrange(qkv, "b t (h three d) -> three b h t d", three=3, h=self.n_heads)
         if self.training and self.dropout > 0:
+            group = q.shape[1] // k.shape[1]
+            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
             y = self.drop(causal_attention_probs(q, k)) @ v
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return rearrange(y, "b h t d -> b t (h d)")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.core(self.qkv(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is None:
+            return self.proj(self.core(*self.project(x)))
+        q, k, v = self.project(x, cache.length)
+        k, v = cache.append(self.layer, k, v)
+        t, held = q.shape[-2], k.shape[-2]
+        # The new tokens see everything held before them and each other causally (bottom-right aligned).
+        mask = torch.ones(t, held, dtype=torch.bool, device=q.device).tril(held - t)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
 
 def causal_attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -116,14 +173,35 @@ def causal_attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
+    """GELU (GPT-2: fc, tanh-approximated GELU, proj) or SwiGLU (Llama: ``silu(gate) * up``, proj). SwiGLU's gate
+    and up projections are one column-parallel ``fc`` whose rows interleave them, ``(f two)``: any tp block of rows
+    holds the gate and up rows of the same hidden units."""
+
     def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
         super().__init__()
         d, f = cfg.d_model, cfg.ffn_dim
-        self.fc = ColumnParallelLinear(d, f, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
+        self.swiglu = cfg.mlp == "swiglu"
+        width = 2 * f if self.swiglu else f
+        self.fc = ColumnParallelLinear(d, width, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(f, d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        h = self.fc(x)
+        if self.swiglu:
+            gate, up = rearrange(h, "... (f two) -> two ... f", two=2)
+            return self.proj(F.silu(gate) * up)
+        return self.proj(F.gelu(h, approximate="tanh"))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """LayerNorm (with a bias when ``model.bias``) or RMSNorm, every tp rank holding it whole."""
+    if cfg.norm == "rmsnorm":
+        norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    else:
+        norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+    for p in norm.parameters():
+        replicated(p)
+    return norm
 
 
 def _residual_dropout(
@@ -151,17 +229,15 @@ class Block(nn.Module):
         layer: int,
     ) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng, layer)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg, tp_group, sequence_parallel)
         self.drop_attn = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, ATTENTION_RESIDUAL))
         self.drop_mlp = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, MLP_RESIDUAL))
-        for p in [*self.ln_1.parameters(), *self.ln_2.parameters()]:
-            replicated(p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_attn(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop_attn(self.attn(self.ln_1(x), cache))
         return x + self.drop_mlp(self.mlp(self.ln_2(x)))
 
 
@@ -200,54 +276,61 @@ class GPT(nn.Module):
         layers = range(cfg.n_layers) if layers is None else layers
         if first:
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, self.padded_vocab, sp)
-            self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+            if cfg.position == "learned":
+                self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+                replicated(self.wpe.weight)
             self.drop = _residual_dropout(cfg, tp_group, sp, rng, (EMBEDDING_LAYER, EMBEDDING))
-            replicated(self.wpe.weight)
         self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng, i) for i in layers})
         if last:
-            self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
-            for p in self.ln_f.parameters():
-                replicated(p)
-            if not first:
-                # The tied LM head on a stage without the embedding: a copy, initialised and updated like wte.
+            self.ln_f = make_norm(cfg)
+            if not (first and cfg.tie_embeddings):
+                # The LM head of its own (untied), or the tied one on a stage without the embedding: a copy,
+                # initialised and updated like wte.
                 self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, self.padded_vocab, sp)
-                w = self.lm_head.weight
-                set_placement(w, dataclasses.replace(placement_of(w), tied_to="wte.weight"))
+                if cfg.tie_embeddings:
+                    w = self.lm_head.weight
+                    set_placement(w, dataclasses.replace(placement_of(w), tied_to="wte.weight"))
         # The sums each gradient needs beyond dp, as placement data (parallel/grad_sums.py reads them).
-        if first != last:  # the two tied copies live on different stages: each takes their summed gradient
+        if first != last and cfg.tie_embeddings:  # the tied copies on different stages: each takes their sum
             add_grad_sum(self.wte.weight if first else self.lm_head.weight, "embedding")
         if sp:  # held whole by every tp rank, whose backward saw only its own tokens
             for param in self.parameters():
                 if placement_of(param).split_dim is None:
                     add_grad_sum(param, "tp")
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token + position embeddings: what the first pipeline stage does before its blocks. Under sequence
-        parallelism, this rank's shard of the sequence: positions [r*t/tp, (r+1)*t/tp)."""
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token (+ learned position) embeddings: what the first pipeline stage does before its blocks; ``start``:
+        the position of the first token (generation). Under sequence parallelism, this rank's shard of the
+        sequence: positions [r*t/tp, (r+1)*t/tp). With RoPE, positions enter in attention instead."""
         t = idx.shape[1]
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        if start + t > self.cfg.seq_len:
+            raise ValueError(f"sequence of {start + t} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        x = self.wte(idx)
+        if not hasattr(self, "wpe"):
+            return self.drop(x)
         if not self.sequence_parallel:
-            return self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+            return self.drop(x + self.wpe(torch.arange(start, start + t, device=idx.device)))
         if t % self.tp_size:
             raise ValueError(f"sequence of {t} tokens does not split over tp={self.tp_size} (sequence parallelism)")
         shard = t // self.tp_size
         positions = torch.arange(self.tp_rank * shard, (self.tp_rank + 1) * shard, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(positions))
+        return self.drop(x + self.wpe(positions))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final LayerNorm and the tied LM head: what the last pipeline stage does after its blocks.
-
-        Padding rows of wte never become real logits: dropped at tp=1, left out by the loss at tp>1.
+        """Final norm and the LM head (the embedding, or lm_head): what the last pipeline stage does after its
+        blocks. Padding rows never become real logits: dropped at tp=1, left out by the loss at tp>1.
         """
-        return (self.wte if self.is_first else self.lm_head).logits(self.ln_f(x))
+        return (self.lm_head if hasattr(self, "lm_head") else self.wte).logits(self.ln_f(x))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids on the first stage, else the residual stream from the stage before."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids on the first stage, else the residual stream from the stage before. ``cache`` (generation,
+        one process): the keys and values of the tokens before ``x``, which this call extends."""
         if self.is_first:
-            x = self.embed(x)
+            x = self.embed(x, cache.length if cache is not None else 0)
         for block in self.layers.values():
-            x = block(x)
+            x = block(x, cache)
+        if cache is not None:
+            cache.advance(x.shape[1])
         return self.head(x) if self.is_last else x
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -262,7 +345,7 @@ def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-def _is_residual_projection(name: str) -> bool:
+def _is_residual_projection(name: str) -> bool:  # the output projections of attention and the MLP
     return name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight")
 
 
@@ -275,7 +358,7 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) 
     """The logical (one-process, unpadded) initial value of parameter ``name``."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
-    if ".ln_" in name or name.startswith("ln_"):
+    if ".ln_" in name or name.startswith("ln_"):  # LayerNorm and RMSNorm gains
         return torch.ones(shape)
     std = cfg.init_std
     if _is_residual_projection(name):
@@ -300,19 +383,28 @@ def initial_value(name: str, placement: Placement, cfg: ModelConfig, seed: int) 
     return placement.shard(init_tensor(name, placement.shape, cfg, seed))
 
 
+def _block_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one block's matmuls: q, k, v and the output projection, and the MLP (SwiGLU has three)."""
+    d, f, dh = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    attention = d * cfg.n_heads * dh + 2 * d * cfg.kv_heads * dh + cfg.n_heads * dh * d
+    return attention + (3 if cfg.mlp == "swiglu" else 2) * d * f
+
+
 def count_params(cfg: ModelConfig) -> int:
-    """Trainable parameters of the unpadded model (tied embedding counted once)."""
+    """Trainable parameters of the unpadded model (a tied embedding counted once)."""
     d, f, L = cfg.d_model, cfg.ffn_dim, cfg.n_layers
-    b = 1 if cfg.bias else 0
-    ln = 2 * d if cfg.bias else d
-    block = (3 * d * d + 3 * d * b) + (d * d + d * b) + (d * f + f * b) + (f * d + d * b) + 2 * ln
-    return cfg.vocab_size * d + cfg.seq_len * d + L * block + ln
+    norm = 2 * d if cfg.bias and cfg.norm == "layernorm" else d
+    biases = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim + (2 * f if cfg.mlp == "swiglu" else f) + 2 * d
+    block = _block_matmul_params(cfg) + (biases if cfg.bias else 0) + 2 * norm
+    embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    positions = cfg.seq_len * d if cfg.position == "learned" else 0
+    return embeddings + positions + L * block + norm
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token: 6N for the matmul weights (the tied LM head included, the embedding
-    lookups excluded) plus 12 * L * d * T for attention scores, PaLM's convention (full, not causal)."""
+    """Training FLOPs per token: 6N for the matmul weights (grouped-query k and v at their own width, SwiGLU's three
+    matrices, the LM head included, the embedding lookups excluded) plus 12 * L * d * T for attention scores and
+    their product with v (every query head's, PaLM's convention: full, not causal)."""
     t = seq_len or cfg.seq_len
-    d, f, L = cfg.d_model, cfg.ffn_dim, cfg.n_layers
-    matmul_params = L * (3 * d * d + d * d + 2 * d * f) + cfg.vocab_size * d
-    return 6.0 * matmul_params + 12.0 * L * d * t
+    matmul_params = cfg.n_layers * _block_matmul_params(cfg) + cfg.vocab_size * cfg.d_model
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.d_model * t

@@ -46,6 +46,18 @@ def tp_split_error(key: str, value: int, tp: int) -> str | None:
     return f"{key}={value} is not divisible by parallel.tp={tp}; use {key}={sizes}, or parallel.tp={tps}"
 
 
+def kv_heads_error(n_heads: int, n_kv_heads: int, tp: int) -> str | None:
+    """A one-line message if the key/value heads can neither be split over ``tp`` ranks (tp divides them) nor
+    replicated (each rank's query heads all in one kv group: tp a multiple of them), naming the tp values that do."""
+    if n_kv_heads % tp == 0 or tp % n_kv_heads == 0:
+        return None
+    valid = [t for t in range(1, n_heads + 1) if n_heads % t == 0 and (n_kv_heads % t == 0 or t % n_kv_heads == 0)]
+    return (
+        f"model.n_kv_heads={n_kv_heads} neither splits over nor replicates across parallel.tp={tp} (tp must divide "
+        f"the kv heads or be a multiple of them); use parallel.tp={' or '.join(map(str, valid))}"
+    )
+
+
 def _check_split(key: str, value: int, tp: int) -> None:
     if error := tp_split_error(key, value, tp):
         raise ValueError(error)
@@ -83,11 +95,46 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local(self.enter(x))
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the tp region takes it: replicated (its gradient summed over tp) or, with sequence
+        parallelism, the whole sequence gathered. Layers that share one input enter it once (attention's q, kv)."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+            return x
+        return gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output columns of an input already entered."""
         y = F.linear(x, self.weight, self.bias)
-        return gather_last_dim(y, self.tp_group) if self.gather_output else y
+        return gather_last_dim(y, self.tp_group) if self.gather_output and self.tp_size > 1 else y
+
+
+class ReplicatedColumnLinear(nn.Module):
+    """A linear layer of ``parts`` output blocks that fewer than tp ranks would share: every tp rank holds all of
+    it and computes block ``tp_rank * parts // tp`` (grouped-query attention's key/value heads when there are fewer
+    of them than tp ranks, as Megatron replicates them). The input is one already entered into the tp region (by
+    the column-parallel layer beside it). Each rank's gradient covers only its block, for its own share of the
+    uses: the sum over tp is the gradient, so the weight is marked for one (``grad_sums`` "tp")."""
+
+    def __init__(
+        self, in_features: int, out_features: int, parts: int, tp_group: dist.ProcessGroup | None, bias: bool = True
+    ) -> None:
+        super().__init__()
+        tp_rank, tp_size = rank_and_size(tp_group)
+        if out_features % parts or tp_size % parts:
+            raise ValueError(f"{parts} blocks of {out_features} rows cannot be shared by {tp_size} tp ranks")
+        block = out_features // parts
+        self.rows = slice(tp_rank * parts // tp_size * block, (tp_rank * parts // tp_size + 1) * block)
+        grad_sums = ("tp",) if tp_size > 1 else ()
+        self.weight = _parameter(Placement((out_features, in_features), grad_sums=grad_sums))
+        if bias:
+            self.bias = _parameter(Placement((out_features,), grad_sums=grad_sums))
+        else:
+            self.register_parameter("bias", None)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[self.rows], None if self.bias is None else self.bias[self.rows])
 
 
 class RowParallelLinear(nn.Module):

@@ -108,18 +108,22 @@ def test_pipeline_stages_draw_different_masks():
     assert not any(a.shape == b.shape and torch.equal(a, b) for a in first for b in last)
 
 
-def test_the_explicit_attention_is_sdpas_at_dropout_zero():
-    """Training with dropout computes attention by hand; with the mask dropping nothing it is SDPA's result."""
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_the_explicit_attention_is_sdpas_at_dropout_zero(kv_heads):
+    """Training with dropout computes attention by hand (grouped-query heads repeated); with the mask dropping
+    nothing it is SDPA's result."""
     torch.manual_seed(0)
     model = GPT(MODEL, rng=RNGTracker(seed=7))
     init_weights(model, MODEL, seed=0)
     attn = model.layers["0"].attn
     attn.drop.p = 1e-12  # keeps everything, but takes the explicit path
-    qkv = torch.randn(2, 16, 3 * MODEL.d_model)
+    dh = MODEL.d_model // MODEL.n_heads
+    q = torch.randn(2, MODEL.n_heads, 16, dh)
+    k, v = torch.randn(2, 2, kv_heads, 16, dh)
     with model.rng.context(0, (0, 1)):
-        explicit = attn.core(qkv)
+        explicit = attn.core(q, k, v)
     attn.eval()
-    assert torch.allclose(explicit, attn.core(qkv), atol=1e-6)
+    assert torch.allclose(explicit, attn.core(q, k, v), atol=1e-6)
 
 
 # --- every layout gives the one-process curve, and a checkpoint resumes under another ---------------------------

@@ -94,7 +94,7 @@ def test_a_contiguous_block_of_qkv_rows_holds_whole_heads():
     attn = model.layers["0"].attn
     x = torch.randn(2, CFG.seq_len, CFG.d_model)
     with torch.no_grad():
-        full = attn.core(attn.qkv(x))  # [b, t, h*d]
+        full = attn.core(*attn.project(x))  # [b, t, h*d]
         tp, d = 2, CFG.head_dim
         rows = 3 * CFG.d_model // tp
         for r in range(tp):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from trident.checkpoint.consolidated import ModelWeights, load_weights
-from trident.config import ModelConfig
+from trident.config import model_config_from_dict
 from trident.errors import CheckpointError, TridentError
 from trident.models.gpt import GPT
 from trident.parallel.placement import placement_of
@@ -25,7 +25,7 @@ from trident.parallel.placement import placement_of
 def build_model(weights: ModelWeights, device: torch.device) -> GPT:
     """A one-process GPT holding ``weights`` (logical tensors: each parameter pads its own again)."""
     try:
-        model = GPT(ModelConfig(**weights.config["model"]))
+        model = GPT(model_config_from_dict(weights.config["model"]))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"the saved config does not describe a trident model: {type(e).__name__} {e}") from None
     for name, param in model.named_parameters():

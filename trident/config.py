@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trident.errors import ConfigError
 from trident.parallel.pipeline.schedules import SCHEDULES, schedule_error
-from trident.parallel.tensor import tp_split_error
+from trident.parallel.tensor import kv_heads_error, tp_split_error
 
 
 @dataclass
@@ -33,10 +33,17 @@ class ModelConfig:
     seq_len: int = 256
     vocab_size: int = 8192
     # Feed-forward width; None means 4 * d_model as in GPT-2.
-    d_ff: int | None = None
-    bias: bool = True
+    d_ff: int | None = None  # with mlp=swiglu, the SwiGLU hidden size
+    bias: bool = True  # biases in every linear layer (and LayerNorm)
     init_std: float = 0.02
-    ln_eps: float = 1e-5
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu (GPT-2's tanh approximation) | swiglu (silu(gate) * up)
+    position: str = "learned"  # learned (a position table) | rope (rotary, on q and k)
+    rope_theta: float = 10000.0
+    # Key/value heads: n_heads (default, None) is multi-head attention; fewer is grouped-query, 1 multi-query.
+    n_kv_heads: int | None = None
+    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2), or a matrix of its own (Llama 3 8B)
     # The embedding table is padded to a multiple of this times tp (Megatron's
     # make-vocab-size-divisible-by); padded logits are masked, so the loss never changes.
     vocab_multiple: int = 64
@@ -50,6 +57,20 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+
+# Keys a saved config may hold under an older name.
+_RENAMED_MODEL_KEYS = {"ln_eps": "norm_eps"}
+
+
+def model_config_from_dict(saved: dict) -> ModelConfig:
+    """The ModelConfig a checkpoint's saved ``model`` section describes: keys saved before a key existed take the
+    default (GPT-2's block), renamed keys their new name. Raises TypeError on a key ModelConfig does not have."""
+    return ModelConfig(**{_RENAMED_MODEL_KEYS.get(key, key): value for key, value in saved.items()})
 
 
 @dataclass
@@ -297,6 +318,20 @@ def validate(cfg: Config, world_size: int) -> int:
         m.d_model % m.n_heads == 0,
         f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; choose n_heads that divides d_model",
     )
+    _one_of("model.norm", m.norm, ("layernorm", "rmsnorm"))
+    _one_of("model.mlp", m.mlp, ("gelu", "swiglu"))
+    _one_of("model.position", m.position, ("learned", "rope"))
+    _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0")
+    _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
+    _need(
+        m.position != "rope" or m.head_dim % 2 == 0,
+        f"model.position=rope needs an even head size; d_model / n_heads = {m.head_dim}",
+    )
+    _need(
+        m.n_kv_heads is None or (m.n_kv_heads >= 1 and m.n_heads % m.n_kv_heads == 0),
+        f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
+        f"(use one of {', '.join(str(k) for k in range(1, m.n_heads + 1) if m.n_heads % k == 0)})",
+    )
 
     _need(par.tp >= 1 and par.pp >= 1, f"parallel.tp={par.tp} and parallel.pp={par.pp} must be >= 1")
     _need(par.dp is None or par.dp >= 1, f"parallel.dp={par.dp} must be >= 1")
@@ -345,6 +380,8 @@ def validate(cfg: Config, world_size: int) -> int:
     for key, value in split:
         error = tp_split_error(key, value, par.tp)
         _need(error is None, error or "")
+    error = kv_heads_error(m.n_heads, m.kv_heads, par.tp)
+    _need(error is None, error or "")
 
     _need(tr.micro_batch_size >= 1, f"train.micro_batch_size={tr.micro_batch_size} must be >= 1")
     _need(tr.global_batch_size >= 1, f"train.global_batch_size={tr.global_batch_size} must be >= 1")

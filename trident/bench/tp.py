@@ -269,9 +269,9 @@ class TorchMLP(nn.Module):
 class TorchBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = TorchAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = TorchMLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +287,7 @@ class TorchGPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): TorchBlock(cfg) for i in range(cfg.n_layers)})
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         self.sequence_shard = (0, 1)  # (this rank's shard, shards): which positions the residual stream holds

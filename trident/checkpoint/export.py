@@ -19,7 +19,7 @@ The input is the logical (one-process, unpadded) tensors under their canonical n
 - Our fused qkv rows are laid out head by head, ``(h three dh)`` (so a tp block of rows holds whole heads);
   HF's ``c_attn`` columns are ``[q | k | v]``, ``(three h dh)``. The rows are regrouped before the transpose.
 - ``activation_function = gelu_new``: the tanh approximation of GELU, which is what our MLP computes.
-- ``layer_norm_epsilon = model.ln_eps``; ``model.bias=false`` exports zero biases (HF's GPT-2 always has them;
+- ``layer_norm_epsilon = model.norm_eps``; ``model.bias=false`` exports zero biases (HF's GPT-2 always has them;
   a zero bias is the same function). Attention is scaled by 1/sqrt(dh) (``scale_attn_weights``), as
   ``scaled_dot_product_attention`` does.
 - ``vocab_size`` is the real vocabulary: the padding rows of the embedding never reach a checkpoint.
@@ -42,7 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from trident.checkpoint.consolidated import ModelWeights
-from trident.config import ModelConfig
+from trident.config import ModelConfig, model_config_from_dict
 from trident.errors import CheckpointError, TridentError
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.model"
@@ -50,7 +50,7 @@ CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", 
 
 def model_config(weights: ModelWeights) -> ModelConfig:
     try:
-        return ModelConfig(**weights.config["model"])
+        return model_config_from_dict(weights.config["model"])
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"the saved config does not describe a trident model: {type(e).__name__} {e}") from None
 
@@ -75,7 +75,7 @@ def hf_config(cfg: ModelConfig, tokenizer: bytes | None = None) -> dict:
         "n_head": cfg.n_heads,
         "n_inner": cfg.ffn_dim,
         "activation_function": "gelu_new",
-        "layer_norm_epsilon": cfg.ln_eps,
+        "layer_norm_epsilon": cfg.norm_eps,
         "initializer_range": cfg.init_std,
         "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
