@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from trident import config
 from trident.config import Config, TrainConfig, grad_accum_steps, resolve_schedule, validate
 from trident.errors import ConfigError, one_line
+from trident.models.gpt import count_params
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -158,6 +159,26 @@ INVALID = [
     pytest.param({"data.val_fraction": 0.0}, 1, ["data.val_fraction"], id="val_fraction=0"),
     pytest.param({"data.val_fraction": 1.0}, 1, ["data.val_fraction"], id="val_fraction=1"),
     pytest.param({"data.tokenizer_lines": 999}, 1, ["data.tokenizer_lines"], id="tokenizer_lines"),
+    # The block (issue 18).
+    pytest.param({"model.norm": "batchnorm"}, 1, ["model.norm='batchnorm'", "layernorm, rmsnorm"], id="norm"),
+    pytest.param({"model.mlp": "relu"}, 1, ["model.mlp='relu'", "gelu, swiglu"], id="mlp"),
+    pytest.param({"model.position": "alibi"}, 1, ["model.position='alibi'", "learned, rope"], id="position"),
+    pytest.param({"model.norm_eps": 0.0}, 1, ["model.norm_eps=0.0"], id="norm_eps"),
+    pytest.param({"model.rope_theta": -1.0}, 1, ["model.rope_theta=-1.0"], id="rope_theta"),
+    pytest.param({"model.n_kv_heads": 3}, 1, ["model.n_kv_heads=3 must divide model.n_heads=4", "1, 2, 4"], id="kv3"),
+    pytest.param({"model.n_kv_heads": 0}, 1, ["model.n_kv_heads=0"], id="kv0"),
+    pytest.param(
+        {"model.position": "rope", "model.n_heads": 4, "model.d_model": 12},
+        1,
+        ["model.position=rope needs an even head size; d_model / n_heads = 3"],
+        id="rope-odd-head",
+    ),
+    pytest.param(
+        {"model.n_heads": 12, "model.n_kv_heads": 4, "model.d_model": 768, "parallel.tp": 6},
+        6,
+        ["model.n_kv_heads=4 neither splits over nor replicates across parallel.tp=6", "parallel.tp=1 or 2 or 4 or 12"],
+        id="kv-tp",
+    ),
     pytest.param({"checkpoint.every": -1}, 1, ["checkpoint.every=-1"], id="ckpt-every"),
     pytest.param({"checkpoint.keep_last": -1}, 1, ["checkpoint.keep_last=-1"], id="keep_last"),
     pytest.param({"checkpoint.resume": ""}, 1, ["checkpoint.resume"], id="resume-empty"),
@@ -255,6 +276,33 @@ def _compose(*overrides: str) -> Config:
     cfg = OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
     assert isinstance(cfg, Config)
     return cfg
+
+
+LLAMA_PRESETS = {
+    # name: (n_layers, d_model, n_heads, n_kv_heads, d_ff, seq_len, vocab_size, tied, parameters)
+    "llama-tiny": (2, 64, 4, 2, 176, 64, 512, False, 158_016),
+    "llama-150m": (12, 768, 12, 4, 3072, 1024, 32000, False, 152_980_224),
+    "llama-1b": (16, 2048, 32, 8, 8192, 2048, 128256, True, 1_235_814_400),  # Llama 3.2 1B: 1.24B
+    "llama-8b": (32, 4096, 32, 8, 14336, 8192, 128256, False, 8_030_261_248),  # Llama 3 8B: 8.03B
+}
+
+
+@pytest.mark.parametrize("preset", LLAMA_PRESETS)
+def test_llama_presets(hydra_conf, preset: str) -> None:
+    m = _compose(f"model={preset}").model
+    layers, d, heads, kv, f, seq, vocab, tied, params = LLAMA_PRESETS[preset]
+    shape = (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.seq_len, m.vocab_size)
+    assert shape == (layers, d, heads, kv, f, seq, vocab)
+    assert (m.norm, m.mlp, m.position, m.bias, m.tie_embeddings) == ("rmsnorm", "swiglu", "rope", False, tied)
+    assert count_params(m) == params
+
+
+def test_a_config_saved_before_the_llama_keys_reads_as_gpt2() -> None:
+    """Checkpoints of earlier versions saved ``ln_eps`` and none of the block keys: they keep their meaning."""
+    old = {"name": "gpt-tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 64, "vocab_size": 512}
+    m = config.model_config_from_dict({**old, "ln_eps": 1e-6})
+    assert m.norm_eps == 1e-6
+    assert (m.norm, m.mlp, m.position, m.kv_heads, m.tie_embeddings) == ("layernorm", "gelu", "learned", 4, True)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
