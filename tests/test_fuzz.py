@@ -63,6 +63,14 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
         "train.global_batch_size": {"8", "16", "24"},
         "train.precision": {"fp32", "bf16", "fp16"},
         "dp explicit": {"True", "False"},
+        "model.norm": {"layernorm", "rmsnorm"},
+        "model.norm_eps": {"1e-05", "1e-06"},
+        "model.mlp": {"gelu", "swiglu"},
+        "model.position": {"learned", "rope"},
+        "model.rope_theta": {"10000.0", "500000.0"},
+        "model.n_kv_heads": {"4", "2", "1", "3"},
+        "model.bias": {"true", "false"},
+        "model.tie_embeddings": {"true", "false"},
     }
     for key, values in expected.items():
         assert values <= seen[key], (key, seen[key])
@@ -95,7 +103,8 @@ def test_the_readme_lists_every_refusal_of_the_table() -> None:
     [
         (["parallel.zero=3", "parallel.pp=2", "model.n_layers=2"], 2, 0),
         (["parallel.offload.optimizer=cpu"], 1, 1),
-        (["parallel.dp=3"], 2, 8),  # said first, before the batch arithmetic (issue 17)
+        (["parallel.dp=3"], 2, 9),  # said first, before the batch arithmetic (issue 17)
+        (["model.n_kv_heads=3"], 1, 7),
     ],
 )
 def test_a_known_refusal_is_matched_to_its_readme_entry(overrides: list[str], world: int, entry: int) -> None:
@@ -163,8 +172,8 @@ def test_a_refused_launch_exits_2_with_the_validators_line_within_seconds(fuzzer
 
 
 # --- the CI sample: cases of the sweep of seed 0, about four minutes on a 2-core machine. The first 36 train every
-# knob of the space (dropout and 16-bit too) but CPU offload at ratios below 1, which the last three add (one with
-# pp 4, one at world 1); about a third of the cases are refusals.
+# knob of the space (dropout and 16-bit too; every block option, and tp 4 over 1 and 2 kv heads, replicated) but CPU
+# offload at ratios below 1, which the last three add (one with pp 4, one at world 1); about a third are refusals.
 
 SEED = 0
 SAMPLE = [*range(36), 62, 85, 115]

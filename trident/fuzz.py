@@ -2,7 +2,8 @@
 
 Each case draws a configuration from the whole space (world size, dp, tp, pp, vpp, schedule, ZeRO stage, CPU
 offload, sequence parallelism, recomputation, micro-batch and bucket sizes, layer count, a vocabulary tp may not
-divide, dropout, precision), valid or not: the validator is under test as much as the training. Then:
+divide, dropout, precision, and the block: norm, MLP, positions, kv heads, biases, a tied or untied head), valid or
+not: the validator is under test as much as the training. Then:
 
 - refused: the refusal is a one-line ``ConfigError`` naming a combination the README lists as unsupported
   (``REFUSALS`` is that list; anything else is a finding), and, for some cases, the real command
@@ -146,10 +147,37 @@ class Case:
         return f"world {self.world}: {' '.join(self.overrides)}"
 
 
+def _draw_block(rng: random.Random, mistake: float) -> dict[str, Any]:
+    """The transformer block's knobs (issue 18): GPT-2's (the defaults, no knob at all), Llama's, or each option
+    drawn on its own, since every mix trains. With probability ``mistake`` a kv head count that does not divide the
+    4 heads. From a stream of its own, so adding the block left every other knob of a case as it was."""
+    family = _weighted(rng, {"gpt2": 0.35, "llama": 0.35, "mix": 0.3})
+    if family == "gpt2":
+        block: dict[str, Any] = {}
+    elif family == "llama":
+        block = {"model.norm": "rmsnorm", "model.mlp": "swiglu", "model.position": "rope", "model.bias": False}
+        block |= {"model.tie_embeddings": False, "model.n_kv_heads": _weighted(rng, {2: 0.7, 1: 0.3})}
+    else:
+        block = {
+            "model.norm": rng.choice(["layernorm", "rmsnorm"]),
+            "model.norm_eps": rng.choice([1e-5, 1e-6]),
+            "model.mlp": rng.choice(["gelu", "swiglu"]),
+            "model.position": rng.choice(["learned", "rope"]),
+            "model.rope_theta": rng.choice([10000.0, 500000.0]),
+            "model.n_kv_heads": rng.choice([4, 2, 1]),
+            "model.bias": rng.choice([True, False]),
+            "model.tie_embeddings": rng.choice([True, False]),
+        }
+    if rng.random() < mistake:
+        block["model.n_kv_heads"] = 3
+    return block
+
+
 def draw_case(seed: int, index: int) -> Case:
     """The case ``index`` of sweep ``seed``: the same on every machine and Python run (string seeds hash alike)."""
     world, knobs = _draw_knobs(random.Random(f"fuzz:{seed}:{index}"), MISTAKE)
-    return Case(seed, index, world, _overrides(knobs))
+    block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
+    return Case(seed, index, world, _overrides({**block, **knobs}))
 
 
 def draw_resume_layout(case: Case, accepts: Callable[[int, tuple[str, ...]], bool]) -> tuple[int, tuple[str, ...]]:
@@ -210,6 +238,10 @@ REFUSALS: tuple[Unsupported, ...] = (
     Unsupported(
         "heads, FFN width or (with sequence parallelism) sequence length that `tp` does not divide",
         r"model\.(n_heads|d_ff|seq_len)=\d+ is not divisible by parallel\.tp=\d+",
+    ),
+    Unsupported(
+        "key/value heads that do not divide `n_heads`, or that `tp` neither divides nor is a multiple of",
+        r"model\.n_kv_heads=\d+ (must divide model\.n_heads|neither splits over nor replicates)",
     ),
     Unsupported(
         "a global batch that is not a multiple of `micro_batch_size` x `dp`",
