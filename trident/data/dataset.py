@@ -8,14 +8,15 @@ see every token once and makes the train/validation split a split of window indi
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 import torch
 
 from trident.config import DataConfig
 from trident.data.prepare import damaged, load_meta, rebuild_hint, resolve_dataset
+from trident.data.tokenizer import TokenizerFileError, tokenizer_from_bytes
 from trident.errors import DataError
 
 
@@ -54,7 +55,9 @@ class TokenDataset:
         self.vocab_size: int = meta["vocab_size"]
         self.eos_id: int = meta["eos_id"]
         self.n_tokens: int = meta["n_tokens"]
-        self.tokenizer_path = self.dir / "tokenizer.model"
+        # The file the dataset holds (tokenizer.model or tokenizer.json): each checkpoint carries a copy.
+        self.tokenizer_path = self.dir / meta["tokenizer_file"]
+        self.tokenizer_sha256: str | None = meta["tokenizer_sha256"]  # None in a dataset from before the record
         dtype = np.dtype(meta["dtype"])
         path = self.dir / "tokens.bin"
         size = path.stat().st_size
@@ -68,11 +71,21 @@ class TokenDataset:
         damaged one must fail now rather than when the first checkpoint is used."""
         path = self.tokenizer_path
         try:
-            pieces = spm.SentencePieceProcessor(model_file=str(path)).get_piece_size()
-        except (OSError, RuntimeError) as e:
-            raise damaged(path, f"sentencepiece cannot load it: {' '.join(str(e).split())}", self.rebuild) from None
-        if pieces != self.vocab_size:
-            raise damaged(path, f"{pieces} pieces, but meta.json says vocab_size {self.vocab_size}", self.rebuild)
+            data = path.read_bytes()
+        except OSError as e:
+            raise damaged(path, f"unreadable: {e.strerror or e}", self.rebuild) from None
+        try:
+            tokenizer = tokenizer_from_bytes(path.name, data, str(path))
+        except TokenizerFileError as e:
+            raise damaged(path, f"{e.library} cannot load it: {e.detail}", self.rebuild) from None
+        if tokenizer.vocab_size != self.vocab_size:
+            what = f"a vocabulary of {tokenizer.vocab_size}, but meta.json says vocab_size {self.vocab_size}"
+            raise damaged(path, what, self.rebuild)
+        if tokenizer.eos_id != self.eos_id:
+            raise damaged(path, f"eos id {tokenizer.eos_id}, but meta.json says eos_id {self.eos_id}", self.rebuild)
+        if self.tokenizer_sha256 is not None and (sha := hashlib.sha256(data).hexdigest()) != self.tokenizer_sha256:
+            what = f"sha256 {sha[:12]}, but meta.json says {self.tokenizer_sha256[:12]}"
+            raise damaged(path, what, self.rebuild)
 
     def split(
         self, seq_len: int, val_fraction: float, global_batch_size: int = 1, eval_batches: int | None = None
@@ -124,6 +137,6 @@ def eval_batch_count(eval_batches: int | None, val_windows: int, global_batch_si
 def open_dataset(data: DataConfig, vocab_size: int) -> TokenDataset:
     """The dataset of ``data`` (prepared and cached on first use), checked for damage."""
     path = resolve_dataset(data, vocab_size)
-    dataset = TokenDataset(path, rebuild_hint(path, vocab_size, cached=data.dataset_dir is None))
+    dataset = TokenDataset(path, rebuild_hint(path, vocab_size, data.dataset_dir is None, data.tokenizer))
     dataset.check_tokenizer()
     return dataset

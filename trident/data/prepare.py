@@ -1,12 +1,16 @@
-"""Turn text files into a training dataset: a sentencepiece tokenizer plus one flat array of token ids.
+"""Turn text files into a training dataset: a tokenizer plus one flat array of token ids.
 
-A dataset directory holds ``tokenizer.model``, ``tokens.bin`` (every document's ids followed by
-eos, back to back) and ``meta.json``. It is built in a temporary sibling directory and renamed into
+A dataset directory holds its tokenizer under the tokenizer's own file name (``tokenizer.model``, a
+sentencepiece model trident trained or was given, or a Hugging Face ``tokenizer.json``), ``tokens.bin``
+(every document's ids followed by eos, back to back) and ``meta.json``, which records the tokenizer
+(file name, sha256, vocab_size, eos_id). It is built in a temporary sibling directory and renamed into
 place, with ``meta.json`` written last, so a crash never leaves something that looks complete.
+Datasets from before ``meta.json`` named its tokenizer hold ``tokenizer.model`` and stay readable.
 
 ``resolve_dataset`` is what training calls: it either checks a dataset made by
 ``tools/prepare_data.py`` or prepares one from ``data.text`` (or the standard library's source)
-into a cache keyed by the files and tokenizer settings, so only the first run pays for it.
+into a cache keyed by the files and the tokenizer (its settings when trained, its sha256 when given
+by ``data.tokenizer``), so only the first run pays for it.
 """
 
 from __future__ import annotations
@@ -28,10 +32,20 @@ import numpy as np
 import sentencepiece as spm
 
 from trident.config import DataConfig
-from trident.errors import DataError
+from trident.data.tokenizer import (
+    EOS_TOKENS,
+    FILE_NAMES,
+    HF,
+    SENTENCEPIECE,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
+from trident.errors import ConfigError, DataError
 
 FORMAT = 1
-DATASET_FILES = ("meta.json", "tokens.bin", "tokenizer.model")
+# Every file a dataset directory may hold: one of the tokenizer files, besides meta.json and tokens.bin.
+DATASET_FILES = ("meta.json", "tokens.bin", *FILE_NAMES)
 # Byte fallback reserves 256 byte pieces; unk and eos come on top, and at least one character.
 MIN_VOCAB = 256 + 2 + 1
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -108,10 +122,6 @@ def _sample_lines(files: list[Path], k: int, seed: int) -> list[str]:
     return sample
 
 
-def _threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _train_tokenizer(files: list[Path], vocab_size: int, tokenizer_lines: int, seed: int) -> bytes:
     """The serialized model of a BPE tokenizer trained on a sample of the lines of ``files``."""
     lines = _sample_lines(files, tokenizer_lines, seed)
@@ -158,16 +168,27 @@ def _train_tokenizer(files: list[Path], vocab_size: int, tokenizer_lines: int, s
     return model.getvalue()
 
 
-def _encode(files: list[Path], sp: spm.SentencePieceProcessor, out: Path, dtype: type) -> tuple[int, int]:
+def token_dtype(vocab_size: int) -> type:
+    """The narrowest unsigned type holding ids below ``vocab_size``: uint16 up to 65536, else uint32 (Llama 3)."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def _encode(files: list[Path], tokenizer: Tokenizer, out: Path, dtype: type) -> tuple[int, int]:
     """Append each non-empty document's ids and eos to ``out``; return (tokens, documents)."""
-    eos = sp.eos_id()
+    eos = tokenizer.eos_id
     n_tokens = n_docs = 0
 
     def flush(texts: list[str], f) -> None:
         nonlocal n_tokens, n_docs
-        for ids in sp.encode(texts, num_threads=_threads()):
-            ids.append(eos)
-            np.asarray(ids, dtype=dtype).tofile(f)
+        for ids in tokenizer.encode_batch(texts):
+            ids = np.asarray([*ids, eos], dtype=np.int64)
+            if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:  # a tokenizer.json may map text to a stray id
+                bad = int(ids.max() if ids.max() >= tokenizer.vocab_size else ids.min())
+                raise DataError(
+                    f"tokenizer {tokenizer.file_name} gave id {bad}, outside its vocabulary of {tokenizer.vocab_size}; "
+                    "the tokenizer file is inconsistent: use another"
+                )
+            ids.astype(dtype).tofile(f)
             n_tokens += len(ids)
             n_docs += 1
 
@@ -185,6 +206,25 @@ def _encode(files: list[Path], sp: spm.SentencePieceProcessor, out: Path, dtype:
                 texts, chars = [], 0
         flush(texts, f)
     return n_tokens, n_docs
+
+
+def _check_eos(tokenizer: Tokenizer, where: str) -> None:
+    """A dataset ends every document with eos: a tokenizer without one cannot make it."""
+    if tokenizer.eos_id is None:
+        which = "its eos id is -1" if tokenizer.file_name == SENTENCEPIECE else f"none of {' '.join(EOS_TOKENS)}"
+        raise DataError(
+            f"tokenizer {where} has no end-of-text token ({which}), and a dataset ends every document with one; "
+            "use a tokenizer that has one"
+        )
+
+
+def check_vocab_fit(tokenizer: Tokenizer, where: str, vocab_size: int) -> None:
+    """The model's embedding must have a row for every id of the tokenizer (more rows are fine: unused)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"tokenizer {where} has a vocabulary of {tokenizer.vocab_size} but model.vocab_size is {vocab_size}; "
+            f"set model.vocab_size>={tokenizer.vocab_size}"
+        )
 
 
 def _check_out_dir(out_dir: Path) -> None:
@@ -213,19 +253,25 @@ def _install(tmp: Path, out_dir: Path) -> None:
 def prepare_dataset(
     files: list[Path],
     out_dir: Path,
-    vocab_size: int,
+    vocab_size: int | None = None,
     tokenizer_lines: int = 200_000,
     seed: int = 0,
     log: Log = print,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Train a BPE tokenizer on ``files``, tokenize them all and write the dataset to ``out_dir``.
+    """Tokenize ``files`` and write the dataset to ``out_dir``, with ``tokenizer`` when given, else with a BPE
+    tokenizer of ``vocab_size`` pieces trained on them (``tokenizer_lines`` and ``seed`` are its settings).
 
-    Byte fallback means every byte sequence encodes losslessly, so any text file works and
-    indentation, tabs and newlines survive a round trip.
+    A trained tokenizer has byte fallback: every byte sequence encodes losslessly, so any text file works
+    and indentation, tabs and newlines survive a round trip.
     """
+    if (vocab_size is None) == (tokenizer is None):
+        raise ValueError("prepare_dataset takes exactly one of vocab_size (train a tokenizer) and tokenizer")
     if not files:
         raise DataError("no text files to prepare; point data.text at text files or directories")
-    if vocab_size < MIN_VOCAB:
+    if tokenizer is not None:
+        _check_eos(tokenizer, tokenizer.file_name)
+    elif vocab_size < MIN_VOCAB:
         raise DataError(
             f"vocab_size {vocab_size} is too small: a byte-fallback tokenizer needs at least {MIN_VOCAB} "
             "(256 bytes, unk, eos and the text's characters); raise model.vocab_size"
@@ -239,19 +285,21 @@ def prepare_dataset(
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
     try:
-        log(f"training a {vocab_size}-piece BPE tokenizer on up to {tokenizer_lines:,} lines")
-        model = _train_tokenizer(files, vocab_size, tokenizer_lines, seed)
-        (tmp / "tokenizer.model").write_bytes(model)
-        sp = spm.SentencePieceProcessor(model_proto=model)
-        dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-        log(f"tokenizing {len(files)} files ({source_bytes / 1e6:.1f} MB)")
-        n_tokens, n_docs = _encode(files, sp, tmp / "tokens.bin", dtype)
+        if tokenizer is None:
+            log(f"training a {vocab_size}-piece BPE tokenizer on up to {tokenizer_lines:,} lines")
+            tokenizer = SentencePieceTokenizer(_train_tokenizer(files, vocab_size, tokenizer_lines, seed))
+        (tmp / tokenizer.file_name).write_bytes(tokenizer.data)
+        dtype = token_dtype(tokenizer.vocab_size)
+        log(f"tokenizing {len(files)} files ({source_bytes / 1e6:.1f} MB) with {tokenizer.file_name}")
+        n_tokens, n_docs = _encode(files, tokenizer, tmp / "tokens.bin", dtype)
         meta = {
             "format": FORMAT,
-            "vocab_size": sp.get_piece_size(),
+            "vocab_size": tokenizer.vocab_size,
             "dtype": np.dtype(dtype).name,
             "n_tokens": n_tokens,
-            "eos_id": sp.eos_id(),
+            "eos_id": tokenizer.eos_id,
+            "tokenizer_file": tokenizer.file_name,
+            "tokenizer_sha256": tokenizer.sha256,
             "n_documents": n_docs,
             "sources": [str(p) for p in files],
             "source_bytes": source_bytes,
@@ -265,13 +313,23 @@ def prepare_dataset(
 
 # The fields of meta.json that reading a dataset relies on, with their types.
 _META_FIELDS = {"vocab_size": int, "eos_id": int, "n_tokens": int, "dtype": str}
+# The fields that name its tokenizer, with what a dataset from before them means (its tokenizer.model, no sha256).
+_TOKENIZER_FIELDS = {"tokenizer_file": (str, SENTENCEPIECE), "tokenizer_sha256": (str, None)}
 
 
-def rebuild_hint(dataset_dir: Path, vocab_size: int | str = "N", cached: bool = False) -> str:
-    """The command that makes a damaged dataset anew: a cached one is simply prepared again on the next run."""
+def rebuild_hint(
+    dataset_dir: Path, vocab_size: int | str = "N", cached: bool = False, tokenizer: str | None = None
+) -> str:
+    """The command that makes a damaged dataset anew: a cached one is simply prepared again on the next run.
+
+    A dataset of a given tokenizer (``tokenizer``: data.tokenizer, or a dataset holding a tokenizer.json) is made
+    again with ``--tokenizer``, a trained one with ``--vocab-size``."""
     if cached:
         return f"rm -r {dataset_dir} and run again to prepare it anew"
-    return f"python tools/prepare_data.py --text YOUR_TEXT --out {dataset_dir} --vocab-size {vocab_size}"
+    if tokenizer is None and (Path(dataset_dir).expanduser() / HF).is_file():
+        tokenizer = "YOUR_TOKENIZER"
+    how = f"--vocab-size {vocab_size}" if tokenizer is None else f"--tokenizer {tokenizer}"
+    return f"python tools/prepare_data.py --text YOUR_TEXT --out {dataset_dir} {how}"
 
 
 def damaged(path: Path, what: str, rebuild: str) -> DataError:
@@ -284,7 +342,9 @@ def load_meta(dataset_dir: str | Path, rebuild: str | None = None) -> dict:
     ``rebuild`` is the command the error suggests (default: tools/prepare_data.py into the same directory).
     """
     d = Path(dataset_dir).expanduser()
-    missing = [name for name in DATASET_FILES if not (d / name).is_file()]
+    missing = [name for name in ("meta.json", "tokens.bin") if not (d / name).is_file()]
+    if not any((d / name).is_file() for name in FILE_NAMES):
+        missing.append(SENTENCEPIECE)  # the tokenizer of any dataset from before tokenizer_file
     if missing:
         raise DataError(
             f"data.dataset_dir {str(d)!r} is not a prepared dataset (missing {', '.join(missing)}); "
@@ -310,15 +370,31 @@ def load_meta(dataset_dir: str | Path, rebuild: str | None = None) -> dict:
         np.dtype(meta["dtype"])
     except TypeError:
         raise damaged(path, f"unknown dtype {meta['dtype']!r}", rebuild) from None
+    for key, (kind, default) in _TOKENIZER_FIELDS.items():
+        meta.setdefault(key, default)
+        if meta[key] is not None and not isinstance(meta[key], kind):
+            raise damaged(path, f"no {kind.__name__} {key}", rebuild)
+    if meta["tokenizer_file"] not in FILE_NAMES:
+        raise damaged(path, f"tokenizer_file {meta['tokenizer_file']!r} is none of {', '.join(FILE_NAMES)}", rebuild)
+    if not (d / meta["tokenizer_file"]).is_file():
+        raise DataError(
+            f"data.dataset_dir {str(d)!r} is not a prepared dataset (missing {meta['tokenizer_file']}); "
+            "run tools/prepare_data.py --out DIR to make one"
+        )
     return meta
 
 
-def load_tokenizer(dataset_dir: str | Path) -> spm.SentencePieceProcessor:
-    return spm.SentencePieceProcessor(model_file=str(Path(dataset_dir).expanduser() / "tokenizer.model"))
+def tokenizer_sha256(dataset_dir: Path, meta: dict) -> str:
+    """The sha256 of a dataset's tokenizer: as recorded, or (a dataset from before the record) of its file."""
+    if meta["tokenizer_sha256"] is not None:
+        return meta["tokenizer_sha256"]
+    return hashlib.sha256((dataset_dir / meta["tokenizer_file"]).read_bytes()).hexdigest()
 
 
-def _cache_key(files: list[Path], vocab_size: int, tokenizer_lines: int) -> str:
-    h = hashlib.sha256(f"{FORMAT}\0{vocab_size}\0{tokenizer_lines}".encode())
+def _cache_key(files: list[Path], vocab_size: int, tokenizer_lines: int, tokenizer: Tokenizer | None = None) -> str:
+    """A trained tokenizer is a function of the text and its settings; a given one is its file's sha256."""
+    settings = f"{vocab_size}\0{tokenizer_lines}" if tokenizer is None else f"{tokenizer.file_name}\0{tokenizer.sha256}"
+    h = hashlib.sha256(f"{FORMAT}\0{settings}".encode())
     for p in files:
         st = p.stat()
         h.update(f"\0{p}\0{st.st_size}\0{st.st_mtime_ns}".encode())
@@ -331,9 +407,22 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path
     Every rank on a node may call this at once: an exclusive file lock lets the first prepare
     the dataset while the others wait and then find it complete.
     """
+    tokenizer = None
+    if data.tokenizer is not None:
+        where = f"data.tokenizer={data.tokenizer}"
+        tokenizer = load_tokenizer(data.tokenizer)
+        check_vocab_fit(tokenizer, where, vocab_size)
+        _check_eos(tokenizer, where)
     if data.dataset_dir is not None:
         d = Path(data.dataset_dir).expanduser()
-        meta = load_meta(d, rebuild_hint(d, vocab_size))
+        meta = load_meta(d, rebuild_hint(d, vocab_size, tokenizer=data.tokenizer))
+        if tokenizer is not None and (sha := tokenizer_sha256(d, meta)) != tokenizer.sha256:
+            raise DataError(
+                f"{where} (sha256 {tokenizer.sha256[:12]}) is not the tokenizer data.dataset_dir={d} was prepared "
+                f"with (its {meta['tokenizer_file']}, sha256 {sha[:12]}); drop data.tokenizer to use the dataset's "
+                f"own, or prepare the dataset again: python tools/prepare_data.py --text YOUR_TEXT --out DIR "
+                f"--tokenizer {data.tokenizer}"
+            )
         if meta["vocab_size"] > vocab_size:
             raise DataError(
                 f"dataset vocab {meta['vocab_size']} > model.vocab_size {vocab_size}; "
@@ -344,7 +433,7 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path
     files = collect_text_files(data.text, data.suffixes) if data.text is not None else default_corpus_files()
     if not files:
         raise DataError("the embedded corpus (the standard library's source) was not found; set data.text")
-    key = _cache_key(files, vocab_size, data.tokenizer_lines)[:16]
+    key = _cache_key(files, vocab_size, data.tokenizer_lines, tokenizer)[:16]
     cache = Path(data.cache_dir).expanduser()
     out_dir = cache / key
     if (out_dir / "meta.json").is_file():
@@ -366,7 +455,10 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path
                     shutil.rmtree(stale, ignore_errors=True)
                 mb = sum(p.stat().st_size for p in files) / 1e6
                 log(f"preparing dataset: {len(files)} files, {mb:.1f} MB -> {out_dir} (first run only)")
-                prepare_dataset(files, out_dir, vocab_size, data.tokenizer_lines, log=log)
+                if tokenizer is None:
+                    prepare_dataset(files, out_dir, vocab_size, data.tokenizer_lines, log=log)
+                else:
+                    prepare_dataset(files, out_dir, tokenizer=tokenizer, log=log)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out_dir
