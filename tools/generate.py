@@ -18,6 +18,7 @@ from trident.checkpoint.consolidated import ModelWeights, load_weights
 from trident.config import model_config_from_dict
 from trident.errors import CheckpointError, TridentError
 from trident.models.gpt import GPT
+from trident.models.kv_cache import KVCache
 from trident.parallel.placement import placement_of
 
 
@@ -48,23 +49,29 @@ def sample(
     generator: torch.Generator,
     n_pieces: int | None = None,
 ) -> list[int]:
-    """Autoregressive sampling; the context is cropped to the model's window. Only the first ``n_pieces`` ids
-    are drawn: a model.vocab_size above the tokenizer's leaves ids no piece decodes."""
+    """Autoregressive sampling with a KV cache: the prompt runs through the model once, then each new token alone.
+    When the context reaches the model's window, the cache restarts from the last half window of tokens. Only the
+    first ``n_pieces`` ids are drawn: a model.vocab_size above the tokenizer's leaves ids no piece decodes."""
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    window = model.cfg.seq_len
+    ids = list(prompt)
+    cache, pending = KVCache(window), ids[-window:]
     for _ in range(n_tokens):
-        logits = model(ids[:, -model.cfg.seq_len :])[0, -1, :n_pieces].float()
+        if cache.length + len(pending) > window:  # the window is full: start again from its second half
+            cache, pending = KVCache(window), ids[-(window // 2) :]
+        logits = model(torch.tensor([pending], device=device), cache)[0, -1, :n_pieces].float()
         if temperature == 0:
-            nxt = logits.argmax().view(1)
+            nxt = int(logits.argmax())
         else:
             logits = logits / temperature
             if top_k > 0:
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits[logits < kth] = -float("inf")
             probs = torch.softmax(logits, dim=-1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=generator).to(device)
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return ids[0, len(prompt) :].tolist()
+            nxt = int(torch.multinomial(probs, 1, generator=generator))
+        ids.append(nxt)
+        pending = [nxt]
+    return ids[len(prompt) :]
 
 
 def main() -> None:
