@@ -133,6 +133,17 @@ def test_a_dataset_records_its_tokenizer_and_holds_its_encoding(tokenizer_file, 
     ds.check_tokenizer()
 
 
+def test_preparing_again_with_another_tokenizer_replaces_the_dataset(files, hf_json, sp_model, tmp_path):
+    out = prepare_dataset(files, tmp_path / "ds", tokenizer=load_tokenizer(sp_model), log=quiet)
+    prepare_dataset(files, out, tokenizer=load_tokenizer(hf_json), log=quiet)
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "tokens.bin"]
+    assert TokenDataset(out).tokenizer_path == out / "tokenizer.json"
+    # meta.json, not the files that happen to lie there, says which tokenizer the dataset holds.
+    (out / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    with pytest.raises(DataError, match=r"prepared with \(its tokenizer.json"):
+        open_dataset(DataConfig(dataset_dir=str(out), tokenizer=str(sp_model)), 1024)
+
+
 def test_ids_past_65535_are_stored_as_uint32(files, hf_json, tmp_path):
     """A tokenizer.json whose ids start at 70000 (the trained one, renumbered): its vocab_size is its largest id + 1,
     not its count of tokens, and tokens.bin takes uint32."""
