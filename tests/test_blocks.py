@@ -126,3 +126,15 @@ def test_the_kv_cache_gives_the_full_forwards_logits(name):
     assert torch.allclose(torch.cat(pieces, dim=1), model(x), atol=1e-5)
     with pytest.raises(ValueError, match="seq_len"):
         model(tokens(cfg, t=5), cache)  # 25 positions > seq_len 24
+
+
+def test_an_untied_head_over_pipeline_stages_asks_for_no_embedding_sum():
+    """Untied, the last stage's lm_head is a parameter of its own: no copy of wte, no sum over the embedding group.
+    Tied, the two copies on the first and last stage each take that sum."""
+    from trident.parallel.placement import placement_of
+
+    for cfg, marked in ((LLAMA, set()), (VARIANTS["llama-mha-tied"], {"wte.weight", "lm_head.weight"})):
+        first, last = GPT(cfg, layers=[0], first=True, last=False), GPT(cfg, layers=[1], first=False, last=True)
+        summed = {n for m in (first, last) for n, p in m.named_parameters() if placement_of(p).grad_sums}
+        assert summed == marked
+        assert placement_of(last.lm_head.weight).tied_to == ("wte.weight" if cfg.tie_embeddings else None)

@@ -1,6 +1,7 @@
 """train.compile=true: every block compiled with torch.compile gives the eager one-process curve under tensor and
 sequence parallelism with full activation checkpointing (the checkpoint wraps the compiled block), and keeps the
-parameter names: a compiled run's checkpoint resumes eagerly with the uninterrupted losses."""
+parameter names: a compiled run's checkpoint resumes eagerly with the uninterrupted losses. GPT-2's block and
+Llama's (RMSNorm, SwiGLU, RoPE, grouped kv heads)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from trident.models.compile import check_toolchain
 
 
 @pytest.mark.multiprocess
-def test_compiled_blocks_give_the_eager_curve_and_resumable_checkpoints(tiny_dataset, tmp_path):
-    base = tiny(tiny_dataset, "train.steps=4", "train.micro_batch_size=8", "train.eval_every=0")
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_compiled_blocks_give_the_eager_curve_and_resumable_checkpoints(tiny_dataset, tmp_path, model):
+    base = tiny(tiny_dataset, f"model={model}", "train.steps=4", "train.micro_batch_size=8", "train.eval_every=0")
     (eager,) = train_in_process(tmp_path / "eager", base)
     layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.activation_checkpointing=full"]
     compiled = train_in_process(tmp_path / "compiled", [*base, *layout, "train.compile=true", "checkpoint.every=2"], 2)
