@@ -1,4 +1,6 @@
-"""A whole model in one plain file: what ``tools/convert_checkpoint.py`` writes and ``tools/generate.py`` reads.
+"""A whole model in one process: read from a checkpoint, a consolidated file or a Hugging Face directory
+(``load_weights``), and written as one plain file or as a one-process trident checkpoint; what
+``tools/convert_checkpoint.py`` writes and ``tools/generate.py`` reads.
 
 The file is safetensors (a JSON header and raw tensor bytes: nothing in it can run code). It holds every
 model parameter as its full logical tensor under its canonical name (the embedding without padding rows,
@@ -7,15 +9,19 @@ tied copies once), and in the header's string metadata:
     format           "trident-consolidated-1"
     step             the step of the checkpoint it came from
     config           the run config, JSON
-    tokenizer.model  the run's sentencepiece model, base64 (absent if the run had none)
+    tokenizer.model  the run's tokenizer under its own file name, base64: a sentencepiece tokenizer.model
+    or tokenizer.json  or a Hugging Face tokenizer.json (absent if the run had none)
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
+import shutil
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +30,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from trident.checkpoint.dcp import Sharded, read_metadata, read_sharded
-from trident.checkpoint.files import find_resume_path, read_head
+from trident.checkpoint.dcp import Sharded, read_metadata, read_sharded, write_sharded
+from trident.checkpoint.files import find_resume_path, new_temporary, publish, read_head
+from trident.checkpoint.hf import check_parts, read_box, sources
+from trident.checkpoint.hf_dir import HFDir, is_hf_dir
 from trident.checkpoint.state import MODEL
-from trident.errors import CheckpointError
+from trident.config import Config, ModelConfig
+from trident.data.tokenizer import FILE_NAMES, SENTENCEPIECE, Tokenizer, find_tokenizer_file, tokenizer_from_bytes
+from trident.errors import CheckpointError, DataError
 
 FORMAT = "trident-consolidated-1"
 
@@ -46,17 +56,32 @@ def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 @dataclass
 class ModelWeights:
-    """A model as tools use it, from either a checkpoint directory or a consolidated file."""
+    """A model as tools use it, from a checkpoint directory, a consolidated file or a Hugging Face directory."""
 
     tensors: dict[str, torch.Tensor]  # canonical name -> logical tensor
     config: dict  # the run config
     step: int
-    tokenizer: bytes | None  # sentencepiece model
-    source: Path  # the checkpoint directory or the consolidated file
+    tokenizer: bytes | None  # the tokenizer file's bytes
+    source: Path  # the checkpoint directory, the consolidated file or the Hugging Face directory
+    tokenizer_file: str | None = None  # its name, one of FILE_NAMES (None with bytes: a sentencepiece model)
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None and self.tokenizer_file is None:
+            self.tokenizer_file = SENTENCEPIECE
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The tokenizer the model came with, either kind (``trident.data.tokenizer.Tokenizer``)."""
+        if self.tokenizer is None:
+            raise CheckpointError(f"{self.source} holds no {' or '.join(FILE_NAMES)} (it was saved without one)")
+        where = self.source / self.tokenizer_file if self.source.is_dir() else self.source
+        try:
+            return tokenizer_from_bytes(self.tokenizer_file, self.tokenizer, str(where))
+        except DataError as e:
+            raise CheckpointError(str(e)) from None
 
     def sentencepiece(self) -> spm.SentencePieceProcessor:
         where = self.source / "tokenizer.model" if self.source.is_dir() else self.source
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.tokenizer_file != SENTENCEPIECE:
             raise CheckpointError(f"{self.source} holds no tokenizer.model (the run was saved without one)")
         try:
             return spm.SentencePieceProcessor(model_proto=self.tokenizer)
@@ -67,21 +92,47 @@ class ModelWeights:
 def from_checkpoint(path: Path) -> ModelWeights:
     """The model part of one checkpoint directory (any layout), read in this process."""
     meta, config = read_head(path)
-    tokenizer_path = path / "tokenizer.model"
+    tokenizer, name = _read_tokenizer(find_tokenizer_file(path))
+    return ModelWeights(read_model_tensors(path), config, meta["step"], tokenizer, path, name)
+
+
+def _read_tokenizer(path: Path | None) -> tuple[bytes | None, str | None]:
+    if path is None:
+        return None, None
     try:
-        tokenizer = tokenizer_path.read_bytes()
-    except FileNotFoundError:
-        tokenizer = None
+        return path.read_bytes(), path.name
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint file {tokenizer_path}: {e}") from None
-    return ModelWeights(read_model_tensors(path), config, meta["step"], tokenizer, path)
+        raise CheckpointError(f"cannot read checkpoint file {path}: {e}") from None
+
+
+def from_hf(path: Path) -> ModelWeights:
+    """A Hugging Face GPT-2 or Llama directory as our logical tensors and a run config of its model, step 0."""
+    hf = HFDir(path)
+    cfg = hf.model_config()
+    table = sources(cfg)
+    tensors = {}
+    with hf.slices() as slicer:
+        for name in table:
+            shape = (sum(table[name].sizes), *_columns(name, cfg))
+            check_parts(table[name], slicer, shape, str(path))
+            tensors[name] = read_box(table[name], slicer, (0,) * len(shape), shape).clone()
+    tokenizer, file_name = _read_tokenizer(hf.tokenizer_file())
+    config = dataclasses.asdict(Config(model=cfg))
+    return ModelWeights(tensors, config, 0, tokenizer, path, file_name)
+
+
+def _columns(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The logical shape of ``name`` past dim 0: [] for a vector, else its input width."""
+    if not name.endswith(".weight") or ".ln_" in name or name.startswith("ln_"):
+        return ()
+    return (cfg.ffn_dim,) if name.endswith("mlp.proj.weight") else (cfg.d_model,)
 
 
 def write_consolidated(weights: ModelWeights, out: Path) -> None:
     """Write the one file, atomically: a failed write leaves no partial file under ``out``'s name."""
     metadata = {"format": FORMAT, "step": str(weights.step), "config": json.dumps(weights.config)}
     if weights.tokenizer is not None:
-        metadata["tokenizer.model"] = base64.b64encode(weights.tokenizer).decode("ascii")
+        metadata[weights.tokenizer_file] = base64.b64encode(weights.tokenizer).decode("ascii")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -102,20 +153,37 @@ def read_consolidated(path: Path) -> ModelWeights:
                 raise ValueError(f"not a trident consolidated model (format {metadata.get('format')!r})")
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         config = json.loads(metadata["config"])
-        tokenizer = metadata.get("tokenizer.model")
-        return ModelWeights(
-            tensors,
-            config,
-            int(metadata["step"]),
-            base64.b64decode(tokenizer, validate=True) if tokenizer is not None else None,
-            path,
-        )
+        name = next((n for n in FILE_NAMES if n in metadata), None)
+        tokenizer = base64.b64decode(metadata[name], validate=True) if name is not None else None
+        return ModelWeights(tensors, config, int(metadata["step"]), tokenizer, path, name)
     except Exception as e:  # damaged or foreign: safetensors, json, base64 and int each raise their own errors
         raise CheckpointError(f"cannot read {path}: {' '.join(str(e).split())}") from None
 
 
 def load_weights(source: Path, what: str = "checkpoint") -> ModelWeights:
-    """A consolidated file, a checkpoint directory, or a directory of checkpoints (the newest)."""
+    """A consolidated file, a checkpoint directory, a directory of checkpoints (the newest), or a Hugging Face
+    GPT-2 / Llama directory."""
     if source.is_file():
         return read_consolidated(source)
+    if is_hf_dir(source):
+        return from_hf(source)
     return from_checkpoint(find_resume_path(str(source), source, what=what))
+
+
+def write_checkpoint(weights: ModelWeights, root: Path) -> Path:
+    """Write ``weights`` as a trident checkpoint ``root/step_XXXXXXXX`` (the weights' step) in this process: the
+    model tensors, the run config and the tokenizer, no optimizer state. ``checkpoint.init_from``,
+    ``tools/generate.py`` and this tool read it; returns its path."""
+    step = weights.step
+    tmp = new_temporary(root, step)
+    try:
+        state = {MODEL + name: Sharded.whole(t.detach().contiguous()) for name, t in weights.tensors.items()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            write_sharded(state, tmp)
+        if weights.tokenizer is not None:
+            (tmp / weights.tokenizer_file).write_bytes(weights.tokenizer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish(tmp, step, {"config.json": weights.config}, None, {"dp": 1, "tp": 1, "pp": 1})

@@ -7,7 +7,8 @@ A checkpoint is a directory ``<root>/step_00000040/`` holding
     __<rank>_0.distcp    tensor data, written by every rank that holds a box no other rank writes
     trainer.json         step, consumed samples, loss scaler, seed, global batch (the trainer's state)
     config.json          the full run config
-    tokenizer.model      the tokenizer the run used, so the checkpoint is self-contained
+    tokenizer.model      the tokenizer the run used, under its own file name (a sentencepiece tokenizer.model
+      or .json           or a Hugging Face tokenizer.json), so the checkpoint is self-contained
     meta.json            written last, its presence marks the checkpoint complete: format, step, saving layout
 
 Every rank writes into one temporary directory ``<root>/.step_00000040.tmp-<uuid>``; once all have written,
@@ -112,6 +113,11 @@ def new_temporary(root: Path, step: int) -> Path:
     return tmp
 
 
+def tokenizer_file_name(path: Path) -> str:
+    """The name a tokenizer file is kept under: ``tokenizer.json`` (Hugging Face) or ``tokenizer.model``."""
+    return "tokenizer.json" if path.suffix == ".json" else "tokenizer.model"
+
+
 def publish(tmp: Path, step: int, files: dict[str, dict], tokenizer: Path | None, layout: dict) -> Path:
     """Finish a temporary directory whose tensor data is written: the JSON ``files``, the tokenizer, ``meta.json``
     last, then rename it to ``step_XXXXXXXX``. On any failure the temporary directory is removed and nothing is
@@ -122,7 +128,7 @@ def publish(tmp: Path, step: int, files: dict[str, dict], tokenizer: Path | None
         for name, value in files.items():
             _write_text(tmp / name, _to_json(name, value))
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+            shutil.copyfile(tokenizer, tmp / tokenizer_file_name(tokenizer))
         meta = {"format": FORMAT, "step": step, "layout": layout, "time": time.time()}
         _write_text(tmp / "meta.json", json.dumps(meta, indent=2))
         _fsync_dir(tmp)
