@@ -53,6 +53,7 @@ LAYOUTS = {
         ["parallel.dp=2", "parallel.zero=2", "parallel.offload.optimizer=cpu", "parallel.offload.ratio=0.5"],
     ),
     "dp2-tp2-zero3": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"]),
+    "dp2-tp4-zero3-kv-replicated": (8, ["parallel.dp=2", "parallel.tp=4", "parallel.zero=3"]),
     "3d-dp2-tp2-pp2-zero1-sp-selective": (
         8,
         [
