@@ -325,6 +325,6 @@ def test_training_with_a_tokenizer_json_keeps_it_in_the_checkpoint(model, corpus
     assert [row["step"] for row in history] == [1, 2, 3]
     assert all(np.isfinite(row["loss"]) for row in history)
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000003"
-    # The checkpoint carries the dataset's tokenizer, byte for byte (TokenDataset.tokenizer_path is what it copies).
+    # The checkpoint carries the dataset's tokenizer under its own name, byte for byte.
     held = [checkpoint / name for name in FILE_NAMES if (checkpoint / name).is_file()]
-    assert [p.read_bytes() for p in held] == [hf_json.read_bytes()]
+    assert held == [checkpoint / "tokenizer.json"] and held[0].read_bytes() == hf_json.read_bytes()
