@@ -4,9 +4,10 @@
     torchrun --nproc-per-node 8 train.py parallel.tp=2 parallel.pp=4   # 8 ranks
 
 The build story: config -> checks -> data -> process groups -> this rank's parts (model chunks, optimizer,
-runner: trident/build.py) -> checkpointer -> the loop. Everything that can be wrong with the config or the data
-is found before the first collective, so a bad run never hangs. ``run`` is the whole run in this process
-(config in, per-step metrics out); tests and tools call it directly.
+runner: trident/build.py) -> checkpointer -> the loop. With ``checkpoint.init_from`` the model's shape comes from
+that source (``main``) and its weights fill the chunks before the optimizer is built (trident/checkpoint/init_from.py).
+Everything that can be wrong with the config or the data is found before the first collective, so a bad run never
+hangs. ``run`` is the whole run in this process (config in, per-step metrics out); tests and tools call it directly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from omegaconf import DictConfig
 
 from trident import cli
 from trident.build import build_checkpointer, build_parts
+from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_init_weights
 from trident.config import Config, register_configs, to_config, validate
 from trident.data.dataset import open_dataset
 from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores
@@ -46,6 +48,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
         stop = cleanup.enter_context(StopRequest(cfg.train.stop_grace_s))
         # Checks and data need no process group: a problem ends every rank the same way, before any collective.
         tr, dp = cfg.train, validate(cfg, launch_world_size() if owns_group else dist.get_world_size())
+        init_from = check_init_from(cfg, run_dir)  # None when resuming this run's own checkpoint
         topology = Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
         device = pick_device(tr.device)
         use_tensor_cores(device)
@@ -62,7 +65,10 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
         run_dir, checkpoint_root = claim_run_dir(run_dir, cfg.checkpoint.dir, cleanup)
 
         timings = run_dir / "pipeline_timings" if cfg.logging.pipeline_timings else None
-        parts = build_parts(cfg, groups, device, timings)
+        load = (lambda chunks: load_init_weights(chunks, init_from)) if init_from else None
+        parts = build_parts(cfg, groups, device, timings, load)
+        if init_from is not None and groups.is_logging_rank:
+            print(f"initialised from the {init_from.what} {init_from.path} (step 0, fresh optimizer)", flush=True)
         cleanup.callback(parts.optimizer.remove_hooks)
         checkpointer = build_checkpointer(cfg, groups, parts, checkpoint_root, dataset.tokenizer_path)
         if groups.is_logging_rank:
@@ -88,12 +94,17 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
 
 
 register_configs()
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> None:
     with cli.user_errors():
-        run(to_config(hydra_cfg), Path(HydraConfig.get().runtime.output_dir))
+        hydra = HydraConfig.get()
+        run_dir = Path(hydra.runtime.output_dir)
+        # checkpoint.init_from: the model keys not on the command line take the source's values.
+        cfg = adopt_init_from(to_config(hydra_cfg), hydra.overrides.task, CONF_DIR, run_dir)
+        run(cfg, run_dir)
 
 
 if __name__ == "__main__":

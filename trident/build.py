@@ -21,6 +21,7 @@ masters), so building the optimizer is also what makes a bf16 or fp16 model 16-b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,10 +158,20 @@ class RunParts:
     runner: Runner
 
 
-def build_parts(cfg: Config, groups: ProcessGroups, device: torch.device, timings_dir: Path | None = None) -> RunParts:
+def build_parts(
+    cfg: Config,
+    groups: ProcessGroups,
+    device: torch.device,
+    timings_dir: Path | None = None,
+    load: Callable[[list[GPT]], None] | None = None,
+) -> RunParts:
     """Model chunks -> optimizer -> runner. ``timings_dir``: where pipeline ranks of the first dp and tp
-    coordinate (one pipeline's ranks) record their actions' timings, one file per rank."""
+    coordinate (one pipeline's ranks) record their actions' timings, one file per rank. ``load``: fills the
+    initialised chunks with other weights (``checkpoint.init_from``), before the optimizer copies its fp32 masters;
+    every rank calls it."""
     chunks = model_chunks(cfg, groups, device)
+    if load is not None:
+        load(chunks)
     optimizer = build_optimizer(chunks, cfg, groups)
     record = timings_dir is not None and groups.dp_rank == 0 and groups.tp_rank == 0
     timings = timings_dir / f"rank{groups.rank}.jsonl" if record else None

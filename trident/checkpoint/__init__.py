@@ -5,6 +5,9 @@ files.py         the directory on disk: step_XXXXXXXX names, atomic publish, pru
 dcp.py           sharded tensor files through torch.distributed.checkpoint, and the one safe reader
 state.py         what a rank saves: boxes of logical tensors under stable keys (model/, optim/, rng/)
 zero_state.py    the ZeRO optimizer's fp32 masters and AdamW moments as those boxes
-consolidated.py  a whole model in one safetensors file (tools/convert_checkpoint.py, tools/generate.py)
-export.py        the Hugging Face GPT-2 directory
+consolidated.py  a whole model in one process: from a checkpoint, one safetensors file or a Hugging Face directory
+hf.py            the one mapping to and from Hugging Face GPT-2 and Llama: names, row layouts, config.json
+hf_dir.py        a local Hugging Face directory, read a slice at a time without running code from it
+export.py        the Hugging Face directory written from a model
+init_from.py     checkpoint.init_from: a run's shape from a checkpoint or Hugging Face model, each rank its shard
 """

@@ -1,0 +1,174 @@
+"""``checkpoint.init_from``: a run starts from a Hugging Face GPT-2 or Llama (transformers' own loss on the first
+batch, at tp=2 x pp=2, then trains) or from a trident checkpoint saved under another layout; the shape comes from
+the source, and a config that contradicts it stops in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from tests.conftest import REPO
+from tests.layouts import _train, make_config, train_in_process
+from trident.checkpoint.consolidated import read_model_tensors
+from trident.checkpoint.init_from import adopt_init_from, check_init_from
+from trident.config import Config
+from trident.data.dataset import open_dataset
+from trident.data.sampler import GlobalBatchSampler
+from trident.errors import ConfigError
+from trident.models.gpt import GPT, lm_loss_sum
+from trident.parallel.placement import placement_of
+from trident.ranks import run_distributed
+
+CONF = REPO / "conf"
+
+
+def hf_model(kind: str, out: Path) -> Path:
+    """A small random transformers model of vocabulary 512 (the test dataset's) and 64 positions, saved locally."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=160, initializer_range=0.1
+        )
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:  # one kv head: at tp=2 each rank holds it whole
+        cfg = transformers.LlamaConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
+            initializer_range=0.1,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # gains and biases away from 1 / 0, so a misplaced one shows in the loss
+                p.add_(torch.rand(p.shape) * 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+def run_args(dataset: Path, *extra: str) -> list[str]:
+    return [
+        f"data.dataset_dir={dataset}",
+        "wandb.mode=disabled",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=4",
+        "train.eval_every=0",
+        "optim.warmup_steps=1",
+        "optim.lr=3e-3",
+        "logging.peak_tflops=1",
+        *extra,
+    ]
+
+
+def adopted(run_dir: Path, overrides: list[str]) -> Config:
+    """The config train.py's main runs: composed from the command line, the model taken from init_from."""
+    return adopt_init_from(make_config(*overrides), overrides, CONF, run_dir)
+
+
+def first_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs and targets of a run's first global batch, as its trainer draws them."""
+    train, _ = open_dataset(cfg.data, cfg.model.vocab_size).split(
+        cfg.model.seq_len, cfg.data.val_fraction, cfg.train.global_batch_size
+    )
+    return train.batch(GlobalBatchSampler(len(train), cfg.train.global_batch_size, cfg.train.seed).global_batch(0))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_hugging_face_model_starts_a_tp2_pp2_run_at_its_own_loss_and_trains(kind, tiny_dataset, tmp_path):
+    source = hf_model(kind, tmp_path / kind)
+    layout = ["parallel.tp=2", "parallel.pp=2", "train.steps=4"]
+    overrides = run_args(tiny_dataset, *layout, f"checkpoint.init_from={source}")
+    cfg = adopted(tmp_path / "run", overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn_dim, m.vocab_size, m.seq_len) == (
+        2, 64, 4, 4 if kind == "gpt2" else 1, 160 if kind == "gpt2" else 176, 512, 64,
+    )  # fmt: skip
+    assert m.tie_embeddings == (kind == "gpt2") and m.norm == ("layernorm" if kind == "gpt2" else "rmsnorm")
+
+    histories = run_distributed(_train, 4, cfg, tmp_path / "run", timeout_s=300)
+    losses = [row["loss"] for row in histories[0]]
+    assert [row["step"] for row in histories[0]] == [1, 2, 3, 4]  # step 0: a fresh start
+    x, y = first_batch(cfg)
+    with torch.no_grad():
+        expected = F.cross_entropy(hf(x).logits.flatten(0, 1).double(), y.flatten()).item()
+    assert abs(losses[0] - expected) <= 1e-5 * expected, (losses[0], expected)
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_saved_at_tp2_starts_a_pp2_run_at_its_weights_and_a_restart_resumes(tiny_dataset, tmp_path):
+    saved = tmp_path / "a" / "checkpoints"
+    (first,) = train_in_process(
+        tmp_path / "a", run_args(tiny_dataset, "model=llama-tiny", "parallel.tp=2", "train.steps=2"), world=2
+    )[:1]
+    overrides = run_args(tiny_dataset, "parallel.pp=2", "train.steps=1", f"checkpoint.init_from={saved}")
+    cfg = adopted(tmp_path / "b", overrides)
+    assert cfg.model.name == "llama-tiny" and cfg.model.kv_heads == 2 and not cfg.model.tie_embeddings
+    (history, _) = run_distributed(_train, 2, cfg, tmp_path / "b", timeout_s=300)
+    assert [row["step"] for row in history] == [1]
+
+    # The one-process model of the saved weights, on the same first batch.
+    model = GPT(cfg.model)
+    tensors = read_model_tensors(saved / "step_00000002")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(placement_of(p).shard(tensors[name]))
+        x, y = first_batch(cfg)
+        expected = (lm_loss_sum(model(x), y) / y.numel()).item()
+    assert abs(history[0]["loss"] - expected) <= 1e-5 * expected, (history[0]["loss"], expected)
+    assert abs(first[0]["loss"] - expected) > 1e-2  # the fresh initialisation's loss on that batch is another
+
+    # Rerun the same command for more steps: it resumes from its own checkpoint, even with the source gone.
+    shutil.move(saved, tmp_path / "moved")
+    overrides = [*overrides[:-2], "train.steps=2", overrides[-1]]
+    (history, _) = run_distributed(_train, 2, adopted(tmp_path / "b", overrides), tmp_path / "b", timeout_s=300)
+    assert [row["step"] for row in history] == [2]
+
+
+def test_a_model_key_that_contradicts_the_source_is_refused_in_one_line(tmp_path):
+    source = hf_model("llama", tmp_path / "src")
+    base = ["wandb.mode=disabled", f"checkpoint.init_from={source}"]
+    with pytest.raises(ConfigError) as info:
+        adopted(tmp_path / "run", [*base, "model.n_layers=3", "model.d_ff=200"])
+    assert str(info.value) == (
+        f"checkpoint.init_from={source} is a Hugging Face model with model.n_layers=2, model.d_ff=176; the command "
+        "line sets model.n_layers=3, model.d_ff=200: leave them out to take its shape, or start from another model"
+    )
+    # A preset sets its keys: llama-tiny's d_ff (176), norm, heads agree, its kv heads (2) do not.
+    with pytest.raises(ConfigError, match=r"with model\.n_kv_heads=1; the command line sets model\.n_kv_heads=2:"):
+        adopted(tmp_path / "run", [*base, "model=llama-tiny"])
+    # Keys that agree, and a shorter RoPE window, are kept; the rest is the source's.
+    cfg = adopted(tmp_path / "run", [*base, "model.n_layers=2", "model.seq_len=32"])
+    assert cfg.model.seq_len == 32 and cfg.model.n_kv_heads == 1 and cfg.model.name == "src"
+    assert check_init_from(cfg, tmp_path / "run").path == source
+    # run() itself refuses a config that was not made to agree (tests and tools call it directly).
+    with pytest.raises(ConfigError) as info:
+        check_init_from(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=600)), tmp_path)
+    assert str(info.value) == (
+        f"checkpoint.init_from={source} is a Hugging Face model with model.vocab_size=512; this run's config has "
+        "model.vocab_size=600: leave it out to take its shape, or start from another model"
+    )
+
+
+@pytest.mark.multiprocess
+def test_train_py_exits_2_with_one_line_on_a_contradicting_key(tmp_path):
+    source = hf_model("gpt2", tmp_path / "src")
+    cmd = [
+        sys.executable, str(REPO / "train.py"), f"checkpoint.init_from={source}", "model=gpt-tiny", "model.n_layers=4",
+        f"hydra.run.dir={tmp_path / 'run'}", "wandb.mode=disabled",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"error: checkpoint.init_from={source} is a Hugging Face model with model.n_layers=2; the command line sets "
+        "model.n_layers=4: leave it out to take its shape, or start from another model\n"
+    )
