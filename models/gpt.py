@@ -45,7 +45,7 @@ from torch import nn
 
 from trident.config import ModelConfig
 from trident.models.kv_cache import KVCache
-from trident.models.rope import apply_rope, rope_tables
+from trident.models.rope import apply_rope, rope_frequencies, rope_tables
 from trident.parallel.comm import rank_and_size
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
 from trident.parallel.random import (
@@ -112,7 +112,8 @@ class CausalSelfAttention(nn.Module):
         self.layer, self.head_dim = layer, dh
         self.n_heads = heads // tp_size  # this rank's query heads
         self.n_kv_heads = kv_heads // tp_size if kv_heads % tp_size == 0 else 1  # and the kv heads they read
-        self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
+        # RoPE's frequencies: a buffer (moved with the model, never saved), fp32 whatever the parameters' dtype.
+        self.register_buffer("inv_freq", rope_frequencies(cfg) if cfg.position == "rope" else None, persistent=False)
         self.dropout = cfg.dropout
         self.drop = Dropout(cfg.dropout, rng, layer, ATTENTION, shard_dim=0, rank=tp_rank, parts=tp_size)
         d, sp = cfg.d_model, sequence_parallel
@@ -135,9 +136,9 @@ class CausalSelfAttention(nn.Module):
             x = self.q.enter(x)
             q = rearrange(self.q.local(x), "b t (h d) -> b h t d", h=self.n_heads)
             k, v = rearrange(self.kv.local(x), "b t (h two d) -> two b h t d", two=2, h=self.n_kv_heads)
-        if self.rope_theta is not None:
+        if self.inv_freq is not None:
             positions = torch.arange(start, start + q.shape[-2], device=q.device)
-            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+            cos, sin = rope_tables(positions, self.inv_freq)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 

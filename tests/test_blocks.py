@@ -11,7 +11,7 @@ import torch
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, count_params, flops_per_token, init_weights
 from trident.models.kv_cache import KVCache
-from trident.models.rope import apply_rope, rope_tables
+from trident.models.rope import apply_rope, rope_frequencies, rope_tables
 from trident.parallel.tensor import ColumnParallelLinear, ReplicatedColumnLinear, RowParallelLinear
 
 GPT2 = ModelConfig(name="g", n_layers=2, d_model=32, n_heads=4, seq_len=24, vocab_size=100)
@@ -85,27 +85,40 @@ def test_grouped_kv_heads_are_multi_head_attention_with_each_kv_head_repeated_fo
     assert torch.allclose(gqa(x), mha(x), atol=1e-5)
 
 
-def test_rope_is_hugging_faces():
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3-scaled"])
+def test_rope_is_hugging_faces(scaling):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    dh, theta, t = 16, 500000.0, 40
-    hf = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=theta))
+    dh, theta, t = 64, 500000.0, 40
+    hf_scaling = None if scaling is None else {**scaling, "original_max_position_embeddings": 8192}
+    hf_cfg = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, rope_theta=theta, max_position_embeddings=16384, rope_scaling=hf_scaling
+    )
+    hf = LlamaRotaryEmbedding(hf_cfg)
+    ours = ModelConfig(d_model=256, n_heads=4, position="rope", rope_theta=theta, seq_len=16384)
+    if scaling is not None:
+        ours = dataclasses.replace(ours, rope_scaling="llama3", rope_factor=32.0, rope_original_seq_len=8192)
     q, k = torch.randn(2, 2, 4, t, dh).unbind(0)
-    positions = torch.arange(7, 7 + t)
+    positions = torch.arange(9000, 9000 + t)  # past the original context: the scaled frequencies matter
     cos, sin = hf(q, positions[None])
     hf_q, hf_k = apply_rotary_pos_emb(q, k, cos, sin)
-    ours_cos, ours_sin = rope_tables(positions, dh, theta)
-    assert torch.allclose(apply_rope(q, ours_cos, ours_sin), hf_q, atol=1e-5)
-    assert torch.allclose(apply_rope(k, ours_cos, ours_sin), hf_k, atol=1e-5)
+    ours_cos, ours_sin = rope_tables(positions, rope_frequencies(ours))
+    assert torch.allclose(apply_rope(q, ours_cos, ours_sin), hf_q, atol=1e-4)
+    assert torch.allclose(apply_rope(k, ours_cos, ours_sin), hf_k, atol=1e-4)
+    scaled = dataclasses.replace(ours, rope_scaling="llama3", rope_factor=32.0, rope_original_seq_len=8192)
+    assert (scaling is None) == (not torch.equal(rope_frequencies(ours), rope_frequencies(scaled)))
 
 
 def test_rope_scores_depend_only_on_the_distance():
-    dh, theta = 8, 10000.0
-    q, k = torch.randn(2, dh).unbind(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, position="rope")
+    q, k = torch.randn(2, cfg.head_dim).unbind(0)
 
     def score(m: int, n: int) -> torch.Tensor:
-        cos, sin = rope_tables(torch.tensor([m, n]), dh, theta)
+        cos, sin = rope_tables(torch.tensor([m, n]), rope_frequencies(cfg))
         rotated = apply_rope(torch.stack([q, k]), cos, sin)
         return rotated[0] @ rotated[1]
 

@@ -167,6 +167,14 @@ INVALID = [
     pytest.param({"model.rope_theta": -1.0}, 1, ["model.rope_theta=-1.0"], id="rope_theta"),
     pytest.param({"model.n_kv_heads": 3}, 1, ["model.n_kv_heads=3 must divide model.n_heads=4", "1, 2, 4"], id="kv3"),
     pytest.param({"model.n_kv_heads": 0}, 1, ["model.n_kv_heads=0"], id="kv0"),
+    pytest.param({"model.rope_scaling": "yarn"}, 1, ["model.rope_scaling='yarn'", "null (plain RoPE)"], id="rs-yarn"),
+    pytest.param({"model.rope_scaling": "llama3"}, 1, ["model.rope_scaling=llama3 needs model.position=rope"], id="rs"),
+    pytest.param(
+        {"model.rope_scaling": "llama3", "model.position": "rope", "model.rope_low_freq_factor": 4.0},
+        1,
+        ["model.rope_low_freq_factor=4.0 must be > 0 and below model.rope_high_freq_factor=4.0"],
+        id="rope-freq-factors",
+    ),
     pytest.param(
         {"model.position": "rope", "model.n_heads": 4, "model.d_model": 12},
         1,
@@ -295,6 +303,7 @@ def test_llama_presets(hydra_conf, preset: str) -> None:
     assert shape == (layers, d, heads, kv, f, seq, vocab)
     assert (m.norm, m.mlp, m.position, m.bias, m.tie_embeddings) == ("rmsnorm", "swiglu", "rope", False, tied)
     assert count_params(m) == params
+    assert m.rope_scaling == ("llama3" if preset == "llama-1b" else None)  # Llama 3.2's; Llama 3 8B had none
 
 
 def test_a_config_saved_before_the_llama_keys_reads_as_gpt2() -> None:

@@ -71,6 +71,11 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
         "model.n_kv_heads": {"4", "2", "1", "3"},
         "model.bias": {"true", "false"},
         "model.tie_embeddings": {"true", "false"},
+        "model.rope_scaling": {"llama3"},
+        "model.rope_factor": {"8.0", "32.0"},
+        "model.rope_low_freq_factor": {"1.0", "2.0"},
+        "model.rope_high_freq_factor": {"4.0"},
+        "model.rope_original_seq_len": {"16", "32"},
     }
     for key, values in expected.items():
         assert values <= seen[key], (key, seen[key])
@@ -103,8 +108,9 @@ def test_the_readme_lists_every_refusal_of_the_table() -> None:
     [
         (["parallel.zero=3", "parallel.pp=2", "model.n_layers=2"], 2, 0),
         (["parallel.offload.optimizer=cpu"], 1, 1),
-        (["parallel.dp=3"], 2, 9),  # said first, before the batch arithmetic (issue 17)
+        (["parallel.dp=3"], 2, 10),  # said first, before the batch arithmetic (issue 17)
         (["model.n_kv_heads=3"], 1, 7),
+        (["model.rope_scaling=llama3"], 1, 8),
     ],
 )
 def test_a_known_refusal_is_matched_to_its_readme_entry(overrides: list[str], world: int, entry: int) -> None:

@@ -41,6 +41,14 @@ class ModelConfig:
     mlp: str = "gelu"  # gelu (GPT-2's tanh approximation) | swiglu (silu(gate) * up)
     position: str = "learned"  # learned (a position table) | rope (rotary, on q and k)
     rope_theta: float = 10000.0
+    # RoPE frequency scaling for long contexts: None, or llama3 (Llama 3.1 / 3.2: frequencies with wavelengths past
+    # rope_original_seq_len / rope_low_freq_factor divided by rope_factor, those below rope_original_seq_len /
+    # rope_high_freq_factor kept, a smooth blend between).
+    rope_scaling: str | None = None
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_seq_len: int = 8192
     # Key/value heads: n_heads (default, None) is multi-head attention; fewer is grouped-query, 1 multi-query.
     n_kv_heads: int | None = None
     tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2), or a matrix of its own (Llama 3 8B)
@@ -141,6 +149,9 @@ class DataConfig:
     val_fraction: float = 0.01
     # Lines sampled to train the tokenizer (the whole text is tokenized either way).
     tokenizer_lines: int = 200_000
+    # An existing tokenizer to tokenize data.text with instead of training one: a sentencepiece .model, a Hugging
+    # Face tokenizer.json, or a directory holding one (an imported model's). None: train a sentencepiece model.
+    tokenizer: str | None = None
 
 
 @dataclass
@@ -149,6 +160,9 @@ class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end); always saved after the last step
     resume: str = "auto"  # auto | none | <path to a checkpoint directory>
     keep_last: int = 0  # 0 keeps every checkpoint
+    # Start from the weights (only: a fresh optimizer, step 0) of a trident checkpoint or a local Hugging Face
+    # GPT-2 / Llama directory; the model shape is taken from it.
+    init_from: str | None = None
 
 
 @dataclass
@@ -323,6 +337,19 @@ def validate(cfg: Config, world_size: int) -> int:
     _one_of("model.position", m.position, ("learned", "rope"))
     _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0")
     _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
+    _need(
+        m.rope_scaling in (None, "llama3"),
+        f"model.rope_scaling={m.rope_scaling!r} is not valid; use null (plain RoPE) or llama3",
+    )
+    if m.rope_scaling is not None:
+        _need(m.position == "rope", f"model.rope_scaling={m.rope_scaling} needs model.position=rope")
+        _need(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
+        _need(m.rope_original_seq_len >= 1, f"model.rope_original_seq_len={m.rope_original_seq_len} must be >= 1")
+        _need(
+            0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and below "
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor}",
+        )
     _need(
         m.position != "rope" or m.head_dim % 2 == 0,
         f"model.position=rope needs an even head size; d_model / n_heads = {m.head_dim}",

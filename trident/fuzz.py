@@ -168,6 +168,13 @@ def _draw_block(rng: random.Random, mistake: float) -> dict[str, Any]:
             "model.bias": rng.choice([True, False]),
             "model.tie_embeddings": rng.choice([True, False]),
         }
+        # Llama 3's long-context frequencies, with an original context below the 64 tokens so that they matter.
+        if block["model.position"] == "rope" and rng.random() < 0.5 or rng.random() < mistake:
+            block["model.rope_scaling"] = "llama3"
+            block["model.rope_factor"] = rng.choice([8.0, 32.0])
+            block["model.rope_low_freq_factor"] = rng.choice([1.0, 2.0])
+            block["model.rope_high_freq_factor"] = 4.0
+            block["model.rope_original_seq_len"] = rng.choice([16, 32])
     if rng.random() < mistake:
         block["model.n_kv_heads"] = 3
     return block
@@ -242,6 +249,10 @@ REFUSALS: tuple[Unsupported, ...] = (
     Unsupported(
         "key/value heads that do not divide `n_heads`, or that `tp` neither divides nor is a multiple of",
         r"model\.n_kv_heads=\d+ (must divide model\.n_heads|neither splits over nor replicates)",
+    ),
+    Unsupported(
+        "RoPE frequency scaling without rotary positions (`model.rope_scaling` with `model.position=learned`)",
+        r"model\.rope_scaling=\w+ needs model\.position=rope",
     ),
     Unsupported(
         "a global batch that is not a multiple of `micro_batch_size` x `dp`",
