@@ -12,14 +12,17 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from tests.test_checkpoint import run_tool
-from trident.checkpoint.consolidated import ModelWeights, load_weights
+from trident.checkpoint.consolidated import ModelWeights, load_weights, write_consolidated
 from trident.checkpoint.export import write_hf
+from trident.checkpoint.hf import read_box, sources, to_hf
 from trident.config import ModelConfig
 from trident.errors import CheckpointError
 from trident.models.gpt import GPT, init_weights
-from trident.parallel.placement import placement_of
+from trident.parallel.placement import Placement, placement_of
 
 GPT2_SHAPE = dict(n_layers=2, d_model=32, n_heads=4, seq_len=24, vocab_size=70, d_ff=48, init_std=0.2)
 LLAMA_BLOCK = dict(norm="rmsnorm", mlp="swiglu", position="rope", bias=False, norm_eps=1e-6, rope_theta=500.0)
@@ -118,7 +121,10 @@ HF_MODELS = {
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_a_transformers_model_reads_back_with_its_logits_and_round_trips_exactly(name, tmp_path, monkeypatch, capsys):
     source = HF_MODELS[name](tmp_path / "src")
+    tokenizer = Tokenizer(WordLevel({"<|endoftext|>": 0, "a": 1, "b": 2}, unk_token="<|endoftext|>"))
+    tokenizer.save(str(source / "tokenizer.json"))
     weights = load_weights(source)
+    assert weights.load_tokenizer().eos_id == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
     model = GPT(ModelConfig(**weights.config["model"]))
     with torch.no_grad():
@@ -139,7 +145,41 @@ def test_a_transformers_model_reads_back_with_its_logits_and_round_trips_exactly
     for key in before:
         assert torch.equal(before[key], after[key]), key
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == hf.config.model_type and config["vocab_size"] == 90
+    assert config["model_type"] == hf.config.model_type and config["vocab_size"] == 90 and config["eos_token_id"] == 0
+    # The tokenizer travels under its own name, through the checkpoint and back.
+    assert (ck / "step_00000000" / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert not (out / "tokenizer.model").exists()
+
+
+@pytest.mark.parametrize("block", ["gpt2-untied", "llama-gqa-untied", "llama-mha-bias"])
+def test_each_tp_rank_reads_only_the_rows_and_columns_of_its_shard(block):
+    """read_box of a tp block (rows for column-parallel weights, columns for row-parallel ones) touches exactly the
+    elements of that block, and gives the block of the whole tensor."""
+    cfg = BLOCKS[block]
+    _, tensors = our_model(cfg)
+    theirs = to_hf(tensors, cfg)
+    read = []
+
+    class Recording:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t, self.shape = t, t.shape
+
+        def __getitem__(self, index: object) -> torch.Tensor:
+            read.append(self.t[index].numel())
+            return self.t[index]
+
+    for name, source in sources(cfg).items():
+        full = tensors[name]
+        for dim in range(full.dim()):
+            if full.shape[dim] % 2:
+                continue
+            for rank in range(2):
+                placement = Placement(tuple(full.shape), split_dim=dim, tp_rank=rank, tp_size=2)
+                read.clear()
+                box = read_box(source, lambda n: Recording(theirs[n]), placement.offsets, placement.chunk_sizes)
+                assert torch.equal(box, placement.shard(full)), (name, dim, rank)
+                assert sum(read) == box.numel(), (name, dim, rank)
 
 
 def _io(monkeypatch, capsys) -> dict:
@@ -190,8 +230,6 @@ def test_what_has_no_hugging_face_counterpart_is_refused_in_one_line(tmp_path, m
     _, tensors = our_model(cfg)
     ck = tmp_path / "mix"
     weights = ModelWeights(tensors, {"model": dataclasses.asdict(cfg)}, 1, None, tmp_path)
-    from trident.checkpoint.consolidated import write_consolidated
-
     write_consolidated(weights, ck)
     assert _refused(monkeypatch, capsys, str(ck), "--to", "hf", "--out", str(tmp_path / "x")) == (
         "model.norm=rmsnorm with model.mlp=gelu, model.position=learned has no Hugging Face class: GPT2LMHeadModel "
