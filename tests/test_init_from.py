@@ -17,13 +17,13 @@ import transformers
 
 from tests.conftest import REPO
 from tests.layouts import _train, make_config, train_in_process
-from trident.checkpoint.consolidated import read_model_tensors
-from trident.checkpoint.init_from import adopt_init_from, check_init_from
-from trident.config import Config
+from trident.checkpoint.consolidated import load_weights, read_model_tensors, write_checkpoint
+from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_init_weights, open_source
+from trident.config import Config, ModelConfig
 from trident.data.dataset import open_dataset
 from trident.data.sampler import GlobalBatchSampler
 from trident.errors import ConfigError
-from trident.models.gpt import GPT, lm_loss_sum
+from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.parallel.placement import placement_of
 from trident.ranks import run_distributed
 
@@ -172,3 +172,21 @@ def test_train_py_exits_2_with_one_line_on_a_contradicting_key(tmp_path):
         f"error: checkpoint.init_from={source} is a Hugging Face model with model.n_layers=2; the command line sets "
         "model.n_layers=4: leave it out to take its shape, or start from another model\n"
     )
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_converted_checkpoint_and_the_directory_load_the_same_weights(kind, tmp_path):
+    """init_from reads a Hugging Face directory and its ``convert_checkpoint --from hf`` checkpoint alike (one
+    process here): the model then gives transformers' logits."""
+    source = hf_model(kind, tmp_path / "src")
+    write_checkpoint(load_weights(source), tmp_path / "ck")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    for path in (source, tmp_path / "ck"):
+        init = open_source(str(path))
+        cfg = ModelConfig(**init.model)
+        model = GPT(cfg)
+        init_weights(model, cfg, seed=1)
+        load_init_weights([model], init)
+        with torch.no_grad():
+            assert (model.eval()(ids) - hf(ids).logits).abs().max() < 1e-4, path
