@@ -10,7 +10,9 @@ not: the validator is under test as much as the training. Then:
   (``python train.py`` or ``torchrun``) exits 2 with that line within seconds;
 - accepted: the run gives the one-process curve (fp32: trident/curves.py's comparison, every step, every rank;
   bf16 / fp16: no skipped step and losses within 2% of fp32), and its mid-run checkpoint resumes under another
-  random valid layout with the uninterrupted run's next losses. Every run has a time limit: nothing may hang.
+  random valid layout with the uninterrupted run's next losses; for a third of them a run started from that
+  checkpoint's weights (``checkpoint.init_from``) under that layout gives one process's curve from the same
+  weights. Every run has a time limit: nothing may hang.
 
 Cases are deterministic per (seed, case index), so one failing case is reproduced alone. Training runs
 in-process on warm rank pools (``trident.ranks``) through ``run(cfg, run_dir)`` of the checkout's ``train.py``,
@@ -180,11 +182,23 @@ def _draw_block(rng: random.Random, mistake: float) -> dict[str, Any]:
     return block
 
 
+# data.tokenizer set to the tokenizer the sweep's dataset was prepared with (the path is the sweep's, filled in by
+# ``Fuzzer.config``): the dataset must recognise it as its own and train exactly as without it.
+DATASET_TOKENIZER = "DATASET_TOKENIZER"
+
+
 def draw_case(seed: int, index: int) -> Case:
-    """The case ``index`` of sweep ``seed``: the same on every machine and Python run (string seeds hash alike)."""
+    """The case ``index`` of sweep ``seed``: the same on every machine and Python run (string seeds hash alike).
+    The block and the data knobs come from streams of their own, so adding them changed no other knob."""
     world, knobs = _draw_knobs(random.Random(f"fuzz:{seed}:{index}"), MISTAKE)
     block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
-    return Case(seed, index, world, _overrides({**block, **knobs}))
+    data = {"data.tokenizer": DATASET_TOKENIZER} if random.Random(f"fuzz-data:{seed}:{index}").random() < 0.2 else {}
+    return Case(seed, index, world, _overrides({**block, **data, **knobs}))
+
+
+def starts_from_weights(case: Case) -> bool:
+    """Whether an accepted case also checks ``checkpoint.init_from`` (about a third of them: two more runs each)."""
+    return random.Random(f"fuzz-init:{case.seed}:{case.index}").random() < 1 / 3
 
 
 def draw_resume_layout(case: Case, accepts: Callable[[int, tuple[str, ...]], bool]) -> tuple[int, tuple[str, ...]]:
@@ -391,8 +405,13 @@ class Fuzzer:
         self._references: dict[tuple[str, ...], list[dict]] = {}
         self._runs = 0
 
+    def overrides(self, overrides: tuple[str, ...] | list[str]) -> list[str]:
+        """train.py's command line for a case's overrides on this sweep's dataset."""
+        tokenizer = str(self.dataset / "tokenizer.model")
+        return [*base_overrides(self.dataset), *(o.replace(DATASET_TOKENIZER, tokenizer) for o in overrides)]
+
     def config(self, overrides: tuple[str, ...] | list[str]) -> Config:
-        return compose_config(self.repo / "conf", [*base_overrides(self.dataset), *overrides])
+        return compose_config(self.repo / "conf", self.overrides(overrides))
 
     def accepts(self, world: int, overrides: tuple[str, ...]) -> bool:
         return verdict(self.config(overrides), world) is None
@@ -404,10 +423,11 @@ class Fuzzer:
         cfg = self.config(overrides)
         return run_dir, run_distributed(_train_on_rank, world, self.train_py, cfg, run_dir, timeout_s=self.timeout_s)
 
-    def reference(self, case: Case) -> list[dict]:
-        """The fp32 one-process curve of the case's model and batch (one micro-batch a step)."""
+    def reference(self, case: Case, *extra: str) -> list[dict]:
+        """The fp32 one-process curve of the case's model and batch (one micro-batch a step), with ``extra``."""
         knobs = case.knobs
         key = tuple(f"{k}={v}" for k, v in knobs.items() if k.startswith("model.") or k == "train.global_batch_size")
+        key = (*key, *extra)
         if key not in self._references:
             batch = knobs["train.global_batch_size"]
             _, (history,) = self.train(1, (*key, f"train.micro_batch_size={batch}", "train.precision=fp32"))
@@ -459,6 +479,21 @@ class Fuzzer:
         for rank, history in enumerate(resumed):
             what = f"resumed at world {world} ({' '.join(overrides)}), rank {rank}"
             problems += curve_problems(histories[0][SAVE_AT:], history, case.precision, what)
+        if problems or not starts_from_weights(case):
+            return problems
+        # checkpoint.init_from: the saved weights, a fresh optimizer at step 0, under the other layout, against
+        # one process started from the same weights.
+        init = f"checkpoint.init_from={checkpoint}"
+        try:
+            expected = self.reference(case, init)
+            _, started = self.train(world, (*overrides, init))
+        except TimeoutError:
+            raise
+        except Exception as e:
+            return [f"init_from at world {world}: {' '.join(overrides)}: {_first_line(e)}"]
+        for rank, history in enumerate(started):
+            what = f"started from the step-{SAVE_AT} weights at world {world} ({' '.join(overrides)}), rank {rank}"
+            problems += curve_problems(expected, history, case.precision, what)
         return problems
 
     def check_launch(self, case: Case, message: str) -> tuple[str | None, float]:
@@ -467,7 +502,7 @@ class Fuzzer:
         if case.world > 1:  # --standalone: a free port of its own, beside other jobs on the machine
             launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.world}"]
         hydra = (f"hydra.run.dir={self.work_dir / 'launch'}", "hydra.output_subdir=null")
-        cmd = [*launcher, self.train_py, *base_overrides(self.dataset), *case.overrides, *hydra]
+        cmd = [*launcher, self.train_py, *self.overrides(case.overrides), *hydra]
         limit = launch_limit_s(case.world)
         start = time.monotonic()
         try:
