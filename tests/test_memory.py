@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.layouts import tiny, train_in_process
+from tests.layouts import make_config, tiny, train_in_process
 from trident.build import build_parts
 from trident.config import Config, ModelConfig, OffloadConfig
 from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
@@ -21,6 +21,7 @@ from trident.memory_estimate import (
     activation_bytes,
     chunk_params,
     flat_layout,
+    isolated,
     model_states,
     rank_params,
     schedule_order,
@@ -29,6 +30,8 @@ from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
 from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups, build_process_groups
+from trident.parallel.pipeline.stages import stage_layers
+from trident.parallel.placement import placement_of
 from trident.parallel.precision import autocast
 from trident.parallel.random import model_parallel_rng
 from trident.parallel.topology import Topology
@@ -41,6 +44,35 @@ SHAPES = [
     TINY,
     ModelConfig(name="odd", n_layers=3, d_model=48, n_heads=6, seq_len=40, vocab_size=515, vocab_multiple=8),
     ModelConfig(name="nobias", n_layers=2, d_model=32, n_heads=2, seq_len=16, vocab_size=100, bias=False, d_ff=80),
+]
+# conf/model/llama-tiny.yaml: RMSNorm, SwiGLU (fc holds gate and up), RoPE (no position table), 4 query heads
+# sharing 2 kv heads (q and kv apart), no biases, an untied head; with a vocab that pads.
+LLAMA = ModelConfig(
+    name="llama-tiny",
+    n_layers=2,
+    d_model=64,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=176,
+    seq_len=64,
+    vocab_size=515,
+    norm="rmsnorm",
+    mlp="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
+# Each block option on its own against llama-tiny: tied, multi-head (fused qkv) with RoPE, multi-query, learned
+# positions with grouped-query attention, biases (RMSNorm has none; LayerNorm does), GELU.
+LLAMAS = [
+    LLAMA,
+    dataclasses.replace(LLAMA, name="llama-tied", tie_embeddings=True),
+    dataclasses.replace(LLAMA, name="llama-mha", n_kv_heads=None),
+    dataclasses.replace(LLAMA, name="llama-mqa", n_kv_heads=1),
+    dataclasses.replace(LLAMA, name="llama-learned", position="learned"),
+    dataclasses.replace(LLAMA, name="llama-bias", bias=True),
+    dataclasses.replace(LLAMA, name="llama-bias-layernorm", bias=True, norm="layernorm"),
+    dataclasses.replace(LLAMA, name="llama-gelu", mlp="gelu"),
 ]
 
 
@@ -78,13 +110,33 @@ def test_held_by_forward_sees_saved_tensors_not_temporaries_or_parameters() -> N
 # --- parameter structure --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", SHAPES, ids=[c.name for c in SHAPES])
+@pytest.mark.parametrize("cfg", SHAPES + LLAMAS, ids=[c.name for c in SHAPES + LLAMAS])
 def test_rank_params_are_the_models_own(cfg: ModelConfig) -> None:
-    """Names, order and local sizes equal GPT's named_parameters at tp=1; the sum is count_params plus padding."""
+    """Names, order and local sizes equal GPT's named_parameters at tp=1; the sum is count_params plus padding
+    (of both tables when the head is untied)."""
     model = GPT(cfg)
     assert rank_params(cfg, Layout(), 0) == [(n, p.numel()) for n, p in model.named_parameters()]
-    padding = (model.padded_vocab - cfg.vocab_size) * cfg.d_model
+    padding = (model.padded_vocab - cfg.vocab_size) * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     assert sum(n for _, n in rank_params(cfg, Layout(), 0)) == count_params(cfg) + padding
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("cfg", [SHAPES[0], LLAMA, LLAMAS[1]], ids=["gpt", "llama-untied", "llama-tied"])
+def test_pipeline_chunks_are_the_stage_models_own(cfg: ModelConfig, pp: int, vpp: int) -> None:
+    """Each chunk's parameters are those of the GPT a pipeline stage builds for it (first: the embedding, and a
+    position table only with learned positions; last: the final norm and an lm_head, a tied copy or an untied
+    head), and the isolated buckets are the parameters whose gradients build.py sums across stages: a tied
+    embedding's two copies, nothing for an untied head."""
+    cfg = dataclasses.replace(cfg, n_layers=4)
+    chunks = pp * vpp
+    layout = Layout(pp=pp, vpp=vpp, schedule="interleaved" if vpp > 1 else None)
+    for c in range(chunks):
+        model = GPT(cfg, layers=stage_layers(cfg.n_layers, pp, vpp, c), first=c == 0, last=c == chunks - 1)
+        assert chunk_params(cfg, 1, pp, vpp, c) == [(n, p.numel()) for n, p in model.named_parameters()]
+        summed = {n for n, p in model.named_parameters() if "embedding" in placement_of(p).grad_sums}
+        assert summed == {n for n, _ in chunk_params(cfg, 1, pp, vpp, c)} & isolated(cfg, layout)
+        if c in (0, chunks - 1):
+            assert bool(summed) == cfg.tie_embeddings
 
 
 def test_pipeline_split_holds_every_layer_once_and_a_tied_copy() -> None:
@@ -92,13 +144,13 @@ def test_pipeline_split_holds_every_layer_once_and_a_tied_copy() -> None:
     layout = Layout(pp=3)
     stages = [rank_params(cfg, layout, s) for s in range(3)]
     names = [n for stage in stages for n, _ in stage]
-    assert names.count("wte.weight") == 2  # the first stage's, and the last stage's copy for the head
-    assert [n for n in names if n != "wte.weight"] == [n for n, _ in GPT(cfg).named_parameters() if n != "wte.weight"]
+    assert names.count("wte.weight") == 1 and names.count("lm_head.weight") == 1  # the last stage's copy of it
+    assert [n for n in names if n != "lm_head.weight"] == [n for n, _ in GPT(cfg).named_parameters()]
     assert stages[1] == chunk_params(cfg, 1, 3, 1, 1) and all(n.startswith("layers.1.") for n, _ in stages[1])
     # Both copies of the tied embedding get a bucket of their own, as train.py isolates them.
     wte = dict(stages[0])["wte.weight"]
     for stage in (0, 2):
-        spans = flat_layout(stages[stage], Layout(pp=3, dp=2)).spans
+        spans = flat_layout(stages[stage], Layout(pp=3, dp=2), isolated(cfg, Layout(pp=3))).spans
         assert [s.numel for s in spans if s.params[0].numel() == wte] == [wte + wte % 2]
         assert sum(len(s.params) for s in spans) == len(stages[stage])
     inter = Layout(pp=2, vpp=2, schedule="interleaved")
@@ -157,26 +209,34 @@ def _held(cfg: ModelConfig, policy: str, batch: int, model: GPT | None = None, p
             logits = model(x)
         return model.loss_sum(logits, y)
 
-    _, held = held_by_forward(forward, [*model.parameters(), x, y])
+    _, held = held_by_forward(forward, [*model.parameters(), *model.buffers(), x, y])  # model state, not activations
     return held
 
 
-# With dropout, training runs the attention core explicitly: its s^2 tensors replace the fused kernel's logsumexp.
+# With dropout, training runs the attention core explicitly: its s^2 tensors replace the fused kernel's logsumexp
+# (and with grouped-query attention, k and v repeated to every query head replace the kv projection's output).
 DROPOUT = dataclasses.replace(SHAPES[1], name="odd-dropout", dropout=0.1)
+ACTIVATION_SHAPES = [
+    *SHAPES[:2],
+    DROPOUT,
+    *LLAMAS,
+    dataclasses.replace(LLAMA, name="llama-dropout", dropout=0.1),
+    dataclasses.replace(LLAMAS[2], name="llama-mha-dropout", dropout=0.1),
+]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("cfg", [*SHAPES[:2], DROPOUT], ids=[c.name for c in [*SHAPES[:2], DROPOUT]])
+@pytest.mark.parametrize("cfg", ACTIVATION_SHAPES, ids=[c.name for c in ACTIVATION_SHAPES])
 def test_activation_prediction_matches_a_forward(cfg: ModelConfig, precision: str) -> None:
     """What one micro-batch's forward keeps for backward (storages created and still alive, parameters and
-    input left out) is predicted within 1% for each policy, and full < selective < none."""
+    input left out) is predicted to the byte for each policy, and full < selective < none: GPT-2's blocks and
+    each Llama option (RMSNorm's composite on a CPU, SwiGLU's three hidden tensors, RoPE's rotated q and k and
+    its tables, grouped-query k and v at their own width, no position ids with RoPE, an untied head)."""
     held = {p: _held(cfg, p, batch=2, precision=precision) for p in POLICIES}
     layout = Layout(micro_batch_size=2, precision=precision, device="cpu")
     predicted = {p: activation_bytes(cfg, layout, 0, p) for p in POLICIES}
-    for p in POLICIES:
-        assert predicted[p] == pytest.approx(held[p], rel=0.01), (p, predicted, held)
+    assert predicted == held
     assert held["full"] < held["selective"] < held["none"]
-    assert predicted["full"] < predicted["selective"] < predicted["none"]
 
 
 # --- model states on real ranks -------------------------------------------------------------------------------
@@ -215,7 +275,7 @@ def _measure_states(config: Config, groups: ProcessGroups, run_dir: Path | None,
         micro = [Batch(x, x, torch.arange(2 * m, 2 * m + 2), 0) for m, x in enumerate(tokens)]
         parts.runner.forward_backward(micro, model.loss_sum, 1.0)
         setup.step.step(1e-3)
-        out = {"states": measure_model_states(setup.step.model_state_tensors())}
+        out = {"states": measure_model_states(setup.step.model_state_tensors()), "named": model.named_parameters()}
         # Stages 2-3: the most staging memory the reducer held at once during the step.
         out["staging"] = getattr(setup.reducer, "peak_staging_bytes", 0)
         if run_dir is not None:
@@ -230,7 +290,7 @@ def _states_on_ranks(rank: int, world: int, cfg: ModelConfig, tp: int, cases: li
     out = []
     for i, case in enumerate(cases):
         result = _measure_states(_config(cfg, *case, tp=tp), groups, run_dir if i == 0 else None)
-        out.append({"dp_rank": groups.dp_rank, **result})
+        out.append({"dp_rank": groups.dp_rank, "params": [(n, p.numel()) for n, p in result.pop("named")], **result})
     return out
 
 
@@ -250,12 +310,14 @@ def _predicted(cfg: ModelConfig, case: tuple, dp: int, tp: int, dp_rank: int) ->
 
 
 def _check_states(ranks: list[list[dict]], cfg: ModelConfig, cases: list, dp: int, tp: int) -> None:
+    """Each rank's parameters are the predicted ones and its measured model states the prediction to the byte."""
     for r in ranks:
         for case, got in zip(cases, r, strict=True):
+            assert got["params"] == rank_params(cfg, Layout(tp=tp), 0), case
             predicted = _predicted(cfg, case, dp, tp, got["dp_rank"])
             for kind in ("params", "grads", "optimizer", "total"):
-                measured, expected = got["states"][kind]["host"], predicted.figures[kind]["host"]
-                assert measured == pytest.approx(expected, rel=0.05), (case, kind, measured, expected)
+                measured, expected = got["states"][kind], predicted.figures[kind]
+                assert measured == expected, (case, kind, measured, expected)
             largest = max(
                 s.numel
                 for s in flat_layout(
@@ -268,11 +330,11 @@ def _check_states(ranks: list[list[dict]], cfg: ModelConfig, cases: list, dp: in
 
 
 @pytest.mark.multiprocess
-def test_model_states_match_the_prediction_at_every_stage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cfg", [SHAPES[1], LLAMA], ids=["gpt-odd", "llama-tiny"])
+def test_model_states_match_the_prediction_at_every_stage(tmp_path: Path, cfg: ModelConfig) -> None:
     """dp=2: zero 0-3, fp32 and bf16, offload ratios 0.5 and 1.0, many padded buckets or one: each rank's
-    measured parameters, gradients and optimizer states are the prediction within 5%, and stage 2-3's staging
+    measured parameters, gradients and optimizer states are the prediction to the byte, and stage 2-3's staging
     peak lies between the largest bucket and the prediction; memory.json holds every rank and the max."""
-    cfg = SHAPES[1]
     ranks = run_distributed(_states_on_ranks, 2, cfg, 1, STATE_CASES, tmp_path, timeout_s=240)
     _check_states(ranks, cfg, STATE_CASES, dp=2, tp=1)
     report = json.loads((tmp_path / "memory.json").read_text())
@@ -282,39 +344,54 @@ def test_model_states_match_the_prediction_at_every_stage(tmp_path: Path) -> Non
 
 
 TP_CASES = [(0, "fp32", None, 0.01), (1, "bf16", 0.5, 0.01), (2, "fp32", None, 25.0), (3, "bf16", None, 25.0)]
+# (model, tp, world): gpt with a vocab of 515 padded over tp; llama-tiny's 2 kv heads split over tp=2 and, at tp=4,
+# held whole by every rank.
+TP_STATES = {
+    "gpt-odd-tp2": (SHAPES[1], 2, 4),
+    "llama-tp2-kv-split": (LLAMA, 2, 4),
+    "llama-tp4-kv-replicated": (LLAMA, 4, 8),
+}
 
 
 @pytest.mark.multiprocess
-def test_model_states_match_the_prediction_with_tensor_parallelism(tmp_path: Path) -> None:
-    """dp=2 x tp=2 (vocab 515 padded over tp): the same, for each rank's tp slices."""
-    cfg = SHAPES[1]
-    ranks = run_distributed(_states_on_ranks, 4, cfg, 2, TP_CASES, tmp_path, timeout_s=240)
-    _check_states(ranks, cfg, TP_CASES, dp=2, tp=2)
+@pytest.mark.parametrize("name", list(TP_STATES))
+def test_model_states_match_the_prediction_with_tensor_parallelism(tmp_path: Path, name: str) -> None:
+    """dp=2 x tp: the same, for each rank's tp slices (and replicated kv weights)."""
+    cfg, tp, world = TP_STATES[name]
+    ranks = run_distributed(_states_on_ranks, world, cfg, tp, TP_CASES, tmp_path, timeout_s=300)
+    _check_states(ranks, cfg, TP_CASES, dp=world // tp, tp=tp)
 
 
-def _tp2(rank: int, world: int, cfg: ModelConfig) -> dict:
+def _tp(rank: int, world: int, cfg: ModelConfig) -> dict:
     group = dist.group.WORLD
     out = {"params": [(n, p.numel()) for n, p in GPT(cfg, group).named_parameters()]}
+    # The least of three forwards: a gloo collective's work object may still hold its tensor (the loss's amax,
+    # all-reduced over tp) for a moment after it completes, a communication buffer, not an activation.
     for sp in (False, True):
-        out[sp] = {p: _held(cfg, p, batch=2, model=GPT(cfg, group, sequence_parallel=sp)) for p in POLICIES}
+        out[sp] = {
+            p: min(_held(cfg, p, batch=2, model=GPT(cfg, group, sequence_parallel=sp)) for _ in range(3))
+            for p in POLICIES
+        }
     return out
 
 
 @pytest.mark.multiprocess
-def test_tp2_parameters_and_activations_match_the_prediction() -> None:
-    """At tp=2 (vocab 515 padded, so the ranks' blocks differ in real rows): each rank's parameters are the
-    predicted ones, and the activations of one micro-batch with and without sequence parallelism are predicted
-    within 1% on the rank with the most."""
-    cfg = SHAPES[1]
-    ranks = run_distributed(_tp2, 2, cfg)
-    layout = Layout(tp=2, micro_batch_size=2, device="cpu")
+@pytest.mark.parametrize(
+    "cfg,tp", [(SHAPES[1], 2), (LLAMA, 2), (LLAMA, 4)], ids=["gpt-odd-tp2", "llama-tp2", "llama-tp4"]
+)
+def test_tp_parameters_and_activations_match_the_prediction(cfg: ModelConfig, tp: int) -> None:
+    """At tp=2 and 4 (vocab 515 padded, so the ranks' blocks differ in real rows; llama-tiny's kv heads split at
+    tp=2, replicated at tp=4): each rank's parameters are the predicted ones, and the activations of one
+    micro-batch with and without sequence parallelism are predicted to the byte on the rank with the most."""
+    ranks = run_distributed(_tp, tp, cfg)
+    layout = Layout(tp=tp, micro_batch_size=2, device="cpu")
     for r in ranks:
         assert r["params"] == rank_params(cfg, layout, 0)
     for sp in (False, True):
-        lay = Layout(tp=2, sequence_parallel=sp, micro_batch_size=2, device="cpu")
+        lay = Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, device="cpu")
         for p in POLICIES:
             measured = max(r[sp][p] for r in ranks)
-            assert activation_bytes(cfg, lay, 0, p) == pytest.approx(measured, rel=0.01), (sp, p)
+            assert activation_bytes(cfg, lay, 0, p) == measured, (sp, p)
 
 
 @pytest.mark.multiprocess
@@ -334,3 +411,39 @@ def test_a_run_logs_its_model_states_beside_the_prediction(tiny_dataset: Path, t
     assert report["max"]["total"] == {
         place: max(r["total"][place] for r in report["ranks"]) for place in ("device", "host")
     }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "extra",
+    [["parallel.zero=1"], ["parallel.zero=2", "model.tie_embeddings=true", "parallel.bucket_mb=0.01"]],
+    ids=["untied-zero1", "tied-zero2-small-buckets"],
+)
+def test_a_llama_pipeline_run_logs_the_predicted_model_states(
+    tiny_dataset: Path, tmp_path: Path, extra: list[str]
+) -> None:
+    """llama-tiny at dp=2 x pp=2, bf16: memory.json's measured model states of every rank equal the prediction for
+    its stage and dp rank to the byte (untied: the last stage's own lm_head, no bucket of its own; tied: the
+    embedding and its copy in buckets of their own), and the logged estimate of each stage is its largest dp rank."""
+    overrides = tiny(
+        tiny_dataset,
+        "model=llama-tiny",
+        "train.steps=1",
+        "parallel.dp=2",
+        "parallel.pp=2",
+        "train.precision=bf16",
+        "train.eval_every=0",
+        *extra,
+    )
+    train_in_process(tmp_path, overrides, world=4)
+    report = json.loads((tmp_path / "memory.json").read_text())
+    config = make_config(*overrides)
+    layout = Layout.from_config(config, 2, "cpu")
+    m = config.model
+    assert {(r["pp"], r["dp"]) for r in report["ranks"]} == {(s, d) for s in range(2) for d in range(2)}
+    for r in report["ranks"]:
+        predicted = model_states(rank_params(m, layout, r["pp"]), layout, r["dp"], isolated(m, layout)).figures
+        assert {kind: r[kind] for kind in predicted} == predicted, r
+    for stage in report["estimate"]["stages"]:
+        rows = [r for r in report["ranks"] if r["pp"] == stage["stage"]]
+        assert stage["model_states"]["total"] == max((r["total"] for r in rows), key=lambda t: sum(t.values()))

@@ -1,48 +1,68 @@
 """Per-rank memory predicted before launch, for a model shape and a parallel layout.
 
 Model states are counted from the model's structure, parameter by parameter (``rank_params``: the padded
-vocabulary's share of the embedding, the tp split of every matrix and column-parallel bias, the replicated
-LayerNorms and row-parallel biases, the layers of each pipeline stage, the tied copy of the embedding on the last
-stage when pp > 1), laid out in the flat buffers with the reducer's buckets and their padding to a multiple of dp
-(trident/parallel/layout.py), then held as each ZeRO stage holds them (``model_states``). With Psi parameters
-and N dp ranks this is the ZeRO paper's accounting (Rajbhandari et al., 2020: 16 Psi in 16-bit training, 4 Psi +
-12 Psi / N at stage 1, 2 Psi + 14 Psi / N at stage 2, 16 Psi / N at stage 3) made exact: padding, the gradient
-buffer's fp32 even for 16-bit parameters, Adam's per-tensor step counters, buffers a stage keeps whole.
+vocabulary's share of the embedding, the tp split of every matrix and column-parallel bias, the replicated norms
+and row-parallel biases, grouped-query attention's kv weight split over tp or, with fewer kv heads than tp ranks,
+held whole by every rank, SwiGLU's fc at twice the hidden width, a position table only with learned positions, the
+layers of each pipeline stage, the LM head on the last stage: an untied head of its own, or with pp > 1 the tied
+copy of the embedding), laid out in the flat buffers with the reducer's buckets and their padding to a multiple of
+dp (trident/parallel/layout.py; a tied embedding and its copy isolated in buckets of their own under pp > 1), then
+held as each ZeRO stage holds them (``model_states``). With Psi parameters and N dp ranks this is the ZeRO paper's
+accounting (Rajbhandari et al., 2020: 16 Psi in 16-bit training, 4 Psi + 12 Psi / N at stage 1, 2 Psi + 14 Psi / N
+at stage 2, 16 Psi / N at stage 3) made exact: padding, the gradient buffer's fp32 even for 16-bit parameters,
+Adam's per-tensor step counters, buffers a stage keeps whole. tests/test_memory.py checks it to the byte against
+real ranks (memory.json).
 
 Activations follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"):
 count, per transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the
 micro-batches in flight on a pipeline stage. Counted for this model's operators rather than Megatron's: attention
-runs a fused kernel (flash / memory-efficient) that saves q, k, v, its output and an fp32 logsumexp, never the
-s x s scores, so Korthikanti's 5as/h term is absent, and selective recomputation of the attention core saves only
-the logsumexp. With s tokens, b sequences, h the model width, f the MLP width, a heads, t = tp, t_sp = t under
-sequence parallelism (else 1), e the activation dtype's bytes and e_n a LayerNorm's (fp32 under 16-bit autocast
-on CUDA, where layer_norm is an fp32 op; the activation dtype on CPU, where it is not):
+runs a fused kernel (flash / memory-efficient, taking grouped-query k and v as they are) that saves q, k, v, its
+output and an fp32 logsumexp, never the s x s scores, so Korthikanti's 5as/h term is absent, and selective
+recomputation of the attention core saves only the logsumexp. With s tokens, b sequences, h the model width, f the
+MLP width, a heads, t = tp, t_sp = t under sequence parallelism (else 1), e the activation dtype's bytes, e_n a
+LayerNorm's (fp32 under 16-bit autocast on CUDA, where layer_norm is an fp32 op; the activation dtype on CPU,
+where it is not), q = h / t this rank's query width and k its key width (its kv heads x head_dim):
 
     per layer, no recomputation   LayerNorm inputs, mean, rstd    2 sb (h + 2) e_n / t_sp
+                                  RMSNorm instead                 2 sb (h + 1) 4 / t_sp on CUDA (the fused kernel's
+                                                                  input and rstd, fp32 under autocast), 2 sb (2h + 1)
+                                                                  4 / t_sp on a CPU (the composite's fp32 input, its
+                                                                  normalised copy and rstd)
                                   qkv and fc inputs               2 sbh e    (whole: all-gathered under SP)
-                                  q, k, v, attention output       4 sbh e / t (the output is the projection's input)
+                                  q, k, v, attention output       multi-head: 4 sbq e (the fused qkv output, which
+                                                                  the q, k, v views keep, and the output), 6 sbq e
+                                                                  with RoPE (the rotated q and k besides);
+                                                                  grouped-query: sb (2q + 2k) e, sb (2q + 3k) e with
+                                                                  RoPE (the kv output and the rotated q and k)
+                                  RoPE's cos and sin tables       2 s (h / a) 4 (fp32; two 16-bit casts each in 16 bits)
                                   attention logsumexp             4 abs / t
                                   fc output, GELU output          2 sbf e / t
+                                  SwiGLU instead                  4 sbf e / t (fc's gate and up, silu(gate), product)
                                   dropout masks (p > 0)           2 sbh / t_sp  (bool)
                                   with dropout (p > 0), training runs attention explicitly (SDPA's dropout draws from
                                   the global generator): instead of the logsumexp, the probabilities and their
-                                  dropped copy 2 a b s^2 e / t, the keep mask a b s^2 / t and the causal mask s^2
+                                  dropped copy 2 a b s^2 e / t, the keep mask a b s^2 / t and the causal mask s^2;
+                                  its matmuls keep q, k and v at the query heads' width, 4 sbq e in all with the
+                                  output (k and v repeated, views copied contiguous), instead of the projections'
     selective recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
     full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
 
 For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
-without their two dropout masks. The first stage adds the position ids (and at tp > 1 the vocab-parallel lookup's
-mask and local ids), the last stage the final LayerNorm, the head's whole input and the loss's fp32 probabilities
-over this rank's vocab block, 4 b s V. Micro-batches in flight come from walking each stage's forward/backward
-order (GPipe: all M; 1F1B: min(pp - r, M) on stage r; interleaved: Megatron's warm-up of 2 (pp - r - 1) +
-(vpp - 1) pp chunk forwards, which on the first stage holds Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers).
-Not counted: the logits the runner holds while backward runs, allocator fragmentation, communication buffers,
-the CUDA context and workspaces.
+without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
+vocab-parallel lookup's mask and local ids), the last stage the final norm, the head's whole input and the loss's
+fp32 probabilities over this rank's vocab block, 4 b s V (tied or untied head alike). Micro-batches in flight come
+from walking each stage's forward/backward order (GPipe: all M; 1F1B: min(pp - r, M) on stage r; interleaved:
+Megatron's warm-up of 2 (pp - r - 1) + (vpp - 1) pp chunk forwards, which on the first stage holds Korthikanti's
+L (1 + (pp - 1) / (pp vpp)) layers). On a CPU every term is checked to the byte against a real forward
+(tests/test_memory.py); the CUDA terms (LayerNorm and RMSNorm in fp32 under autocast, fused attention for every
+head layout) are from the kernels' signatures, not measured here. Not counted: the logits the runner holds while
+backward runs, allocator fragmentation, communication buffers, the CUDA context and workspaces.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -116,24 +136,42 @@ class Layout:
 # --- parameters -----------------------------------------------------------------------------------------------
 
 
-def _layer_norm(prefix: str, m: ModelConfig) -> list[tuple[str, int]]:
-    return [(f"{prefix}.weight", m.d_model)] + ([(f"{prefix}.bias", m.d_model)] if m.bias else [])
+def _norm(prefix: str, m: ModelConfig) -> list[tuple[str, int]]:
+    """LayerNorm: a gain, and a bias when the model has biases; RMSNorm: a gain only."""
+    bias = m.bias and m.norm == "layernorm"
+    return [(f"{prefix}.weight", m.d_model)] + ([(f"{prefix}.bias", m.d_model)] if bias else [])
 
 
 def _linear(prefix: str, out_local: int, in_local: int, bias_local: int, m: ModelConfig) -> list[tuple[str, int]]:
     return [(f"{prefix}.weight", out_local * in_local)] + ([(f"{prefix}.bias", bias_local)] if m.bias else [])
 
 
+def kv_heads_local(m: ModelConfig, tp: int) -> int:
+    """Key/value heads a tp rank computes: its 1/tp of them when tp divides them, else the one its query heads read."""
+    return m.kv_heads // tp if m.kv_heads % tp == 0 else 1
+
+
 def block_params(m: ModelConfig, tp: int, prefix: str = "") -> list[tuple[str, int]]:
-    """(name, local numel) of one transformer block at tp, in registration order: qkv and fc split by output rows
-    (with their biases), the two projections by input columns (their biases whole), LayerNorms whole."""
-    d, f = m.d_model, m.ffn_dim
+    """(name, local numel) of one transformer block at tp, in registration order (models/gpt.py): the norms whole;
+    multi-head attention's fused qkv, or grouped-query attention's q and kv, split by output rows with their
+    biases, except a kv that tp does not divide, which every rank holds whole; the MLP's fc (SwiGLU's gate and up
+    rows together: 2 f) split by output rows; the two projections split by input columns, their biases whole."""
+    d, f, dh, heads, kv_heads = m.d_model, m.ffn_dim, m.head_dim, m.n_heads, m.kv_heads
+    if kv_heads == heads:
+        attention = _linear(f"{prefix}attn.qkv", 3 * d // tp, d, 3 * d // tp, m)
+    else:
+        kv = 2 * kv_heads * dh // (tp if kv_heads % tp == 0 else 1)
+        attention = [
+            *_linear(f"{prefix}attn.q", heads * dh // tp, d, heads * dh // tp, m),
+            *_linear(f"{prefix}attn.kv", kv, d, kv, m),
+        ]
+    fc = (2 * f if m.mlp == "swiglu" else f) // tp
     return [
-        *_layer_norm(f"{prefix}ln_1", m),
-        *_linear(f"{prefix}attn.qkv", 3 * d // tp, d, 3 * d // tp, m),
-        *_linear(f"{prefix}attn.proj", d, d // tp, d, m),
-        *_layer_norm(f"{prefix}ln_2", m),
-        *_linear(f"{prefix}mlp.fc", f // tp, d, f // tp, m),
+        *_norm(f"{prefix}ln_1", m),
+        *attention,
+        *_linear(f"{prefix}attn.proj", d, heads * dh // tp, d, m),
+        *_norm(f"{prefix}ln_2", m),
+        *_linear(f"{prefix}mlp.fc", fc, d, fc, m),
         *_linear(f"{prefix}mlp.proj", d, f // tp, d, m),
     ]
 
@@ -141,22 +179,32 @@ def block_params(m: ModelConfig, tp: int, prefix: str = "") -> list[tuple[str, i
 def chunk_params(m: ModelConfig, tp: int, pp: int, vpp: int, chunk: int) -> list[tuple[str, int]]:
     """(name, local numel) of model chunk ``chunk`` of pp * vpp (global order), in registration order.
 
-    Chunk 0 holds the embeddings, the last chunk the final LayerNorm and, when it is on another stage (pp > 1), a
-    copy of the token embedding for the tied head; the layers split evenly over the chunks.
+    Chunk 0 holds the token embedding and, with learned positions, the position table (RoPE has none); the last
+    chunk the final norm and the LM head: an ``lm_head`` of its own when untied, and when tied, a copy of the token
+    embedding if the embedding is on another chunk (pp > 1), else nothing (the head is ``wte``). The layers split
+    evenly over the chunks.
     """
     chunks = pp * vpp
     per = m.n_layers // chunks
-    wte = ("wte.weight", padded_vocab_size(m.vocab_size, m.vocab_multiple, tp) // tp * m.d_model)
+    vocab_rows = padded_vocab_size(m.vocab_size, m.vocab_multiple, tp) // tp * m.d_model
     out: list[tuple[str, int]] = []
     if chunk == 0:
-        out += [wte, ("wpe.weight", m.seq_len * m.d_model)]
+        out.append(("wte.weight", vocab_rows))
+        if m.position == "learned":
+            out.append(("wpe.weight", m.seq_len * m.d_model))
     for i in range(chunk * per, (chunk + 1) * per):
         out += block_params(m, tp, f"layers.{i}.")
     if chunk == chunks - 1:
-        out += _layer_norm("ln_f", m)
-        if pp > 1:
-            out.append(wte)
+        out += _norm("ln_f", m)
+        if not (chunks == 1 and m.tie_embeddings):
+            out.append(("lm_head.weight", vocab_rows))
     return out
+
+
+def isolated(m: ModelConfig, layout: Layout) -> frozenset[str]:
+    """Parameters trident/build.py gives a bucket of their own: the tied embedding and its copy on the last
+    stage, whose gradients are summed across those stages (pp > 1); an untied head has no such sum."""
+    return frozenset({"wte.weight", "lm_head.weight"}) if m.tie_embeddings and layout.pp > 1 else frozenset()
 
 
 def rank_chunks(layout: Layout, stage: int) -> list[int]:
@@ -173,17 +221,17 @@ def _meta(numel: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(numel, device="meta"))
 
 
-def flat_layout(params: list[tuple[str, int]], layout: Layout) -> FlatLayout:
+def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collection[str] = ()) -> FlatLayout:
     """The flat layout trident builds over these parameters (trident/build.py), from stand-in
     parameters on the meta device: at stages 0-2 the reducer's buckets of about ``bucket_mb`` of fp32 in reverse
-    registration order, with pipeline parallelism the tied embedding (and its copy) in a bucket of its own; at
-    stage 3 one bucket per transformer block, last block first, then the rest (the root); every bucket padded to
-    a multiple of dp."""
+    registration order, the parameters named in ``isolate`` (``isolated``: a tied embedding and its copy under
+    pipeline parallelism) each in a bucket of its own; at stage 3 one bucket per transformer block, last block
+    first, then the rest (the root); every bucket padded to a multiple of dp."""
     metas = [(name, _meta(n)) for name, n in params]
     if layout.zero < 3:
-        tied = [p for name, p in metas if name == "wte.weight"] if layout.pp > 1 else []
+        alone = [p for name, p in metas if name in isolate]
         numel = bucket_numel(layout.bucket_mb, torch.float32)
-        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=tied)
+        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=alone)
     blocks: dict[str, list[nn.Parameter]] = {}
     root = []
     for name, p in metas:
@@ -223,12 +271,14 @@ class ModelStates:
     gathered: int  # stage 3: full buffers of gathered buckets (the root and two blocks, in the parameter dtype)
 
 
-def model_states(params: list[tuple[str, int]], layout: Layout, dp_rank: int | None = None) -> ModelStates:
+def model_states(
+    params: list[tuple[str, int]], layout: Layout, dp_rank: int | None = None, isolate: Collection[str] = ()
+) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states that dp rank ``dp_rank`` (None: the largest) holds
-    for ``params`` (``rank_params``), held as trident/build.py's optimizer holds them. B is the flat layout's
-    numel (parameters plus bucket padding), S the shards (dp at stages 1-3, else 1), p the parameter dtype's
-    bytes. Every stage, 0 included, is ZeRO's optimizer over this rank's 1/S of every bucket, cut into pieces
-    per parameter:
+    for ``params`` (``rank_params``; ``isolate``: ``isolated``), held as trident/build.py's optimizer holds
+    them. B is the flat layout's numel (parameters plus bucket padding), S the shards (dp at stages 1-3, else 1), p
+    the parameter dtype's bytes. Every stage, 0 included, is ZeRO's optimizer over this rank's 1/S of every bucket,
+    cut into pieces per parameter:
 
                           parameters  p B (stages 0-2: one flat buffer), p B / S (stage 3: the shards)
                           gradients   4 B (stages 0-1: the reducer's buffer), 4 B / S (stages 2-3: the shard)
@@ -244,7 +294,7 @@ def model_states(params: list[tuple[str, int]], layout: Layout, dp_rank: int | N
     another micro-batch's copies of those filling). Stage 3 gathers a block's parameters while it runs
     (``gathered``: the root and two blocks, the running and the prefetched).
     """
-    flat = flat_layout(params, layout)
+    flat = flat_layout(params, layout, isolate)
     ranks = range(layout.dp if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
     return max((_rank_states(params, flat, layout, r) for r in ranks), key=lambda s: sum(s.figures["total"].values()))
 
@@ -295,6 +345,13 @@ class _Shape:
     t_sp: int  # tp with sequence parallelism, else 1
     e: int  # bytes of an activation element (the compute dtype)
     e_norm: int  # bytes of a LayerNorm's saved input, mean and rstd: fp32 under 16-bit autocast on CUDA
+    device: str  # cuda | cpu
+    norm: str  # layernorm | rmsnorm
+    q: int  # this rank's query width: its heads x head_dim (h / t)
+    kv: int  # this rank's key (or value) width: the kv heads it computes x head_dim
+    fused_qkv: bool  # multi-head attention's one qkv projection (else grouped-query q and kv)
+    rope: bool
+    head_dim: int
 
     @classmethod
     def of(cls, m: ModelConfig, layout: Layout) -> _Shape:
@@ -309,11 +366,42 @@ class _Shape:
             t_sp=layout.tp if layout.sequence_parallel and layout.tp > 1 else 1,
             e=e,
             e_norm=FP32 if layout.device != "cpu" else e,
+            device=layout.device,
+            norm=m.norm,
+            q=m.n_heads * m.head_dim // layout.tp,
+            kv=kv_heads_local(m, layout.tp) * m.head_dim,
+            fused_qkv=m.kv_heads == m.n_heads,
+            rope=m.position == "rope",
+            head_dim=m.head_dim,
         )
 
     def layer_norm(self) -> int:
-        """A LayerNorm's saved input and its mean and rstd, on this rank's share of the sequence."""
-        return self.s * self.b * (self.h + 2) * self.e_norm // self.t_sp
+        """A norm's saved tensors, on this rank's share of the sequence. LayerNorm: its input, mean and rstd.
+        RMSNorm: on CUDA the fused kernel's input and fp32 rstd (in fp32 under 16-bit autocast, which casts it up);
+        on a CPU the composite's fp32 input (upcast under 16-bit), its normalised fp32 copy and the fp32 rstd."""
+        tokens = self.s * self.b // self.t_sp
+        if self.norm == "layernorm":
+            return tokens * (self.h + 2) * self.e_norm
+        return tokens * ((self.h if self.device != "cpu" else 2 * self.h) + 1) * FP32
+
+    def attention(self, explicit: bool) -> int:
+        """q, k and v as attention keeps them, and its output (the projection's input), per rank. Multi-head: the
+        fused qkv output, which the q, k and v views keep whole, and with RoPE the rotated q and k besides.
+        Grouped-query: q (rotated, with RoPE), the kv output (v is a view of it) and with RoPE the rotated k. The
+        explicit core (``explicit``: dropout in training) keeps instead q, k and v at every query head's width,
+        as its matmuls save them (k and v repeated to the query heads; views of the fused qkv copied contiguous),
+        and none of the projections' outputs."""
+        sb = self.s * self.b
+        if explicit:
+            return sb * 4 * self.q * self.e
+        if self.fused_qkv:
+            return sb * self.q * (6 if self.rope else 4) * self.e
+        return sb * (2 * self.q + (3 if self.rope else 2) * self.kv) * self.e
+
+    def rope_tables(self) -> int:
+        """RoPE's cos and sin, fp32 [s, head_dim], kept by the rotations' multiplies; in a 16-bit model each of q
+        and k gets its own 16-bit cast of them: the same bytes."""
+        return 2 * self.s * self.head_dim * FP32 if self.rope else 0
 
 
 def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
@@ -324,27 +412,31 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
         return sbh * x.e // x.t_sp
     masks = 2 * sbh // x.t_sp if m.dropout > 0 else 0
     core = 0  # what the attention core keeps beyond q, k, v and its output; nothing when it is recomputed
+    explicit = policy == "none" and m.dropout > 0
     if policy == "none":
-        if m.dropout > 0:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
+        if explicit:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
             core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1) + x.s * x.s  # + the causal mask masked_fill keeps
         else:  # the fused kernel's fp32 logsumexp
             core = FP32 * x.a * x.b * x.s // x.t
+    # GELU: fc output, GELU output. SwiGLU: fc output (gate and up), silu(gate), their product.
+    mlp = (4 if m.mlp == "swiglu" else 2) * sbf * x.e // x.t
     return (
         2 * x.layer_norm()
-        + 2 * sbh * x.e  # qkv and fc inputs
-        + 4 * sbh * x.e // x.t  # q, k, v and the attention output
-        + 2 * sbf * x.e // x.t  # fc output, GELU output
+        + 2 * sbh * x.e  # qkv (or q and kv) and fc inputs
+        + x.attention(explicit)
+        + x.rope_tables()
+        + mlp
         + core
         + masks
     )
 
 
 def embed_bytes(m: ModelConfig, layout: Layout) -> int:
-    """What the first stage's embedding keeps per micro-batch: int64 position ids (this rank's share of them under
-    sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64 local ids; the embedding
-    dropout's mask."""
+    """What the first stage's embedding keeps per micro-batch: with learned positions the int64 position ids (this
+    rank's share of them under sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64
+    local ids; the embedding dropout's mask."""
     x = _Shape.of(m, layout)
-    out = 8 * x.s // x.t_sp
+    out = 8 * x.s // x.t_sp if m.position == "learned" else 0
     if x.t > 1:
         out += x.b * x.s * (1 + 8)
     if m.dropout > 0:
@@ -353,8 +445,9 @@ def embed_bytes(m: ModelConfig, layout: Layout) -> int:
 
 
 def head_bytes(m: ModelConfig, layout: Layout) -> int:
-    """What the last stage's head keeps per micro-batch: the final LayerNorm, the head matmul's (whole) input and
-    the loss's fp32 probabilities over this rank's vocab block (at tp > 1 with a bool and an int64 per token)."""
+    """What the last stage's head keeps per micro-batch: the final norm, the head matmul's (whole) input and the
+    loss's fp32 probabilities over this rank's vocab block (at tp > 1 with a bool and an int64 per token); the
+    same for a tied head and an untied ``lm_head``."""
     x = _Shape.of(m, layout)
     if x.t == 1:  # log-probabilities, and nll_loss's output and total weight
         loss = FP32 * x.b * x.s * m.vocab_size + 2 * FP32
@@ -475,7 +568,7 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
     out = Estimate(model=m.name, layout=layout, total_params=count_params(m))
     for stage in range(layout.pp):
         params = rank_params(m, layout, stage)
-        states = model_states(params, layout)
+        states = model_states(params, layout, isolate=isolated(m, layout))
         out.stages.append(
             StageEstimate(
                 stage=stage,
