@@ -32,6 +32,10 @@ BLOCKS = {
     "llama-gqa-untied": ModelConfig(**GPT2_SHAPE, **LLAMA_BLOCK, n_kv_heads=2, tie_embeddings=False),
     "llama-mqa-tied": ModelConfig(**GPT2_SHAPE, **LLAMA_BLOCK, n_kv_heads=1),
     "llama-mha-bias": ModelConfig(**{**GPT2_SHAPE, **LLAMA_BLOCK, "bias": True}),
+    # Llama 3.1 / 3.2's scaled RoPE, with an original context below seq_len so that the scaling changes the logits.
+    "llama3-scaled-rope": ModelConfig(
+        **GPT2_SHAPE, **LLAMA_BLOCK, n_kv_heads=2, rope_scaling="llama3", rope_factor=8.0, rope_original_seq_len=8
+    ),
 }
 CLASSES = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}
 
@@ -109,12 +113,20 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,  # below the 32 positions: the scaling changes the logits
+}
 HF_MODELS = {
     "gpt2": lambda out: hf_gpt2(out),
     "llama-gqa": lambda out: hf_llama(out),
     "llama-mha-tied-bias": lambda out: hf_llama(
         out, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True
     ),
+    "llama3-scaled-rope": lambda out: hf_llama(out, rope_scaling=LLAMA3_ROPE),
 }
 
 
@@ -243,14 +255,20 @@ def test_what_has_no_hugging_face_counterpart_is_refused_in_one_line(tmp_path, m
     )
     assert not (tmp_path / "x").exists()
 
-    # Llama 3.1's scaled RoPE, an activation we do not compute, a missing and a damaged weights file.
+    # A RoPE scaling we do not compute (YaRN), a llama3 one without its factors, an activation we do not compute, a
+    # missing and a damaged weights file.
     scaled = hf_llama(tmp_path / "scaled")
     config = json.loads((scaled / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}
+    (scaled / "config.json").write_text(json.dumps(config))
+    assert _refused(monkeypatch, capsys, str(scaled), "--from", "hf", "--out", str(tmp_path / "ck")) == (
+        f"{scaled / 'config.json'}: rope_scaling={config['rope_parameters']} is not supported; trident imports "
+        "rope_type default and llama3"
+    )
     config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
     (scaled / "config.json").write_text(json.dumps(config))
     assert _refused(monkeypatch, capsys, str(scaled), "--from", "hf", "--out", str(tmp_path / "ck")) == (
-        f"{scaled / 'config.json'}: rope_scaling={config['rope_parameters']} is not supported (trident has no scaled "
-        "RoPE); only rope_type default imports"
+        f"{scaled / 'config.json'}: rope_scaling={config['rope_parameters']} lacks a valid 'low_freq_factor'"
     )
     relu = hf_gpt2(tmp_path / "relu", activation_function="relu")
     assert _refused(monkeypatch, capsys, str(relu), "--from", "hf", "--out", str(tmp_path / "ck")) == (

@@ -133,7 +133,7 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(cfg),
         "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias,
         "attention_dropout": 0.0,
@@ -142,6 +142,35 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "torch_dtype": "float32",
         **ids,
     }
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict | None:
+    """Hugging Face's ``rope_scaling`` for ``model.rope_scaling=llama3`` (Llama 3.1 / 3.2), else None."""
+    if cfg.rope_scaling is None:
+        return None
+    return {
+        "rope_type": cfg.rope_scaling,
+        "factor": cfg.rope_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_seq_len,
+    }
+
+
+def _rope_scaling_keys(scaling: dict | None, where: str) -> dict:
+    """Our ``model.rope_*`` scaling keys from Hugging Face's llama3 ``rope_scaling`` (None: plain RoPE)."""
+    if scaling is None:
+        return {"rope_scaling": None}
+    try:
+        return {
+            "rope_scaling": "llama3",
+            "rope_factor": float(scaling["factor"]),
+            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+            "rope_original_seq_len": int(scaling["original_max_position_embeddings"]),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: rope_scaling={scaling} lacks a valid {e}") from None
 
 
 def _get(config: dict, key: str, kind: type | tuple[type, ...], where: str, default: object = None) -> object:
@@ -184,11 +213,11 @@ def model_from_hf(config: dict, where: str) -> dict:
         if act != "silu":
             raise CheckpointError(f"{where}: hidden_act={act!r} is not supported; Llama import needs silu")
         rope = config.get("rope_parameters") or {}
-        if config.get("rope_scaling") is not None or rope.get("rope_type", "default") != "default":
-            scaling = config.get("rope_scaling") or rope
+        scaling = config.get("rope_scaling") or rope
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "llama3"):
             raise CheckpointError(
-                f"{where}: rope_scaling={scaling} is not supported (trident has no scaled RoPE); "
-                "only rope_type default imports"
+                f"{where}: rope_scaling={scaling} is not supported; trident imports rope_type default and llama3"
             )
         if config.get("attention_bias", False) != config.get("mlp_bias", False):
             raise CheckpointError(
@@ -218,6 +247,7 @@ def model_from_hf(config: dict, where: str) -> dict:
             "position": "rope",
             "rope_theta": float(theta),
             "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+            **_rope_scaling_keys(scaling if kind == "llama3" else None, where),
         }
     raise CheckpointError(f"{where}: model_type={kind!r} is not supported; trident imports gpt2 and llama")
 

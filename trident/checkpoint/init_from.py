@@ -57,8 +57,14 @@ ADOPTED = (
     "mlp",
     "position",
     "rope_theta",
+    "rope_scaling",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_seq_len",
     "tie_embeddings",
 )
+_SCALING = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
 
 
 @dataclass
@@ -93,7 +99,10 @@ def open_source(path: str, what: str = "checkpoint.init_from") -> InitSource:
 
 
 def _effective(cfg: ModelConfig, key: str) -> object:
-    """The value that matters: d_ff None is 4 * d_model, n_kv_heads None is n_heads."""
+    """The value that matters: d_ff None is 4 * d_model, n_kv_heads None is n_heads, and RoPE's scaling factors
+    none without RoPE scaling."""
+    if key in _SCALING and cfg.rope_scaling is None:
+        return None
     return {"d_ff": cfg.ffn_dim, "n_kv_heads": cfg.kv_heads}.get(key, getattr(cfg, key))
 
 
