@@ -48,3 +48,38 @@ def test_generation_goes_on_past_the_window():
     init_weights(model, LLAMA, seed=0)
     out = generate.sample(model, [1, 2, 3], 120, 1.0, 10, torch.Generator().manual_seed(0))
     assert len(out) == 120 and all(0 <= t < LLAMA.vocab_size for t in out)
+
+
+def test_a_hugging_face_llama_directory_generates_transformers_greedy_text(tmp_path, monkeypatch, capsys):
+    """``tools/generate.py DIR`` on a transformers Llama saved locally, with its tokenizer.json: the greedy text is
+    what transformers' own generate gives."""
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from tests.test_checkpoint import run_tool
+
+    words = ["<|endoftext|>", *[f"w{i}" for i in range(47)]]
+    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=len(words), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None,  # our tool does not stop at an end token: neither may transformers
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "llama")
+    tokenizer.save(str(tmp_path / "llama" / "tokenizer.json"))
+    prompt = "w3 w17 w5 w40"
+    code, text, err = run_tool(
+        "generate", str(tmp_path / "llama"), "--prompt", prompt, "--tokens", "30", "--temperature", "0",
+        monkeypatch=monkeypatch, capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    ids = torch.tensor([tokenizer.encode(prompt).ids])
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)[0].tolist()
+    assert text.strip() == tokenizer.decode(expected)
+    assert len(set(expected[4:])) > 3

@@ -1,9 +1,12 @@
-"""Sample text from a trident checkpoint, with the tokenizer saved inside it.
+"""Sample text from a trident checkpoint or a Hugging Face model directory, with the tokenizer saved beside it.
 
     python tools/generate.py outputs/2026-01-01/12-00-00/checkpoints --prompt "def main(" --tokens 200
+    python tools/generate.py ~/models/llama-3.2-1b --prompt "The capital of France is" --tokens 20 --temperature 0
 
 CHECKPOINT is one checkpoint (``step_XXXXXXXX``, saved under any layout), a directory of them (the newest is
-used), or the one file ``tools/convert_checkpoint.py`` makes of one; each gives the same text.
+used), the one file ``tools/convert_checkpoint.py`` makes of one, or a local Hugging Face GPT-2 / Llama directory
+(its tokenizer.json or tokenizer.model decodes). Generation keeps a KV cache: the prompt runs once, then each new
+token alone.
 """
 
 from __future__ import annotations
@@ -88,12 +91,12 @@ def main() -> None:
         if args.temperature < 0 or args.tokens < 0:
             raise TridentError("--temperature and --tokens must be >= 0")
         weights = load_weights(args.checkpoint)
-        model, tokenizer = build_model(weights, torch.device(args.device)), weights.sentencepiece()
+        model, tokenizer = build_model(weights, torch.device(args.device)), weights.load_tokenizer()
         prompt = tokenizer.encode(args.prompt)
         if not prompt:
             raise TridentError("--prompt encodes to no tokens; give some text")
         generator = torch.Generator().manual_seed(args.seed)
-        out = sample(model, prompt, args.tokens, args.temperature, args.top_k, generator, tokenizer.get_piece_size())
+        out = sample(model, prompt, args.tokens, args.temperature, args.top_k, generator, tokenizer.vocab_size)
     except TridentError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
