@@ -5,9 +5,11 @@ the source, and a config that contradicts it stops in one line."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,48 @@ def test_the_converted_checkpoint_and_the_directory_load_the_same_weights(kind, 
         load_init_weights([model], init)
         with torch.no_grad():
             assert (model.eval()(ids) - hf(ids).logits).abs().max() < 1e-4, path
+
+
+@pytest.mark.multiprocess
+def test_the_readme_command_continues_pretraining_a_hugging_face_llama_with_its_own_tokenizer(tmp_path):
+    """The README's one command, at world 1: ``train.py checkpoint.init_from=DIR data.tokenizer=DIR data.text=...``
+    with no model key takes the model from the directory (Llama 3.2's scaled RoPE, a shorter window), tokenizes with
+    its tokenizer.json, and trains; the checkpoint exports back to a LlamaForCausalLM of that shape."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = sorted(Path(sysconfig.get_paths()["stdlib"], "json").glob("*.py"))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end_of_text|>"], initial_alphabet=alphabet)
+    tokenizer.train([str(f) for f in text], trainer)
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0,
+        tie_word_embeddings=True, rope_scaling={**scaling, "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    source = tmp_path / "llama"
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(source)
+    tokenizer.save(str(source / "tokenizer.json"))
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, str(REPO / "train.py"), f"checkpoint.init_from={source}", "model.seq_len=128",
+        f"data.tokenizer={source}", f"data.text=[{text[0].parent}]", f"data.cache_dir={tmp_path / 'cache'}",
+        "train.steps=3", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0",
+        "wandb.mode=disabled", "logging.peak_tflops=1", f"hydra.run.dir={run}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"initialised from the Hugging Face model {source} (step 0, fresh optimizer)" in done.stdout
+    first = float(done.stdout.split("step 1/3 | loss ")[1].split()[0])
+    assert abs(first - math.log(tokenizer.get_vocab_size())) < 0.2  # the source's near-uniform start, not a crash
+    saved = load_weights(run / "checkpoints")
+    model = saved.config["model"]
+    assert (model["n_layers"], model["d_model"], model["n_kv_heads"], model["seq_len"]) == (2, 64, 2, 128)
+    assert (model["rope_scaling"], model["rope_factor"], model["rope_original_seq_len"]) == ("llama3", 32.0, 64)
+    assert (run / "checkpoints" / "step_00000003" / "tokenizer.json").read_bytes() == (
+        source / "tokenizer.json"
+    ).read_bytes()
