@@ -183,3 +183,34 @@ def test_tp_tables_trident_against_dtensor_and_one_process_and_counts_collective
         assert t.notes[0].endswith(": equal"), t.notes
         assert t.column("calls") == t.column("analytic")
     assert all(t.rows for t in comms)
+
+
+@pytest.mark.multiprocess
+def test_throughput_llama_against_the_plain_loop_and_transformers_llama() -> None:
+    """--hf: trident, the plain torch loop and transformers' LlamaForCausalLM of llama-tiny's shape, one table per
+    precision, each row's tokens/s and ratios positive; the three start from the same weights on the same batch, so
+    their first fp32 losses agree (transformers' Llama is the same function as ours)."""
+    tables = bench(
+        "throughput", "--model", "llama-tiny", "--hf", "--seq", "32", "--micro-batch", "2", "--global-batch", "4",
+        "--steps", "1", "--rounds", "1", "--warmup", "1", "--precision", "fp32", "bf16", "--peak-tflops", "1",
+    )  # fmt: skip
+    assert [t.title.split(", ")[3] for t in tables] == ["fp32", "bf16"]
+    for table in tables:
+        assert "x 32 tokens" in table.title
+        assert table.column("variant") == ["trident", "plain torch loop", "transformers LlamaForCausalLM"]
+        assert_finite(table, "tokens/s", "spread", "x baseline", "trident / this", "MFU", "first loss", "last loss")
+        for name in ("tokens/s", "x baseline", "trident / this", "MFU"):
+            assert all(figure(cell) > 0 for cell in table.column(name)), name
+        assert table.column("trident / this")[0] == "1.00x"
+    first = [figure(c) for c in tables[0].column("first loss")]
+    assert first == pytest.approx([first[0]] * 3, rel=1e-5)
+    assert table.column("precision")[2] == "float32 weights, bf16 autocast"
+
+
+def test_throughput_refuses_hf_where_transformers_llama_is_not_the_same_model() -> None:
+    with pytest.raises(SystemExit, match="--hf needs Llama blocks; model gpt-tiny is a GPT2LMHeadModel"):
+        bench("throughput", "--model", "gpt-tiny", "--hf")
+    with pytest.raises(SystemExit, match="--hf: model.norm=layernorm with .* has no Hugging Face class"):
+        bench("throughput", "--model", "llama-tiny", "--hf", "--set", "model.norm=layernorm")
+    with pytest.raises(SystemExit, match="--hf compares one process: use --dp 1"):
+        bench("throughput", "--model", "llama-tiny", "--hf", "--dp", "2", "--global-batch", "8")

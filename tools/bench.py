@@ -4,6 +4,8 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
     python tools/bench.py layouts --model gpt-mini --layouts 1 dp=2 tp=2 --compile both --baseline
     python tools/bench.py matrix                       # layouts against one process; exit 1 if an fp32 one is off
     python tools/bench.py throughput --precision bf16  # trident's step vs a plain PyTorch loop (--dp 2: vs DDP)
+    python tools/bench.py throughput --model llama-150m --hf --seq 256 --global-batch 4 --precision fp32 bf16
+                                                       # and transformers' LlamaForCausalLM, same batches
     python tools/bench.py tp --tp 2                    # tensor parallelism (+SP) vs torch DTensor and one process
     python tools/bench.py pp --pp 2 4                  # each schedule vs torch.distributed.pipelining, bubble
     python tools/bench.py zero --worlds 2 4            # ZeRO 0-3 vs FSDP2 and DDP + ZeroRedundancyOptimizer

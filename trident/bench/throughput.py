@@ -3,6 +3,8 @@ batches.
 
     python tools/bench.py throughput [--model gpt-mini] [--micro-batch 4] [--global-batch 32] [--precision bf16]
     python tools/bench.py throughput --dp 2        # dp=2: trident's reducer against torch DDP
+    python tools/bench.py throughput --model llama-150m --hf --seq 256 --micro-batch 4 --global-batch 4 \
+        --precision fp32 bf16                      # also transformers' LlamaForCausalLM; a table per precision
 
 On ``--dp`` local ranks (trident.ranks' pool), from the same initial weights on the same batches, alternating in
 rounds (trident/bench/harness.py):
@@ -13,6 +15,14 @@ rounds (trident/bench/harness.py):
 - the baseline: what a user would write with torch alone, on the same GPT (``model_chunks``, left in fp32): torch's
   automatic mixed precision (fp32 weights under autocast), loss / micro-batches, backward (under DDP's no_sync
   except on the last micro-batch when dp > 1), clip_grad_norm_, AdamW, zero_grad, the loss all-reduced for logging.
+- with ``--hf`` (a Llama-block preset, one process): transformers' ``LlamaForCausalLM`` of the same shape (hidden
+  size, layers, heads, kv heads, intermediate size, vocabulary, tied or not, rope_theta, RMSNorm eps, biases;
+  ``attn_implementation="sdpa"``), holding the same initial weights (trident/checkpoint/hf.py's mapping), trained by
+  the baseline's plain loop (the same AdamW groups, learning rate, clipping and mixed precision) on the same batches:
+  its logits through the same fp32 cross-entropy against the same targets.
+
+Each table row: tokens/s (median over rounds) and the spread of its rounds, the row over the plain torch loop
+("x baseline") and trident over the row ("trident / this": above 1.00x, trident is faster).
 """
 
 from __future__ import annotations
@@ -43,23 +53,40 @@ from trident.bench.harness import (
     tokens_per_s,
 )
 from trident.build import build_parts, model_chunks
+from trident.checkpoint.hf import LLAMA, architecture, to_hf
 from trident.config import Config, compose_config
+from trident.errors import CheckpointError
 from trident.loop import Trainer
 from trident.models.gpt import flops_per_token
 from trident.optim import lr_at
 from trident.parallel.groups import build_process_groups
+from trident.parallel.placement import placement_of
 from trident.parallel.precision import autocast
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
-HEADER = ["variant", "ranks", "precision", "tokens/s", "spread", "x baseline", "MFU", "first loss", "last loss"]
+HEADER = [
+    "variant",
+    "ranks",
+    "precision",
+    "tokens/s",
+    "spread",
+    "x baseline",
+    "trident / this",
+    "MFU",
+    "first loss",
+    "last loss",
+]
+HF = "transformers LlamaForCausalLM"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-mini", help="a preset under conf/model")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--seq", type=int, help="tokens per sequence (model.seq_len; default: the preset's)")
+    p.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"], help="one table each")
+    p.add_argument("--hf", action="store_true", help="also transformers' LlamaForCausalLM (Llama blocks, --dp 1)")
     p.add_argument("--dp", type=int, default=1, help="local ranks; >1 compares with torch DDP")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="trident's parallel.zero")
     p.add_argument("--steps", type=int, default=5, help="steps per timed block")
@@ -70,14 +97,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more train.py overrides")
 
 
-def build_config(args: argparse.Namespace) -> Config:
+def build_config(args: argparse.Namespace, precision: str) -> Config:
     return compose_config(
         args.conf,
         [
             f"model={args.model}",
+            *([f"model.seq_len={args.seq}"] if args.seq else []),
             f"train.micro_batch_size={args.micro_batch}",
             f"train.global_batch_size={args.global_batch}",
-            f"train.precision={args.precision}",
+            f"train.precision={precision}",
             f"parallel.zero={args.zero}",
             f"parallel.bucket_mb={args.bucket_mb}",
             "train.steps=1000000",
@@ -88,16 +116,35 @@ def build_config(args: argparse.Namespace) -> Config:
 
 
 def run(args: argparse.Namespace) -> list[Table]:
-    cfg = build_config(args)
     if args.global_batch % (args.micro_batch * args.dp):
         per_step = args.micro_batch * args.dp
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by --micro-batch x --dp = {per_step}")
-    return [table(cfg, args.dp, args.warmup, args.steps, args.rounds, args.peak_tflops)]
+    tables = []
+    for precision in args.precision:
+        cfg = build_config(args, precision)
+        if args.hf:
+            check_hf(cfg, args.dp)
+        tables.append(table(cfg, args.dp, args.warmup, args.steps, args.rounds, args.peak_tflops, args.hf))
+    return tables
 
 
-def table(cfg: Config, dp: int, warmup: int, steps: int, rounds: int, peak_tflops: float | None) -> Table:
-    """trident's step and the torch baseline of ``cfg`` on ``dp`` ranks, as one table."""
-    job = Job(cfg, warmup, steps, rounds, peak_tflops)
+def check_hf(cfg: Config, dp: int) -> None:
+    """Refuse ``--hf`` where transformers' Llama is not the same model, in one line."""
+    if dp != 1:
+        raise SystemExit("--hf compares one process: use --dp 1")
+    try:
+        cls = architecture(cfg.model)
+    except CheckpointError as e:
+        raise SystemExit(f"--hf: {e}") from None
+    if cls != LLAMA:
+        raise SystemExit(f"--hf needs Llama blocks; model {cfg.model.name} is a {cls}")
+
+
+def table(
+    cfg: Config, dp: int, warmup: int, steps: int, rounds: int, peak_tflops: float | None, hf: bool = False
+) -> Table:
+    """trident's step, the torch baseline of ``cfg`` on ``dp`` ranks and (``hf``) transformers' Llama, one table."""
+    job = Job(cfg, warmup, steps, rounds, peak_tflops, hf)
     result = run_distributed(_rank, dp, job, backend=pool_backend(dp), timeout_s=24 * 3600)[0]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     baseline = "torch DDP" if dp > 1 else "plain torch loop"
@@ -111,6 +158,8 @@ def table(cfg: Config, dp: int, warmup: int, steps: int, rounds: int, peak_tflop
     autocast_note = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
     dtypes = result["param_dtypes"]
     precisions = {"trident": f"{dtypes['trident']} parameters", baseline: f"{dtypes[baseline]} weights{autocast_note}"}
+    if HF in dtypes:
+        precisions[HF] = f"{dtypes[HF]} weights{autocast_note}"
     for name, r in result["variants"].items():
         rate = rates[name]
         t.add(
@@ -120,6 +169,7 @@ def table(cfg: Config, dp: int, warmup: int, steps: int, rounds: int, peak_tflop
             number(rate.median),
             spread(r["wall"]),
             ratio(rate.median, rates[baseline].median),
+            ratio(rates["trident"].median, rate.median),
             number(mfu(rate.median, flops_per_token(cfg.model), result["peak_flops"]), ".2%"),
             f"{r['first_loss']:.6f}",
             f"{r['last_loss']:.6f}",
@@ -138,6 +188,7 @@ class Job:
     steps: int
     rounds: int
     peak_tflops: float | None
+    hf: bool = False
 
 
 def _rank(rank: int, world: int, job: Job) -> dict:
@@ -156,26 +207,32 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     ddp = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True) if world > 1 else model
     precision = cfg.train.precision
 
-    def baseline_step(step: int) -> float:
+    def plain_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, sync_last: bool) -> float:
+        """What a user writes with torch alone: mixed precision by autocast, loss / micro-batches, backward (under
+        DDP's no_sync but the last micro-batch), clip, AdamW at the schedule's learning rate, zero_grad."""
         micro = trainer.micro_batches(step)
         total = torch.zeros((), device=device)
         for i, (x, y, *_) in enumerate(micro):
-            sync = world == 1 or i == len(micro) - 1
-            with contextlib.nullcontext() if sync else ddp.no_sync():
+            sync = not sync_last or i == len(micro) - 1
+            with contextlib.nullcontext() if sync else net.no_sync():
                 with autocast(precision, device):
-                    logits = ddp(x)
+                    logits = net(x)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
                 loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        for group in opt.param_groups:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        for group in optimizer.param_groups:
             group["lr"] = lr_at(step, o, cfg.train.steps)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(total)
         return total.item() / world
 
-    losses: dict[str, list[float]] = {"trident": [], "base": []}
+    def baseline_step(step: int) -> float:
+        return plain_step(ddp, opt, step, sync_last=world > 1)
+
+    losses: dict[str, list[float]] = {"trident": [], "base": [], "hf": []}
 
     def ours(step: int) -> None:
         losses["trident"].append(trainer.train_step(step, trainer.micro_batches(step)).loss)
@@ -183,26 +240,75 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     def base(step: int) -> None:
         losses["base"].append(baseline_step(step))
 
-    timings = alternate(
-        {"trident": ours, "base": base},
-        warmup=job.warmup,
-        steps=job.steps,
-        rounds=job.rounds,
-        sync=lambda: barrier(device),
-    )
-    parts.optimizer.remove_hooks()
+    variants = {"trident": ours, "base": base}
     baseline = "torch DDP" if world > 1 else "plain torch loop"
-    peak = peak_flops(device, precision, job.peak_tflops, world)
+    labels = {"trident": "trident", "base": baseline}
     dtype = {
         "trident": next(parts.chunks[0].parameters()).dtype,  # what the optimizer's precision policy made them
         baseline: next(model.parameters()).dtype,
     }
+    if job.hf:
+        hf = hf_llama(cfg, model).to(device)
+        hf_opt = torch.optim.AdamW(**adamw_args(hf, cfg, foreach=not on_cuda, fused=on_cuda))
+        logits = _Logits(hf)
+        variants["hf"] = lambda step: losses["hf"].append(plain_step(logits, hf_opt, step, sync_last=False))
+        labels["hf"] = HF
+        dtype[HF] = next(hf.parameters()).dtype
+
+    timings = alternate(variants, warmup=job.warmup, steps=job.steps, rounds=job.rounds, sync=lambda: barrier(device))
+    parts.optimizer.remove_hooks()
+    peak = peak_flops(device, precision, job.peak_tflops, world)
     return {
         "device": device.type,
         "peak_flops": peak,
         "param_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtype.items()},
         "variants": {
             label: {"wall": timings[name].wall, "first_loss": losses[name][0], "last_loss": losses[name][-1]}
-            for name, label in (("trident", "trident"), ("base", baseline))
+            for name, label in labels.items()
         },
     }
+
+
+class _Logits(torch.nn.Module):
+    """A Hugging Face causal LM as token ids -> logits, without its KV cache."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=x, use_cache=False).logits
+
+
+def hf_llama(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM of ``cfg.model``'s shape, with the weights of the one-process ``model``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = cfg.model
+    config = LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        intermediate_size=m.ffn_dim,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.kv_heads,
+        head_dim=m.head_dim,
+        max_position_embeddings=m.seq_len,
+        hidden_act="silu",
+        rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        attention_bias=m.bias,
+        mlp_bias=m.bias,
+        tie_word_embeddings=m.tie_embeddings,
+        attn_implementation="sdpa",
+    )
+    hf = LlamaForCausalLM(config)
+    # Our logical tensors: the one-process parameters without the embedding's padding rows.
+    logical = {
+        name: p.detach()[tuple(slice(0, n) for n in placement_of(p).shape)] for name, p in model.named_parameters()
+    }
+    missing, unexpected = hf.load_state_dict(to_hf(logical, m), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if m.tie_embeddings else set()):  # tied: it is embed_tokens
+        raise RuntimeError(f"LlamaForCausalLM does not take our weights: missing {missing}, unexpected {unexpected}")
+    hf.train()
+    return hf
