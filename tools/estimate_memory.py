@@ -3,6 +3,7 @@
     python tools/estimate_memory.py model=gpt-small parallel.dp=4 parallel.zero=2 train.precision=bf16
     python tools/estimate_memory.py model=gpt-1.3b parallel.tp=2 parallel.pp=4 --world 64 \\
         train.micro_batch_size=2 train.global_batch_size=512 train.activation_checkpointing=selective
+    python tools/estimate_memory.py model=llama-8b parallel.tp=16 parallel.zero=1 --world 64 train.precision=bf16
 
 Takes train.py's own overrides (the same YAML under conf/, validated the same way) and the launch's world size
 (default: parallel.dp x tp x pp, dp 1 when left out). Prints, like DeepSpeed's estimator, the model-state bytes
