@@ -13,9 +13,23 @@ class Batch(NamedTuple):
     targets: torch.Tensor  # [B, T]
     sample_ids: torch.Tensor  # [B] global sample indices (step * global batch + position in it), on the CPU
     step: int  # the optimizer step (for validation: the batch's index in the evaluation)
+    # Document ids [B, T] of a packed window (data.document_mask): attention stays inside each one, and positions
+    # restart at each (trident/models/documents.py). None: the window is one sequence.
+    documents: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        """Tokens and targets on ``device``; the sample ids stay where they are read from."""
+        """Tokens, targets and documents on ``device``; the sample ids stay where they are read from."""
+        documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
         return self._replace(
-            tokens=self.tokens.to(device, non_blocking=True), targets=self.targets.to(device, non_blocking=True)
+            tokens=self.tokens.to(device, non_blocking=True),
+            targets=self.targets.to(device, non_blocking=True),
+            documents=documents,
         )
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Which document of a packed window each token belongs to, ``[B, T]`` int32 counting from 0. Documents are
+    stored back to back, each followed by eos; the eos opens the next document (it plays the part of a
+    beginning-of-sequence token), so every token is predicted from its own document only, and a window's loss is
+    the sum of its documents' losses computed one by one, each from its leading eos."""
+    return torch.cumsum(tokens == eos_id, dim=1, dtype=torch.int32) - (tokens[:, :1] == eos_id).int()

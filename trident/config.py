@@ -152,6 +152,19 @@ class DataConfig:
     # An existing tokenizer to tokenize data.text with instead of training one: a sentencepiece .model, a Hugging
     # Face tokenizer.json, or a directory holding one (an imported model's). None: train a sentencepiece model.
     tokenizer: str | None = None
+    # JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) and Parquet inputs: the field holding each document's text.
+    text_field: str = "text"
+    # Processes that tokenize data.text when it is prepared (the dataset's bytes are the same for any count).
+    workers: int = 1
+    # Malformed records (bad JSON, no text field, not UTF-8) tolerated, as a fraction of all records, before the
+    # preparation stops.
+    max_bad_fraction: float = 0.01
+    # Several prepared datasets drawn in proportion, ["DIR:WEIGHT", ...] (weights are normalised); when set, data.text
+    # and data.dataset_dir are not used.
+    mix: list[str] | None = None
+    # Attention stays inside each document of a packed window, and positions restart at each (the eos that ends a
+    # document opens the next).
+    document_mask: bool = False
 
 
 @dataclass
@@ -255,6 +268,18 @@ def compose_config(conf_dir: Path | str, overrides: Iterable[str] = ()) -> Confi
     register_configs()
     with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
         return to_config(compose("config", overrides=list(overrides)))
+
+
+def mix_entry(entry: str) -> tuple[str, float] | None:
+    """A ``data.mix`` entry ``DIR:WEIGHT`` as (DIR, WEIGHT), or None when it is not one (a weight must be > 0)."""
+    path, sep, weight = str(entry).rpartition(":")
+    try:
+        value = float(weight)
+    except ValueError:
+        return None
+    if not sep or not path or not math.isfinite(value) or value <= 0:
+        return None
+    return path, value
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -435,6 +460,14 @@ def validate(cfg: Config, world_size: int) -> int:
 
     _need(0 < cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
     _need(cfg.data.tokenizer_lines >= 1000, "data.tokenizer_lines must be >= 1000")
+    _need(cfg.data.workers >= 1, f"data.workers={cfg.data.workers} must be >= 1")
+    _need(
+        0 <= cfg.data.max_bad_fraction < 1,
+        f"data.max_bad_fraction={cfg.data.max_bad_fraction} must be in [0, 1)",
+    )
+    for entry in cfg.data.mix or ():
+        _need(mix_entry(entry) is not None, f"data.mix entry {entry!r} is not DIR:WEIGHT with a weight > 0")
+    _need(cfg.data.mix is None or len(cfg.data.mix) >= 1, "data.mix=[] names no dataset; give DIR:WEIGHT entries")
     _need(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0: only at the end)")
     _need(ck.keep_last >= 0, f"checkpoint.keep_last={ck.keep_last} must be >= 0 (0 keeps all)")
     _need(ck.resume != "", "checkpoint.resume must be auto, none or a checkpoint path")
