@@ -112,8 +112,10 @@ class CausalSelfAttention(nn.Module):
         self.layer, self.head_dim = layer, dh
         self.n_heads = heads // tp_size  # this rank's query heads
         self.n_kv_heads = kv_heads // tp_size if kv_heads % tp_size == 0 else 1  # and the kv heads they read
-        # RoPE's frequencies: a buffer (moved with the model, never saved), fp32 whatever the parameters' dtype.
-        self.register_buffer("inv_freq", rope_frequencies(cfg) if cfg.position == "rope" else None, persistent=False)
+        # RoPE's frequencies, fp32 whatever the parameters' dtype: not a buffer, which a cast of the model would round;
+        # a copy per device the model runs on.
+        self.inv_freq = rope_frequencies(cfg) if cfg.position == "rope" else None
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
         self.dropout = cfg.dropout
         self.drop = Dropout(cfg.dropout, rng, layer, ATTENTION, shard_dim=0, rank=tp_rank, parts=tp_size)
         d, sp = cfg.d_model, sequence_parallel
@@ -137,8 +139,11 @@ class CausalSelfAttention(nn.Module):
             q = rearrange(self.q.local(x), "b t (h d) -> b h t d", h=self.n_heads)
             k, v = rearrange(self.kv.local(x), "b t (h two d) -> two b h t d", two=2, h=self.n_kv_heads)
         if self.inv_freq is not None:
+            inv_freq = self._inv_freq_on.get(q.device)
+            if inv_freq is None:
+                inv_freq = self._inv_freq_on[q.device] = self.inv_freq.to(q.device)
             positions = torch.arange(start, start + q.shape[-2], device=q.device)
-            cos, sin = rope_tables(positions, self.inv_freq)
+            cos, sin = rope_tables(positions, inv_freq)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
@@ -174,24 +179,26 @@ def causal_attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """GELU (GPT-2: fc, tanh-approximated GELU, proj) or SwiGLU (Llama: ``silu(gate) * up``, proj). SwiGLU's gate
-    and up projections are one column-parallel ``fc`` whose rows interleave them, ``(f two)``: any tp block of rows
-    holds the gate and up rows of the same hidden units."""
+    """GELU (GPT-2: fc, tanh-approximated GELU, proj) or SwiGLU (Llama: ``silu(gate(x)) * up(x)``, proj). SwiGLU's
+    gate and up are two column-parallel layers that enter the tp region once (one all-gather under sequence
+    parallelism): tp rank r holds the same hidden units of both."""
 
     def __init__(self, cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
         super().__init__()
-        d, f = cfg.d_model, cfg.ffn_dim
+        d, f, sp = cfg.d_model, cfg.ffn_dim, sequence_parallel
         self.swiglu = cfg.mlp == "swiglu"
-        width = 2 * f if self.swiglu else f
-        self.fc = ColumnParallelLinear(d, width, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(f, d, tp_group, bias=cfg.bias, sequence_parallel=sequence_parallel)
+        if self.swiglu:
+            self.gate = ColumnParallelLinear(d, f, tp_group, bias=cfg.bias, sequence_parallel=sp)
+            self.up = ColumnParallelLinear(d, f, tp_group, bias=cfg.bias, sequence_parallel=sp)
+        else:
+            self.fc = ColumnParallelLinear(d, f, tp_group, bias=cfg.bias, sequence_parallel=sp)
+        self.proj = RowParallelLinear(f, d, tp_group, bias=cfg.bias, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
         if self.swiglu:
-            gate, up = rearrange(h, "... (f two) -> two ... f", two=2)
-            return self.proj(F.silu(gate) * up)
-        return self.proj(F.gelu(h, approximate="tanh"))
+            x = self.gate.enter(x)
+            return self.proj(F.silu(self.gate.local(x)) * self.up.local(x))
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -217,7 +217,10 @@ class VocabParallelEmbedding(nn.Module):
         """[..., d] -> [..., vocab] at tp=1 (padding rows dropped); at tp>1 this rank's block of the padded
         vocab, [..., padded / tp], whose padding columns ``vocab_parallel_cross_entropy`` leaves out."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight[: self.num_embeddings])
+            # Slice only when there are padding rows: slicing the whole weight would still cost a zero-filled copy
+            # of its gradient in backward.
+            weight = self.weight if self.weight.shape[0] == self.num_embeddings else self.weight[: self.num_embeddings]
+            return F.linear(x, weight)
         x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_region(x, self.tp_group)
         return F.linear(x, self.weight)
 

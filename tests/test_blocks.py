@@ -151,3 +151,9 @@ def test_an_untied_head_over_pipeline_stages_asks_for_no_embedding_sum():
         summed = {n for m in (first, last) for n, p in m.named_parameters() if placement_of(p).grad_sums}
         assert summed == marked
         assert placement_of(last.lm_head.weight).tied_to == ("wte.weight" if cfg.tie_embeddings else None)
+
+
+def test_a_16_bit_model_keeps_ropes_frequencies_in_fp32():
+    model = build(LLAMA).to(torch.bfloat16)
+    attn = model.layers["0"].attn
+    assert attn.inv_freq.dtype == torch.float32 and torch.equal(attn.inv_freq, rope_frequencies(LLAMA))

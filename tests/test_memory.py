@@ -209,7 +209,8 @@ def _held(cfg: ModelConfig, policy: str, batch: int, model: GPT | None = None, p
             logits = model(x)
         return model.loss_sum(logits, y)
 
-    _, held = held_by_forward(forward, [*model.parameters(), *model.buffers(), x, y])  # model state, not activations
+    rope = [m.inv_freq for m in model.modules() if getattr(m, "inv_freq", None) is not None]  # RoPE's frequencies
+    _, held = held_by_forward(forward, [*model.parameters(), *rope, x, y])  # model state, not activations
     return held
 
 

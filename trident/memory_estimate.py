@@ -3,7 +3,7 @@
 Model states are counted from the model's structure, parameter by parameter (``rank_params``: the padded
 vocabulary's share of the embedding, the tp split of every matrix and column-parallel bias, the replicated norms
 and row-parallel biases, grouped-query attention's kv weight split over tp or, with fewer kv heads than tp ranks,
-held whole by every rank, SwiGLU's fc at twice the hidden width, a position table only with learned positions, the
+held whole by every rank, SwiGLU's gate and up beside each other, a position table only with learned positions, the
 layers of each pipeline stage, the LM head on the last stage: an untied head of its own, or with pp > 1 the tied
 copy of the embedding), laid out in the flat buffers with the reducer's buckets and their padding to a multiple of
 dp (trident/parallel/layout.py; a tied embedding and its copy isolated in buckets of their own under pp > 1), then
@@ -37,7 +37,7 @@ where it is not), q = h / t this rank's query width and k its key width (its kv 
                                   RoPE's cos and sin tables       2 s (h / a) 4 (fp32; two 16-bit casts each in 16 bits)
                                   attention logsumexp             4 abs / t
                                   fc output, GELU output          2 sbf e / t
-                                  SwiGLU instead                  4 sbf e / t (fc's gate and up, silu(gate), product)
+                                  SwiGLU instead                  4 sbf e / t (gate and up outputs, silu(gate), product)
                                   dropout masks (p > 0)           2 sbh / t_sp  (bool)
                                   with dropout (p > 0), training runs attention explicitly (SDPA's dropout draws from
                                   the global generator): instead of the logsumexp, the probabilities and their
@@ -154,8 +154,8 @@ def kv_heads_local(m: ModelConfig, tp: int) -> int:
 def block_params(m: ModelConfig, tp: int, prefix: str = "") -> list[tuple[str, int]]:
     """(name, local numel) of one transformer block at tp, in registration order (models/gpt.py): the norms whole;
     multi-head attention's fused qkv, or grouped-query attention's q and kv, split by output rows with their
-    biases, except a kv that tp does not divide, which every rank holds whole; the MLP's fc (SwiGLU's gate and up
-    rows together: 2 f) split by output rows; the two projections split by input columns, their biases whole."""
+    biases, except a kv that tp does not divide, which every rank holds whole; the MLP's fc (SwiGLU: its gate and
+    up) split by output rows; the two projections split by input columns, their biases whole."""
     d, f, dh, heads, kv_heads = m.d_model, m.ffn_dim, m.head_dim, m.n_heads, m.kv_heads
     if kv_heads == heads:
         attention = _linear(f"{prefix}attn.qkv", 3 * d // tp, d, 3 * d // tp, m)
@@ -165,13 +165,19 @@ def block_params(m: ModelConfig, tp: int, prefix: str = "") -> list[tuple[str, i
             *_linear(f"{prefix}attn.q", heads * dh // tp, d, heads * dh // tp, m),
             *_linear(f"{prefix}attn.kv", kv, d, kv, m),
         ]
-    fc = (2 * f if m.mlp == "swiglu" else f) // tp
+    if m.mlp == "swiglu":
+        mlp = [
+            *_linear(f"{prefix}mlp.gate", f // tp, d, f // tp, m),
+            *_linear(f"{prefix}mlp.up", f // tp, d, f // tp, m),
+        ]
+    else:
+        mlp = _linear(f"{prefix}mlp.fc", f // tp, d, f // tp, m)
     return [
         *_norm(f"{prefix}ln_1", m),
         *attention,
         *_linear(f"{prefix}attn.proj", d, heads * dh // tp, d, m),
         *_norm(f"{prefix}ln_2", m),
-        *_linear(f"{prefix}mlp.fc", fc, d, fc, m),
+        *mlp,
         *_linear(f"{prefix}mlp.proj", d, f // tp, d, m),
     ]
 
@@ -418,11 +424,11 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
             core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1) + x.s * x.s  # + the causal mask masked_fill keeps
         else:  # the fused kernel's fp32 logsumexp
             core = FP32 * x.a * x.b * x.s // x.t
-    # GELU: fc output, GELU output. SwiGLU: fc output (gate and up), silu(gate), their product.
+    # GELU: fc output, GELU output. SwiGLU: gate and up outputs, silu(gate), their product.
     mlp = (4 if m.mlp == "swiglu" else 2) * sbf * x.e // x.t
     return (
         2 * x.layer_norm()
-        + 2 * sbh * x.e  # qkv (or q and kv) and fc inputs
+        + 2 * sbh * x.e  # qkv (or q and kv) and fc (or gate and up) inputs
         + x.attention(explicit)
         + x.rope_tables()
         + mlp

@@ -21,15 +21,17 @@ along our dim 0, each transposed first when it is GPT-2's ``Conv1D`` (``[in, out
     layers.i.attn.q.*        -                                    q_proj
     layers.i.attn.kv.*       -                                    [k_proj; v_proj], (two g dh)
     layers.i.attn.proj.*     h.i.attn.c_proj.* (T)                o_proj
-    layers.i.mlp.fc.*        h.i.mlp.c_fc.* (T)                   [gate_proj; up_proj], (two f)
+    layers.i.mlp.fc.*        h.i.mlp.c_fc.* (T)                   -
+    layers.i.mlp.gate.*      -                                    gate_proj
+    layers.i.mlp.up.*        -                                    up_proj
     layers.i.mlp.proj.*      h.i.mlp.c_proj.* (T)                 down_proj
     ln_f.*                   ln_f.*                               norm.weight
     lm_head.weight (untied)  lm_head.weight                       lm_head.weight
 
 (T): transposed, GPT-2's Conv1D. Llama's projections are under layers.i.self_attn. and layers.i.mlp.
 
-Our rows are laid out so that a tp block of rows holds whole heads and whole hidden units: qkv ``(h three dh)``,
-kv ``(g two dh)``, SwiGLU's fc ``(f two)``; the stacked Hugging Face rows are regrouped to that. RoPE is Hugging
+Our rows are laid out so that a tp block of rows holds whole heads: qkv ``(h three dh)``, kv ``(g two dh)``; the
+stacked Hugging Face rows are regrouped to that. RoPE is Hugging
 Face Llama's rotate-half convention (models/rope.py), so q_proj and k_proj need no permutation.
 
 ``read_box`` reads any box of one of our tensors from the Hugging Face tensors, touching only the rows and
@@ -301,7 +303,8 @@ def sources(cfg: ModelConfig) -> dict[str, Source]:
             add(ours + "attn.kv", [attn + "k_proj", attn + "v_proj"], [kv * dh, kv * dh], rows=kv_rows)
         add(ours + "attn.proj", [attn + "o_proj"], [d])
         mlp = theirs + "mlp."
-        add(ours + "mlp.fc", [mlp + "gate_proj", mlp + "up_proj"], [f, f], rows=_rows("two f", "f two", two=2, f=f))
+        add(ours + "mlp.gate", [mlp + "gate_proj"], [f])
+        add(ours + "mlp.up", [mlp + "up_proj"], [f])
         add(ours + "mlp.proj", [mlp + "down_proj"], [d])
     if gpt2:
         add("ln_f", [top + "ln_f"], [d])
