@@ -18,7 +18,7 @@ def _check_split(total: int, parts: int, what: str) -> None:
         raise ValueError(f"a batch of {total} samples cannot be split evenly into {what}")
 
 
-class _Batches:
+class Batches:
     """Rank and micro-batch slicing shared by training and validation batches."""
 
     global_batch_size: int
@@ -48,12 +48,43 @@ class _Batches:
         return batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
 
+_Batches = Batches  # the name it had
+
+
 def _split(mine: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
     _check_split(len(mine), micro_batch_size, f"micro-batches of {micro_batch_size}")
     return list(mine.split(micro_batch_size))
 
 
-class GlobalBatchSampler(_Batches):
+class EpochPermutations:
+    """The shuffled order of each epoch over ``n_samples`` windows: a permutation seeded by (seed, epoch) alone.
+    The two most recent are kept (a batch spans at most two epochs unless the dataset is smaller than it)."""
+
+    def __init__(self, n_samples: int, seed: int):
+        self.n_samples = n_samples
+        self.seed = seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def __call__(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                del self._perms[min(self._perms)]
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms[epoch] = torch.randperm(self.n_samples, generator=g)
+        return self._perms[epoch]
+
+    def windows(self, start: int, end: int) -> torch.Tensor:
+        """The windows of a stream's samples ``start .. end - 1``: sample k is position k % n of epoch k // n."""
+        n, parts, g = self.n_samples, [], start
+        while g < end:
+            epoch, pos = divmod(g, n)
+            take = min(n - pos, end - g)
+            parts.append(self(epoch)[pos : pos + take])
+            g += take
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+
+class GlobalBatchSampler(Batches):
     """Shuffled epochs over ``n_samples`` windows, cut into global batches.
 
     Global sample g = step * B + i is position g % n of epoch g // n, whose order is a permutation
@@ -67,29 +98,15 @@ class GlobalBatchSampler(_Batches):
         self.n_samples = n_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:
-                del self._perms[min(self._perms)]
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms[epoch] = torch.randperm(self.n_samples, generator=g)
-        return self._perms[epoch]
+        self._perm = EpochPermutations(n_samples, seed)
 
     def global_batch(self, step: int) -> torch.Tensor:
         """The window indices of step ``step``: a LongTensor [global_batch_size]."""
-        n, start = self.n_samples, step * self.global_batch_size
-        parts, g, end = [], start, start + self.global_batch_size
-        while g < end:
-            epoch, pos = divmod(g, n)
-            take = min(n - pos, end - g)
-            parts.append(self._perm(epoch)[pos : pos + take])
-            g += take
-        return torch.cat(parts)
+        start = step * self.global_batch_size
+        return self._perm.windows(start, start + self.global_batch_size)
 
 
-class ValidationBatches(_Batches):
+class ValidationBatches(Batches):
     """The fixed validation set of one evaluation: ``n_batches`` global batches of windows 0, 1, 2, ...
 
     Every evaluation sees the same samples in the same order, so validation losses are comparable
