@@ -25,7 +25,7 @@ from trident import cli
 from trident.build import build_checkpointer, build_parts
 from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_init_weights
 from trident.config import Config, register_configs, to_config, validate
-from trident.data.dataset import open_dataset
+from trident.data.mixture import open_training_data
 from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores
 from trident.loop import Trainer
 from trident.memory import log_model_states
@@ -52,9 +52,9 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
         topology = Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
         device = pick_device(tr.device)
         use_tensor_cores(device)
-        dataset = open_dataset(cfg.data, cfg.model.vocab_size)
         eval_batches = tr.eval_batches if tr.eval_every else None
-        data = dataset.split(cfg.model.seq_len, cfg.data.val_fraction, tr.global_batch_size, eval_batches)
+        # One dataset, or data.mix's sources (trident/data/mixture.py), split into training and validation windows.
+        data = open_training_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len, tr.global_batch_size, eval_batches)
         if owns_group and device.type == "cpu":
             set_cpu_threads()
         peak = device_peak_tflops(device, tr.precision, cfg.logging.peak_tflops)  # on the threads set just above
@@ -70,9 +70,9 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
         if init_from is not None and groups.is_logging_rank:
             print(f"initialised from the {init_from.what} {init_from.path} (step 0, fresh optimizer)", flush=True)
         cleanup.callback(parts.optimizer.remove_hooks)
-        checkpointer = build_checkpointer(cfg, groups, parts, checkpoint_root, dataset.tokenizer_path)
+        checkpointer = build_checkpointer(cfg, groups, parts, checkpoint_root, data.tokenizer_path)
         if groups.is_logging_rank:
-            announce_run(cfg, topology, parts.chunks, device, len(data[0]), run_dir, peak)
+            announce_run(cfg, topology, parts.chunks, device, len(data.train), run_dir, peak)
         # memory.json: each rank's model-state bytes beside the prediction made before launch.
         predicted = estimate(cfg.model, Layout.from_config(cfg, dp, device.type)).to_dict()
         config_dict = dataclasses.asdict(cfg)
@@ -80,12 +80,13 @@ def run(cfg: Config, run_dir: Path) -> list[dict]:
             cfg,
             groups,
             parts,
-            data,
+            data.pair,
             checkpointer=checkpointer,
             make_logger=lambda start: MetricsLogger(run_dir, tr.steps, cfg.logging, cfg.wandb, config_dict, start),
             stop=stop,
             peak_flops=peak * 1e12 if peak else None,
             after_first_step=lambda: log_model_states(parts.optimizer.step, groups, run_dir, {"estimate": predicted}),
+            eos_id=data.eos_id,
         )
         history = trainer.fit()
     if owns_group:

@@ -106,6 +106,25 @@ def test_console_line_shows_loss_scale(tmp_path: Path, capsys: pytest.CaptureFix
     assert without_scale.strip() and "scale" not in without_scale
 
 
+def test_mixture_and_loader_keys_reach_the_file_and_the_console(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Per-source tokens and validation losses and the loader's figures are written as they are; the console shows
+    the sources' validation losses after the weighted mean, and the loader's share of the step."""
+    logger = make_logger(tmp_path)
+    extra = {"tokens/web": 4480, "tokens/code": 1920, "data_ms": 0.25, "data_read_ms": 1.5, "data_share": 0.0123}
+    validation = {"val_loss": 3.37, "val_loss/web": 3.5, "val_loss/code": 3.07}
+    logged = [make_row(1, **extra), make_row(2, **extra, **validation)]
+    logger.log(logged[0])
+    first = capsys.readouterr().out
+    logger.log(logged[1])
+    second = capsys.readouterr().out
+    logger.close()
+    assert read_rows(tmp_path / "metrics.jsonl") == logged
+    assert "data 1.2%" in first and "val" not in first
+    assert "val 3.3700 (web 3.5000, code 3.0700)" in second
+
+
 # --- resume: rows past the checkpoint step are dropped, with a backup of the original file.
 
 

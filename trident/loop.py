@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,16 +29,117 @@ from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.checkpoint.manager import Checkpointer
 from trident.config import Config
 from trident.data.dataset import TokenWindows, eval_batch_count
-from trident.data.sampler import GlobalBatchSampler, ValidationBatches
+from trident.data.mixture import MixedWindows, MixtureSampler
+from trident.data.sampler import Batches, GlobalBatchSampler, ValidationBatches
 from trident.divergence import DivergencePolicy
 from trident.errors import CheckpointError, DivergenceError, is_lost_peer
 from trident.metrics import MetricsLogger, peak_memory_mb, summary_line
 from trident.models.gpt import flops_per_token
 from trident.optim import lr_at
 from trident.parallel.agree import on_one_rank
+from trident.parallel.batch import document_ids
 from trident.parallel.groups import ProcessGroups
 from trident.runner import Batch
 from trident.signals import Stopped, StopRequest, stop_line
+
+Windows = TokenWindows | MixedWindows
+
+
+class BatchLoader:
+    """This rank's micro-batches of each step, read from the windows and put on the device, off the critical path.
+
+    Reading is vectorised (memmap slicing, no Python loop per token). ``get(step)`` hands over the step's batches and
+    starts reading the next step's in a background thread, so a step waits only for what is not ready yet (0 in the
+    steady state): ``get`` returns that wait beside the batches. On a GPU the thread also pins the host tensors and
+    copies them on a CUDA stream of its own; the step's stream waits for that copy's event before using them, and the
+    tensors are recorded on it so the allocator does not reuse their memory while the step reads them. With
+    ``eos_id`` (``data.document_mask``) each batch carries its document ids, computed from the tokens on the device.
+    """
+
+    def __init__(
+        self,
+        windows: Windows,
+        sampler: Batches,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        device: torch.device,
+        eos_id: int | None = None,
+        prefetch: bool = True,
+    ) -> None:
+        self.windows, self.sampler, self.device, self.eos_id = windows, sampler, device, eos_id
+        self.dp_rank, self.dp_size, self.micro_batch_size = dp_rank, dp_size, micro_batch_size
+        self.prefetch = prefetch
+        self.cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self.cuda and prefetch else None
+        self._pool: ThreadPoolExecutor | None = None
+        self._next: tuple[int, Future] | None = None
+        self.last_read_s = 0.0  # how long reading the batches ``get`` returned took (in the background or not)
+
+    def build(self, x: torch.Tensor, y: torch.Tensor, sample_ids: torch.Tensor, step: int) -> Batch:
+        """One micro-batch on the device, with its document ids when ``eos_id`` is set (the hook of
+        ``data.document_mask``)."""
+        if self.cuda:
+            x, y = x.pin_memory(), y.pin_memory()
+        batch = Batch(x, y, sample_ids, step).to(self.device)
+        if self.eos_id is not None:
+            batch = batch._replace(documents=document_ids(batch.tokens, self.eos_id))
+        return batch
+
+    def read(self, step: int, windows: Windows | None = None, sampler: Batches | None = None) -> list[Batch]:
+        """The micro-batches of ``step``, read now on this thread (``windows`` and ``sampler``: another set's)."""
+        windows = self.windows if windows is None else windows
+        sampler = self.sampler if sampler is None else sampler
+        args = (step, self.dp_rank, self.dp_size, self.micro_batch_size)
+        indices, samples = sampler.micro_batches(*args), sampler.sample_ids(*args)
+        return [self.build(*windows.batch(w), s, step) for w, s in zip(indices, samples, strict=True)]
+
+    def _read_ahead(self, step: int) -> tuple[list[Batch], float, torch.cuda.Event | None]:
+        start = time.perf_counter()
+        if self._stream is None:
+            return self.read(step), time.perf_counter() - start, None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            batches = self.read(step)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return batches, time.perf_counter() - start, event
+
+    def get(self, step: int, last: int | None = None) -> tuple[list[Batch], float]:
+        """The micro-batches of ``step`` and the seconds this call waited for them; starts reading ``step + 1``
+        (when it is below ``last``) in the background."""
+        start = time.perf_counter()
+        if self._next is not None and self._next[0] == step:
+            batches, self.last_read_s, event = self._next[1].result()
+            self._next = None
+            if event is not None:
+                main = torch.cuda.current_stream(self.device)
+                main.wait_event(event)
+                for b in batches:
+                    for t in (b.tokens, b.targets, b.documents):
+                        if t is not None:
+                            t.record_stream(main)
+        else:
+            self._drop()
+            batches = self.read(step)
+            self.last_read_s = time.perf_counter() - start
+        waited = time.perf_counter() - start
+        if self.prefetch and (last is None or step + 1 < last):
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trident-loader")
+            self._next = (step + 1, self._pool.submit(self._read_ahead, step + 1))
+        return batches, waited
+
+    def _drop(self) -> None:
+        if self._next is not None:
+            self._next[1].cancel()
+            self._next = None
+
+    def close(self) -> None:
+        """Stop reading ahead (a read in flight finishes first)."""
+        self._drop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 @dataclass
@@ -54,44 +156,64 @@ class Trainer:
         cfg: Config,
         groups: ProcessGroups,
         parts: RunParts,
-        data: tuple[TokenWindows, TokenWindows],
+        data: tuple[Windows, TokenWindows | Mapping[str, TokenWindows]],
         *,
         checkpointer: Checkpointer | None = None,
         make_logger: Callable[[int], MetricsLogger | None] | None = None,
         stop: StopRequest | None = None,
         peak_flops: float | None = None,
         after_first_step: Callable[[], None] | None = None,
+        eos_id: int | None = None,
+        prefetch: bool = True,
     ) -> None:
-        """``data``: the train and validation windows. ``make_logger(start step)`` is called on the logging rank
+        """``data``: the training windows (one dataset's, or a mixture's: ``MixedWindows``) and the validation
+        windows (one set, or one per source by name). ``make_logger(start step)`` is called on the logging rank
         only; ``peak_flops`` (all of one rank's device) makes the MFU; ``after_first_step`` runs on every rank
-        once the optimizer's state exists (memory accounting)."""
+        once the optimizer's state exists (memory accounting). ``eos_id``: the dataset's, which
+        ``data.document_mask`` needs. ``prefetch``: read the next step's batches in the background."""
         train_cfg = cfg.train
         self.cfg, self.optim_cfg, self.groups, self.device = train_cfg, cfg.optim, groups, parts.device
         self.model_chunks, self.runner = parts.chunks, parts.runner
         self.loss_fn = parts.chunks[-1].loss_sum  # the loss is computed where the last stage is
         self.grad_step = parts.optimizer.step
-        self.train_data, self.val_data = data
+        self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
         self.checkpointer, self.stop, self.after_first_step = checkpointer, stop, after_first_step
         self.make_logger = make_logger or (lambda start: None)
-        self.sampler = GlobalBatchSampler(len(self.train_data), train_cfg.global_batch_size, train_cfg.seed)
-        self.eval_batches = eval_batch_count(train_cfg.eval_batches, len(self.val_data), train_cfg.global_batch_size)
+        gbs = train_cfg.global_batch_size
+        self.mixture = self.train_data if isinstance(self.train_data, MixedWindows) else None
+        if self.mixture is not None:
+            self.sampler: Batches = self.mixture.sampler(gbs, train_cfg.seed)
+        else:
+            self.sampler = GlobalBatchSampler(len(self.train_data), gbs, train_cfg.seed)
+        # The validation sets by source name ("" alone: one dataset), each with its own number of batches.
+        self.val_sets = dict(val) if isinstance(val, Mapping) else {"": val}
+        self.val_batches = {
+            name: ValidationBatches(len(v), gbs, eval_batch_count(train_cfg.eval_batches, len(v), gbs))
+            for name, v in self.val_sets.items()
+        }
         self.seq_len = self.train_data.seq_len
-        self.tokens_per_step = train_cfg.global_batch_size * self.seq_len
+        self.tokens_per_step = gbs * self.seq_len
+        if cfg.data.document_mask and eos_id is None:
+            raise ValueError("data.document_mask needs the dataset's eos_id")
+        self.loader = BatchLoader(
+            self.train_data,
+            self.sampler,
+            groups.dp_rank,
+            groups.dp_size,
+            train_cfg.micro_batch_size,
+            self.device,
+            eos_id if cfg.data.document_mask else None,
+            prefetch,
+        )
         self.divergence = DivergencePolicy(train_cfg.max_skipped_steps, train_cfg.max_nonfinite_losses)
         self.step = 0  # optimizer steps completed
         self.last_checkpoint: Path | None = None  # the newest checkpoint of this run, every one of them finite
 
-    def _to_device(self, windows: tuple[torch.Tensor, torch.Tensor], sample_ids: torch.Tensor, step: int) -> Batch:
-        x, y = windows
-        return Batch(x, y, sample_ids, step).to(self.device)
-
     def micro_batches(self, step: int) -> list[Batch]:
-        """This rank's micro-batches of ``step``, each with its samples' global indices (dropout's masks)."""
-        g, mbs = self.groups, self.cfg.micro_batch_size
-        windows = self.sampler.micro_batches(step, g.dp_rank, g.dp_size, mbs)
-        samples = self.sampler.sample_ids(step, g.dp_rank, g.dp_size, mbs)
-        return [self._to_device(self.train_data.batch(w), s, step) for w, s in zip(windows, samples, strict=True)]
+        """This rank's micro-batches of ``step``, each with its samples' global indices (dropout's masks), read
+        now (the loop itself reads through ``self.loader.get``, ahead of time)."""
+        return self.loader.read(step)
 
     def train_step(self, step: int, micro_batches: list[Batch]) -> StepResult:
         """One optimizer step over this rank's micro-batches of the global batch."""
@@ -104,22 +226,46 @@ class Trainer:
     def _share_loss(self, loss_sum: torch.Tensor) -> float:
         """Sum the last stage's loss over dp and hand it to every pipeline stage, so every rank (the logging
         rank among them) knows the step's loss and can act on it alike."""
-        dist.all_reduce(loss_sum, group=self.groups.dp_group)
+        return self._share(loss_sum).item()
+
+    def _share(self, sums: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(sums, group=self.groups.dp_group)
         if self.groups.pp_size > 1:
-            dist.broadcast(loss_sum, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
-        return loss_sum.item()
+            dist.broadcast(sums, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
+        return sums
+
+    def evaluate_sources(self) -> dict[str, float]:
+        """Mean token loss over each validation set's fixed windows (the same at every evaluation), by name."""
+        totals = []
+        for name, batches in self.val_batches.items():
+            total = torch.zeros((), device=self.device)
+            for b in range(len(batches)):
+                total += self.runner.forward_only(self.loader.read(b, self.val_sets[name], batches), self.loss_fn)
+            totals.append(total)
+        shared = self._share(torch.stack(totals)).tolist()  # one collective for every source
+        per_step = self.tokens_per_step
+        return {name: s / (len(b) * per_step) for (name, b), s in zip(self.val_batches.items(), shared, strict=True)}
 
     def evaluate(self) -> float:
-        """Mean token loss over a fixed set of validation windows (the same at every evaluation)."""
-        g, mbs = self.groups, self.cfg.micro_batch_size
-        batches = ValidationBatches(len(self.val_data), self.cfg.global_batch_size, self.eval_batches)
-        total = torch.zeros((), device=self.device)
-        for b in range(len(batches)):
-            windows = batches.micro_batches(b, g.dp_rank, g.dp_size, mbs)
-            samples = batches.sample_ids(b, g.dp_rank, g.dp_size, mbs)
-            micro = [self._to_device(self.val_data.batch(w), s, b) for w, s in zip(windows, samples, strict=True)]
-            total += self.runner.forward_only(micro, self.loss_fn)
-        return self._share_loss(total) / (len(batches) * self.tokens_per_step)
+        """The validation loss: one dataset's, or a mixture's sources' weighted by the mixture's weights."""
+        return self._val_row(self.evaluate_sources())["val_loss"]
+
+    def _val_row(self, losses: dict[str, float]) -> dict[str, float]:
+        """``val_loss``, and with a mixture ``val_loss/<source>`` too, ``val_loss`` being their mean weighted by the
+        mixture's weights (the loss on the training distribution, not the mean over all sources' windows)."""
+        if self.mixture is None:
+            return {"val_loss": losses[""]}
+        w = self.mixture.weights
+        mean = sum(wi * losses[n] for n, wi in zip(self.mixture.names, w, strict=True)) / sum(w)
+        return {"val_loss": mean, **{f"val_loss/{name}": loss for name, loss in losses.items()}}
+
+    def tokens_per_source(self, steps: int) -> dict[str, int]:
+        """The training tokens each source of the mixture gave the first ``steps`` steps (closed form)."""
+        if self.mixture is None:
+            return {}
+        assert isinstance(self.sampler, MixtureSampler)
+        counts = self.sampler.counts_before(steps * self.cfg.global_batch_size)
+        return {name: c * self.seq_len for name, c in zip(self.mixture.names, counts, strict=True)}
 
     def state_dict(self) -> dict:
         return {
@@ -128,18 +274,31 @@ class Trainer:
             "global_batch_size": self.cfg.global_batch_size,
             "seed": self.cfg.seed,
             "train_windows": len(self.train_data),
+            **({"mix": self._mix_state()} if self.mixture is not None else {}),
             "divergence": self.divergence.state_dict(),
             **self.grad_step.state_dict(),
         }
+
+    def _mix_state(self) -> list | None:
+        """The mixture's sources as the checkpoint records them: [name, training windows, integer weight] each."""
+        if self.mixture is None:
+            return None
+        assert isinstance(self.sampler, MixtureSampler)
+        return [
+            [n, size, w]
+            for n, size, w in zip(self.mixture.names, self.sampler.sizes, self.sampler.weights, strict=True)
+        ]
 
     def load_state_dict(self, state: dict) -> None:
         # Each of these fixes which samples come next: resuming with another value would silently
         # train on a different stream than the run that was interrupted.
         mine = {"global_batch_size": self.cfg.global_batch_size, "seed": self.cfg.seed}
         mine["train_windows"] = len(self.train_data)
+        mine["mix"] = self._mix_state()
         keys = {"global_batch_size": "train.global_batch_size", "seed": "train.seed", "train_windows": "data.*"}
+        keys["mix"] = "data.mix"
         for key, value in mine.items():
-            if state[key] != value:
+            if state.get(key) != value:
                 raise CheckpointError(
                     f"the checkpoint was trained with {keys[key]} giving {key}={state[key]}, this run has {value}; "
                     "resume with the same settings (and data), or set checkpoint.resume=none in a new checkpoint.dir"
@@ -186,6 +345,7 @@ class Trainer:
                 print(stop_line(signum, self.step, self.last_checkpoint, note), file=sys.stderr, flush=True)
             raise Stopped(signum, self.step, self.last_checkpoint, history) from None
         finally:
+            self.loader.close()
             if logger is not None:
                 logger.close()
         if self.groups.is_logging_rank:
@@ -201,14 +361,18 @@ class Trainer:
         first = self.step
         for step in range(self.step, total):
             start = time.perf_counter()
-            result = self.train_step(step, self.micro_batches(step))  # ends in a dp all-reduce
+            # The step's batches were read while the last step ran: ``waited`` is what reading still cost it.
+            batches, waited = self.loader.get(step, last=total)
+            result = self.train_step(step, batches)  # ends in a dp all-reduce
             elapsed = time.perf_counter() - start
             if step == first and self.after_first_step is not None:
                 self.after_first_step()  # every rank, once: the optimizer's state exists from its first step on
             self.step = step + 1
             row = self._row(result, step, elapsed)
+            row.update(data_ms=1e3 * waited, data_read_ms=1e3 * self.loader.last_read_s, data_share=waited / elapsed)
+            row.update({f"tokens/{name}": n for name, n in self.tokens_per_source(self.step).items()})
             if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or self.step == total):
-                row["val_loss"] = self.evaluate()
+                row.update(self._val_row(self.evaluate_sources()))
             history.append(row)
             if logger is not None:
                 logger.log(row)

@@ -1,4 +1,10 @@
-"""Per-step metrics: ``metrics.jsonl``, a console line per interval, and wandb, all from one rank."""
+"""Per-step metrics: ``metrics.jsonl``, a console line per interval, and wandb, all from one rank.
+
+Beside the contract's keys a row carries ``data_ms`` (how long the step waited for its batches: the loader's cost on
+the critical path), ``data_read_ms`` (how long reading them took, mostly hidden behind the step before), ``data_share``
+(``data_ms`` over the step's time), and with ``data.mix`` ``tokens/<source>`` (training tokens each source gave so
+far) and, at evaluations, ``val_loss/<source>`` (``val_loss`` is then their mean weighted by the mixture's weights).
+"""
 
 from __future__ import annotations
 
@@ -175,7 +181,9 @@ class MetricsLogger:
             f"loss {row['loss']:.4f}",
         ]
         if "val_loss" in row:
-            parts.append(f"val {row['val_loss']:.4f}")
+            # A mixture's sources' own validation losses follow its weighted mean: "val 3.9 (web 4.1, code 3.2)".
+            sources = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in row.items() if k.startswith("val_loss/")]
+            parts.append(f"val {row['val_loss']:.4f}" + (f" ({', '.join(sources)})" if sources else ""))
         parts += [
             f"lr {row['lr']:.2e}",
             f"grad_norm {row['grad_norm']:.3f}",
@@ -185,6 +193,8 @@ class MetricsLogger:
         ]
         if "loss_scale" in row:
             parts.append(f"scale {row['loss_scale']:g}")
+        if row.get("data_share") is not None:
+            parts.append(f"data {100 * row['data_share']:.1f}%")  # the step's wait for its batches
         parts.append(f"eta {format_duration(eta)}")
         return " | ".join(parts)
 
