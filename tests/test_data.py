@@ -53,9 +53,9 @@ def dataset(corpus, tmp_path_factory) -> Path:
 def test_roundtrip(dataset):
     meta = load_meta(dataset)
     sp = load_tokenizer(dataset)
-    tokens = np.fromfile(dataset / "tokens.bin", dtype=meta["dtype"])
+    tokens = np.asarray(TokenDataset(dataset).tokens[:])
     docs = np.split(tokens, np.flatnonzero(tokens == meta["eos_id"]) + 1)[:-1]
-    texts = [t for t in (Path(p).read_text() for p in meta["sources"]) if t]
+    texts = [t for t in (Path(s["path"]).read_text() for s in meta["sources"]) if t]
     assert len(docs) == len(texts) == meta["n_documents"]
     for ids, text in zip(docs, texts, strict=True):
         assert ids[-1] == meta["eos_id"]
@@ -68,21 +68,28 @@ def test_roundtrip(dataset):
 def test_meta(dataset, corpus):
     meta = load_meta(dataset)
     files = collect_text_files([str(corpus)], [".py"])
-    assert meta["format"] == 1
+    assert meta["format"] == 2
     assert meta["vocab_size"] == VOCAB
     assert meta["dtype"] == "uint16"
     assert meta["eos_id"] == 1
-    assert meta["sources"] == [str(p) for p in files]
+    assert [s["path"] for s in meta["sources"]] == [str(p) for p in files]
+    assert [(s["bytes"], s["mtime_ns"]) for s in meta["sources"]] == [
+        (p.stat().st_size, p.stat().st_mtime_ns) for p in files
+    ]
     assert meta["source_bytes"] == sum(p.stat().st_size for p in files)
-    assert (dataset / "tokens.bin").stat().st_size == 2 * meta["n_tokens"]
-    assert sorted(p.name for p in dataset.iterdir()) == ["meta.json", "tokenizer.model", "tokens.bin"]
-    assert np.fromfile(dataset / "tokens.bin", dtype=np.uint16).max() < VOCAB
+    assert meta["bad_records"] == 0 and meta["n_records"] == len(files) and meta["text_field"] == "text"
+    shards = sorted((dataset / "shards").glob("*.bin"))
+    assert [p.stem for p in shards] == [r["name"] for r in meta["shards"]]
+    assert sum(p.stat().st_size for p in shards) == 2 * meta["n_tokens"]
+    assert sorted(p.name for p in dataset.iterdir()) == ["meta.json", "shards", "tokenizer.model"]
+    assert max(np.fromfile(p, dtype=np.uint16).max() for p in shards) < VOCAB
 
 
 def test_prepare_is_deterministic(dataset, corpus, tmp_path):
     """Every node that prepares the same text must get the same tokenizer and tokens."""
     again = prepare_dataset(collect_text_files([str(corpus)], [".py"]), tmp_path / "again", VOCAB, log=quiet)
-    for name in ("tokenizer.model", "tokens.bin"):
+    names = ["meta.json", "tokenizer.model", *(f"shards/{p.name}" for p in (dataset / "shards").iterdir())]
+    for name in names:
         assert (again / name).read_bytes() == (dataset / name).read_bytes()
 
 
@@ -90,7 +97,7 @@ def test_failed_prepare_leaves_nothing(corpus, tmp_path, monkeypatch):
     def crash(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare, "_encode", crash)
+    monkeypatch.setattr(prepare, "run_units", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset(collect_text_files([str(corpus / "json")], [".py"]), tmp_path / "d", VOCAB, log=quiet)
     assert list(tmp_path.iterdir()) == []
@@ -101,7 +108,7 @@ def test_prepare_replaces_only_a_dataset(dataset, corpus, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(dataset, out)
     prepare_dataset(files, out, VOCAB, log=quiet)
-    assert load_meta(out)["sources"] == [str(p) for p in files]
+    assert [s["path"] for s in load_meta(out)["sources"]] == [str(p) for p in files]
     (out / "notes.txt").write_text("mine")
     with pytest.raises(DataError, match="not a trident dataset"):
         prepare_dataset(files, out, VOCAB, log=quiet)
@@ -115,9 +122,9 @@ def test_cache_reuse(corpus, tmp_path):
     cfg = _cfg(corpus, tmp_path / "cache")
     logs: list[str] = []
     first = resolve_dataset(cfg, VOCAB, log=logs.append)
-    mtime = (first / "tokens.bin").stat().st_mtime_ns
+    mtime = (first / "meta.json").stat().st_mtime_ns
     assert resolve_dataset(cfg, VOCAB, log=logs.append) == first
-    assert (first / "tokens.bin").stat().st_mtime_ns == mtime
+    assert (first / "meta.json").stat().st_mtime_ns == mtime
     assert sum("preparing dataset" in line for line in logs) == 1
     assert first.parent == tmp_path / "cache"
     # Another vocab size is another dataset.
@@ -198,7 +205,7 @@ def test_dataset_dir_errors(dataset, tmp_path):
         resolve_dataset(DataConfig(dataset_dir=str(dataset)), 300)
     partial = tmp_path / "partial"
     partial.mkdir()
-    shutil.copy(dataset / "tokens.bin", partial)
+    shutil.copytree(dataset / "shards", partial / "shards")
     with pytest.raises(DataError, match=r"missing meta.json, tokenizer.model\); run tools/prepare_data.py"):
         resolve_dataset(DataConfig(dataset_dir=str(partial)), VOCAB)
 
@@ -297,7 +304,7 @@ def _damaged_copy(dataset: Path, root: Path) -> Path:
 
 
 def _truncate_tokens(d: Path) -> None:
-    with open(d / "tokens.bin", "r+b") as f:
+    with open(d / "shards" / "00000.bin", "r+b") as f:
         f.truncate(f.seek(0, 2) - 2)
 
 
@@ -306,7 +313,7 @@ DAMAGE = [
     ("meta.json", lambda d: (d / "meta.json").write_text("[1, 2]"), "not a JSON object"),
     ("meta.json", lambda d: (d / "meta.json").write_text('{"format": 1, "vocab_size": 512}'), "no int eos_id"),
     ("tokenizer.model", lambda d: (d / "tokenizer.model").write_bytes(b"\x00garbage" * 10), "sentencepiece cannot"),
-    ("tokens.bin", _truncate_tokens, "bytes, but meta.json says"),
+    ("shards/00000.bin", _truncate_tokens, "bytes, but meta.json says"),
 ]
 
 

@@ -105,6 +105,12 @@ def test_sentencepiece_tokenizer_round_trips(sp_model, files):
         assert ids == tok.encode(text) and max(ids) < SP_VOCAB and tok.decode(ids) == text
 
 
+def _tokens(dataset: Path, dtype: type) -> np.ndarray:
+    """The dataset's tokens read straight from its shard files, in shard order."""
+    names = [r["name"] for r in load_meta(dataset)["shards"]]
+    return np.concatenate([np.fromfile(dataset / "shards" / f"{name}.bin", dtype=dtype) for name in names])
+
+
 def _documents(tokens: np.ndarray, eos: int) -> list[np.ndarray]:
     return np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]
 
@@ -112,7 +118,7 @@ def _documents(tokens: np.ndarray, eos: int) -> list[np.ndarray]:
 def test_a_dataset_records_its_tokenizer_and_holds_its_encoding(tokenizer_file, files, tmp_path):
     tok = load_tokenizer(tokenizer_file)
     out = prepare_dataset(files, tmp_path / "ds", tokenizer=tok, log=quiet)
-    assert sorted(p.name for p in out.iterdir()) == sorted(["meta.json", "tokens.bin", tok.file_name])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["meta.json", "shards", tok.file_name])
     assert (out / tok.file_name).read_bytes() == tokenizer_file.read_bytes()
     meta = load_meta(out)
     recorded = {k: meta[k] for k in ("tokenizer_file", "tokenizer_sha256", "vocab_size", "eos_id", "dtype")}
@@ -125,7 +131,7 @@ def test_a_dataset_records_its_tokenizer_and_holds_its_encoding(tokenizer_file, 
         "dtype": "uint16",
     }
     expected = [i for text in _texts(files) for i in [*tok.encode(text), tok.eos_id]]
-    tokens = np.fromfile(out / "tokens.bin", dtype=np.uint16)
+    tokens = _tokens(out, np.uint16)
     assert tokens.tolist() == expected and meta["n_tokens"] == len(expected) == len(tokens)
     assert meta["n_documents"] == len(_texts(files)) == len(_documents(tokens, tok.eos_id))
     ds = TokenDataset(out)
@@ -136,7 +142,7 @@ def test_a_dataset_records_its_tokenizer_and_holds_its_encoding(tokenizer_file, 
 def test_preparing_again_with_another_tokenizer_replaces_the_dataset(files, hf_json, sp_model, tmp_path):
     out = prepare_dataset(files, tmp_path / "ds", tokenizer=load_tokenizer(sp_model), log=quiet)
     prepare_dataset(files, out, tokenizer=load_tokenizer(hf_json), log=quiet)
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "tokens.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "shards", "tokenizer.json"]
     assert TokenDataset(out).tokenizer_path == out / "tokenizer.json"
     # meta.json, not the files that happen to lie there, says which tokenizer the dataset holds.
     (out / "tokenizer.model").write_bytes(sp_model.read_bytes())
@@ -146,7 +152,7 @@ def test_preparing_again_with_another_tokenizer_replaces_the_dataset(files, hf_j
 
 def test_ids_past_65535_are_stored_as_uint32(files, hf_json, tmp_path):
     """A tokenizer.json whose ids start at 70000 (the trained one, renumbered): its vocab_size is its largest id + 1,
-    not its count of tokens, and tokens.bin takes uint32."""
+    not its count of tokens, and the shards take uint32."""
     spec = json.loads(hf_json.read_text())
     spec["model"]["vocab"] = {piece: i + 70_000 for piece, i in spec["model"]["vocab"].items()}
     for added in spec["added_tokens"]:
@@ -159,7 +165,7 @@ def test_ids_past_65535_are_stored_as_uint32(files, hf_json, tmp_path):
     out = prepare_dataset(files, tmp_path / "ds", tokenizer=tok, log=quiet)
     meta = load_meta(out)
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_600
-    tokens = np.fromfile(out / "tokens.bin", dtype=np.uint32)
+    tokens = _tokens(out, np.uint32)
     docs = _documents(tokens, 70_000)
     assert [tok.decode(d[:-1].tolist()) for d in docs] == _texts(files) and tokens.min() >= 70_000
 

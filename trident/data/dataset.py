@@ -1,14 +1,16 @@
 """A prepared dataset seen as fixed-length training windows.
 
-``tokens.bin`` is memory-mapped, so every rank opens the whole dataset at no memory cost and reads
-only the windows it is asked for. Windows do not overlap: window i is tokens
-``[i * seq_len, (i + 1) * seq_len]`` (one extra token for the shifted target), which makes an epoch
-see every token once and makes the train/validation split a split of window indices.
+The token shards (trident/data/store.py; a format-1 dataset's one ``tokens.bin``) are memory-mapped and seen as one
+sequence, so every rank opens the whole dataset at no memory cost and reads only the windows it is asked for.
+Windows do not overlap: window i is tokens ``[i * seq_len, (i + 1) * seq_len]`` (one extra token for the shifted
+target), and may span two shards. This makes an epoch see every token once and makes the train/validation split a
+split of window indices. ``TokenDataset.document_ends`` says where each document ends.
 """
 
 from __future__ import annotations
 
 import hashlib
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -16,15 +18,17 @@ import torch
 
 from trident.config import DataConfig
 from trident.data.prepare import damaged, load_meta, rebuild_hint, resolve_dataset
+from trident.data.store import INDEX_DTYPE, SHARDS, ShardedTokens, document_ends, open_shards
 from trident.data.tokenizer import TokenizerFileError, tokenizer_from_bytes
 from trident.errors import DataError
 
 
 class TokenWindows:
-    """``count`` consecutive windows of ``seq_len + 1`` tokens, starting at window ``first``."""
+    """``count`` consecutive windows of ``seq_len + 1`` tokens, starting at window ``first``; ``tokens`` is a
+    ``ShardedTokens`` or one array."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, first: int, count: int):
-        self.tokens = tokens
+    def __init__(self, tokens: ShardedTokens | np.ndarray, seq_len: int, first: int, count: int):
+        self.tokens = tokens if isinstance(tokens, ShardedTokens) else ShardedTokens([tokens])
         self.seq_len = seq_len
         self.first = first
         self.count = count
@@ -38,12 +42,12 @@ class TokenWindows:
         if idx and (min(idx) < 0 or max(idx) >= self.count):
             raise IndexError(f"window index out of range [0, {self.count}): {min(idx)}..{max(idx)}")
         starts = (self.first + np.asarray(idx, dtype=np.int64)) * self.seq_len
-        buf = torch.from_numpy(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int64))
+        buf = torch.from_numpy(self.tokens.read(starts, self.seq_len + 1))
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
 
 
 class TokenDataset:
-    """A dataset directory written by ``prepare_dataset``.
+    """A dataset directory written by ``prepare_dataset`` (format 2: shards; format 1: one tokens.bin).
 
     ``rebuild`` is the command an error about a damaged file suggests (see ``open_dataset``).
     """
@@ -52,6 +56,7 @@ class TokenDataset:
         self.dir = Path(dataset_dir).expanduser()
         self.rebuild = rebuild or rebuild_hint(self.dir)
         meta = load_meta(self.dir, self.rebuild)
+        self.format: int = meta["format"]
         self.vocab_size: int = meta["vocab_size"]
         self.eos_id: int = meta["eos_id"]
         self.n_tokens: int = meta["n_tokens"]
@@ -59,12 +64,38 @@ class TokenDataset:
         self.tokenizer_path = self.dir / meta["tokenizer_file"]
         self.tokenizer_sha256: str | None = meta["tokenizer_sha256"]  # None in a dataset from before the record
         dtype = np.dtype(meta["dtype"])
-        path = self.dir / "tokens.bin"
-        size = path.stat().st_size
-        if size != self.n_tokens * dtype.itemsize:
-            what = f"{size:,} bytes, but meta.json says {self.n_tokens:,} {dtype.name} tokens"
-            raise damaged(path, what, self.rebuild)
-        self.tokens = np.memmap(path, dtype=dtype, mode="r", shape=(self.n_tokens,))
+        if self.format == 1:
+            self._shards: list[dict] = []
+            path = self.dir / "tokens.bin"
+            self._check_size(path, self.n_tokens * dtype.itemsize, f"{self.n_tokens:,} {dtype.name} tokens")
+            arrays = [np.memmap(path, dtype=dtype, mode="r", shape=(self.n_tokens,))] if self.n_tokens else []
+        else:
+            self._shards = meta["shards"]
+            for r in self._shards:
+                stem = self.dir / SHARDS / r["name"]
+                self._check_size(stem.with_suffix(".bin"), r["n_tokens"] * dtype.itemsize, f"{r['n_tokens']:,} tokens")
+                self._check_size(
+                    stem.with_suffix(".idx"), r["n_documents"] * INDEX_DTYPE.itemsize, f"{r['n_documents']:,} documents"
+                )
+            arrays = open_shards(self.dir, self._shards, dtype)
+        self.tokens = ShardedTokens(arrays)
+
+    def _check_size(self, path: Path, size: int, what: str) -> None:
+        try:
+            actual = path.stat().st_size
+        except OSError as e:
+            raise damaged(path, f"unreadable: {e.strerror or e}", self.rebuild) from None
+        if actual != size:
+            raise damaged(path, f"{actual:,} bytes, but meta.json says {what}", self.rebuild)
+
+    @cached_property
+    def document_ends(self) -> np.ndarray:
+        """Where each document ends, in tokens from the start (int64, increasing; the last is ``n_tokens``): document
+        i is tokens ``[ends[i-1], ends[i])``, its eos last. A format-1 dataset's are found from its eos tokens."""
+        if self.format == 1:
+            eos = np.flatnonzero(np.asarray(self.tokens[:]) == self.eos_id) + 1
+            return eos.astype(np.int64)
+        return document_ends(self.dir, self._shards)
 
     def check_tokenizer(self) -> None:
         """Load the tokenizer once: training never reads it, but every checkpoint carries it for sampling, and a

@@ -1,11 +1,18 @@
-"""Turn text files into a training dataset: a tokenizer plus one flat array of token ids.
+"""Turn a corpus into a training dataset: a tokenizer plus a sharded store of token ids (trident/data/store.py).
 
-A dataset directory holds its tokenizer under the tokenizer's own file name (``tokenizer.model``, a
-sentencepiece model trident trained or was given, or a Hugging Face ``tokenizer.json``), ``tokens.bin``
-(every document's ids followed by eos, back to back) and ``meta.json``, which records the tokenizer
-(file name, sha256, vocab_size, eos_id). It is built in a temporary sibling directory and renamed into
-place, with ``meta.json`` written last, so a crash never leaves something that looks complete.
-Datasets from before ``meta.json`` named its tokenizer hold ``tokenizer.model`` and stay readable.
+Inputs are text files (one document each), JSON Lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``) and Parquet files
+(many documents each, the text under ``text_field``), streamed (trident/data/sources.py). The corpus is cut into
+work units by the input alone (trident/data/units.py) and unit k becomes shard k, tokenized in this process or in
+``workers`` processes (trident/data/workers.py): the bytes are the same for any number of workers.
+
+A dataset directory (format 2) holds its tokenizer under the tokenizer's own file name (``tokenizer.model``, a
+sentencepiece model trident trained or was given, or a Hugging Face ``tokenizer.json``), ``shards/`` (tokens,
+document ends and a record per shard) and ``meta.json``: the tokenizer (file name, sha256, vocab_size, eos_id), the
+dtype, the sources (path, bytes, mtime), the counts (documents, tokens, records, bad records) and the shards. It is
+built in the sibling ``DIR.partial`` and renamed into place with ``meta.json`` written last, so a killed preparation
+never leaves something that looks complete; the shards it finished (each renamed into place with its record) are
+reused by the next run of the same command. Format 1 datasets (one ``tokens.bin``) stay readable, and datasets from
+before ``meta.json`` named its tokenizer hold ``tokenizer.model``.
 
 ``resolve_dataset`` is what training calls: it either checks a dataset made by
 ``tools/prepare_data.py`` or prepares one from ``data.text`` (or the standard library's source)
@@ -16,7 +23,6 @@ by ``data.tokenizer``), so only the first run pays for it.
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import io
 import json
@@ -24,14 +30,19 @@ import os
 import random
 import secrets
 import shutil
+import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import sentencepiece as spm
 
 from trident.config import DataConfig
+from trident.data.progress import Progress
+from trident.data.sources import CORPUS_SUFFIXES, BadRecord, Reader, collect_text_files
+from trident.data.store import SHARDS, finished_shard, shard_name, write_atomically
 from trident.data.tokenizer import (
     EOS_TOKENS,
     FILE_NAMES,
@@ -41,16 +52,25 @@ from trident.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
+from trident.data.units import UNIT_BYTES, Unit, plan_units
+from trident.data.workers import Job, run_units
 from trident.errors import ConfigError, DataError
 
-FORMAT = 1
-# Every file a dataset directory may hold: one of the tokenizer files, besides meta.json and tokens.bin.
-DATASET_FILES = ("meta.json", "tokens.bin", *FILE_NAMES)
+__all__ = ["CORPUS_SUFFIXES", "collect_text_files", "load_tokenizer", "prepare_dataset", "resolve_dataset"]
+
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
+# Every file a dataset directory may hold: one of the tokenizer files, besides meta.json and its tokens (format 2:
+# shards/, format 1: tokens.bin).
+DATASET_FILES = ("meta.json", SHARDS, "tokens.bin", *FILE_NAMES)
 # Byte fallback reserves 256 byte pieces; unk and eos come on top, and at least one character.
 MIN_VOCAB = 256 + 2 + 1
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-# Texts are encoded in groups of about this many characters to bound memory on large corpora.
-_ENCODE_CHUNK_CHARS = 32 << 20
+# The bad-record threshold is also checked on every prefix of units holding at least this many records, so a
+# wrong --text-field stops the preparation after its first units rather than at the end.
+_EARLY_RECORDS = 1000
+_MAX_EXAMPLES = 100
+_LOCK, _TOKENIZER_KEY = ".lock", "tokenizer.key"
 
 Log = Callable[[str], None]
 
@@ -64,42 +84,17 @@ def default_corpus_files() -> list[Path]:
     return sorted(files)
 
 
-def collect_text_files(paths: list[str], suffixes: list[str]) -> list[Path]:
-    """Expand files, directories (searched for ``suffixes``) and globs into a sorted list of files."""
-    found: set[Path] = set()
-    for entry in paths:
-        expanded = os.path.expanduser(entry)
-        if os.path.exists(expanded):
-            matches = [Path(expanded)]
-        else:
-            matches = [Path(m) for m in glob.glob(expanded, recursive=True)]
-        if not matches:
-            if glob.has_magic(expanded):
-                raise DataError(f"data.text: {entry!r} matches no files; point data.text at text files")
-            raise DataError(f"data.text: {entry!r} does not exist; point data.text at text files or directories")
-        files: set[Path] = set()
-        for path in matches:
-            if path.is_dir():
-                files.update(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file())
-            elif path.is_file():
-                files.add(path)
-        if not files:
-            raise DataError(
-                f"data.text: {entry!r} has no files ending in {', '.join(suffixes)}; "
-                "add text files or change data.suffixes"
-            )
-        found.update(p.resolve() for p in files)
-    if not found:
-        raise DataError("data.text names no files; point it at text files or directories")
-    return sorted(found)
+def documents(units: list[Unit], text_field: str) -> Iterator[str]:
+    """The non-empty documents of ``units`` in order (bad records left out: the workers count them)."""
+    for unit in units:
+        for piece in unit.pieces:
+            for record in Reader(piece, text_field).records():
+                if record and not isinstance(record, BadRecord):
+                    yield record
 
 
-def _read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
-def _sample_lines(files: list[Path], k: int, seed: int) -> list[str]:
-    """A uniform sample of ``k`` non-empty lines (reservoir sampling: one pass, memory of ``k`` lines).
+def _sample_lines(texts: Iterable[str], k: int, seed: int) -> list[str]:
+    """A uniform sample of ``k`` non-empty lines of ``texts`` (reservoir sampling: one pass, memory of ``k`` lines).
 
     Sampling here rather than in sentencepiece keeps the tokenizer a function of the text and seed
     alone; sentencepiece's own shuffle differs from run to run, and every node that prepares the
@@ -108,8 +103,8 @@ def _sample_lines(files: list[Path], k: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     sample: list[str] = []
     seen = 0
-    for path in files:
-        for line in _read(path).splitlines():
+    for text in texts:
+        for line in text.splitlines():
             if not line.strip():
                 continue
             if seen < k:
@@ -122,11 +117,11 @@ def _sample_lines(files: list[Path], k: int, seed: int) -> list[str]:
     return sample
 
 
-def _train_tokenizer(files: list[Path], vocab_size: int, tokenizer_lines: int, seed: int) -> bytes:
-    """The serialized model of a BPE tokenizer trained on a sample of the lines of ``files``."""
-    lines = _sample_lines(files, tokenizer_lines, seed)
+def _train_tokenizer(texts: Iterable[str], vocab_size: int, tokenizer_lines: int, seed: int) -> bytes:
+    """The serialized model of a BPE tokenizer trained on a sample of the lines of ``texts``."""
+    lines = _sample_lines(texts, tokenizer_lines, seed)
     if not lines:
-        raise DataError(f"the {len(files)} text files are empty; add text")
+        raise DataError("the text is empty (no document has a non-blank line); add text")
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -171,41 +166,6 @@ def _train_tokenizer(files: list[Path], vocab_size: int, tokenizer_lines: int, s
 def token_dtype(vocab_size: int) -> type:
     """The narrowest unsigned type holding ids below ``vocab_size``: uint16 up to 65536, else uint32 (Llama 3)."""
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
-
-
-def _encode(files: list[Path], tokenizer: Tokenizer, out: Path, dtype: type) -> tuple[int, int]:
-    """Append each non-empty document's ids and eos to ``out``; return (tokens, documents)."""
-    eos = tokenizer.eos_id
-    n_tokens = n_docs = 0
-
-    def flush(texts: list[str], f) -> None:
-        nonlocal n_tokens, n_docs
-        for ids in tokenizer.encode_batch(texts):
-            ids = np.asarray([*ids, eos], dtype=np.int64)
-            if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:  # a tokenizer.json may map text to a stray id
-                bad = int(ids.max() if ids.max() >= tokenizer.vocab_size else ids.min())
-                raise DataError(
-                    f"tokenizer {tokenizer.file_name} gave id {bad}, outside its vocabulary of {tokenizer.vocab_size}; "
-                    "the tokenizer file is inconsistent: use another"
-                )
-            ids.astype(dtype).tofile(f)
-            n_tokens += len(ids)
-            n_docs += 1
-
-    with open(out, "wb") as f:
-        texts: list[str] = []
-        chars = 0
-        for path in files:
-            text = _read(path)
-            if not text:
-                continue
-            texts.append(text)
-            chars += len(text)
-            if chars >= _ENCODE_CHUNK_CHARS:
-                flush(texts, f)
-                texts, chars = [], 0
-        flush(texts, f)
-    return n_tokens, n_docs
 
 
 def _check_eos(tokenizer: Tokenizer, where: str) -> None:
@@ -258,12 +218,20 @@ def prepare_dataset(
     seed: int = 0,
     log: Log = print,
     tokenizer: Tokenizer | None = None,
+    *,
+    text_field: str = "text",
+    workers: int = 1,
+    max_bad_fraction: float = 0.01,
+    unit_bytes: int = UNIT_BYTES,
+    progress: TextIO | None = None,
 ) -> Path:
     """Tokenize ``files`` and write the dataset to ``out_dir``, with ``tokenizer`` when given, else with a BPE
     tokenizer of ``vocab_size`` pieces trained on them (``tokenizer_lines`` and ``seed`` are its settings).
 
     A trained tokenizer has byte fallback: every byte sequence encodes losslessly, so any text file works
-    and indentation, tabs and newlines survive a round trip.
+    and indentation, tabs and newlines survive a round trip. ``workers`` processes tokenize (the bytes are the same
+    for any count); ``progress`` is where the progress bar goes (None: no bar). More bad records than
+    ``max_bad_fraction`` of all records stop the preparation (a DataError naming the first).
     """
     if (vocab_size is None) == (tokenizer is None):
         raise ValueError("prepare_dataset takes exactly one of vocab_size (train a tokenizer) and tokenizer")
@@ -276,39 +244,170 @@ def prepare_dataset(
             f"vocab_size {vocab_size} is too small: a byte-fallback tokenizer needs at least {MIN_VOCAB} "
             "(256 bytes, unk, eos and the text's characters); raise model.vocab_size"
         )
-    source_bytes = sum(p.stat().st_size for p in files)
+    sources = [{"path": str(p), "bytes": (st := p.stat()).st_size, "mtime_ns": st.st_mtime_ns} for p in files]
+    source_bytes = sum(s["bytes"] for s in sources)
     if source_bytes == 0:
         raise DataError(f"the {len(files)} text files are empty; add text")
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()
-    try:
-        if tokenizer is None:
-            log(f"training a {vocab_size}-piece BPE tokenizer on up to {tokenizer_lines:,} lines")
-            tokenizer = SentencePieceTokenizer(_train_tokenizer(files, vocab_size, tokenizer_lines, seed))
-        (tmp / tokenizer.file_name).write_bytes(tokenizer.data)
-        dtype = token_dtype(tokenizer.vocab_size)
-        log(f"tokenizing {len(files)} files ({source_bytes / 1e6:.1f} MB) with {tokenizer.file_name}")
-        n_tokens, n_docs = _encode(files, tokenizer, tmp / "tokens.bin", dtype)
-        meta = {
-            "format": FORMAT,
-            "vocab_size": tokenizer.vocab_size,
-            "dtype": np.dtype(dtype).name,
-            "n_tokens": n_tokens,
-            "eos_id": tokenizer.eos_id,
-            "tokenizer_file": tokenizer.file_name,
-            "tokenizer_sha256": tokenizer.sha256,
-            "n_documents": n_docs,
-            "sources": [str(p) for p in files],
-            "source_bytes": source_bytes,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        _install(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    partial = out_dir.with_name(f"{out_dir.name}.partial")
+    (partial / SHARDS).mkdir(parents=True, exist_ok=True)
+    with open(partial / _LOCK, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataError(f"another preparation is writing {out_dir} (it holds {partial / _LOCK})") from None
+        try:
+            units = plan_units(files, unit_bytes)
+            if tokenizer is None:
+                tokenizer = _trained_tokenizer(partial, units, vocab_size, tokenizer_lines, seed, text_field, log)
+            meta = _tokenize(partial, units, tokenizer, text_field, workers, max_bad_fraction, log, progress)
+        except BaseException:
+            if not any((partial / SHARDS).glob("*.json")):  # nothing a rerun could reuse
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        meta.update(sources=sources, source_bytes=source_bytes)
+        (partial / _TOKENIZER_KEY).unlink(missing_ok=True)
+        for name in FILE_NAMES:
+            if name != tokenizer.file_name:
+                (partial / name).unlink(missing_ok=True)
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        _install(partial, out_dir)
+        (out_dir / _LOCK).unlink(missing_ok=True)
     return out_dir
+
+
+def _trained_tokenizer(
+    partial: Path, units: list[Unit], vocab_size: int, lines: int, seed: int, text_field: str, log: Log
+) -> Tokenizer:
+    """The BPE tokenizer trained on a sample of the corpus's lines, or the one an interrupted run already trained."""
+    key = hashlib.sha256(f"{FORMAT}\0{vocab_size}\0{lines}\0{seed}\0{text_field}".encode())
+    for unit in units:
+        for piece in unit.pieces:
+            key.update(b"\0" + piece.describe().encode())
+    path, key_path = partial / SENTENCEPIECE, partial / _TOKENIZER_KEY
+    if path.is_file() and key_path.is_file() and key_path.read_text() == key.hexdigest():
+        log(f"reusing the {vocab_size}-piece tokenizer an earlier run trained")
+        return SentencePieceTokenizer(path.read_bytes())
+    log(f"training a {vocab_size}-piece BPE tokenizer on up to {lines:,} lines")
+    tokenizer = SentencePieceTokenizer(_train_tokenizer(documents(units, text_field), vocab_size, lines, seed))
+    write_atomically(path, tokenizer.data)
+    write_atomically(key_path, key.hexdigest().encode())
+    return tokenizer
+
+
+def _tokenize(
+    partial: Path,
+    units: list[Unit],
+    tokenizer: Tokenizer,
+    text_field: str,
+    workers: int,
+    max_bad_fraction: float,
+    log: Log,
+    progress: TextIO | None,
+) -> dict:
+    """Write every unit's shard into ``partial`` (reusing those an earlier run finished); return meta.json's fields
+    but the sources."""
+    if not (partial / tokenizer.file_name).is_file() or (partial / tokenizer.file_name).read_bytes() != tokenizer.data:
+        write_atomically(partial / tokenizer.file_name, tokenizer.data)
+    dtype = np.dtype(token_dtype(tokenizer.vocab_size))
+    shard_dir = partial / SHARDS
+    salt = f"{FORMAT}\0{tokenizer.file_name}\0{tokenizer.sha256}\0{text_field}\0{dtype.name}"
+    jobs = [Job(u, u.key(salt), str(shard_dir), text_field, dtype.name) for u in units]
+    records: dict[int, dict] = {}
+    for job in jobs:
+        if (record := finished_shard(shard_dir, job.unit.index, job.key, dtype)) is not None:
+            records[job.unit.index] = record
+        else:  # another corpus's, tokenizer's or version's: never to be taken for this one
+            (shard_dir / f"{shard_name(job.unit.index)}.json").unlink(missing_ok=True)
+    _remove_strays(shard_dir, len(units))
+    total = sum(u.size for u in units)
+    if records:
+        log(f"reusing {len(records)} of {len(units)} shards an earlier run finished")
+    todo = [job for job in jobs if job.unit.index not in records]
+    n_workers = max(1, min(workers, len(todo)))
+    log(
+        f"tokenizing {len(units)} units ({total / 1e6:.1f} MB, {len(todo)} to do) with {tokenizer.file_name} "
+        f"on {n_workers} worker{'s' if n_workers > 1 else ''}"
+    )
+    done = [sum(r["n_documents"] for r in records.values()), sum(r["n_tokens"] for r in records.values()), 0]
+    done[2] = sum(jobs[k].unit.size for k in records)
+    bar = Progress(total, progress, done_bytes=done[2]) if progress is not None else None
+
+    def report(documents: int, tokens: int, done_bytes: int) -> None:
+        done[0] += documents
+        done[1] += tokens
+        done[2] += done_bytes
+        if bar is not None:
+            bar.show(*done)
+
+    checked = _BadRecords(max_bad_fraction)
+    checked.advance(records, len(units))
+    for record in run_units(todo, tokenizer, workers, report):
+        records[record["unit"]] = record
+        checked.advance(records, len(units))
+    if bar is not None:
+        bar.show(*done, final=True)
+    checked.check(len(units), final=True)
+    ordered = [records[k] for k in range(len(units))]
+    if checked.bad:
+        log(f"skipped {checked.bad:,} bad records of {checked.records:,}, the first: {checked.examples[0]}")
+    return {
+        "format": FORMAT,
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": dtype.name,
+        "n_tokens": sum(r["n_tokens"] for r in ordered),
+        "eos_id": tokenizer.eos_id,
+        "tokenizer_file": tokenizer.file_name,
+        "tokenizer_sha256": tokenizer.sha256,
+        "n_documents": sum(r["n_documents"] for r in ordered),
+        "n_records": checked.records,
+        "bad_records": checked.bad,
+        "bad_examples": checked.examples,
+        "text_field": text_field,
+        "shards": [
+            {k: r[k] for k in ("name", "n_tokens", "n_documents", "sha256", "index_sha256", "source_bytes")}
+            for r in ordered
+        ],
+    }
+
+
+class _BadRecords:
+    """The bad-record threshold, checked on the units in order (unit 0, then 0-1, ...): the same verdict for any
+    number of workers, and early when a prefix of enough records is already over it."""
+
+    def __init__(self, max_fraction: float):
+        self.max, self.next, self.records, self.bad = max_fraction, 0, 0, 0
+        self.examples: list[str] = []
+
+    def advance(self, records: dict[int, dict], n_units: int) -> None:
+        while self.next in records:
+            r = records[self.next]
+            self.records += r["n_records"]
+            self.bad += r["n_bad"]
+            self.examples += r["bad_examples"][: _MAX_EXAMPLES - len(self.examples)]
+            self.next += 1
+            if self.records >= _EARLY_RECORDS:
+                self.check(n_units)
+
+    def check(self, n_units: int, final: bool = False) -> None:
+        if not self.bad or self.bad <= self.max * self.records:
+            return
+        where = "" if final else f" in the first {self.next} of {n_units} work units"
+        raise DataError(
+            f"{self.bad:,} of {self.records:,} records are bad ({self.bad / self.records:.1%}){where}, more than "
+            f"max_bad_fraction {self.max:g}; the first: {self.examples[0]}; fix the input, name the documents' "
+            "field with --text-field (data.text_field), or raise --max-bad-fraction (data.max_bad_fraction)"
+        )
+
+
+def _remove_strays(shard_dir: Path, n_units: int) -> None:
+    """Temporary files of a killed run, and shards past the last unit (the corpus shrank since)."""
+    keep = {shard_name(k) for k in range(n_units)}
+    for path in shard_dir.iterdir():
+        if ".tmp-" in path.name or path.name.split(".")[0] not in keep:
+            path.unlink(missing_ok=True)
 
 
 # The fields of meta.json that reading a dataset relies on, with their types.
@@ -342,14 +441,11 @@ def load_meta(dataset_dir: str | Path, rebuild: str | None = None) -> dict:
     ``rebuild`` is the command the error suggests (default: tools/prepare_data.py into the same directory).
     """
     d = Path(dataset_dir).expanduser()
-    missing = [name for name in ("meta.json", "tokens.bin") if not (d / name).is_file()]
+    missing = [name for name in ("meta.json",) if not (d / name).is_file()]
     if not any((d / name).is_file() for name in FILE_NAMES):
         missing.append(SENTENCEPIECE)  # the tokenizer of any dataset from before tokenizer_file
     if missing:
-        raise DataError(
-            f"data.dataset_dir {str(d)!r} is not a prepared dataset (missing {', '.join(missing)}); "
-            "run tools/prepare_data.py --out DIR to make one"
-        )
+        raise _not_a_dataset(d, missing)
     rebuild = rebuild or rebuild_hint(d)
     path = d / "meta.json"
     try:
@@ -358,10 +454,10 @@ def load_meta(dataset_dir: str | Path, rebuild: str | None = None) -> dict:
         raise damaged(path, f"not JSON: {' '.join(str(e).split())}", rebuild) from None
     if not isinstance(meta, dict):
         raise damaged(path, "not a JSON object", rebuild)
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in READABLE_FORMATS:
         raise DataError(
-            f"dataset {d} has format {meta.get('format')}, this version reads format {FORMAT}; "
-            f"prepare it again: {rebuild}"
+            f"dataset {d} has format {meta.get('format')}, this version reads formats "
+            f"{', '.join(map(str, READABLE_FORMATS))}; prepare it again: {rebuild}"
         )
     for key, kind in _META_FIELDS.items():
         if not isinstance(meta.get(key), kind):
@@ -377,11 +473,27 @@ def load_meta(dataset_dir: str | Path, rebuild: str | None = None) -> dict:
     if meta["tokenizer_file"] not in FILE_NAMES:
         raise damaged(path, f"tokenizer_file {meta['tokenizer_file']!r} is none of {', '.join(FILE_NAMES)}", rebuild)
     if not (d / meta["tokenizer_file"]).is_file():
-        raise DataError(
-            f"data.dataset_dir {str(d)!r} is not a prepared dataset (missing {meta['tokenizer_file']}); "
-            "run tools/prepare_data.py --out DIR to make one"
-        )
+        raise _not_a_dataset(d, [meta["tokenizer_file"]])
+    if meta["format"] == 1:
+        if not (d / "tokens.bin").is_file():
+            raise _not_a_dataset(d, ["tokens.bin"])
+        return meta
+    shards = meta.get("shards")
+    fields = {"name": str, "n_tokens": int, "n_documents": int}
+    if not isinstance(shards, list) or not all(
+        isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in fields.items()) for r in shards
+    ):
+        raise damaged(path, "no list of shards with name, n_tokens and n_documents", rebuild)
+    if sum(r["n_tokens"] for r in shards) != meta["n_tokens"]:
+        raise damaged(path, f"its shards hold {sum(r['n_tokens'] for r in shards):,} tokens, not n_tokens", rebuild)
     return meta
+
+
+def _not_a_dataset(d: Path, missing: list[str]) -> DataError:
+    return DataError(
+        f"data.dataset_dir {str(d)!r} is not a prepared dataset (missing {', '.join(missing)}); "
+        "run tools/prepare_data.py --out DIR to make one"
+    )
 
 
 def tokenizer_sha256(dataset_dir: Path, meta: dict) -> str:
@@ -391,10 +503,12 @@ def tokenizer_sha256(dataset_dir: Path, meta: dict) -> str:
     return hashlib.sha256((dataset_dir / meta["tokenizer_file"]).read_bytes()).hexdigest()
 
 
-def _cache_key(files: list[Path], vocab_size: int, tokenizer_lines: int, tokenizer: Tokenizer | None = None) -> str:
+def _cache_key(
+    files: list[Path], vocab_size: int, tokenizer_lines: int, tokenizer: Tokenizer | None = None, text_field="text"
+) -> str:
     """A trained tokenizer is a function of the text and its settings; a given one is its file's sha256."""
     settings = f"{vocab_size}\0{tokenizer_lines}" if tokenizer is None else f"{tokenizer.file_name}\0{tokenizer.sha256}"
-    h = hashlib.sha256(f"{FORMAT}\0{settings}".encode())
+    h = hashlib.sha256(f"{FORMAT}\0{settings}\0{text_field}".encode())
     for p in files:
         st = p.stat()
         h.update(f"\0{p}\0{st.st_size}\0{st.st_mtime_ns}".encode())
@@ -433,7 +547,7 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path
     files = collect_text_files(data.text, data.suffixes) if data.text is not None else default_corpus_files()
     if not files:
         raise DataError("the embedded corpus (the standard library's source) was not found; set data.text")
-    key = _cache_key(files, vocab_size, data.tokenizer_lines, tokenizer)[:16]
+    key = _cache_key(files, vocab_size, data.tokenizer_lines, tokenizer, data.text_field)[:16]
     cache = Path(data.cache_dir).expanduser()
     out_dir = cache / key
     if (out_dir / "meta.json").is_file():
@@ -455,10 +569,12 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path
                     shutil.rmtree(stale, ignore_errors=True)
                 mb = sum(p.stat().st_size for p in files) / 1e6
                 log(f"preparing dataset: {len(files)} files, {mb:.1f} MB -> {out_dir} (first run only)")
+                how = {"text_field": data.text_field, "workers": data.workers, "progress": sys.stderr}
+                how["max_bad_fraction"] = data.max_bad_fraction
                 if tokenizer is None:
-                    prepare_dataset(files, out_dir, vocab_size, data.tokenizer_lines, log=log)
+                    prepare_dataset(files, out_dir, vocab_size, data.tokenizer_lines, log=log, **how)
                 else:
-                    prepare_dataset(files, out_dir, tokenizer=tokenizer, log=log)
+                    prepare_dataset(files, out_dir, tokenizer=tokenizer, log=log, **how)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out_dir

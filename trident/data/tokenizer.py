@@ -39,6 +39,9 @@ class Tokenizer:
     vocab_size: int
     eos_id: int | None
     bos_id: int | None
+    # Threads ``encode_batch`` may use (None: every CPU this process may run on); a worker process among several
+    # sets 1.
+    threads: int | None = None
 
     @property
     def sha256(self) -> str:
@@ -72,7 +75,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self.sp.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.encode(texts, num_threads=_threads())
+        return self.sp.encode(texts, num_threads=self.threads or _threads())
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(ids)
