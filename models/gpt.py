@@ -44,6 +44,7 @@ from einops import rearrange
 from torch import nn
 
 from trident.config import ModelConfig
+from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache
 from trident.models.rope import apply_rope, rope_frequencies, rope_tables
 from trident.parallel.comm import rank_and_size
@@ -129,9 +130,11 @@ class CausalSelfAttention(nn.Module):
                 self.kv = ReplicatedColumnLinear(d, 2 * kv_heads * dh, kv_heads, tp_group, bias=cfg.bias)
         self.proj = RowParallelLinear(heads * dh, d, tp_group, bias=cfg.bias, sequence_parallel=sp)
 
-    def project(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's q ``[b, h, T, d]`` and k, v ``[b, kv_h, T, d]`` (rotated, with RoPE) of the whole sequence;
-        ``start``: the position of its first token."""
+        ``start``: the position of its first token, or ``positions`` ``[b, T]`` each token's (packed documents)."""
         if hasattr(self, "qkv"):
             q, k, v = rearrange(self.qkv(x), "b t (h three d) -> three b h t d", three=3, h=self.n_heads)
         else:
@@ -142,24 +145,37 @@ class CausalSelfAttention(nn.Module):
             inv_freq = self._inv_freq_on.get(q.device)
             if inv_freq is None:
                 inv_freq = self._inv_freq_on[q.device] = self.inv_freq.to(q.device)
-            positions = torch.arange(start, start + q.shape[-2], device=q.device)
+            if positions is None:
+                positions = torch.arange(start, start + q.shape[-2], device=q.device)
             cos, sin = rope_tables(positions, inv_freq)
+            if cos.dim() == 3:  # per sample: [b, T, d] -> [b, 1, T, d], the same for every head
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention proper, no weights: the part selective checkpointing recomputes."""
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        """Attention proper, no weights: the part selective checkpointing recomputes. ``documents``: a packed
+        window's, whose mask keeps attention inside each document."""
         if self.training and self.dropout > 0:
             group = q.shape[1] // k.shape[1]
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-            y = self.drop(causal_attention_probs(q, k)) @ v
+            y = self.drop(causal_attention_probs(q, k, None if documents is None else documents.mask)) @ v
+        elif documents is not None:
+            y = documents.attention(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return rearrange(y, "b h t d -> b t (h d)")
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, documents: Documents | None = None
+    ) -> torch.Tensor:
         if cache is None:
-            return self.proj(self.core(*self.project(x)))
+            positions = None if documents is None else documents.positions
+            return self.proj(self.core(*self.project(x, 0, positions), documents))
+        if documents is not None:
+            raise ValueError("generation with a KV cache runs one document: no document ids")
         q, k, v = self.project(x, cache.length)
         k, v = cache.append(self.layer, k, v)
         t, held = q.shape[-2], k.shape[-2]
@@ -169,13 +185,14 @@ class CausalSelfAttention(nn.Module):
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
 
-def causal_attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) under the causal mask, [b, h, T, T]: what SDPA computes inside, spelled out so that
-    dropout can act on it."""
+def causal_attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) under the causal mask (or ``mask``, a dense one keeping documents apart),
+    [b, h, T, T]: what SDPA computes inside, spelled out so that dropout can act on it."""
     t = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    if mask is None:
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
 
 
 class MLP(nn.Module):
@@ -244,8 +261,10 @@ class Block(nn.Module):
         self.drop_attn = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, ATTENTION_RESIDUAL))
         self.drop_mlp = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, MLP_RESIDUAL))
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop_attn(self.attn(self.ln_1(x), cache))
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, documents: Documents | None = None
+    ) -> torch.Tensor:
+        x = x + self.drop_attn(self.attn(self.ln_1(x), cache, documents))
         return x + self.drop_mlp(self.mlp(self.ln_2(x)))
 
 
@@ -306,23 +325,25 @@ class GPT(nn.Module):
                 if placement_of(param).split_dim is None:
                     add_grad_sum(param, "tp")
 
-    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token (+ learned position) embeddings: what the first pipeline stage does before its blocks; ``start``:
-        the position of the first token (generation). Under sequence parallelism, this rank's shard of the
-        sequence: positions [r*t/tp, (r+1)*t/tp). With RoPE, positions enter in attention instead."""
+        the position of the first token (generation), or ``positions`` ``[B, T]`` each token's (packed documents).
+        Under sequence parallelism, this rank's shard of the sequence: tokens [r*t/tp, (r+1)*t/tp). With RoPE,
+        positions enter in attention instead."""
         t = idx.shape[1]
         if start + t > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + t} tokens is longer than model.seq_len={self.cfg.seq_len}")
         x = self.wte(idx)
         if not hasattr(self, "wpe"):
             return self.drop(x)
+        if positions is None:
+            positions = torch.arange(start, start + t, device=idx.device)
         if not self.sequence_parallel:
-            return self.drop(x + self.wpe(torch.arange(start, start + t, device=idx.device)))
+            return self.drop(x + self.wpe(positions))
         if t % self.tp_size:
             raise ValueError(f"sequence of {t} tokens does not split over tp={self.tp_size} (sequence parallelism)")
-        shard = t // self.tp_size
-        positions = torch.arange(self.tp_rank * shard, (self.tp_rank + 1) * shard, device=idx.device)
-        return self.drop(x + self.wpe(positions))
+        shard = slice(self.tp_rank * (t // self.tp_size), (self.tp_rank + 1) * (t // self.tp_size))
+        return self.drop(x + self.wpe(positions[..., shard]))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the LM head (the embedding, or lm_head): what the last pipeline stage does after its
@@ -330,13 +351,20 @@ class GPT(nn.Module):
         """
         return (self.lm_head if hasattr(self, "lm_head") else self.wte).logits(self.ln_f(x))
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids on the first stage, else the residual stream from the stage before. ``cache`` (generation,
-        one process): the keys and values of the tokens before ``x``, which this call extends."""
+        one process): the keys and values of the tokens before ``x``, which this call extends. ``documents``
+        ``[B, T]``: the document ids of packed windows (trident/parallel/batch.py ``document_ids``), which keep
+        attention inside each document and restart positions at each; every stage takes the micro-batch's."""
+        docs = None
+        if documents is not None:  # a dense mask when dropout needs the probabilities spelled out
+            docs = Documents.of(documents, "dense" if self.training and self.cfg.dropout > 0 else "auto")
         if self.is_first:
-            x = self.embed(x, cache.length if cache is not None else 0)
+            x = self.embed(x, cache.length if cache is not None else 0, None if docs is None else docs.positions)
         for block in self.layers.values():
-            x = block(x, cache)
+            x = block(x, cache, docs)
         if cache is not None:
             cache.advance(x.shape[1])
         return self.head(x) if self.is_last else x

@@ -38,8 +38,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, fp32 ``[len(positions), head_dim]``, for the given integer positions."""
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    """cos and sin, fp32 ``[*positions.shape, head_dim]``, for the given integer positions (``[T]``, or ``[B, T]``
+    when each sample has its own: packed documents)."""
+    angles = positions.float()[..., None] * inv_freq.float()
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 

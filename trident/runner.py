@@ -49,7 +49,7 @@ class LocalRunner:
             self.reducer.set_sync(i == len(micro_batches) - 1)
             x = batch.tokens
             with autocast(self.precision, x.device), dropout_context(self.model, batch.step, batch.sample_ids):
-                output = self.model(x)
+                output = self.model(x, documents=batch.documents)
             loss = loss_fn(output, batch.targets)
             (loss * loss_multiplier).backward()
             total += loss.detach()
@@ -62,6 +62,6 @@ class LocalRunner:
         total = torch.zeros((), device=micro_batches[0].tokens.device)
         for batch in micro_batches:
             with autocast(self.precision, batch.tokens.device):
-                output = self.model(batch.tokens)
+                output = self.model(batch.tokens, documents=batch.documents)
             total += loss_fn(output, batch.targets)
         return total
