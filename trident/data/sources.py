@@ -169,12 +169,12 @@ class Reader:
         except ValueError as e:
             return BadRecord("", 0, f"not JSON ({' '.join(str(e).split())})")
         if not isinstance(record, dict):
-            return BadRecord("", 0, f"not a JSON object but {type(record).__name__}")
+            return BadRecord("", 0, f"not a JSON object but {_json_type(record)}")
         if self.field not in record:
             return BadRecord("", 0, f"no field {self.field!r}")
         value = record[self.field]
         if not isinstance(value, str):
-            return BadRecord("", 0, f"field {self.field!r} is {type(value).__name__}, not a string")
+            return BadRecord("", 0, f"field {self.field!r} is {_json_type(value)}, not a string")
         return value
 
     def _parquet(self) -> Iterator[str | BadRecord]:
@@ -208,6 +208,15 @@ class Reader:
             seen += batch.num_rows
             self.done = p.size * seen // total
         self.done = p.size
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _decompressed(raw: io.BufferedReader, kind: str) -> Iterator[bytes]:
