@@ -76,6 +76,8 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
         "model.rope_low_freq_factor": {"1.0", "2.0"},
         "model.rope_high_freq_factor": {"4.0"},
         "model.rope_original_seq_len": {"16", "32"},
+        "data.tokenizer": {"DATASET_TOKENIZER"},
+        "data.document_mask": {"true"},
     }
     for key, values in expected.items():
         assert values <= seen[key], (key, seen[key])

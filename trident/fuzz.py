@@ -52,7 +52,7 @@ LOW_PRECISION_REL = 2e-2  # bf16 / fp16 against the fp32 one-process losses
 CORPUS_PACKAGES = ("json", "email", "logging")
 CORPUS_VOCAB = 512
 # What a resumed run keeps of the case (with the model.* knobs): the math of the run, not its layout.
-KEPT_ON_RESUME = ("train.global_batch_size", "train.precision")
+KEPT_ON_RESUME = ("train.global_batch_size", "train.precision", "data.document_mask")
 
 
 def launch_limit_s(world: int) -> float:
@@ -192,7 +192,10 @@ def draw_case(seed: int, index: int) -> Case:
     The block and the data knobs come from streams of their own, so adding them changed no other knob."""
     world, knobs = _draw_knobs(random.Random(f"fuzz:{seed}:{index}"), MISTAKE)
     block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
-    data = {"data.tokenizer": DATASET_TOKENIZER} if random.Random(f"fuzz-data:{seed}:{index}").random() < 0.2 else {}
+    data_rng = random.Random(f"fuzz-data:{seed}:{index}")
+    data: dict[str, Any] = {"data.tokenizer": DATASET_TOKENIZER} if data_rng.random() < 0.2 else {}
+    if data_rng.random() < 0.25:  # packed documents: it changes the math, so the reference and a resume keep it
+        data["data.document_mask"] = True
     return Case(seed, index, world, _overrides({**block, **data, **knobs}))
 
 
@@ -426,7 +429,8 @@ class Fuzzer:
     def reference(self, case: Case, *extra: str) -> list[dict]:
         """The fp32 one-process curve of the case's model and batch (one micro-batch a step), with ``extra``."""
         knobs = case.knobs
-        key = tuple(f"{k}={v}" for k, v in knobs.items() if k.startswith("model.") or k == "train.global_batch_size")
+        math = ("train.global_batch_size", "data.document_mask")
+        key = tuple(f"{k}={v}" for k, v in knobs.items() if k.startswith("model.") or k in math)
         key = (*key, *extra)
         if key not in self._references:
             batch = knobs["train.global_batch_size"]
