@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-field", default=DEFAULTS["text_field"], help="JSON Lines / Parquet field of the text")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
     p.add_argument("--max-bad-fraction", type=float, default=0.01, help="bad records tolerated (default 0.01)")
-    p.add_argument("--shard-mb", type=float, default=64, help="input MiB per work unit, and so per shard (default 64)")
+    p.add_argument("--shard-mb", type=float, default=32, help="input MiB per work unit, and so per shard (default 32)")
     p.add_argument("--tokenizer-lines", type=int, default=DEFAULTS["tokenizer_lines"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

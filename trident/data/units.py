@@ -2,10 +2,10 @@
 number of workers.
 
 Files are taken in order and cut into pieces of about ``unit_bytes`` (a large plain .jsonl by byte ranges, a
-Parquet file by row groups, anything else whole: ``sources.pieces_of``); consecutive pieces are then grouped until
-a unit holds ``unit_bytes``, so a directory of small text files makes a few units, not one per file. A unit's
-``key`` names exactly the work it stands for (its pieces with each file's size and mtime, the tokenizer, the text
-field): a rerun reuses a shard only when its key is the same.
+Parquet file by row groups, anything else whole: ``sources.pieces_of``); consecutive pieces are then grouped into
+units of at most ``unit_bytes`` (a piece alone may be more), so a directory of small text files makes a few units,
+not one per file. A unit's ``key`` names exactly the work it stands for (its pieces with each file's size and
+mtime, the tokenizer, the text field): a rerun reuses a shard only when its key is the same.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trident.data.sources import Piece, pieces_of
 
-UNIT_BYTES = 64 << 20
+UNIT_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,11 @@ def plan_units(files: list[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     size = 0
     for path in files:
         for piece in pieces_of(path, unit_bytes):
-            group.append(piece)
-            size += piece.size
-            if size >= unit_bytes:
+            if group and size + piece.size > unit_bytes:
                 units.append(Unit(len(units), tuple(group)))
                 group, size = [], 0
+            group.append(piece)
+            size += piece.size
     if group:
         units.append(Unit(len(units), tuple(group)))
     return units
