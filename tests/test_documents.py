@@ -88,3 +88,37 @@ def test_dropout_with_documents_keeps_the_mask():
     probs = causal_attention_probs(q, k, docs.mask)
     assert torch.all(probs[~docs.mask.expand_as(probs)] == 0)
     assert torch.allclose(probs.sum(-1), torch.ones(2, 4, 32))
+
+
+# --- training: data.document_mask under every parallelism gives one process's masked curve
+
+
+FULL = "train.activation_checkpointing=full"
+
+
+def _run(dataset, model: str, *extra: str) -> list[str]:
+    from tests.layouts import tiny
+
+    steps = ("train.steps=3", "train.micro_batch_size=4", "optim.lr=1e-2")
+    return tiny(dataset, f"model={model}", "data.document_mask=true", *steps, *extra)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "model,world,extra",
+    [
+        ("llama-tiny", 4, ["parallel.tp=2", "parallel.pp=2"]),
+        ("gpt-tiny", 4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+        ("llama-tiny", 2, ["parallel.pp=2", "parallel.vpp=2", "model.n_layers=4", FULL]),
+    ],
+    ids=["llama-tp2-pp2", "gpt-tp2-pp2-sp", "llama-interleaved-full-recompute"],
+)
+def test_document_masking_under_tp_and_pp_gives_the_one_process_curve(tiny_dataset, tmp_path, model, world, extra):
+    from tests.layouts import assert_same_curve, train_in_process
+
+    shape = [e for e in extra if e.startswith("model.")]
+    (one,) = train_in_process(tmp_path / "one", _run(tiny_dataset, model, *shape))
+    (unmasked,) = train_in_process(tmp_path / "plain", _run(tiny_dataset, model, *shape, "data.document_mask=false"))
+    assert one[-1]["loss"] != pytest.approx(unmasked[-1]["loss"], rel=2e-5)  # the mask is in force (well past 1e-7)
+    for history in train_in_process(tmp_path / "many", _run(tiny_dataset, model, *extra), world=world):
+        assert_same_curve(one, history)
