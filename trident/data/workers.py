@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def run_units(jobs: list[Job], tokenizer: Tokenizer, workers: int, report: Repor
             for future in done:
                 try:
                     yield future.result()
-                except cf.process.BrokenProcessPool:
+                except BrokenProcessPool:
                     raise DataError(
                         "a tokenizing worker process died (killed, or out of memory); run the same command again: "
                         "the shards finished so far are kept, or lower the workers"
