@@ -4,20 +4,25 @@ bad records are counted and named by file and line (row)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.corpus import Corpus, make_corpus, texts
+from trident.config import DataConfig
 from trident.data.dataset import TokenDataset
-from trident.data.prepare import collect_text_files, load_meta, prepare_dataset
+from trident.data.prepare import collect_text_files, load_meta, prepare_dataset, resolve_dataset
 from trident.data.sources import Piece, Reader
 from trident.data.tokenizer import load_tokenizer
 from trident.data.units import plan_units
 from trident.errors import DataError
 
+REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 UNIT = 16 << 10  # small work units: the corpus makes many shards, a.jsonl several byte ranges
 
@@ -150,3 +155,37 @@ def test_a_given_tokenizer_over_two_workers_matches_the_tokenizer(corpus, prepar
     expected = np.concatenate([[*tok.encode(t), tok.eos_id] for t in corpus.documents])
     assert np.array_equal(np.asarray(ds.tokens[:]), expected)
     assert _all_files(out) == _all_files(prepared)
+
+
+def test_training_prepares_data_text_with_its_text_field(tmp_path):
+    """resolve_dataset (data.text at training time) reads JSON Lines under data.text_field, into a cache keyed by it."""
+    root = tmp_path / "in"
+    root.mkdir()
+    docs = texts(300)
+    (root / "docs.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in docs))
+    cfg = DataConfig(text=[str(root)], cache_dir=str(tmp_path / "cache"), text_field="body", max_bad_fraction=0.0)
+    d = resolve_dataset(cfg, VOCAB, log=quiet)
+    ds = TokenDataset(d)
+    tok = load_tokenizer(d)
+    assert np.array_equal(np.asarray(ds.tokens[:]), np.concatenate([[*tok.encode(t), tok.eos_id] for t in docs]))
+    assert load_meta(d)["text_field"] == "body"
+    with pytest.raises(DataError, match=r"^the text is empty"):  # under "text" there is none: another dataset
+        resolve_dataset(dataclasses.replace(cfg, text_field="text"), VOCAB, log=quiet)
+
+
+@pytest.mark.multiprocess
+def test_the_command_shows_progress_and_counts(corpus, prepared, tmp_path):
+    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--text", str(corpus.root), "--out"]
+    cmd += [str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--workers", "2", "--shard-mb", str(UNIT / 2**20)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(f"error: {len(corpus.bad)} of ")
+    r = subprocess.run([*cmd, "--max-bad-fraction", "0.05"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    progress = [line for line in r.stderr.splitlines() if line.startswith("tokenizing 100% |####################| ")]
+    assert len(progress) == 1 and f"{len(corpus.documents):,} docs, " in progress[0] and " MB/s, in " in progress[0]
+    assert f"skipped {len(corpus.bad)} bad records of {corpus.records:,}, the first: {corpus.bad[0]}: " in r.stderr
+    assert (
+        f", {len(corpus.documents):,} documents, " in r.stdout
+        and f", {len(corpus.bad)} bad records skipped" in r.stdout
+    )
+    assert _all_files(tmp_path / "ds") == _all_files(prepared)
