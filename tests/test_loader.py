@@ -4,10 +4,13 @@ in a real run's metrics."""
 
 from __future__ import annotations
 
+import runpy
+
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import REPO
 from tests.layouts import tiny, train_in_process
 from trident.data.sampler import GlobalBatchSampler
 from trident.loop import BatchLoader
@@ -119,3 +122,30 @@ def test_a_run_logs_what_reading_costs_it(tiny_dataset, tmp_path):
     for row in history:
         assert 0 <= row["data_ms"] <= 1e3 * row["step_time_s"]
         assert row["data_read_ms"] > 0 and row["data_share"] == pytest.approx(row["data_ms"] / 1e3 / row["step_time_s"])
+
+
+@pytest.mark.multiprocess
+def test_the_loader_bench_prints_both_loaders_of_each_preset(tiny_dataset):
+    """tools/bench.py loader on a tiny setting, through the tool's own parsing: its rows and finite figures (never
+    how fast anything is)."""
+    tool = runpy.run_path(str(REPO / "tools" / "bench.py"))
+    argv = ["loader", "--models", "gpt-tiny", "llama-tiny", "--steps", "2", "--rounds", "2", "--warmup", "1"]
+    module, args = tool["parse"]([*argv, "--set", f"data.dataset_dir={tiny_dataset}"])
+    (table,) = module.run(args)
+    assert table.header == [
+        "model",
+        "loader",
+        "step ms",
+        "read ms",
+        "wait ms",
+        "loader share of step",
+        "spread of share",
+    ]
+    assert [(row[0].split()[0], row[1]) for row in table.rows] == [
+        (model, loader) for model in ("gpt-tiny", "llama-tiny") for loader in ("read ahead", "read in the step")
+    ]
+    for row in table.rows:
+        step, read, wait, share = (float(c.replace(",", "").rstrip("%")) for c in row[2:6])
+        assert step > 0 and read > 0 and 0 <= wait <= step and 0 <= share <= 100
+    for row in table.rows[1::2]:  # read in the step: the step waits for the whole read
+        assert row[3] == row[4] and row[3] != "0.000"

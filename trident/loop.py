@@ -107,8 +107,8 @@ class BatchLoader:
     def get(self, step: int, last: int | None = None) -> tuple[list[Batch], float]:
         """The micro-batches of ``step`` and the seconds this call waited for them; starts reading ``step + 1``
         (when it is below ``last``) in the background."""
-        start = time.perf_counter()
         if self._next is not None and self._next[0] == step:
+            start = time.perf_counter()
             batches, self.last_read_s, event = self._next[1].result()
             self._next = None
             if event is not None:
@@ -118,11 +118,12 @@ class BatchLoader:
                     for t in (b.tokens, b.targets, b.documents):
                         if t is not None:
                             t.record_stream(main)
+            waited = time.perf_counter() - start
         else:
             self._drop()
+            start = time.perf_counter()
             batches = self.read(step)
-            self.last_read_s = time.perf_counter() - start
-        waited = time.perf_counter() - start
+            self.last_read_s = waited = time.perf_counter() - start
         if self.prefetch and (last is None or step + 1 < last):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trident-loader")
