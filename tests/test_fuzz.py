@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import REPO
 from trident.config import compose_config
-from trident.curves import REL
+from trident.curves import REL, curve_mismatches
 from trident.errors import ConfigError
 from trident.fuzz import (
     LOW_PRECISION_REL,
@@ -149,6 +149,11 @@ def test_fp32_curves_compare_to_reduction_order_and_16_bit_within_two_percent() 
     assert curve_problems(ref, _rows([6.0, 5.5], [1.0, 0.8], skipped=True), "fp16", "r")
     assert curve_problems(ref, _rows([6.0]), "fp32", "r")  # a step missing
     assert curve_problems(ref, _rows([6.0, float("nan")], [1.0, 0.8]), "fp32", "r")
+    # A mixture's per-source validation losses are compared too, and must be present in both.
+    mixed = _rows([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1})
+    assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1 * (1 + REL / 2)})) == []
+    assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1 * (1 + 2 * REL)}))
+    assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8]))
 
 
 def test_a_run_past_its_time_limit_fails_its_case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
