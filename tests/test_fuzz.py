@@ -78,6 +78,7 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
         "model.rope_original_seq_len": {"16", "32"},
         "data.tokenizer": {"DATASET_TOKENIZER"},
         "data.document_mask": {"true"},
+        "data.mix": {f"[MIX_FIRST:{w},MIX_SECOND:{round(1 - w, 1)}]" for w in (0.5, 0.7, 0.9)},
     }
     for key, values in expected.items():
         assert values <= seen[key], (key, seen[key])

@@ -52,7 +52,7 @@ LOW_PRECISION_REL = 2e-2  # bf16 / fp16 against the fp32 one-process losses
 CORPUS_PACKAGES = ("json", "email", "logging")
 CORPUS_VOCAB = 512
 # What a resumed run keeps of the case (with the model.* knobs): the math of the run, not its layout.
-KEPT_ON_RESUME = ("train.global_batch_size", "train.precision", "data.document_mask")
+KEPT_ON_RESUME = ("train.global_batch_size", "train.precision", "data.document_mask", "data.mix")
 
 
 def launch_limit_s(world: int) -> float:
@@ -185,6 +185,9 @@ def _draw_block(rng: random.Random, mistake: float) -> dict[str, Any]:
 # data.tokenizer set to the tokenizer the sweep's dataset was prepared with (the path is the sweep's, filled in by
 # ``Fuzzer.config``): the dataset must recognise it as its own and train exactly as without it.
 DATASET_TOKENIZER = "DATASET_TOKENIZER"
+# data.mix of the sweep's dataset and a second one prepared with its tokenizer (paths filled in likewise).
+MIX_FIRST, MIX_SECOND = "MIX_FIRST", "MIX_SECOND"
+SECOND_PACKAGES = ("unittest", "http")
 
 
 def draw_case(seed: int, index: int) -> Case:
@@ -196,6 +199,10 @@ def draw_case(seed: int, index: int) -> Case:
     data: dict[str, Any] = {"data.tokenizer": DATASET_TOKENIZER} if data_rng.random() < 0.2 else {}
     if data_rng.random() < 0.25:  # packed documents: it changes the math, so the reference and a resume keep it
         data["data.document_mask"] = True
+    if data_rng.random() < 0.15:  # a two-source mixture instead of the one dataset (data.tokenizer is then unused)
+        weight = data_rng.choice([0.5, 0.7, 0.9])
+        data = {**data, "data.mix": f"[{MIX_FIRST}:{weight},{MIX_SECOND}:{round(1 - weight, 1)}]"}
+        data.pop("data.tokenizer", None)
     return Case(seed, index, world, _overrides({**block, **data, **knobs}))
 
 
@@ -406,12 +413,35 @@ class Fuzzer:
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="fuzz-")
         self.work_dir = work_dir or Path(self._tmp.name)
         self._references: dict[tuple[str, ...], list[dict]] = {}
+        self._second: Path | None = None
         self._runs = 0
 
     def overrides(self, overrides: tuple[str, ...] | list[str]) -> list[str]:
         """train.py's command line for a case's overrides on this sweep's dataset."""
-        tokenizer = str(self.dataset / "tokenizer.model")
-        return [*base_overrides(self.dataset), *(o.replace(DATASET_TOKENIZER, tokenizer) for o in overrides)]
+        paths = {DATASET_TOKENIZER: str(self.dataset / "tokenizer.model"), MIX_FIRST: str(self.dataset)}
+
+        def fill(override: str) -> str:
+            if MIX_SECOND in override:
+                override = override.replace(MIX_SECOND, str(self.second_dataset()))
+            for placeholder, path in paths.items():
+                override = override.replace(placeholder, path)
+            return override
+
+        return [*base_overrides(self.dataset), *(fill(o) for o in overrides)]
+
+    def second_dataset(self) -> Path:
+        """A second small dataset, of other standard-library packages, prepared with the sweep's tokenizer (a
+        mixture's second source); prepared once, cached beside the first."""
+        if self._second is None:
+            stdlib = Path(sysconfig.get_paths()["stdlib"])
+            data = DataConfig(
+                text=[str(stdlib / p) for p in SECOND_PACKAGES],
+                suffixes=[".py"],
+                cache_dir=str(self.dataset.parent),
+                tokenizer=str(self.dataset / "tokenizer.model"),
+            )
+            self._second = resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None)
+        return self._second
 
     def config(self, overrides: tuple[str, ...] | list[str]) -> Config:
         return compose_config(self.repo / "conf", self.overrides(overrides))
@@ -429,7 +459,7 @@ class Fuzzer:
     def reference(self, case: Case, *extra: str) -> list[dict]:
         """The fp32 one-process curve of the case's model and batch (one micro-batch a step), with ``extra``."""
         knobs = case.knobs
-        math = ("train.global_batch_size", "data.document_mask")
+        math = ("train.global_batch_size", "data.document_mask", "data.mix")
         key = tuple(f"{k}={v}" for k, v in knobs.items() if k.startswith("model.") or k in math)
         key = (*key, *extra)
         if key not in self._references:
