@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import random
 import re
@@ -430,14 +431,26 @@ class Fuzzer:
         return [*base_overrides(self.dataset), *(fill(o) for o in overrides)]
 
     def second_dataset(self) -> Path:
-        """A second small dataset, of other standard-library packages, prepared with the sweep's tokenizer (a
-        mixture's second source); prepared once, cached beside the first."""
+        """A mixture's second source, prepared once with the sweep's tokenizer and cached beside the first: the
+        source files of other standard-library packages as a JSON Lines corpus (the text under ``content``, two
+        malformed records among them), through the preparation keys ``data.text_field``, ``data.workers`` (2) and
+        ``data.max_bad_fraction``."""
         if self._second is None:
             stdlib = Path(sysconfig.get_paths()["stdlib"])
+            corpus = self.work_dir / "second.jsonl"
+            with open(corpus, "w", encoding="utf-8") as f:
+                for i, path in enumerate(
+                    sorted(p for package in SECOND_PACKAGES for p in (stdlib / package).glob("*.py"))
+                ):
+                    f.write(json.dumps({"content": path.read_text(encoding="utf-8", errors="replace")}) + "\n")
+                    if i in (3, 7):
+                        f.write('{"content": "a record cut short\n' if i == 3 else '{"text": "the wrong field"}\n')
             data = DataConfig(
-                text=[str(stdlib / p) for p in SECOND_PACKAGES],
-                suffixes=[".py"],
-                cache_dir=str(self.dataset.parent),
+                text=[str(corpus)],
+                text_field="content",
+                workers=2,
+                max_bad_fraction=0.1,
+                cache_dir=str(self.work_dir / "cache"),
                 tokenizer=str(self.dataset / "tokenizer.model"),
             )
             self._second = resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None)
