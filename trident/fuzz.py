@@ -517,30 +517,36 @@ class Fuzzer:
             return problems
         world, overrides = draw_resume_layout(case, self.accepts)
         checkpoint = run_dir / "checkpoints" / f"step_{SAVE_AT:08d}"
-        try:
-            _, resumed = self.train(world, (*overrides, f"checkpoint.resume={checkpoint}"))
-        except TimeoutError:
-            raise
-        except Exception as e:
-            return [f"resume at world {world}: {' '.join(overrides)}: {_first_line(e)}"]
-        for rank, history in enumerate(resumed):
-            what = f"resumed at world {world} ({' '.join(overrides)}), rank {rank}"
-            problems += curve_problems(histories[0][SAVE_AT:], history, case.precision, what)
+        resume = (f"checkpoint.resume={checkpoint}",)
+        problems = self._rerun(case, world, overrides, resume, lambda: histories[0][SAVE_AT:], "resumed")
         if problems or not starts_from_weights(case):
             return problems
         # checkpoint.init_from: the saved weights, a fresh optimizer at step 0, under the other layout, against
         # one process started from the same weights.
         init = f"checkpoint.init_from={checkpoint}"
+        return self._rerun(case, world, overrides, (init,), lambda: self.reference(case, init), "started from it")
+
+    def _rerun(
+        self,
+        case: Case,
+        world: int,
+        overrides: tuple[str, ...],
+        extra: tuple[str, ...],
+        expected: Callable[[], list[dict]],
+        what: str,
+    ) -> list[str]:
+        """A run of the step-3 checkpoint (``extra``) under another layout, against the curve ``expected`` gives."""
+        where = f"{what} at world {world} ({' '.join(overrides)})"
         try:
-            expected = self.reference(case, init)
-            _, started = self.train(world, (*overrides, init))
+            want = expected()
+            _, histories = self.train(world, (*overrides, *extra))
         except TimeoutError:
             raise
         except Exception as e:
-            return [f"init_from at world {world}: {' '.join(overrides)}: {_first_line(e)}"]
-        for rank, history in enumerate(started):
-            what = f"started from the step-{SAVE_AT} weights at world {world} ({' '.join(overrides)}), rank {rank}"
-            problems += curve_problems(expected, history, case.precision, what)
+            return [f"{where}: {_first_line(e)}"]
+        problems = []
+        for rank, history in enumerate(histories):
+            problems += curve_problems(want, history, case.precision, f"{where}, rank {rank}")
         return problems
 
     def check_launch(self, case: Case, message: str) -> tuple[str | None, float]:

@@ -53,7 +53,7 @@ from trident.bench.harness import (
     tokens_per_s,
 )
 from trident.build import build_parts, model_chunks
-from trident.checkpoint.hf import LLAMA, architecture, to_hf
+from trident.checkpoint.hf import LLAMA, architecture, hf_config, to_hf
 from trident.config import Config, compose_config
 from trident.errors import CheckpointError
 from trident.loop import Trainer
@@ -285,23 +285,9 @@ def hf_llama(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = cfg.model
-    config = LlamaConfig(
-        vocab_size=m.vocab_size,
-        hidden_size=m.d_model,
-        intermediate_size=m.ffn_dim,
-        num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads,
-        num_key_value_heads=m.kv_heads,
-        head_dim=m.head_dim,
-        max_position_embeddings=m.seq_len,
-        hidden_act="silu",
-        rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta,
-        attention_bias=m.bias,
-        mlp_bias=m.bias,
-        tie_word_embeddings=m.tie_embeddings,
-        attn_implementation="sdpa",
-    )
+    # The config.json an export writes (trident/checkpoint/hf.py), so the two models are the same by one mapping.
+    exported = {k: v for k, v in hf_config(m).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    config = LlamaConfig(**exported, attn_implementation="sdpa")
     hf = LlamaForCausalLM(config)
     # Our logical tensors: the one-process parameters without the embedding's padding rows.
     logical = {
