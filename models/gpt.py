@@ -336,14 +336,16 @@ class GPT(nn.Module):
         x = self.wte(idx)
         if not hasattr(self, "wpe"):
             return self.drop(x)
-        if positions is None:
-            positions = torch.arange(start, start + t, device=idx.device)
         if not self.sequence_parallel:
+            if positions is None:
+                positions = torch.arange(start, start + t, device=idx.device)
             return self.drop(x + self.wpe(positions))
         if t % self.tp_size:
             raise ValueError(f"sequence of {t} tokens does not split over tp={self.tp_size} (sequence parallelism)")
-        shard = slice(self.tp_rank * (t // self.tp_size), (self.tp_rank + 1) * (t // self.tp_size))
-        return self.drop(x + self.wpe(positions[..., shard]))
+        lo, hi = self.tp_rank * (t // self.tp_size), (self.tp_rank + 1) * (t // self.tp_size)
+        # Only this shard's positions (the embedding keeps its indices for backward: not a view of all of them).
+        shard = torch.arange(lo, hi, device=idx.device) if positions is None else positions[..., lo:hi].contiguous()
+        return self.drop(x + self.wpe(shard))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the LM head (the embedding, or lm_head): what the last pipeline stage does after its

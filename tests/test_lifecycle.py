@@ -344,7 +344,13 @@ def test_a_stop_that_cannot_wait_ends_at_once_naming_the_last_checkpoint(tiny_da
     step) is abandoned the same way. Either way: one line, no traceback, 128 + the first signal."""
     run_dir = tmp_path / "run"
     # A model slow enough on a CPU (seconds a step) that the step in flight outlasts the wait.
-    slow = ["model.d_model=512", "model.seq_len=256", "train.micro_batch_size=16", "train.eval_every=0"]
+    slow = [
+        "model.d_model=512",
+        "model.n_layers=6",
+        "model.seq_len=256",
+        "train.micro_batch_size=16",
+        "train.eval_every=0",
+    ]
     overrides = tiny(tiny_dataset, *slow, "train.steps=100", f"train.stop_grace_s={grace}")
     proc = _start_train(run_dir, overrides)
     try:
