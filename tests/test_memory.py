@@ -28,7 +28,7 @@ from trident.memory_estimate import (
 )
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
-from trident.parallel.batch import Batch
+from trident.parallel.batch import Batch, document_ids
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.placement import placement_of
@@ -191,7 +191,14 @@ def test_schedule_orders_run_every_pass_once_and_hold_the_textbook_count() -> No
 # --- activations: predicted against what a forward really keeps -----------------------------------------------
 
 
-def _held(cfg: ModelConfig, policy: str, batch: int, model: GPT | None = None, precision: str = "fp32") -> int:
+def _held(
+    cfg: ModelConfig,
+    policy: str,
+    batch: int,
+    model: GPT | None = None,
+    precision: str = "fp32",
+    documents: bool = False,
+) -> int:
     torch.manual_seed(0)
     rng = model_parallel_rng(0)  # dropout's masks are derived from the micro-batch it runs in
     if model is None:
@@ -203,14 +210,19 @@ def _held(cfg: ModelConfig, policy: str, batch: int, model: GPT | None = None, p
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
     y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
+    ids = None
+    if documents:  # packed documents: an eos every 7 tokens, the document ids the loader computes
+        x[:, ::7] = EOS
+        ids = document_ids(x, EOS)
 
     def forward() -> torch.Tensor:
         with autocast(precision, x.device), rng.context(0, range(batch)):
-            logits = model(x)
+            logits = model(x, documents=ids)
         return model.loss_sum(logits, y)
 
     rope = [m.inv_freq for m in model.modules() if getattr(m, "inv_freq", None) is not None]  # RoPE's frequencies
-    _, held = held_by_forward(forward, [*model.parameters(), *rope, x, y])  # model state, not activations
+    inputs = [x, y] if ids is None else [x, y, ids]
+    _, held = held_by_forward(forward, [*model.parameters(), *rope, *inputs])  # model state, not activations
     return held
 
 
@@ -224,6 +236,24 @@ ACTIVATION_SHAPES = [
     dataclasses.replace(LLAMA, name="llama-dropout", dropout=0.1),
     dataclasses.replace(LLAMAS[2], name="llama-mha-dropout", dropout=0.1),
 ]
+
+
+EOS = 1
+DOCUMENT_SHAPES = [SHAPES[0], DROPOUT, LLAMA, dataclasses.replace(LLAMA, name="llama-dropout", dropout=0.1)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", DOCUMENT_SHAPES, ids=[c.name for c in DOCUMENT_SHAPES])
+def test_activation_prediction_with_packed_documents_matches_a_forward(cfg: ModelConfig, precision: str) -> None:
+    """data.document_mask on a CPU: SDPA's float copy of the dense mask in each layer, the inverted mask the
+    explicit core keeps under dropout, per-sample RoPE tables and position ids, and under recomputation the mask
+    and positions its arguments keep, predicted to the byte."""
+    held = {p: _held(cfg, p, batch=2, precision=precision, documents=True) for p in POLICIES}
+    layout = Layout(micro_batch_size=2, precision=precision, device="cpu", document_mask=True)
+    predicted = {p: activation_bytes(cfg, layout, 0, p) for p in POLICIES}
+    assert predicted == held
+    plain = Layout(micro_batch_size=2, precision=precision, device="cpu")
+    assert all(predicted[p] > activation_bytes(cfg, plain, 0, p) for p in POLICIES)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -363,14 +393,17 @@ def test_model_states_match_the_prediction_with_tensor_parallelism(tmp_path: Pat
     _check_states(ranks, cfg, TP_CASES, dp=world // tp, tp=tp)
 
 
-def _tp(rank: int, world: int, cfg: ModelConfig) -> dict:
+def _tp(rank: int, world: int, cfg: ModelConfig, documents: bool) -> dict:
     group = dist.group.WORLD
     out = {"params": [(n, p.numel()) for n, p in GPT(cfg, group).named_parameters()]}
     # The least of three forwards: a gloo collective's work object may still hold its tensor (the loss's amax,
     # all-reduced over tp) for a moment after it completes, a communication buffer, not an activation.
     for sp in (False, True):
         out[sp] = {
-            p: min(_held(cfg, p, batch=2, model=GPT(cfg, group, sequence_parallel=sp)) for _ in range(3))
+            p: min(
+                _held(cfg, p, batch=2, model=GPT(cfg, group, sequence_parallel=sp), documents=documents)
+                for _ in range(3)
+            )
             for p in POLICIES
         }
     return out
@@ -378,18 +411,21 @@ def _tp(rank: int, world: int, cfg: ModelConfig) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "cfg,tp", [(SHAPES[1], 2), (LLAMA, 2), (LLAMA, 4)], ids=["gpt-odd-tp2", "llama-tp2", "llama-tp4"]
+    "cfg,tp,documents",
+    [(SHAPES[1], 2, False), (LLAMA, 2, False), (LLAMA, 4, False), (SHAPES[1], 2, True), (LLAMA, 2, True)],
+    ids=["gpt-odd-tp2", "llama-tp2", "llama-tp4", "gpt-odd-tp2-documents", "llama-tp2-documents"],
 )
-def test_tp_parameters_and_activations_match_the_prediction(cfg: ModelConfig, tp: int) -> None:
+def test_tp_parameters_and_activations_match_the_prediction(cfg: ModelConfig, tp: int, documents: bool) -> None:
     """At tp=2 and 4 (vocab 515 padded, so the ranks' blocks differ in real rows; llama-tiny's kv heads split at
     tp=2, replicated at tp=4): each rank's parameters are the predicted ones, and the activations of one
-    micro-batch with and without sequence parallelism are predicted to the byte on the rank with the most."""
-    ranks = run_distributed(_tp, tp, cfg)
+    micro-batch with and without sequence parallelism are predicted to the byte on the rank with the most; also
+    with packed documents (the mask whole on every rank, the positions' shard under sequence parallelism)."""
+    ranks = run_distributed(_tp, tp, cfg, documents)
     layout = Layout(tp=tp, micro_batch_size=2, device="cpu")
     for r in ranks:
         assert r["params"] == rank_params(cfg, layout, 0)
     for sp in (False, True):
-        lay = Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, device="cpu")
+        lay = Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, device="cpu", document_mask=documents)
         for p in POLICIES:
             measured = max(r[sp][p] for r in ranks)
             assert activation_bytes(cfg, lay, 0, p) == measured, (sp, p)

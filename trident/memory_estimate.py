@@ -46,6 +46,11 @@ where it is not), q = h / t this rank's query width and k its key width (its kv 
                                   output (k and v repeated, views copied contiguous), instead of the projections'
     selective recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
     full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
+    packed documents (CPU)        per layer: SDPA's float copy of the dense mask b s^2 e (the explicit core's inverted
+                                  mask b s^2 instead of the causal s^2), RoPE's tables per sample (b x); per chunk
+                                  under recomputation: the bool mask b s^2 and the int64 positions 8 b s its
+                                  arguments keep; the learned position ids are per sample (b x). On CUDA flex
+                                  attention's block mask, whose few block indices are not counted.
 
 For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
 without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
@@ -103,6 +108,7 @@ class Layout:
     sequence_parallel: bool = False
     bucket_mb: float = 25.0
     device: str = "cuda"  # cuda | cpu: on a CPU run the "device" is host memory too
+    document_mask: bool = False  # data.document_mask: packed documents (models/documents.py)
 
     @classmethod
     def from_config(cls, cfg: Config, dp: int, device: str = "cuda") -> Layout:
@@ -124,6 +130,7 @@ class Layout:
             sequence_parallel=par.sequence_parallel,
             bucket_mb=par.bucket_mb,
             device=device,
+            document_mask=cfg.data.document_mask,
         )
 
     @property
@@ -358,6 +365,7 @@ class _Shape:
     fused_qkv: bool  # multi-head attention's one qkv projection (else grouped-query q and kv)
     rope: bool
     head_dim: int
+    documents: bool  # packed documents: a mask and positions per sample
 
     @classmethod
     def of(cls, m: ModelConfig, layout: Layout) -> _Shape:
@@ -379,6 +387,7 @@ class _Shape:
             fused_qkv=m.kv_heads == m.n_heads,
             rope=m.position == "rope",
             head_dim=m.head_dim,
+            documents=layout.document_mask,
         )
 
     def layer_norm(self) -> int:
@@ -406,8 +415,14 @@ class _Shape:
 
     def rope_tables(self) -> int:
         """RoPE's cos and sin, fp32 [s, head_dim], kept by the rotations' multiplies; in a 16-bit model each of q
-        and k gets its own 16-bit cast of them: the same bytes."""
-        return 2 * self.s * self.head_dim * FP32 if self.rope else 0
+        and k gets its own 16-bit cast of them: the same bytes. Packed documents: one pair per sample [b, s, hd]."""
+        per_sample = self.b if self.documents else 1
+        return 2 * per_sample * self.s * self.head_dim * FP32 if self.rope else 0
+
+    def document_mask(self) -> int:
+        """Packed documents on a CPU: the dense bool mask [b, 1, s, s], whole on every tp rank (attention sees
+        the whole sequence). On CUDA flex attention's block mask, whose few block indices are left out."""
+        return self.b * self.s * self.s if self.documents and self.device == "cpu" else 0
 
 
 def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
@@ -421,9 +436,11 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
     explicit = policy == "none" and m.dropout > 0
     if policy == "none":
         if explicit:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
-            core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1) + x.s * x.s  # + the causal mask masked_fill keeps
-        else:  # the fused kernel's fp32 logsumexp
-            core = FP32 * x.a * x.b * x.s // x.t
+            core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1)
+            # + the inverted mask masked_fill keeps: the causal one, or with packed documents the samples' own
+            core += x.document_mask() or x.s * x.s
+        else:  # the fused kernel's fp32 logsumexp, and with packed documents its own copy of the mask as a float
+            core = FP32 * x.a * x.b * x.s // x.t + x.document_mask() * x.e
     # GELU: fc output, GELU output. SwiGLU: gate and up outputs, silu(gate), their product.
     mlp = (4 if m.mlp == "swiglu" else 2) * sbf * x.e // x.t
     return (
@@ -437,12 +454,24 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
     )
 
 
+def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) -> int:
+    """What packed documents add per chunk and micro-batch under recomputation: its arguments keep the chunk's
+    mask and int64 positions [b, s] (on the first stage, with learned positions and no sequence parallelism,
+    those positions are the embedding's own, counted there). Without recomputation the mask is freed once
+    attention has taken its copy."""
+    x = _Shape.of(m, layout)
+    if not x.documents or policy == "none":
+        return 0
+    shared = first and m.position == "learned" and x.t_sp == 1
+    return x.document_mask() + (0 if shared else 8 * x.b * x.s)
+
+
 def embed_bytes(m: ModelConfig, layout: Layout) -> int:
     """What the first stage's embedding keeps per micro-batch: with learned positions the int64 position ids (this
     rank's share of them under sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64
     local ids; the embedding dropout's mask."""
     x = _Shape.of(m, layout)
-    out = 8 * x.s // x.t_sp if m.position == "learned" else 0
+    out = 8 * x.s // x.t_sp * (x.b if x.documents else 1) if m.position == "learned" else 0
     if x.t > 1:
         out += x.b * x.s * (1 + 8)
     if m.dropout > 0:
@@ -509,7 +538,10 @@ def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | N
     layers = m.n_layers // (layout.pp * layout.vpp)
     last = layout.pp * layout.vpp - 1
     chunk_bytes = [
-        layers * per_layer + (embed_bytes(m, layout) if c == 0 else 0) + (head_bytes(m, layout) if c == last else 0)
+        layers * per_layer
+        + (embed_bytes(m, layout) if c == 0 else 0)
+        + (head_bytes(m, layout) if c == last else 0)
+        + documents_bytes(m, layout, policy, c == 0)
         for c in chunks
     ]
     held = peak = 0
