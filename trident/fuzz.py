@@ -323,7 +323,7 @@ def prepare_corpus(cache_dir: str = "~/.cache/trident") -> Path:
     """The small real dataset (tests/conftest.py's corpus), prepared once and cached under ``cache_dir``."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     data = DataConfig(text=[str(stdlib / p) for p in CORPUS_PACKAGES], suffixes=[".py"], cache_dir=cache_dir)
-    return resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None)
+    return resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None, progress=None)
 
 
 def base_overrides(dataset: Path) -> tuple[str, ...]:
@@ -453,7 +453,7 @@ class Fuzzer:
                 cache_dir=str(self.work_dir / "cache"),
                 tokenizer=str(self.dataset / "tokenizer.model"),
             )
-            self._second = resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None)
+            self._second = resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None, progress=None)
         return self._second
 
     def config(self, overrides: tuple[str, ...] | list[str]) -> Config:

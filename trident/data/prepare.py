@@ -515,8 +515,9 @@ def _cache_key(
     return h.hexdigest()
 
 
-def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path:
-    """Return a complete dataset directory for ``data``, preparing and caching it on first use.
+def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print, progress: TextIO | None = sys.stderr) -> Path:
+    """Return a complete dataset directory for ``data``, preparing and caching it on first use; ``progress``: where
+    the preparation's progress bar goes (None: none).
 
     Every rank on a node may call this at once: an exclusive file lock lets the first prepare
     the dataset while the others wait and then find it complete.
@@ -569,7 +570,7 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print) -> Path
                     shutil.rmtree(stale, ignore_errors=True)
                 mb = sum(p.stat().st_size for p in files) / 1e6
                 log(f"preparing dataset: {len(files)} files, {mb:.1f} MB -> {out_dir} (first run only)")
-                how = {"text_field": data.text_field, "workers": data.workers, "progress": sys.stderr}
+                how = {"text_field": data.text_field, "workers": data.workers, "progress": progress}
                 how["max_bad_fraction"] = data.max_bad_fraction
                 if tokenizer is None:
                     prepare_dataset(files, out_dir, vocab_size, data.tokenizer_lines, log=log, **how)
