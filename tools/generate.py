@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trident.checkpoint.consolidated import ModelWeights, load_weights
-from trident.config import model_config_from_dict
+from trident.checkpoint.files import saved_model_config
 from trident.errors import CheckpointError, TridentError
 from trident.models.gpt import GPT
 from trident.models.kv_cache import KVCache
@@ -28,10 +28,11 @@ from trident.parallel.placement import placement_of
 @torch.no_grad()
 def build_model(weights: ModelWeights, device: torch.device) -> GPT:
     """A one-process GPT holding ``weights`` (logical tensors: each parameter pads its own again)."""
+    cfg = saved_model_config(weights.config, weights.source)
     try:
-        model = GPT(model_config_from_dict(weights.config["model"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"the saved config does not describe a trident model: {type(e).__name__} {e}") from None
+        model = GPT(cfg)
+    except ValueError as e:
+        raise CheckpointError(f"{weights.source}: the saved config does not describe a trident model: {e}") from None
     for name, param in model.named_parameters():
         if name not in weights.tensors:
             raise CheckpointError(f"the checkpoint holds no tensor {name}; it is not this model's")

@@ -71,6 +71,22 @@ class ModelConfig:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
 
+# The model keys that fix parameter shapes: a checkpoint loads only into a model with the same ones.
+SHAPE_KEYS = (
+    "n_layers",
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "seq_len",
+    "vocab_size",
+    "d_ff",
+    "bias",
+    "norm",
+    "mlp",
+    "position",
+    "tie_embeddings",
+)
+
 # Keys a saved config may hold under an older name.
 _RENAMED_MODEL_KEYS = {"ln_eps": "norm_eps"}
 

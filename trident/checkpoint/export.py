@@ -29,18 +29,16 @@ from safetensors.torch import save_file
 
 from trident.checkpoint import hf
 from trident.checkpoint.consolidated import ModelWeights
-from trident.config import ModelConfig, model_config_from_dict
+from trident.checkpoint.files import saved_model_config
+from trident.config import ModelConfig
 from trident.data.tokenizer import FILE_NAMES
-from trident.errors import CheckpointError, TridentError
+from trident.errors import TridentError
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
 def model_config(weights: ModelWeights) -> ModelConfig:
-    try:
-        return model_config_from_dict(weights.config["model"])
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"the saved config does not describe a trident model: {type(e).__name__} {e}") from None
+    return saved_model_config(weights.config, weights.source)
 
 
 def hf_config(cfg: ModelConfig, weights: ModelWeights | None = None) -> dict:

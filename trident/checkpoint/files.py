@@ -26,6 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
+from trident.config import ModelConfig, model_config_from_dict
 from trident.errors import CheckpointError
 
 FORMAT = 2
@@ -190,3 +191,14 @@ def read_head(path: Path) -> tuple[dict, dict]:
     if not isinstance(config.get("model"), dict):
         raise CheckpointError(f"cannot read checkpoint file {path / 'config.json'}: it has no model section")
     return meta, config
+
+
+def saved_model_config(config: dict, where: object) -> ModelConfig:
+    """The model a saved run config (a checkpoint's config.json, a consolidated file's) describes, older keys read
+    as ``model_config_from_dict`` reads them; a CheckpointError naming ``where`` when it describes none."""
+    try:
+        return model_config_from_dict(config["model"])
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{where}: the saved config does not describe a trident model: {type(e).__name__} {e}"
+        ) from None

@@ -30,11 +30,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from trident.checkpoint.dcp import Sharded, read_metadata, read_sharded
-from trident.checkpoint.files import find_resume_path, read_head
+from trident.checkpoint.files import find_resume_path, read_head, saved_model_config
 from trident.checkpoint.hf import check_parts, read_box, sources
 from trident.checkpoint.hf_dir import HFDir, is_hf_dir
 from trident.checkpoint.state import MODEL, named_parameters
-from trident.config import Config, ModelConfig, model_config_from_dict
+from trident.config import SHAPE_KEYS, Config, ModelConfig
 from trident.errors import CheckpointError, ConfigError
 from trident.models.gpt import GPT
 from trident.parallel.agree import on_every_rank
@@ -43,28 +43,8 @@ from trident.parallel.placement import placement_of
 T = TypeVar("T")
 
 # The model.* keys a source fixes: every parameter shape, and the functions of the block.
-ADOPTED = (
-    "n_layers",
-    "d_model",
-    "n_heads",
-    "n_kv_heads",
-    "seq_len",
-    "vocab_size",
-    "d_ff",
-    "bias",
-    "norm",
-    "norm_eps",
-    "mlp",
-    "position",
-    "rope_theta",
-    "rope_scaling",
-    "rope_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_seq_len",
-    "tie_embeddings",
-)
 _SCALING = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
+ADOPTED = (*SHAPE_KEYS, "norm_eps", "rope_theta", "rope_scaling", *_SCALING)
 
 
 @dataclass
@@ -91,10 +71,7 @@ def open_source(path: str, what: str = "checkpoint.init_from") -> InitSource:
         return InitSource(where, "hf", {"name": where.name, **hf.model})
     found = find_resume_path(str(where), where, what=what)
     _, config = read_head(found)
-    try:
-        saved = dataclasses.asdict(model_config_from_dict(config["model"]))
-    except TypeError as e:
-        raise CheckpointError(f"checkpoint {found}: its model config is not trident's: {e}") from None
+    saved = dataclasses.asdict(saved_model_config(config, f"checkpoint {found}"))
     return InitSource(found, "trident", {key: saved[key] for key in ("name", *ADOPTED)})
 
 

@@ -29,6 +29,7 @@ from trident.checkpoint.files import (
     publish,
     read_head,
     read_json,
+    saved_model_config,
 )
 from trident.checkpoint.state import (
     MODEL,
@@ -38,35 +39,11 @@ from trident.checkpoint.state import (
     rng_state,
 )
 from trident.checkpoint.zero_state import MasterState, MomentState
-from trident.config import model_config_from_dict
+from trident.config import SHAPE_KEYS
 from trident.errors import CheckpointError, TridentError
 from trident.parallel.agree import on_every_rank, on_one_rank
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.zero.optimizer import ZeroOptimizer
-
-# Model settings that fix parameter shapes: a checkpoint only loads into the same ones.
-_SHAPE_KEYS = (
-    "n_layers",
-    "d_model",
-    "n_heads",
-    "seq_len",
-    "vocab_size",
-    "d_ff",
-    "bias",
-    "norm",
-    "mlp",
-    "position",
-    "n_kv_heads",
-    "tie_embeddings",
-)
-
-
-def _saved_model(saved: dict) -> dict:
-    """A checkpoint's model section with every key: a key saved before it existed has its default (GPT-2's)."""
-    try:
-        return dataclasses.asdict(model_config_from_dict(saved))
-    except TypeError as e:
-        raise CheckpointError(f"the checkpoint's model config is not trident's: {e}") from None
 
 
 class Trainable(Protocol):
@@ -184,8 +161,8 @@ class Checkpointer:
         """Everything that can fail on one rank alone: read and check the small files and the index, restore
         the trainer state; return a function that loads the tensors (the collective part)."""
         meta, config = read_head(path)
-        saved_model = _saved_model(config["model"])
-        for key in _SHAPE_KEYS:
+        saved_model = dataclasses.asdict(saved_model_config(config, f"checkpoint {path}"))
+        for key in SHAPE_KEYS:
             mine = self.config["model"][key]
             if saved_model[key] != mine:
                 raise CheckpointError(
