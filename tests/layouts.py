@@ -32,6 +32,14 @@ def tiny(dataset: Path, *extra: str) -> list[str]:
     ]
 
 
+def four_layers(dataset: Path, steps: int, *extra: str) -> list[str]:
+    """``tiny`` with 4 layers (room for pp x vpp), vocab 515 (which no tp divides: the padded vocabulary is
+    exercised) and micro-batches of 2, for ``steps`` steps."""
+    return tiny(
+        dataset, f"train.steps={steps}", "train.micro_batch_size=2", "model.n_layers=4", "model.vocab_size=515", *extra
+    )
+
+
 def _train(rank: int, world: int, cfg: Config, run_dir: Path) -> list[dict]:
     return run(cfg, run_dir)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.layouts import assert_same_curve, tiny, train_in_process
+from tests.layouts import assert_same_curve, four_layers, train_in_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,15 +18,7 @@ SAVED_AT = 3  # the resumed runs take the next 5 steps
 
 
 def _base(dataset, *extra: str) -> list[str]:
-    return tiny(
-        dataset,
-        f"train.steps={STEPS}",
-        "train.global_batch_size=16",
-        "train.micro_batch_size=2",
-        "model.n_layers=4",
-        "model.vocab_size=515",
-        *extra,
-    )
+    return four_layers(dataset, STEPS, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.layouts import assert_same_curve, tiny, train_in_process
+from tests.layouts import assert_same_curve, four_layers, train_in_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,15 +18,7 @@ SAVED_AT = 3
 
 
 def _base(dataset, *extra: str) -> list[str]:
-    return tiny(
-        dataset,
-        "model=llama-tiny",
-        f"train.steps={STEPS}",
-        "train.micro_batch_size=2",
-        "model.n_layers=4",
-        "model.vocab_size=515",
-        *extra,
-    )
+    return four_layers(dataset, STEPS, "model=llama-tiny", *extra)
 
 
 @pytest.fixture(scope="module")
