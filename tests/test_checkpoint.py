@@ -570,7 +570,7 @@ def test_every_hostile_file_is_refused_and_never_run(one_process, tiny_dataset: 
         checkpointer(tmp_path / "unused", build(one_process, 2), resume=str(path)).maybe_resume(FakeTrainer())
 
     def load_for_tools(path: Path) -> None:
-        load_weights(path).sentencepiece()
+        load_weights(path).load_tokenizer()
 
     for name in files:
         for kind, payload in hostile_pickles(marker).items():

@@ -25,7 +25,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import sentencepiece as spm
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -78,15 +77,6 @@ class ModelWeights:
             return tokenizer_from_bytes(self.tokenizer_file, self.tokenizer, str(where))
         except DataError as e:
             raise CheckpointError(str(e)) from None
-
-    def sentencepiece(self) -> spm.SentencePieceProcessor:
-        where = self.source / "tokenizer.model" if self.source.is_dir() else self.source
-        if self.tokenizer is None or self.tokenizer_file != SENTENCEPIECE:
-            raise CheckpointError(f"{self.source} holds no tokenizer.model (the run was saved without one)")
-        try:
-            return spm.SentencePieceProcessor(model_proto=self.tokenizer)
-        except Exception as e:  # sentencepiece raises RuntimeError or its own errors on a bad model
-            raise CheckpointError(f"cannot read tokenizer {where}: {' '.join(str(e).split())}") from None
 
 
 def from_checkpoint(path: Path) -> ModelWeights:
