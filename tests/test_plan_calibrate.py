@@ -1,0 +1,171 @@
+"""trident/plan/calibrate.py: a calibration measures exactly what the planner's needs list, with plausible times
+(a larger matmul takes longer, the element-wise rate predicts a size it never measured), caches it so that a second
+calibration measures nothing and a wider one only what is new, and fits collective rates from concurrent ranks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from trident.plan import calibrate as calibration
+from trident.plan.calibrate import calibrate, fit_rate, missing, time_add, time_gelu
+from trident.plan.profile import (
+    COLLECTIVES,
+    Needs,
+    Profile,
+    Rate,
+    attention_key,
+    collective_key,
+    load_cached,
+    matmul_key,
+)
+
+SMALL, LARGE = ("fp32", 32, 32, 32), ("fp32", 384, 384, 384)
+ATTENTION = ("fp32", 1, 4, 2, 64, 16)  # grouped-query: 4 query heads over 2 kv heads
+
+
+def tiny_needs(groups: tuple[int, ...] = ()) -> Needs:
+    return Needs(matmuls={SMALL, LARGE}, attention={ATTENTION}, groups=set(groups), precisions={"fp32"})
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibrate for ranks of one thread, whatever the machine: threads that other work on a shared machine
+    preempts wait for each other, and would make every timing here noise."""
+    monkeypatch.setattr(calibration, "cpu_threads_per_rank", lambda ranks_per_node: 1)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Profile, Path, list[str]]:
+    """One calibration for a single rank per node (so no collectives): the profile, its cache, its log."""
+    cache = tmp_path_factory.mktemp("calibration") / "profile.json"
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "cpu_threads_per_rank", lambda ranks_per_node: 1)
+        profile = calibrate(tiny_needs((2,)), 1, cache=cache, log=lines.append)
+    return profile, cache, lines
+
+
+def count_timings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls of the timing function every non-collective measurement goes through."""
+    calls = [0]
+    timed = calibration.median_seconds
+
+    def counting(*args: object, **kwargs: object) -> float:
+        calls[0] += 1
+        return timed(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(calibration, "median_seconds", counting)
+    return calls
+
+
+def test_fit_rate_recovers_a_line_and_clamps_the_latency() -> None:
+    exact = fit_rate([(b, 1e-5 + b / 2e9) for b in (1e3, 1e5, 1e7)])
+    assert exact.latency == pytest.approx(1e-5, rel=1e-6) and exact.bandwidth == pytest.approx(2e9, rel=1e-6)
+    # Times that extrapolate to a negative latency: none, and the bandwidth fitted alone.
+    through_origin = fit_rate([(1e3, 1e-9), (1e6, 2e-3), (2e6, 3.5e-3)])
+    assert through_origin.latency == 0 and through_origin.bandwidth > 0
+
+
+def test_p2p_is_missing_at_group_two_only() -> None:
+    profile = Profile(name="x", device="cpu", source="test", memory_bytes=1.0, units_per_node=8)
+    needs = Needs(groups={2, 4})
+    assert missing(needs, profile).groups == {2, 4}
+    profile.collectives = {
+        collective_key(op, 4): Rate(1e-5, 1e9) for op in ("all_reduce", "all_gather", "reduce_scatter")
+    }
+    assert missing(needs, profile).groups == {2}
+    profile.collectives |= {collective_key(op, 2): Rate(1e-5, 1e9) for op in COLLECTIVES}
+    assert missing(needs, profile).groups == set()
+
+
+def test_calibration_measures_exactly_the_needs(calibrated: tuple[Profile, Path, list[str]]) -> None:
+    profile, cache, lines = calibrated
+    threads = 1
+    assert profile.device == "cpu" and profile.name.startswith("cpu: ") and profile.name.endswith("(calibrated)")
+    assert profile.threads == threads and f"{threads} threads per rank" in profile.source
+    assert profile.memory_bytes > 0 and profile.units_per_node >= 1
+    assert set(profile.matmuls) == {matmul_key(*SMALL), matmul_key(*LARGE)}
+    assert set(profile.attention) == {attention_key(*ATTENTION, "fwd"), attention_key(*ATTENTION, "bwd")}
+    assert all(t > 0 for t in [*profile.matmuls.values(), *profile.attention.values()])
+    assert profile.peak_tflops["fp32"] > 0 and 0 < profile.matmul_efficiency <= 1
+    # 1728 times the FLOPs: however noisy the machine, not faster.
+    assert profile.matmuls[matmul_key(*LARGE)] > profile.matmuls[matmul_key(*SMALL)]
+    for rate in (profile.elementwise, profile.host_copy):
+        assert rate.latency >= 0 and rate.bandwidth > 0
+    assert profile.adam > 0 and profile.host_adam == profile.adam
+    # One rank per node has no groups of 2: nothing measured, and the log says so.
+    assert profile.collectives == {}
+    assert any("not measured" in line for line in lines) and any("2 matmul shapes" in line for line in lines)
+    assert load_cached(threads, cache) == profile
+
+
+def test_elementwise_rate_predicts_a_size_it_did_not_measure(calibrated: tuple[Profile, Path, list[str]]) -> None:
+    """4 MiB tensors (16 KiB, 1 MiB and 8 MiB were measured): an add and a GELU together, which the rate is
+    fitted to, within a factor of 3 (loose: the machine is shared)."""
+    profile, _, _ = calibrated
+    nbytes = 4 * 1024**2
+    before = torch.get_num_threads()
+    torch.set_num_threads(profile.threads)
+    try:
+        measured = time_add(nbytes // 4, torch.device("cpu")) + time_gelu(nbytes // 4, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
+    predicted = profile.elementwise.time(3 * nbytes) + profile.elementwise.time(2 * nbytes)
+    assert measured / 3 < predicted < 3 * measured
+
+
+def test_cached_calibration_measures_only_what_is_new(
+    calibrated: tuple[Profile, Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profile, shared_cache, _ = calibrated
+    cache = tmp_path / "profile.json"
+    shutil.copy(shared_cache, cache)
+    calls = count_timings(monkeypatch)
+    again = calibrate(tiny_needs((2,)), 1, cache=cache, log=lambda _: None)
+    assert calls[0] == 0 and again == profile
+
+    wider = tiny_needs()
+    wider.matmuls.add(("fp32", 64, 48, 32))
+    grown = calibrate(wider, 1, cache=cache, log=lambda _: None)
+    assert calls[0] == 1  # that one shape, nothing else
+    assert set(grown.matmuls) == set(profile.matmuls) | {matmul_key("fp32", 64, 48, 32)}
+    assert all(grown.matmuls[key] == t for key, t in profile.matmuls.items())
+    assert load_cached(profile.threads, cache) == grown
+
+
+def test_no_cache_measures_everything_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # where the default caches (profile, peak) would go
+    calls = count_timings(monkeypatch)
+    profile = calibrate(Needs(matmuls={SMALL}), 1, cache=None, log=lambda _: None)
+    assert set(profile.matmuls) == {matmul_key(*SMALL)} and calls[0] > 1  # the shape, and the basics
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.multiprocess
+def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four ranks (of one thread): two groups of 2 at once and one group of 4; 3 does not divide 4 ranks. Each op
+    of COLLECTIVES gets a rate at group size 2, and the others at 4; the intra-node link is the all-reduce of
+    the largest group restated for the ring formula. A second calibration starts no ranks."""
+    cache = tmp_path / "profile.json"
+    needs = Needs(matmuls={SMALL}, groups={2, 3, 4}, precisions={"fp32"})
+    profile = calibrate(needs, 4, cache=cache, log=lambda _: None)
+    expected = {collective_key(op, 2) for op in COLLECTIVES}
+    expected |= {collective_key(op, 4) for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    assert set(profile.collectives) == expected
+    assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.collectives.values())
+    # The ring formula over the intra link (6 hops over 4 ranks) gives back the measured all-reduce of 4.
+    all_reduce, hops = profile.collectives[collective_key("all_reduce", 4)], 6
+    assert profile.intra == profile.inter
+    for nbytes in (1e3, 1e7):
+        ring = hops * profile.intra.latency + hops / 4 * nbytes / profile.intra.bandwidth
+        assert ring == pytest.approx(all_reduce.time(nbytes))
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured collectives again")
+
+    monkeypatch.setattr(calibration, "run_distributed", refuse)
+    assert calibrate(needs, 4, cache=cache, log=lambda _: None) == profile
