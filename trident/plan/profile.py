@@ -1,0 +1,217 @@
+"""What a machine can do, as the planner's step-time model reads it: compute rates, link rates, memory.
+
+A ``Profile`` is either a datasheet (``DATASHEETS``: H100, H200, A100 nodes of 8 GPUs, NVLink inside a node,
+InfiniBand between) or a calibration of this machine (trident/plan/calibrate.py), which measures the same
+fields and replaces the datasheet's rules of thumb with times:
+
+- matmuls by shape and dtype (``matmuls``, seconds by ``matmul_key``); a shape not measured costs its FLOPs at
+  ``matmul_efficiency`` of the peak;
+- attention (``attention``, seconds by ``attention_key``, forward and backward); else FLOPs at
+  ``attention_efficiency`` of the peak;
+- element-wise work by bytes: each op ``elementwise.latency`` (launch or dispatch) plus bytes at its bandwidth;
+- collectives by bytes and group size: a measured ``Rate`` per ``collective_key`` (measured with every rank of the
+  launch in a group of that size at once, as in training), else the ring formulas over the ``intra`` (inside a
+  node) or ``inter`` (between nodes) link;
+- host-device copies, AdamW on the device and on the host (offload), in parameters per second.
+
+On a CPU the "device" is a rank's share of the node: ``threads`` threads (train.py gives each rank the node's
+cores divided by its ranks, at least one), ``units_per_node`` cores that the ranks of a node share, and the node's
+host memory, which its ranks share too. A calibration is cached per machine, thread count and torch version in
+``~/.cache/trident/profile.json`` (like the CPU peak of trident/peak.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A cost of ``latency + bytes / bandwidth`` seconds."""
+
+    latency: float  # seconds
+    bandwidth: float  # bytes per second
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+def matmul_key(precision: str, m: int, n: int, k: int) -> str:
+    """An ``[m, k] @ [k, n]`` matmul in ``precision`` (fp32 | bf16 | fp16)."""
+    return f"{precision}:{m}x{n}x{k}"
+
+
+def attention_key(precision: str, batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, kind: str) -> str:
+    """Causal attention of ``heads`` query heads over ``kv_heads`` key/value heads; ``kind``: fwd | bwd."""
+    return f"{precision}:{batch}x{heads}x{kv_heads}x{seq}x{head_dim}:{kind}"
+
+
+def collective_key(op: str, group: int) -> str:
+    """``op`` (one of ``COLLECTIVES``) over a group of ``group`` ranks (2 for p2p)."""
+    return f"{op}:{group}"
+
+
+@dataclass
+class Profile:
+    name: str  # "h100", or "cpu: <model> (calibrated)"
+    device: str  # cuda | cpu
+    source: str  # where the figures come from: a datasheet, or a calibration's date and machine
+    memory_bytes: float  # a GPU's memory; on a CPU the node's host memory, shared by the node's ranks
+    units_per_node: int  # GPUs per node, or a CPU's cores (which the node's ranks share)
+    threads: int = 1  # CPU threads per rank the rates were measured on (1 on a GPU)
+    usable_fraction: float = 0.9  # of memory_bytes, for the estimator's peak (context, fragmentation not in it)
+    peak_tflops: dict[str, float] = field(default_factory=dict)  # precision -> dense peak of one rank's device
+    matmul_efficiency: float = 0.7
+    attention_efficiency: float = 0.45
+    elementwise: Rate = Rate(5e-6, 1e12)
+    matmuls: dict[str, float] = field(default_factory=dict)
+    attention: dict[str, float] = field(default_factory=dict)
+    collectives: dict[str, Rate] = field(default_factory=dict)
+    intra: Rate = Rate(1e-5, 1e11)  # ring bus bandwidth per rank inside a node
+    inter: Rate = Rate(3e-5, 1e10)  # between nodes
+    host_copy: Rate = Rate(1e-5, 2.5e10)  # host <-> device, each direction
+    adam: float = 1e10  # parameters per second of AdamW on a rank's device
+    host_adam: float = 1e8  # parameters per second of AdamW on the host, per rank (optimizer offload)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        d = dict(d)
+        for key in ("elementwise", "intra", "inter", "host_copy"):
+            if key in d:
+                d[key] = Rate(**d[key])
+        d["collectives"] = {k: Rate(**v) for k, v in d.get("collectives", {}).items()}
+        return cls(**d)
+
+    def peak(self, precision: str) -> float:
+        """Dense FLOP/s of one rank's device in ``precision``."""
+        return self.peak_tflops[precision] * 1e12
+
+
+def _gpu(
+    name: str,
+    bf16_tflops: float,
+    memory_gb: float,
+    hbm_tb_s: float,
+    nvlink_gb_s: float,
+    ib_gb_s: float,
+    pcie_gb_s: float,
+) -> Profile:
+    """A node of 8 GPUs from the datasheet. Bus bandwidths are ~80% of a link's one-way rate (what NCCL's tests
+    report for large all-reduces), matmuls reach 70% of the dense peak, flash attention 45%; AdamW is
+    memory-bound (about 16 bytes read and 16 written per parameter) on the device; host AdamW is DeepSpeed's
+    CPU-Adam at about 1e9 parameters/s for a whole node, shared by its 8 ranks."""
+    return Profile(
+        name=name,
+        device="cuda",
+        source=f"datasheet ({name.upper()} SXM, 8 per node)",
+        memory_bytes=memory_gb * 1e9,
+        units_per_node=8,
+        peak_tflops={"bf16": bf16_tflops, "fp16": bf16_tflops, "fp32": bf16_tflops / 2},
+        elementwise=Rate(4e-6, 0.8 * hbm_tb_s * 1e12),
+        intra=Rate(1.5e-5, 0.8 * nvlink_gb_s * 1e9),
+        inter=Rate(3e-5, 0.8 * ib_gb_s * 1e9),
+        host_copy=Rate(1e-5, 0.8 * pcie_gb_s * 1e9),
+        adam=0.8 * hbm_tb_s * 1e12 / 32,
+        host_adam=1e9 / 8,
+    )
+
+
+# NVLink one-way per GPU: 450 GB/s (H100/H200, NVLink 4), 300 GB/s (A100, NVLink 3); InfiniBand: one NDR 400 Gb/s
+# (50 GB/s) NIC per H100/H200, one HDR 200 Gb/s (25 GB/s) per A100; PCIe Gen5 x16 64 GB/s, Gen4 32 GB/s.
+DATASHEETS = {
+    "h100": _gpu("h100", 989.0, 80, 3.35, 450, 50, 64),
+    "h200": _gpu("h200", 989.0, 141, 4.8, 450, 50, 64),
+    "a100": _gpu("a100", 312.0, 80, 2.0, 300, 25, 32),
+}
+
+
+def cpu_model() -> str:
+    from trident.peak import cpu_model as model  # noqa: PLC0415 (peak imports torch; the planner need not)
+
+    return model()
+
+
+def cache_key(threads: int) -> str:
+    import torch  # noqa: PLC0415
+
+    return f"{cpu_model()} | {os.cpu_count()} cores | {threads} threads | torch {torch.__version__}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def load_cached(threads: int, cache: Path = DEFAULT_CACHE) -> Profile | None:
+    """This machine's calibration for ``threads`` threads per rank, if one was saved."""
+    entry = _read(cache.expanduser()).get(cache_key(threads))
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return Profile.from_dict(entry)
+    except (TypeError, KeyError):
+        return None
+
+
+def save_cached(profile: Profile, cache: Path = DEFAULT_CACHE) -> None:
+    """Add ``profile`` to the cache (atomically: a reader sees the old file or the new one)."""
+    path = cache.expanduser()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = {**_read(path), cache_key(profile.threads): profile.to_dict()}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+
+def host_memory_bytes() -> float:
+    """The machine's physical memory."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def cpu_threads_per_rank(ranks_per_node: int, cores: int | None = None) -> int:
+    """What train.py's set_cpu_threads gives each rank of a node."""
+    return max(1, (cores or os.cpu_count() or 1) // ranks_per_node)
+
+
+@dataclass
+class Needs:
+    """What a calibration has to measure for a plan: the planner lists it from the layouts it considers."""
+
+    matmuls: set[tuple[str, int, int, int]] = field(default_factory=set)  # (precision, m, n, k)
+    attention: set[tuple[str, int, int, int, int, int]] = field(default_factory=set)  # (precision, b, heads, kv, s, dh)
+    groups: set[int] = field(default_factory=set)  # collective group sizes (2 also for p2p)
+    precisions: set[str] = field(default_factory=set)
+
+    def missing(self, profile: Profile) -> Needs:
+        """The part of this that ``profile`` has not measured."""
+        return Needs(
+            matmuls={x for x in self.matmuls if matmul_key(*x) not in profile.matmuls},
+            attention={
+                x
+                for x in self.attention
+                if any(attention_key(*x, kind) not in profile.attention for kind in ("fwd", "bwd"))
+            },
+            groups={
+                g for g in self.groups if any(collective_key(op, g) not in profile.collectives for op in COLLECTIVES)
+            },
+            precisions={p for p in self.precisions if p not in profile.peak_tflops},
+        )
