@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trident.plan import calibrate as calibration
-from trident.plan.calibrate import calibrate, fit_rate, missing, time_add, time_gelu
+from trident.plan.calibrate import calibrate, fit_rate, time_add, time_gelu
 from trident.plan.profile import (
     COLLECTIVES,
     Needs,
@@ -73,13 +73,13 @@ def test_fit_rate_recovers_a_line_and_clamps_the_latency() -> None:
 def test_p2p_is_missing_at_group_two_only() -> None:
     profile = Profile(name="x", device="cpu", source="test", memory_bytes=1.0, units_per_node=8)
     needs = Needs(groups={2, 4})
-    assert missing(needs, profile).groups == {2, 4}
+    assert needs.missing(profile).groups == {2, 4}
     profile.collectives = {
         collective_key(op, 4): Rate(1e-5, 1e9) for op in ("all_reduce", "all_gather", "reduce_scatter")
     }
-    assert missing(needs, profile).groups == {2}
+    assert needs.missing(profile).groups == {2}
     profile.collectives |= {collective_key(op, 2): Rate(1e-5, 1e9) for op in COLLECTIVES}
-    assert missing(needs, profile).groups == set()
+    assert needs.missing(profile).groups == set()
 
 
 def test_calibration_measures_exactly_the_needs(calibrated: tuple[Profile, Path, list[str]]) -> None:
@@ -100,7 +100,7 @@ def test_calibration_measures_exactly_the_needs(calibrated: tuple[Profile, Path,
     # One rank per node has no groups of 2: nothing measured, and the log says so.
     assert profile.collectives == {}
     assert any("not measured" in line for line in lines) and any("2 matmul shapes" in line for line in lines)
-    assert load_cached(threads, cache) == profile
+    assert load_cached("cpu", 1, threads, cache) == profile
 
 
 def test_elementwise_rate_predicts_a_size_it_did_not_measure(calibrated: tuple[Profile, Path, list[str]]) -> None:
@@ -134,7 +134,7 @@ def test_cached_calibration_measures_only_what_is_new(
     assert calls[0] == 1  # that one shape, nothing else
     assert set(grown.matmuls) == set(profile.matmuls) | {matmul_key("fp32", 64, 48, 32)}
     assert all(grown.matmuls[key] == t for key, t in profile.matmuls.items())
-    assert load_cached(profile.threads, cache) == grown
+    assert load_cached("cpu", profile.ranks_per_node, profile.threads, cache) == grown
 
 
 def test_no_cache_measures_everything_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

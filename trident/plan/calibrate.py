@@ -48,7 +48,6 @@ import torch.nn.functional as F
 
 from trident.peak import PRECISION_DTYPES, cpu_peak_tflops, gpu_peak_bf16_tflops
 from trident.plan.profile import (
-    COLLECTIVES,
     DEFAULT_CACHE,
     Needs,
     Profile,
@@ -96,11 +95,12 @@ def calibrate(
     device = calibration_device()
     host_threads = cpu_threads_per_rank(ranks_per_node)  # what train.py gives each rank of the node
     threads = 1 if device.type == "cuda" else host_threads
-    profile = load_cached(threads, cache) if cache is not None else None
-    fresh = profile is None or profile.device != device.type  # a GPU's and a CPU's calibration share a key
-    if profile is None or fresh:
+    profile = load_cached(device.type, ranks_per_node, threads, cache) if cache is not None else None
+    fresh = profile is None
+    if profile is None:
         profile = new_profile(device, threads)
-    todo = missing(needs, profile)
+    profile.ranks_per_node = ranks_per_node
+    todo = needs.missing(profile)
     precisions = sorted(todo.precisions | ({"fp32"} - profile.peak_tflops.keys()))
     groups = sorted(g for g in todo.groups if g >= 2 and ranks_per_node % g == 0)
     if set(todo.groups) - set(groups):
@@ -166,20 +166,6 @@ def measure_links(
         g = max(measured)
         rate, hops = profile.collectives[collective_key("all_reduce", g)], 2 * (g - 1)
         profile.intra = profile.inter = Rate(rate.latency / hops, rate.bandwidth * hops / g)
-
-
-def missing(needs: Needs, profile: Profile) -> Needs:
-    """``needs.missing(profile)``, except that point-to-point counts as missing at group size 2 only (what a
-    pipeline's pairs of ranks measure): Needs.missing asks for ``p2p`` at every group size."""
-    todo = needs.missing(profile)
-    group_ops = [op for op in COLLECTIVES if op != "p2p"]
-    todo.groups = {
-        g
-        for g in todo.groups
-        if any(collective_key(op, g) not in profile.collectives for op in group_ops)
-        or (g == 2 and collective_key("p2p", 2) not in profile.collectives)
-    }
-    return todo
 
 
 def calibration_device() -> torch.device:

@@ -67,6 +67,7 @@ class Profile:
     memory_bytes: float  # a GPU's memory; on a CPU the node's host memory, shared by the node's ranks
     units_per_node: int  # GPUs per node, or a CPU's cores (which the node's ranks share)
     threads: int = 1  # CPU threads per rank the rates were measured on (1 on a GPU)
+    ranks_per_node: int = 0  # a calibration's: the ranks per node its collectives ran (0: a datasheet)
     usable_fraction: float = 0.9  # of memory_bytes, for the estimator's peak (context, fragmentation not in it)
     peak_tflops: dict[str, float] = field(default_factory=dict)  # precision -> dense peak of one rank's device
     matmul_efficiency: float = 0.7
@@ -142,10 +143,16 @@ def cpu_model() -> str:
     return model()
 
 
-def cache_key(threads: int) -> str:
+def cache_key(device: str, ranks_per_node: int, threads: int) -> str:
+    """A calibration's identity: the machine (the GPU's name, or the CPU's model and cores), the ranks per node it
+    was measured under (collectives and shared cores depend on them), the threads per rank, torch's version."""
     import torch  # noqa: PLC0415
 
-    return f"{cpu_model()} | {os.cpu_count()} cores | {threads} threads | torch {torch.__version__}"
+    if device == "cuda":
+        machine = torch.cuda.get_device_name()
+    else:
+        machine = f"{cpu_model()} | {os.cpu_count()} cores"
+    return f"{machine} | {ranks_per_node} ranks per node | {threads} threads | torch {torch.__version__}"
 
 
 def _read(path: Path) -> dict:
@@ -156,9 +163,9 @@ def _read(path: Path) -> dict:
     return cached if isinstance(cached, dict) else {}
 
 
-def load_cached(threads: int, cache: Path = DEFAULT_CACHE) -> Profile | None:
-    """This machine's calibration for ``threads`` threads per rank, if one was saved."""
-    entry = _read(cache.expanduser()).get(cache_key(threads))
+def load_cached(device: str, ranks_per_node: int, threads: int, cache: Path = DEFAULT_CACHE) -> Profile | None:
+    """This machine's calibration for ``ranks_per_node`` ranks of ``threads`` threads, if one was saved."""
+    entry = _read(cache.expanduser()).get(cache_key(device, ranks_per_node, threads))
     if not isinstance(entry, dict):
         return None
     try:
@@ -172,7 +179,7 @@ def save_cached(profile: Profile, cache: Path = DEFAULT_CACHE) -> None:
     path = cache.expanduser()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        entries = {**_read(path), cache_key(profile.threads): profile.to_dict()}
+        entries = {**_read(path), cache_key(profile.device, profile.ranks_per_node, profile.threads): profile.to_dict()}
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
@@ -210,8 +217,11 @@ class Needs:
                 for x in self.attention
                 if any(attention_key(*x, kind) not in profile.attention for kind in ("fwd", "bwd"))
             },
+            # Point-to-point is between two ranks: measured with the group of 2.
             groups={
-                g for g in self.groups if any(collective_key(op, g) not in profile.collectives for op in COLLECTIVES)
+                g
+                for g in self.groups
+                if any(collective_key(op, g) not in profile.collectives for op in COLLECTIVES if op != "p2p" or g == 2)
             },
             precisions={p for p in self.precisions if p not in profile.peak_tflops},
         )

@@ -1,0 +1,344 @@
+"""The step-time model: a layout's step, priced from a machine's profile (trident/plan/profile.py).
+
+    compute      every op of a micro-batch's pass through a chunk (trident/plan/ops.py) at the profile's rates:
+                 matmuls by shape and dtype, attention, element-wise ops by bytes and kernel count
+    tp           the collectives inside each pass, by bytes and group size (not overlapped: the next op needs them)
+    pipeline     the schedule's own action lists run with these costs (trident/plan/simulate.py), the p2p message of
+                 each stage boundary on the link between the two ranks; the bubble is what the simulation leaves idle
+    sharing      ranks that share a node's cores share their compute: k busy ranks of ``threads`` threads on C cores
+                 each run at min(1, C / (k threads)) of a lone rank's speed
+    dp / ZeRO    the gradient reduction as the reducer runs it: buckets (``parallel.bucket_mb``) start as backward
+                 fills them during the last micro-batch's backward and queue on the dp group; under pipelines every
+                 bucket waits for the rank's last backward. ZeRO 1-3 add the all-gather of the updated parameters,
+                 ZeRO 2 reduces every micro-batch, ZeRO 3 gathers each block around its forward and backward
+    optimizer    AdamW over the rank's shard at the device's rate, its offloaded part at the host's, with the
+                 gradient and parameter copies between them
+
+No term is fitted to a layout: every rate is a measurement of the machine (``--calibrate``) or a datasheet figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trident.config import ModelConfig
+from trident.memory_estimate import Layout, rank_params
+from trident.parallel.pipeline.schedules import Action
+from trident.plan import simulate
+from trident.plan.ops import BYTES, Op, Shape, chunk_ops
+from trident.plan.profile import Needs, Profile, attention_key, collective_key, matmul_key
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a launch's ranks sit: how many per node, and the threads and cores they share there."""
+
+    world: int
+    ranks_per_node: int
+    threads: int = 1
+    cores: int = 1  # compute units per node (a GPU node: its GPUs; a CPU: its cores)
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.world / self.ranks_per_node)
+
+    def spans_nodes(self, stride: int, size: int) -> bool:
+        """Whether a group of ``size`` ranks ``stride`` apart (tp: 1; dp: tp; pp: dp x tp) crosses a node."""
+        return stride * (size - 1) >= self.ranks_per_node or (
+            self.ranks_per_node % stride != 0 and stride * size > self.ranks_per_node
+        )
+
+    def share(self, busy: int) -> float:
+        """Each of ``busy`` ranks' speed when they compute at once on one node."""
+        return min(1.0, self.cores / (busy * self.threads))
+
+
+def flops_matmul(m: int, n: int, k: int) -> float:
+    return 2.0 * m * n * k
+
+
+def flops_attention(b: int, heads: int, seq: int, dh: int, kind: str) -> float:
+    """Causal attention: QK^T and PV on half the score matrix forward, two and a half times that backward."""
+    fwd = 2 * 2 * b * heads * seq * seq * dh / 2
+    return fwd if kind == "fwd" else 2.5 * fwd
+
+
+def collective_time(p: Profile, op: str, group: int, nbytes: float, across_nodes: bool) -> float:
+    """One ``op`` of ``nbytes`` (the whole tensor: all-reduced, gathered or scattered) over ``group`` ranks: the
+    measured rate of that group size, or the ring algorithm over the link (NCCL's: 2 (n-1) / n of the bytes for an
+    all-reduce, (n-1) / n for an all-gather or reduce-scatter, (n-1) or 2 (n-1) hops of latency)."""
+    if group <= 1:
+        return 0.0
+    measured = p.collectives.get(collective_key(op, group))
+    if measured is not None and not across_nodes:
+        return measured.time(nbytes)
+    link = p.inter if across_nodes else p.intra
+    if op == "p2p":
+        return link.time(nbytes)
+    hops = (2 if op == "all_reduce" else 1) * (group - 1)
+    return hops * link.latency + hops / group * nbytes / link.bandwidth
+
+
+@dataclass
+class Pricer:
+    """Prices ops with one profile and precision; remembers the matmul and attention shapes it was asked for."""
+
+    profile: Profile
+    precision: str
+    placement: Placement
+    tp_across_nodes: bool = False
+    needs: Needs = field(default_factory=Needs)
+
+    def matmul(self, m: int, n: int, k: int) -> float:
+        self.needs.matmuls.add((self.precision, m, n, k))
+        measured = self.profile.matmuls.get(matmul_key(self.precision, m, n, k))
+        if measured is not None:
+            return measured
+        e = BYTES[self.precision]
+        floor = self.profile.elementwise.time((m * k + k * n + m * n) * e)  # at least its operands' traffic
+        return max(floor, flops_matmul(m, n, k) / (self.profile.peak(self.precision) * self.profile.matmul_efficiency))
+
+    def attention(self, b: int, heads: int, kv: int, seq: int, dh: int, kind: str) -> float:
+        self.needs.attention.add((self.precision, b, heads, kv, seq, dh))
+        measured = self.profile.attention.get(attention_key(self.precision, b, heads, kv, seq, dh, kind))
+        if measured is not None:
+            return measured
+        rate = self.profile.peak(self.precision) * self.profile.attention_efficiency
+        return flops_attention(b, heads, seq, dh, kind) / rate
+
+    def op(self, op: Op, tp: int) -> tuple[float, float]:
+        """(compute, communication) seconds of ``op``."""
+        if op.kind == "matmul":
+            return op.count * self.matmul(*op.shape), 0.0
+        if op.kind == "attention":
+            return op.count * self.attention(*op.shape, "fwd" if op.phase == "F" else "bwd"), 0.0
+        if op.kind == "elementwise":
+            rate = self.profile.elementwise
+            return op.count * rate.latency + op.nbytes / rate.bandwidth, 0.0
+        name, _ = op.shape
+        self.needs.groups.add(tp)
+        return 0.0, op.count * collective_time(self.profile, name, tp, op.nbytes, self.tp_across_nodes)
+
+    def ops(self, ops: Iterable[Op], tp: int, phases: str) -> tuple[float, float]:
+        compute = comm = 0.0
+        for o in ops:
+            if o.phase in phases:
+                c, m = self.op(o, tp)
+                compute, comm = compute + c, comm + m
+        return compute, comm
+
+
+@dataclass
+class StepTime:
+    """A layout's predicted step, in seconds, with what it is made of."""
+
+    step: float
+    pipeline: float  # from the step's start to the last backward of the slowest rank
+    compute: float  # compute of one rank over the step (its busy time, without communication)
+    bubble: float  # fraction of the pipeline ranks' time idle in the schedule
+    tp_comm: float  # tensor-parallel collectives of one rank over the step
+    p2p: float  # pipeline messages on the critical path (their sum on one rank, an upper bound)
+    dp_comm: float  # gradient reduction and ZeRO gathers left exposed after the last backward
+    optimizer: float  # the optimizer step, its offloaded part, the clip and the step's small all-reduces
+    spans: list[simulate.TimedSpan] = field(default_factory=list, repr=False)
+
+    @property
+    def exposed_comm(self) -> float:
+        """Communication nothing overlaps: tensor-parallel collectives, pipeline messages and exposed dp/ZeRO."""
+        return self.tp_comm + self.p2p + self.dp_comm
+
+
+def _layers_per_chunk(m: ModelConfig, layout: Layout) -> int:
+    return m.n_layers // (layout.pp * layout.vpp)
+
+
+def _stage_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict | None) -> int:
+    """Parameter elements a rank of ``stage`` holds (its gradient buffer's, before bucket padding)."""
+    key = ("numel", layout.tp, layout.pp, layout.vpp, stage)
+    if cache is None or key not in cache:
+        numel = sum(n for _, n in rank_params(m, layout, stage))
+        if cache is None:
+            return numel
+        cache[key] = numel
+    return cache[key]
+
+
+def _dp_reduce(p: Profile, layout: Layout, numel: int, backward: float, across: bool, overlapped: bool) -> float:
+    """Seconds of the gradient reduction left after the backward that fills the buckets ends. The buckets
+    (``bucket_mb`` of fp32 each) queue on the dp group in the order backward fills them; ``overlapped``: each
+    starts once backward has filled it (spread evenly over ``backward`` seconds), else all after it. A queue's
+    last job ends at max over i of (arrival of i + service of i and every job after it)."""
+    if layout.dp == 1:
+        return 0.0
+    op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+    per_bucket = max(1, int(layout.bucket_mb * 2**20 / 4))
+    full, rest = divmod(numel, per_bucket)
+    sizes = np.array([per_bucket] * full + ([rest] if rest else []), dtype=np.float64)
+    service = np.array([collective_time(p, op, layout.dp, 4 * n, across) for n in (per_bucket, rest)])
+    times = np.full(len(sizes), service[0])
+    if rest:
+        times[-1] = service[1]
+    ready = backward * np.cumsum(sizes) / sizes.sum() if overlapped else np.full(len(sizes), backward)
+    after = np.cumsum(times[::-1])[::-1]
+    return max(0.0, float(np.max(ready + after)) - backward)
+
+
+def step_time(
+    m: ModelConfig,
+    layout: Layout,
+    profile: Profile,
+    placement: Placement,
+    needs: Needs | None = None,
+    cache: dict | None = None,
+) -> StepTime:
+    """Predict one optimizer step of ``layout`` (a memory_estimate.Layout: dp, tp, pp, vpp, schedule, ZeRO, offload,
+    recomputation, micro-batch) for model ``m`` on ``profile`` with ranks placed as ``placement``. ``needs``
+    collects the shapes and group sizes it priced (what a calibration measures); ``cache`` keeps simulations for
+    layouts that differ only in ZeRO stage and offload."""
+    pricer = Pricer(profile, layout.precision, placement, placement.spans_nodes(1, layout.tp))
+    if needs is not None:
+        pricer.needs = needs
+    pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
+    # The schedule's simulation does not depend on the ZeRO stage or offload: layouts differing only in those share it.
+    key = dataclasses.replace(layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0)
+    if cache is not None and key in cache:
+        costs, spans, hop = cache[key]
+    else:
+        costs, spans, hop = _pipeline(m, layout, profile, placement, pricer)
+        if cache is not None:
+            cache[key] = costs, spans, hop
+    zero3 = _zero3_gathers(m, layout, profile, placement, costs, cache) if layout.zero == 3 else 0.0
+    ends = simulate.rank_ends(spans, pp)
+    pipeline = max(ends)
+    all_busy = placement.share(placement.ranks_per_node if placement.nodes > 1 else placement.world)
+
+    # Gradient reduction: per pipeline rank, after its own last backward (pp > 1) or behind the last micro-batch's
+    # backward (pp = 1); ZeRO 2 reduces every micro-batch.
+    dp_across = placement.spans_nodes(layout.tp, layout.dp)
+    step_end = 0.0
+    for r in range(pp):
+        numel = _stage_numel(m, layout, r, cache)
+        backward = sum(costs[(c * pp + r, "B")][0] for c in range(vpp)) / all_busy
+        tail = _dp_reduce(profile, layout, numel, backward, dp_across, overlapped=pp == 1)
+        if layout.zero == 2 and pp == 1 and micro > 1:
+            forward = costs[(0, "F")][0] / all_busy
+            per_micro = _dp_reduce(profile, layout, numel, backward + forward, dp_across, overlapped=True)
+            tail += (micro - 1) * per_micro
+        step_end = max(step_end, ends[r] + tail)
+    if layout.dp > 1:
+        pricer.needs.groups.add(layout.dp)
+    if placement.world > 1 and placement.nodes == 1:
+        pricer.needs.groups.add(placement.world)  # the step's scalar all-reduces
+    dp_comm = step_end - pipeline + zero3
+
+    optimizer = _optimizer_time(m, layout, profile, placement, dp_across, all_busy, cache)
+    step = step_end + zero3 + optimizer
+
+    rank0 = [s for s in spans if s.rank == pp - 1]
+    compute = sum(s.compute_end - s.start for s in rank0)
+    tp_comm = sum(s.end - s.compute_end for s in rank0)
+    return StepTime(
+        step=step,
+        pipeline=pipeline,
+        compute=compute,
+        bubble=simulate.bubble(spans, pp) if pp > 1 else 0.0,
+        tp_comm=tp_comm,
+        p2p=hop * 2 * micro * vpp if pp > 1 else 0.0,
+        dp_comm=dp_comm,
+        optimizer=optimizer,
+        spans=spans,
+    )
+
+
+def _pipeline(
+    m: ModelConfig, layout: Layout, profile: Profile, placement: Placement, pricer: Pricer
+) -> tuple[dict, list[simulate.TimedSpan], float]:
+    """Per-stage action costs, the simulated schedule's spans and the p2p hop's seconds."""
+    shape = Shape(
+        layout.micro_batch_size, layout.seq_len or m.seq_len, layout.tp, layout.sequence_parallel, layout.precision
+    )
+    pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
+    layers = _layers_per_chunk(m, layout)
+    stages = pp * vpp
+    costs: dict[tuple[int, str], tuple[float, float]] = {}
+    for stage in range(stages):
+        ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, layout.activation_checkpointing)
+        f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
+        costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
+        costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
+
+    def cost(rank: int, a: Action) -> tuple[float, float]:
+        return costs[(a.chunk * pp + rank, a.kind)]
+
+    e = BYTES[layout.precision]
+    message = layout.micro_batch_size * shape.seq // (layout.tp if layout.sequence_parallel else 1) * m.d_model * e
+    pp_across = placement.spans_nodes(layout.dp * layout.tp, 2) if pp > 1 else False
+    hop = collective_time(profile, "p2p", 2, message, pp_across) if pp > 1 else 0.0
+    if pp > 1:
+        pricer.needs.groups.add(2)
+    if placement.cores >= placement.ranks_per_node * placement.threads:
+        speed = simulate.full_speed  # every rank has its own compute
+    elif placement.nodes == 1:
+        busy_per_pp_rank = layout.dp * layout.tp  # the ranks of one pipeline rank compute together
+
+        def speed(k: int) -> float:
+            return placement.share(k * busy_per_pp_rank)
+    else:
+
+        def speed(k: int) -> float:
+            return placement.share(placement.ranks_per_node)
+
+    if pp > 1:
+        spans = simulate.run_schedule(layout.resolved_schedule, pp, vpp, micro, cost, lambda r, a: hop, speed)
+    else:
+        one = [[a for mb in range(micro) for a in (Action("F", mb), Action("B", mb))]]
+        spans = simulate.run(one, 1, cost, speed=speed)
+    return costs, spans, hop
+
+
+def _zero3_gathers(
+    m: ModelConfig, layout: Layout, p: Profile, placement: Placement, costs: dict, cache: dict | None
+) -> float:
+    """ZeRO 3's parameter all-gathers left exposed: each block is gathered before its forward and again before its
+    backward, the next one prefetched while the current one computes, for every micro-batch."""
+    params = _stage_numel(m, layout, 0, cache)
+    blocks = max(1, m.n_layers)
+    e = BYTES[layout.precision]
+    across = placement.spans_nodes(layout.tp, layout.dp)
+    gather = collective_time(p, "all_gather", layout.dp, params * e / blocks, across)
+    scatter = collective_time(p, "reduce_scatter", layout.dp, params * 4 / blocks, across)
+    f, b = costs[(0, "F")][0] / blocks, costs[(0, "B")][0] / blocks
+    exposed_f = gather + (blocks - 1) * max(0.0, gather - f)
+    exposed_b = gather + (blocks - 1) * max(0.0, gather + scatter - b)
+    return layout.micro_batches * (exposed_f + exposed_b)
+
+
+def _optimizer_time(
+    m: ModelConfig, layout: Layout, p: Profile, placement: Placement, dp_across: bool, speed: float, cache: dict | None
+) -> float:
+    """AdamW over the rank's shard (the whole flat buffer at ZeRO 0), its offloaded ratio on the host with the
+    gradient copied down and the parameters up; the clip's norm; 16-bit parameters cast back from the masters; the
+    updated parameters all-gathered under ZeRO 1-2 (3: at the next forward); zeroing the gradient buffer; and the
+    step's scalar all-reduces (loss, gradient norm, finite check) over the world."""
+    numel = max(_stage_numel(m, layout, s, cache) for s in range(layout.pp))
+    shard = numel / (layout.dp if layout.zero >= 1 else 1)
+    e = BYTES[layout.precision]
+    ratio = layout.offload_ratio if layout.offload == "cpu" else 0.0
+    device_part = (1 - ratio) * shard / p.adam
+    host_part = ratio * shard / p.host_adam
+    copies = 2 * p.host_copy.time(ratio * shard * 4) if ratio and p.device == "cuda" else 0.0
+    ew = p.elementwise
+    other = (4 * shard + 4 * numel) / ew.bandwidth + 4 * ew.latency  # the norm's read, zeroing the buffer
+    if e != 4:
+        other += 6 * shard / ew.bandwidth  # masters cast back to the parameters' dtype
+    gather = 0.0
+    if layout.zero in (1, 2) and layout.dp > 1:
+        gather = collective_time(p, "all_gather", layout.dp, numel * e, dp_across)
+    world = placement.world
+    scalars = 3 * collective_time(p, "all_reduce", world, 8, placement.nodes > 1) if world > 1 else 0.0
+    return (device_part + other) / speed + host_part + copies + gather + scalars

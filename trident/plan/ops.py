@@ -1,0 +1,196 @@
+"""The work of one micro-batch through one model chunk, as operations the step-time model can price.
+
+Each ``Op`` is one class of work in one pass: ``F`` the forward, ``I`` the backward for the inputs (what the
+rank upstream waits for) and ``W`` the backward for the weights (the zero-bubble schedule runs it apart; other
+schedules run I and W together as B). Classes:
+
+    matmul       [m, k] @ [k, n] in the compute dtype: forward (T, out, in); backward input (T, in, out) and
+                 weight (out, in, T), with T the micro-batch's tokens
+    attention    causal SDPA of this rank's query and kv heads, forward in F, backward in I
+    elementwise  ``count`` kernels moving ``nbytes`` in all (read + written): norms, activations, residual adds,
+                 RoPE, the loss's passes over the logits; a backward moves about twice a forward's bytes
+    collective   tensor parallelism's all-reduce (or under sequence parallelism all-gather and reduce-scatter) of
+                 a [T, d] activation, twice per layer each way, and the vocab-parallel embedding's and loss's
+
+The list follows models/gpt.py operator by operator (a block is norm, qkv (or q and kv), RoPE, attention, proj,
+residual, norm, fc (or gate and up), GELU (or SiLU and a product), proj, residual); recomputation adds the
+forward again inside the backward: all of a layer's ops under ``full``, the attention core under ``selective``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trident.config import ModelConfig
+from trident.memory_estimate import kv_heads_local
+from trident.models.gpt import padded_vocab_size
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PASSES = ("F", "I", "W")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # matmul | attention | elementwise | collective
+    phase: str  # F | I | W
+    shape: tuple  # matmul (m, n, k); attention (b, heads, kv_heads, s, head_dim); collective (op, "tp")
+    nbytes: float = 0.0  # elementwise: bytes moved by all ``count`` kernels; collective: one message's bytes
+    count: int = 1  # matmuls, attentions, messages: how many; elementwise: kernels
+
+    def times(self, k: int) -> Op:
+        """This op ``k`` times over (``k`` layers)."""
+        nbytes = self.nbytes * k if self.kind == "elementwise" else self.nbytes
+        return Op(self.kind, self.phase, self.shape, nbytes, self.count * k)
+
+    def in_phase(self, phase: str) -> Op:
+        return Op(self.kind, phase, self.shape, self.nbytes, self.count)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch on one rank: its sizes after the tp split."""
+
+    batch: int
+    seq: int
+    tp: int
+    sequence_parallel: bool
+    precision: str
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def e(self) -> int:
+        return BYTES[self.precision]
+
+
+def _linear(s: Shape, out: int, inp: int) -> list[Op]:
+    """A linear layer of ``out x inp`` local weights on the micro-batch's tokens (bias fused into the matmul; its
+    gradient a reduction over the tokens)."""
+    t = s.tokens
+    return [
+        Op("matmul", "F", (t, out, inp)),
+        Op("matmul", "I", (t, inp, out)),
+        Op("matmul", "W", (out, inp, t)),
+    ]
+
+
+def _elementwise(phase_bytes: float, count: int) -> list[Op]:
+    """``count`` kernels moving ``phase_bytes`` in forward, twice that in the input backward."""
+    return [Op("elementwise", "F", (), phase_bytes, count), Op("elementwise", "I", (), 2 * phase_bytes, count)]
+
+
+def _tp_collectives(m: ModelConfig, s: Shape, count: int) -> list[Op]:
+    """``count`` tp regions entered and left: without sequence parallelism an all-reduce of the [T, d] activation
+    leaving (forward) and entering (backward); with it an all-gather entering and a reduce-scatter leaving, each
+    with its mirror in backward."""
+    if s.tp == 1:
+        return []
+    nbytes = s.tokens * m.d_model * s.e
+    if s.sequence_parallel:
+        return [
+            Op("collective", "F", ("all_gather", "tp"), nbytes, count),
+            Op("collective", "F", ("reduce_scatter", "tp"), nbytes, count),
+            Op("collective", "I", ("reduce_scatter", "tp"), nbytes, count),
+            Op("collective", "I", ("all_gather", "tp"), nbytes, count),
+        ]
+    return [
+        Op("collective", "F", ("all_reduce", "tp"), nbytes, count),
+        Op("collective", "I", ("all_reduce", "tp"), nbytes, count),
+    ]
+
+
+def layer_ops(m: ModelConfig, s: Shape) -> list[Op]:
+    """One transformer layer, forward and backward, without recomputation."""
+    d, f, dh, tp, e = m.d_model, m.ffn_dim // s.tp, m.head_dim, s.tp, s.e
+    heads, kv = m.n_heads // tp, kv_heads_local(m, tp)
+    t, t_sp = s.tokens, s.tokens // (tp if s.sequence_parallel else 1)
+    ops: list[Op] = []
+    # Two norms and two residual adds on the (sequence-sharded) stream: a norm reads and writes [T, d], an add reads
+    # two and writes one.
+    ops += _elementwise(2 * (2 * t_sp * d * e) + 2 * (3 * t_sp * d * e), 4)
+    if m.kv_heads == m.n_heads:
+        ops += _linear(s, 3 * heads * dh, d)
+    else:
+        ops += _linear(s, heads * dh, d) + _linear(s, 2 * kv * dh, d)
+    q_bytes, k_bytes = t * heads * dh * e, t * kv * dh * e
+    if m.position == "rope":  # x * cos + cat(-x2, x1) * sin on q and k: five kernels over each
+        ops += _elementwise(5 * 2 * (q_bytes + k_bytes), 10)
+    ops.append(Op("attention", "F", (s.batch, heads, kv, s.seq, dh)))
+    ops.append(Op("attention", "I", (s.batch, heads, kv, s.seq, dh)))
+    ops += _elementwise(2 * q_bytes, 1)  # the output's [b, h, T, d] -> [b, T, h d] copy
+    ops += _linear(s, d, heads * dh)
+    if m.mlp == "swiglu":
+        ops += _linear(s, f, d) + _linear(s, f, d)
+        ops += _elementwise(2 * t * f * e + 3 * t * f * e, 2)  # silu(gate), silu * up
+    else:
+        ops += _linear(s, f, d)
+        ops += _elementwise(2 * t * f * e, 1)  # GELU
+    ops += _linear(s, d, f)
+    if m.bias:  # bias gradients: a reduction over the tokens of each linear's output
+        ops.append(Op("elementwise", "W", (), t * (3 * heads * dh + d + f + d) * e, 4))
+    ops += _tp_collectives(m, s, 2)
+    return ops
+
+
+def recompute_ops(m: ModelConfig, s: Shape, policy: str) -> list[Op]:
+    """What backward recomputes for one layer: every forward op (``full``), the attention core (``selective``)."""
+    if policy == "full":
+        return [o.in_phase("I") for o in layer_ops(m, s) if o.phase == "F"]
+    if policy == "selective":
+        return [o.in_phase("I") for o in layer_ops(m, s) if o.kind == "attention" and o.phase == "F"]
+    return []
+
+
+def embedding_ops(m: ModelConfig, s: Shape) -> list[Op]:
+    """The first chunk's token lookup (and learned positions): vocab-parallel at tp > 1 (a mask, the lookup, and the
+    sum over tp); its backward scatters into the table's gradient, which it zeroes first."""
+    d, e, t = m.d_model, s.e, s.tokens
+    rows = padded_vocab_size(m.vocab_size, m.vocab_multiple, s.tp) // s.tp
+    ops = [
+        Op("elementwise", "F", (), t * d * e + (3 * t * 8 if s.tp > 1 else 0), 1 + (3 if s.tp > 1 else 0)),
+        Op("elementwise", "W", (), rows * d * e + 2 * t * d * e, 2),
+    ]
+    if m.position == "learned":
+        ops += _elementwise(4 * t * d * e, 2)
+    if s.tp > 1:
+        op = "reduce_scatter" if s.sequence_parallel else "all_reduce"
+        ops.append(Op("collective", "F", (op, "tp"), t * d * e))
+        if s.sequence_parallel:
+            ops.append(Op("collective", "I", ("all_gather", "tp"), t * d * e))
+    return ops
+
+
+def head_ops(m: ModelConfig, s: Shape) -> list[Op]:
+    """The last chunk's final norm, LM head on this rank's vocab block and the vocab-parallel cross entropy: the
+    fp32 logits read and written about six times forward (cast, max, exp, sum, log, pick) and four backward; at
+    tp > 1 three all-reduces of [T] floats (max, sum, target logit)."""
+    d, e, t = m.d_model, s.e, s.tokens
+    t_sp = t // (s.tp if s.sequence_parallel else 1)
+    vocab = padded_vocab_size(m.vocab_size, m.vocab_multiple, s.tp) // s.tp
+    logits = t * vocab * 4
+    ops = _elementwise(2 * t_sp * d * e, 1) + _linear(s, vocab, d)
+    ops += [Op("elementwise", "F", (), 6 * logits, 6), Op("elementwise", "I", (), 4 * logits, 4)]
+    if s.tp > 1:
+        ops.append(Op("collective", "F", ("all_reduce", "tp"), t * 4, 3))
+        if s.sequence_parallel:
+            ops += [
+                Op("collective", "F", ("all_gather", "tp"), t * d * e),
+                Op("collective", "I", ("reduce_scatter", "tp"), t * d * e),
+            ]
+        else:
+            ops.append(Op("collective", "I", ("all_reduce", "tp"), t * d * e))
+    return ops
+
+
+def chunk_ops(m: ModelConfig, s: Shape, layers: int, first: bool, last: bool, policy: str) -> list[Op]:
+    """One micro-batch through a chunk of ``layers`` layers (with the embedding on the first chunk, the head and
+    loss on the last) under recomputation ``policy``."""
+    per_layer = layer_ops(m, s) + recompute_ops(m, s, policy)
+    ops = [o.times(layers) for o in per_layer]
+    if first:
+        ops += embedding_ops(m, s)
+    if last:
+        ops += head_ops(m, s)
+    return ops

@@ -1,0 +1,191 @@
+"""The layout planner: every layout the validator accepts for a model, world and batch, its memory from the
+estimator (trident/memory_estimate.py), its step time from the step-time model (trident/plan/cost.py), ranked.
+
+Memory is predicted first, and a layout that does not fit the device is not timed: ``Plan.unfit`` lists it with
+its peak. The rest are ranked by predicted tokens per second (ties: less memory first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from trident.config import Config, ModelConfig, validate
+from trident.memory_estimate import Estimate, Layout, estimate
+from trident.models.gpt import flops_per_token
+from trident.plan.cost import Placement, StepTime, step_time
+from trident.plan.profile import Needs, Profile, cpu_threads_per_rank
+from trident.plan.space import Candidate, enumerate_layouts
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    dp: int
+    config: Config
+    layout: Layout
+    peak: dict[str, int]  # the most loaded stage's peak per rank, by place (device, host)
+    states: dict[str, int]  # its model states (parameters, gradients, optimizer), by place
+    fits: bool = True
+    time: StepTime | None = None  # None: not timed (it does not fit)
+    tokens_per_s: float = 0.0
+    mfu: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.candidate.short(self.dp)
+
+    def overrides(self) -> list[str]:
+        return self.candidate.overrides()
+
+
+@dataclass
+class Plan:
+    world: int
+    profile: Profile
+    placement: Placement
+    ranked: list[Prediction] = field(default_factory=list)  # fits, best first
+    unfit: list[Prediction] = field(default_factory=list)
+    refused: list[tuple[Candidate, str]] = field(default_factory=list)
+    needs: Needs = field(default_factory=Needs)
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.ranked[0] if self.ranked else None
+
+
+class MemoryModel:
+    """The estimator's per-rank peak of a layout, from two cached halves: model states and transient buffers depend
+    on the sharding keys only (dp, tp, pp, vpp, ZeRO, offload, precision, buckets), activations on the batch keys
+    only (tp, pp, vpp, schedule, micro-batch and their count, recomputation, sequence parallelism). The sum is
+    ``estimate(...).worst.peak(policy)`` exactly (tests/test_plan.py), at a fraction of the cost over a whole space."""
+
+    def __init__(self, m: ModelConfig) -> None:
+        self.m = m
+        self._states: dict[Layout, Estimate] = {}
+        self._acts: dict[Layout, Estimate] = {}
+
+    def _get(self, cache: dict[Layout, Estimate], layout: Layout) -> Estimate:
+        if layout not in cache:
+            cache[layout] = estimate(self.m, layout)
+        return cache[layout]
+
+    def peak(self, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+        """(peak bytes by place, model-state bytes by place) of the most loaded pipeline stage."""
+        states = self._get(
+            self._states,
+            dataclasses.replace(
+                layout,
+                micro_batch_size=1,
+                micro_batches=1,
+                activation_checkpointing="none",
+                schedule=None,
+                sequence_parallel=False,
+                document_mask=False,
+            ),
+        )
+        acts = self._get(
+            self._acts, dataclasses.replace(layout, dp=1, zero=0, offload="none", offload_ratio=1.0, bucket_mb=25.0)
+        )
+        policy = layout.activation_checkpointing
+        best: tuple[tuple[int, int], dict[str, int], dict[str, int]] | None = None
+        for s, a in zip(states.stages, acts.stages, strict=True):
+            peak = dict(s.model_states["total"])
+            peak[s.compute_place] += s.staging + s.gathered + a.activations[policy] + a.recompute[policy]
+            rank = (peak["device"], peak["host"])
+            if best is None or rank > best[0]:
+                best = (rank, peak, dict(s.model_states["total"]))
+        assert best is not None
+        return best[1], best[2]
+
+
+def placement_for(profile: Profile, world: int, nodes: int | None = None) -> Placement:
+    """Where ``world`` ranks go: ``nodes`` nodes (default: as many as the world needs at the profile's devices per
+    node; one for a CPU), the same count on each."""
+    if nodes is None:
+        nodes = 1 if profile.device == "cpu" else max(1, -(-world // profile.units_per_node))
+    per_node = -(-world // nodes)
+    threads = cpu_threads_per_rank(per_node, profile.units_per_node) if profile.device == "cpu" else 1
+    return Placement(world=world, ranks_per_node=per_node, threads=threads, cores=profile.units_per_node)
+
+
+def fits(peak: dict[str, int], profile: Profile, placement: Placement) -> bool:
+    """A GPU's peak within its usable memory; on a CPU every rank of the node within the node's memory."""
+    budget = profile.usable_fraction * profile.memory_bytes
+    if profile.device == "cpu":
+        return (peak["device"] + peak["host"]) * placement.ranks_per_node <= budget
+    return peak["device"] <= budget
+
+
+def _predict(
+    candidate: Candidate,
+    variant: Config,
+    dp: int,
+    profile: Profile,
+    placement: Placement,
+    memory: MemoryModel,
+    needs: Needs,
+    cache: dict,
+    force: bool = False,
+) -> Prediction:
+    """A layout's memory and, if it fits (or ``force``), its step time."""
+    layout = Layout.from_config(variant, dp, profile.device)
+    peak, states = memory.peak(layout)
+    p = Prediction(candidate, dp, variant, layout, peak, states)
+    p.fits = fits(peak, profile, placement)
+    if not p.fits and not force:
+        return p
+    p.time = step_time(variant.model, layout, profile, placement, needs, cache)
+    tokens = variant.train.global_batch_size * variant.model.seq_len
+    p.tokens_per_s = tokens / p.time.step
+    if profile.peak_tflops.get(layout.precision):
+        p.mfu = p.tokens_per_s * flops_per_token(variant.model) / (profile.peak(layout.precision) * placement.world)
+    return p
+
+
+def candidate_of(cfg: Config) -> Candidate:
+    """The layout keys ``cfg`` sets, as a candidate."""
+    par, tr = cfg.parallel, cfg.train
+    return Candidate(
+        tp=par.tp,
+        pp=par.pp,
+        vpp=par.vpp,
+        schedule=par.schedule,
+        zero=par.zero,
+        offload=par.offload.optimizer,
+        ratio=par.offload.ratio,
+        recompute=tr.activation_checkpointing,
+        micro_batch=tr.micro_batch_size,
+        sequence_parallel=par.sequence_parallel,
+    )
+
+
+def predict(
+    cfg: Config, world: int, profile: Profile, nodes: int | None = None, needs: Needs | None = None
+) -> Prediction:
+    """The prediction of the one layout ``cfg`` asks for (timed even if it does not fit); raises ConfigError if
+    the validator refuses it."""
+    dp = validate(cfg, world)
+    placement = placement_for(profile, world, nodes)
+    needs = needs if needs is not None else Needs(precisions={cfg.train.precision})
+    return _predict(candidate_of(cfg), cfg, dp, profile, placement, MemoryModel(cfg.model), needs, {}, force=True)
+
+
+def plan(cfg: Config, world: int, profile: Profile, nodes: int | None = None, needs: Needs | None = None) -> Plan:
+    """Enumerate, estimate, time and rank every layout of ``cfg`` on ``world`` ranks of ``profile``."""
+    start = time.perf_counter()
+    placement = placement_for(profile, world, nodes)
+    out = Plan(world=world, profile=profile, placement=placement, needs=needs or Needs())
+    out.needs.precisions.add(cfg.train.precision)
+    found = enumerate_layouts(cfg, world)
+    out.refused = found.refused
+    cache: dict = {}
+    memory = MemoryModel(cfg.model)
+    for candidate, variant, dp in found.accepted:
+        p = _predict(candidate, variant, dp, profile, placement, memory, out.needs, cache)
+        (out.ranked if p.fits else out.unfit).append(p)
+    out.ranked.sort(key=lambda p: (-p.tokens_per_s, p.peak["device"] + p.peak["host"]))
+    out.seconds = time.perf_counter() - start
+    return out
