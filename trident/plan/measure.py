@@ -1,0 +1,276 @@
+"""The planner checked against this machine: a plan's layouts run through train.py, predicted beside measured.
+
+``pick`` takes the plan's K best layouts and K more spread evenly over the rest of its ranking; ``measure``
+launches each as a user would (trident/bench/runs.py: ``torchrun --standalone train.py`` with the layout's
+overrides, one run at a time, a run directory each) and reads back what the run left:
+
+- step time: the median ``step_time_s`` of metrics.jsonl after the first ``warmup`` steps (start-up, the
+  allocator's growth), against the prediction's ``time.step``;
+- model states: memory.json's max over ranks of the bytes a rank holds for parameters, gradients and optimizer
+  states (trident/memory.py, measured to the byte), against the estimator's model states of the most loaded
+  stage (``prediction.states``, device + host). The estimator counts these exactly, so the error is ~0 unless a
+  layout's buffers changed without the estimator;
+- peak memory, on CUDA only: the largest ``peak_mem_mb`` of the rows (``torch.cuda.max_memory_allocated``: model
+  states, activations and transient buffers) against the prediction's device peak (``prediction.peak``). On a CPU
+  a run measures no activations (its ``peak_mem_mb`` is the process's resident set, the framework included), so
+  there the model states are the only memory compared.
+
+``summary`` is the one line ``tools/plan.py --measure`` ends with; ``table`` the rows above it. A run that fails
+is reported with its error line and left out of the figures; it does not stop the others.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from trident.bench.runs import Trial, run_trial
+from trident.config import compose_config, validate
+from trident.errors import ConfigError, one_line
+from trident.plan.planner import Plan, Prediction
+
+MIB = 2**20
+
+
+def pick(plan: Plan, k: int) -> list[Prediction]:
+    """The ``k`` best of ``plan.ranked``, then ``k`` more spread evenly over the rest of the ranking (all of it if
+    it has ``k`` or fewer): the rest cut into ``k`` equal parts, the last layout of each taken, so the worst
+    ranked layout is always among them. Best first, no layout twice."""
+    if k <= 0:
+        return []
+    top, rest = plan.ranked[:k], plan.ranked[k:]
+    if len(rest) <= k:
+        return [*top, *rest]
+    n = len(rest)  # > k: the parts are at least one long, their last layouts distinct
+    return [*top, *(rest[(i + 1) * n // k - 1] for i in range(k))]
+
+
+@dataclass
+class Measured:
+    """One layout's prediction and what its run measured (None: not measured, the run failed or was refused)."""
+
+    prediction: Prediction
+    trial: Trial
+    step_s: float | None = None  # median step time after the warm-up steps
+    states: dict[str, int] | None = None  # memory.json's max over ranks of the model states, by place
+    peak_mb: float | None = None  # CUDA: the largest peak_mem_mb (torch.cuda.max_memory_allocated) of the rows
+
+    @property
+    def error(self) -> str | None:
+        """Why nothing was measured: the validator's or the run's line."""
+        return self.trial.refused or self.trial.error
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        t = self.prediction.time
+        return t.step if t is not None else None
+
+    @property
+    def step_error(self) -> float | None:
+        """measured / predicted step time - 1."""
+        predicted = self.predicted_step_s
+        if self.step_s is None or not predicted:
+            return None
+        return self.step_s / predicted - 1
+
+    @property
+    def predicted_states(self) -> int:
+        return self.prediction.states["device"] + self.prediction.states["host"]
+
+    @property
+    def measured_states(self) -> int | None:
+        return sum(self.states.values()) if self.states is not None else None
+
+    @property
+    def states_error(self) -> float | None:
+        """measured / predicted model-state bytes (every place) - 1."""
+        measured = self.measured_states
+        if measured is None or not self.predicted_states:
+            return None
+        return measured / self.predicted_states - 1
+
+    @property
+    def peak_error(self) -> float | None:
+        """CUDA: measured / predicted device peak - 1."""
+        predicted = self.prediction.peak["device"]
+        if self.peak_mb is None or not predicted:
+            return None
+        return self.peak_mb * MIB / predicted - 1
+
+    @property
+    def memory_error(self) -> float | None:
+        """The model states' error, or on CUDA the peak's if that is larger in size."""
+        errors = [e for e in (self.states_error, self.peak_error) if e is not None]
+        return max(errors, key=abs) if errors else None
+
+
+def _trial(repo: Path, label: str, overrides: list[str], world: int) -> Trial:
+    """A trial of ``overrides`` on ``world`` ranks, checked by train.py's validator as a launch of that world
+    (runs.plan would take the world from parallel.dp, which the planner's overrides leave to the world)."""
+    trial = Trial(label, overrides, world)
+    try:
+        trial.config = compose_config(repo / "conf", overrides)
+        validate(trial.config, world)
+    except ConfigError as e:
+        trial.refused = str(e)
+    except (HydraException, OmegaConfBaseException) as e:
+        trial.refused = one_line(str(e))
+    return trial
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-")
+
+
+def read(prediction: Prediction, trial: Trial, warmup: int) -> Measured:
+    """What ``trial``'s run measured of ``prediction``."""
+    out = Measured(prediction, trial)
+    if trial.ok:
+        times = [r["step_time_s"] for r in trial.rows[warmup:] if r.get("step_time_s") is not None]
+        out.step_s = statistics.median(times) if times else None
+        if out.step_s is None:
+            trial.error = f"no step after the {warmup} warm-up steps in metrics.jsonl"
+    try:
+        out.states = {place: int(n) for place, n in trial.memory["max"]["total"].items()}
+    except (TypeError, KeyError, AttributeError, ValueError):
+        out.states = None
+    if prediction.layout.device == "cuda":
+        peaks = [r["peak_mem_mb"] for r in trial.rows if r.get("peak_mem_mb") is not None]
+        out.peak_mb = max(peaks) if peaks else None
+    return out
+
+
+def measure(
+    predictions: Sequence[Prediction],
+    base_overrides: list[str],
+    world: int,
+    repo: Path,
+    run_root: Path,
+    steps: int = 8,
+    warmup: int = 3,
+    timeout_s: float = 600,
+    log: Callable[[str], None] = print,
+) -> list[Measured]:
+    """Run each prediction's layout through train.py on ``world`` ranks, one at a time, for ``steps`` steps, in a
+    run directory of its own under ``run_root``, and compare. ``base_overrides``: what every run shares (the
+    model, the data, the batch: the overrides the plan was made from)."""
+    if not 0 <= warmup < steps:
+        raise ValueError(f"warmup ({warmup}) must be below steps ({steps})")
+    run_root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i, p in enumerate(predictions):
+        run_dir = run_root / f"{i:02d}-{_slug(p.label)}"
+        overrides = [
+            *base_overrides,
+            *p.overrides(),
+            f"train.steps={steps}",
+            "train.eval_every=0",
+            "wandb.mode=disabled",
+            "logging.interval=1",
+            f"checkpoint.dir={run_dir / 'ck'}",
+        ]
+        trial = _trial(repo, p.label, overrides, world)
+        if trial.refused is None:
+            log(f"measure [{i + 1}/{len(predictions)}] {p.label}: {steps} steps on {world} ranks in {run_dir} ...")
+            run_trial(repo, trial, run_dir, timeout_s)
+        m = read(p, trial, warmup)
+        out.append(m)
+        log(f"measure [{i + 1}/{len(predictions)}] {line(m)}")
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:+.1f}%"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / MIB:.3f}"
+
+
+def line(m: Measured) -> str:
+    """One layout's figures in a sentence, as measure() logs it."""
+    if m.step_s is None and m.states is None:
+        return f"{m.prediction.label}: failed: {m.error or 'nothing measured'}"
+    text = (
+        f"{m.prediction.label}: step {_s(m.predicted_step_s)} s predicted, {_s(m.step_s)} s measured "
+        f"({_pct(m.step_error)}); model states {_mib(m.predicted_states)} MiB predicted, "
+        f"{_mib(m.measured_states)} MiB measured ({_pct(m.states_error)})"
+    )
+    if m.peak_mb is not None:
+        text += (
+            f"; peak {_mib(m.prediction.peak['device'])} MiB predicted, {m.peak_mb:.3f} MiB measured "
+            f"({_pct(m.peak_error)})"
+        )
+    if m.error:
+        text += f"; failed: {m.error}"
+    return text
+
+
+def table(measured: Sequence[Measured]) -> str:
+    """One row per layout: predicted and measured step time and model-state memory with their errors (and on CUDA
+    the device peak), then the launch overrides, or the error line of a run that failed."""
+    cuda = any(m.peak_mb is not None for m in measured)
+    header = ["layout", "step pred (s)", "step meas (s)", "error", "states pred (MiB)", "states meas (MiB)", "error"]
+    if cuda:
+        header += ["peak pred (MiB)", "peak meas (MiB)", "error"]
+    header.append("overrides / error")
+    rows = []
+    for m in measured:
+        row = [
+            m.prediction.label,
+            _s(m.predicted_step_s),
+            _s(m.step_s),
+            _pct(m.step_error),
+            _mib(m.predicted_states),
+            _mib(m.measured_states),
+            _pct(m.states_error),
+        ]
+        if cuda:
+            peak = None if m.peak_mb is None else m.peak_mb * MIB
+            row += [_mib(m.prediction.peak["device"]), _mib(peak), _pct(m.peak_error)]
+        row.append(f"failed: {m.error}" if m.error else " ".join(m.prediction.overrides()))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    return "\n".join(
+        "  ".join([*(cell.ljust(w) for cell, w in zip(r[:-1], widths, strict=True)), r[-1]]).rstrip()
+        for r in [header, *rows]
+    )
+
+
+def summary(measured: Sequence[Measured]) -> str:
+    """``plan: N layouts measured; step time error median X%, max Y%; memory error max Z%; predicted best is
+    measured rank R of N``. N: the runs that gave a step time, which every figure is over (a failed run's memory,
+    if it got as far as measuring it, is in ``table`` only); errors in absolute percent, one decimal. R: where the
+    layout the plan ranked first among those N (the highest predicted tokens/s, ties in the order given, which is
+    the plan's) comes by measured step time, the fastest 1."""
+    timed = [(i, m) for i, m in enumerate(measured) if m.step_s is not None]
+    n = len(timed)
+    step_errors = [abs(m.step_error) for _, m in timed if m.step_error is not None]
+    memory_errors = [abs(m.memory_error) for _, m in timed if m.memory_error is not None]
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    median = statistics.median(step_errors) if step_errors else None
+    worst = max(step_errors) if step_errors else None
+    memory = max(memory_errors) if memory_errors else None
+    if timed:
+        _, best = min(timed, key=lambda im: (-im[1].prediction.tokens_per_s, im[0]))
+        rank = str(1 + sum(1 for _, m in timed if m.step_s < best.step_s))
+    else:
+        rank = "n/a"
+    return (
+        f"plan: {n} layouts measured; step time error median {pct(median)}, max {pct(worst)}; "
+        f"memory error max {pct(memory)}; predicted best is measured rank {rank} of {n}"
+    )
