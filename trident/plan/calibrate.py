@@ -79,6 +79,8 @@ ADAM_TENSORS, ADAM_NUMEL = 4, 2**20  # 4M fp32 parameters in a handful of tensor
 # Collective message sizes (fp32) and timed repetitions of each, after one warm-up.
 COLLECTIVE_SIZES = ((32 * KIB, 10), (1 * MIB, 6), (8 * MIB, 4))
 COLLECTIVE_TIMEOUT_S = 600.0
+BUSY_KEY = "matmuls while every rank computes"
+BUSY_S = 1.0
 
 
 def calibrate(
@@ -119,7 +121,7 @@ def calibrate(
         for precision in precisions:
             profile.peak_tflops[precision] = peak_tflops(precision, device, threads, peak_cache)
         measure_compute(profile, todo, device, log)
-    if groups:
+    if groups or (fresh and ranks_per_node > 1):
         measure_links(profile, groups, ranks_per_node, host_threads, device, log)
     if cache is not None:
         save_cached(profile, cache)
@@ -160,7 +162,16 @@ def measure_links(
         log(f"calibrating: {torch.cuda.device_count()} GPUs for {ranks_per_node} ranks: collectives not measured")
         return
     log(f"calibrating: collectives over {ranks_per_node} ranks in groups of {', '.join(map(str, groups))} ...")
-    profile.collectives.update(measure_collectives(groups, ranks_per_node, threads, device))
+    rates, busy = measure_collectives(groups, ranks_per_node, threads, device)
+    profile.collectives.update(rates)
+    if device.type == "cpu":
+        # What the node's ranks get together when all compute at once, in lone ranks' worth: the cores they share,
+        # less what oversubscribing them costs (context switches, caches, other load).
+        lone = matmul_rate(threads)
+        profile.shared_capacity = busy / lone
+        log(
+            f"calibrating: {ranks_per_node} ranks computing at once get {profile.shared_capacity:.2f} lone ranks' worth"
+        )
     measured = [g for g in range(2, ranks_per_node + 1) if collective_key("all_reduce", g) in profile.collectives]
     if measured:
         g = max(measured)
@@ -398,20 +409,24 @@ def measure_basics(profile: Profile, device: torch.device, host_threads: int) ->
 # ---- collectives
 
 
-def measure_collectives(groups: list[int], ranks_per_node: int, threads: int, device: torch.device) -> dict[str, Rate]:
+def measure_collectives(
+    groups: list[int], ranks_per_node: int, threads: int, device: torch.device
+) -> tuple[dict[str, Rate], float]:
     """A ``Rate`` per ``collective_key`` for each group size (each dividing ``ranks_per_node``), and ``p2p`` at 2,
-    from ``ranks_per_node`` ranks of ``threads`` threads that all run their groups' collectives at once."""
+    from ``ranks_per_node`` ranks of ``threads`` threads that all run their groups' collectives at once; and the
+    matmuls per second those ranks do together when they all compute at once."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     per_rank = run_distributed(
         rank_collective_times, ranks_per_node, groups, threads, device.type, backend=backend,
         timeout_s=COLLECTIVE_TIMEOUT_S,
     )  # fmt: skip
+    busy = sum(times.pop(BUSY_KEY)[0][1] for times in per_rank)
     rates = {}
     for key, sizes in per_rank[0].items():
         # A collective is done when its slowest rank is: each size's time is the slowest rank's median.
         points = [(nbytes, max(times[key][i][1] for times in per_rank)) for i, (nbytes, _) in enumerate(sizes)]
         rates[key] = fit_rate(points)
-    return rates
+    return rates, busy
 
 
 def rank_collective_times(
@@ -424,6 +439,8 @@ def rank_collective_times(
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     times: dict[str, list[tuple[int, float]]] = {}
+    barrier(device)
+    times[BUSY_KEY] = [(0, matmul_rate(threads) if device_type == "cpu" else 0.0)]
     for g in groups:
         group = split_into_groups(rank, world_size, g)
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
@@ -437,6 +454,18 @@ def rank_collective_times(
             for nbytes, reps in COLLECTIVE_SIZES
         ]
     return times
+
+
+def matmul_rate(threads: int, seconds: float = BUSY_S) -> float:
+    """512 x 512 fp32 matmuls per second on ``threads`` threads over ``seconds``."""
+    with cpu_threads(threads):
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        torch.mm(a, b)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            torch.mm(a, b)
+            n += 1
+        return n / (time.perf_counter() - start)
 
 
 def split_into_groups(rank: int, world_size: int, size: int) -> dist.ProcessGroup:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trident.config import ModelConfig
-from trident.memory_estimate import Layout, rank_params
+from trident.memory_estimate import Layout, chunk_params, rank_params
 from trident.parallel.pipeline.schedules import Action
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops
@@ -42,6 +42,7 @@ class Placement:
     ranks_per_node: int
     threads: int = 1
     cores: int = 1  # compute units per node (a GPU node: its GPUs; a CPU: its cores)
+    capacity: float = 0.0  # what all the node's ranks computing at once get together, in lone ranks' worth (0: cores)
 
     @property
     def nodes(self) -> int:
@@ -54,8 +55,17 @@ class Placement:
         )
 
     def share(self, busy: int) -> float:
-        """Each of ``busy`` ranks' speed when they compute at once on one node."""
-        return min(1.0, self.cores / (busy * self.threads))
+        """Each of ``busy`` ranks' speed (a lone rank's is 1) when they compute at once on one node: 1 while they
+        fit the cores; past that they split what the node gives, which falls from the cores' worth to the measured
+        ``capacity`` as the ranks grow to all of the node's (oversubscription is not free)."""
+        slots = self.cores / self.threads
+        if busy <= slots:
+            return 1.0
+        full = self.capacity or slots
+        if self.ranks_per_node <= slots:
+            return slots / busy
+        together = slots + (min(busy, self.ranks_per_node) - slots) / (self.ranks_per_node - slots) * (full - slots)
+        return together / busy
 
 
 def flops_matmul(m: int, n: int, k: int) -> float:
@@ -268,6 +278,7 @@ def _pipeline(
     costs: dict[tuple[int, str], tuple[float, float]] = {}
     for stage in range(stages):
         ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, layout.activation_checkpointing)
+        ops.append(_accumulate(m, layout, stage))
         f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
@@ -299,6 +310,14 @@ def _pipeline(
         one = [[a for mb in range(micro) for a in (Action("F", mb), Action("B", mb))]]
         spans = simulate.run(one, 1, cost, speed=speed)
     return costs, spans, hop
+
+
+def _accumulate(m: ModelConfig, layout: Layout, stage: int) -> Op:
+    """A micro-batch's weight gradients into the reducer's fp32 buffer: each parameter's ``.grad`` written, then
+    added to its slice of the buffer by a hook (read both, write one), one kernel per parameter."""
+    params = chunk_params(m, layout.tp, layout.pp, layout.vpp, stage)
+    numel = sum(n for _, n in params)
+    return Op("elementwise", "W", (), (BYTES[layout.precision] + 12) * numel, len(params))
 
 
 def _zero3_gathers(

@@ -108,7 +108,9 @@ def placement_for(profile: Profile, world: int, nodes: int | None = None) -> Pla
         nodes = 1 if profile.device == "cpu" else max(1, -(-world // profile.units_per_node))
     per_node = -(-world // nodes)
     threads = cpu_threads_per_rank(per_node, profile.units_per_node) if profile.device == "cpu" else 1
-    return Placement(world=world, ranks_per_node=per_node, threads=threads, cores=profile.units_per_node)
+    # A calibration's measured sharing holds for the ranks per node it was measured with.
+    capacity = profile.shared_capacity if profile.ranks_per_node == per_node else 0.0
+    return Placement(world, per_node, threads, profile.units_per_node, capacity)
 
 
 def fits(peak: dict[str, int], profile: Profile, placement: Placement) -> bool:

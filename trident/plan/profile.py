@@ -68,6 +68,9 @@ class Profile:
     units_per_node: int  # GPUs per node, or a CPU's cores (which the node's ranks share)
     threads: int = 1  # CPU threads per rank the rates were measured on (1 on a GPU)
     ranks_per_node: int = 0  # a calibration's: the ranks per node its collectives ran (0: a datasheet)
+    # On a CPU: the speed the node's ranks get together when all compute at once, in lone ranks' worth (measured;
+    # 0: units_per_node / threads, the cores shared without loss).
+    shared_capacity: float = 0.0
     usable_fraction: float = 0.9  # of memory_bytes, for the estimator's peak (context, fragmentation not in it)
     peak_tflops: dict[str, float] = field(default_factory=dict)  # precision -> dense peak of one rank's device
     matmul_efficiency: float = 0.7

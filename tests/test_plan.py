@@ -1,0 +1,228 @@
+"""The layout planner (trident/plan/): its space is exactly what the validator accepts, its memory is the
+estimator's, its simulated schedules give the bubble formulas, and its step-time model composes its rates as it
+says (a hand-built profile, so every expected figure is worked out here, not read back from the model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+
+from trident.config import compose_config, validate
+from trident.errors import ConfigError
+from trident.memory_estimate import Layout, estimate
+from trident.parallel.pipeline.schedules import UNIT_COSTS, bubble_formula
+from trident.plan import simulate
+from trident.plan.cost import Placement
+from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
+from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
+from trident.plan.report import launch_overrides, table
+from trident.plan.space import Candidate, enumerate_layouts, grid
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
+
+
+def cpu_profile(memory: float = 24e9, cores: int = 2) -> Profile:
+    """Round figures: 1 GFLOP/s matmuls, 1 GB/s element-wise with no latency, collectives 1 ms + 1 GB/s."""
+    rate = Rate(1e-3, 1e9)
+    return Profile(
+        name="test",
+        device="cpu",
+        source="test",
+        memory_bytes=memory,
+        units_per_node=cores,
+        peak_tflops={"fp32": 1e-3, "bf16": 1e-3},
+        matmul_efficiency=1.0,
+        attention_efficiency=1.0,
+        elementwise=Rate(0.0, 1e9),
+        collectives={
+            collective_key(op, g): rate for op in ("all_reduce", "all_gather", "reduce_scatter") for g in (2, 4)
+        }
+        | {collective_key("p2p", 2): rate},
+        adam=1e8,
+        host_adam=1e8,
+    )
+
+
+def test_enumeration_is_the_validators_verdict_on_the_whole_grid() -> None:
+    """Every combination of the layout keys' domains (the schedule named or not, offload ratios without offload,
+    vpp and pp that do not divide, ...) goes to ``validate``; the launches it accepts, written one way, are exactly
+    the planner's accepted candidates, and the planner lists nothing twice."""
+    cfg = compose_config(REPO / "conf", TINY)
+    world = 4
+    accepted = set()
+    for c in grid(cfg, world):
+        try:
+            validate(c.apply(cfg), world)
+        except ConfigError:
+            continue
+        accepted.add(c.canonical())
+    found = enumerate_layouts(cfg, world)
+    listed = [c for c, _, _ in found.accepted]
+    assert len(listed) == len(set(listed)) and {c.canonical() for c in listed} == accepted
+    assert all(c == c.canonical() for c in listed)
+    assert len(accepted) > 500  # the space is not trivially small: every key varies
+    # What the planner refuses, the validator refuses, with its own line.
+    for c, line in found.refused[:50]:
+        with pytest.raises(ConfigError, match=line[:30].replace("(", r"\(").replace(")", r"\)")):
+            validate(c.apply(cfg), world)
+
+
+def test_plan_keeps_what_fits_and_lists_what_does_not() -> None:
+    """With a memory budget between the smallest and the largest peak, the ranked layouts are exactly the
+    accepted ones whose estimator peak fits, the unfit ones the rest."""
+    cfg = compose_config(REPO / "conf", TINY)
+    roomy = plan(cfg, 4, cpu_profile())
+    peaks = sorted(sum(p.peak.values()) for p in roomy.ranked)
+    assert not roomy.unfit and len(roomy.ranked) == len(enumerate_layouts(cfg, 4).accepted)
+    budget = peaks[len(peaks) // 2] * 4 / 0.9  # four ranks on the node share its memory
+    tight = plan(cfg, 4, cpu_profile(memory=budget))
+    assert tight.ranked and tight.unfit
+    assert {p.candidate for p in tight.ranked} | {p.candidate for p in tight.unfit} == {
+        p.candidate for p in roomy.ranked
+    }
+    for p in tight.ranked + tight.unfit:
+        assert fits(p.peak, tight.profile, tight.placement) == (p in tight.ranked)
+        assert (sum(p.peak.values()) * 4 <= 0.9 * budget) == (p in tight.ranked)
+    assert [p.tokens_per_s for p in tight.ranked] == sorted((p.tokens_per_s for p in tight.ranked), reverse=True)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=gpt-mini", "train.global_batch_size=32"],
+        ["model=llama-tiny", "train.global_batch_size=16", "train.precision=bf16"],
+    ],
+)
+def test_memory_predictions_are_the_estimators(overrides: list[str]) -> None:
+    cfg = compose_config(REPO / "conf", overrides)
+    world = 8
+    found = enumerate_layouts(cfg, world)
+    memory = MemoryModel(cfg.model)
+    for _, variant, dp in found.accepted[:: max(1, len(found.accepted) // 150)]:
+        for device in ("cpu", "cuda"):
+            layout = Layout.from_config(variant, dp, device)
+            worst = estimate(variant.model, layout).worst
+            peak, states = memory.peak(layout)
+            assert peak == worst.peak(layout.activation_checkpointing)
+            assert states == worst.model_states["total"]
+
+
+CASES = [
+    ("gpipe", 4, 1, 8),
+    ("1f1b", 4, 1, 8),
+    ("1f1b", 4, 1, 3),
+    ("1f1b", 2, 1, 1),
+    ("interleaved", 4, 2, 8),
+    ("interleaved", 4, 2, 12),
+    ("interleaved", 4, 2, 3),
+    ("interleaved", 2, 4, 5),
+    ("interleaved", 8, 2, 16),
+    ("zb-h1", 4, 1, 8),
+    ("zb-h1", 4, 1, 2),
+]
+
+
+@pytest.mark.parametrize("name,pp,vpp,micro", CASES)
+def test_simulated_bubble_is_the_formula(name: str, pp: int, vpp: int, micro: int) -> None:
+    """Unit costs (F 1, B 2; I 1, W 1): the planner's simulation leaves each rank idle over busy exactly as the
+    schedule's theory says, both by list scheduling and by the shared-compute event simulation at full speed."""
+    unit = lambda r, a: (UNIT_COSTS[a.kind], 0.0)  # noqa: E731
+    listed = simulate.run_schedule(name, pp, vpp, micro, unit)
+    events = simulate.run_schedule(name, pp, vpp, micro, unit, speed=lambda k: 1.0)
+    expected = bubble_formula(name, pp, vpp, micro)
+    for spans in (listed, events):
+        assert simulate.idle_over_busy(spans, pp) == pytest.approx([expected] * pp, abs=1e-9)
+
+
+def test_shared_cores_stretch_compute_but_not_communication() -> None:
+    """Two pipeline ranks on one core: while both compute each runs at half speed, so a 1f1b step of M
+    micro-batches takes all the compute, serialised; an action's communication part takes its own time."""
+    unit = lambda r, a: (UNIT_COSTS[a.kind], 0.0)  # noqa: E731
+    spans = simulate.run_schedule("1f1b", 2, 1, 4, unit, speed=lambda k: 1.0 / k)
+    assert max(s.end for s in spans) == pytest.approx(2 * 4 * 3)  # 2 ranks x 4 micro-batches x (1 + 2)
+    with_comm = simulate.run_schedule("1f1b", 2, 1, 1, lambda r, a: (1.0, 0.5), speed=lambda k: 1.0 / k)
+    # F on rank 0, F on rank 1, B on rank 1, B on rank 0: nothing overlaps, each 1 + 0.5.
+    assert max(s.end for s in with_comm) == pytest.approx(4 * 1.5)
+
+
+def test_step_time_composes_measured_rates() -> None:
+    """One rank, no parallelism: the step is the priced ops and the optimizer. Halving every matmul's measured time
+    halves exactly the matmul share; a measured matmul replaces its FLOPs rule."""
+    cfg = compose_config(REPO / "conf", TINY + ["train.micro_batch_size=8"])
+    profile = cpu_profile()
+    base = predict(cfg, 1, profile)
+    assert base.time is not None and base.time.bubble == 0 and base.time.tp_comm == 0 and base.time.dp_comm == 0
+    # Measure every matmul shape at exactly half its FLOPs-rule time.
+    collected = plan(cfg, 1, profile).needs
+    rule = {matmul_key(*k): 2 * k[1] * k[2] * k[3] / 1e9 for k in collected.matmuls}
+    halved = dataclasses.replace(profile, matmuls={key: t / 2 for key, t in rule.items()})
+    fast = predict(cfg, 1, halved)
+    assert fast.time is not None
+    matmul_share = base.time.compute - fast.time.compute
+    assert matmul_share > 0
+    measured = dataclasses.replace(profile, matmuls=rule)
+    same = predict(cfg, 1, measured)
+    assert same.time is not None and same.time.step == pytest.approx(base.time.step, rel=1e-12)
+    assert fast.time.step == pytest.approx(base.time.step - matmul_share, rel=1e-9)
+
+
+def test_data_parallel_reduction_hides_behind_backward() -> None:
+    """dp=2 with buckets small enough to spread: with collectives far faster than the backward only the last bucket
+    is left exposed; made slower than the backward, nearly all of it is."""
+    cfg = compose_config(REPO / "conf", TINY + ["parallel.bucket_mb=0.01"])
+    fast = cpu_profile()
+    slow = dataclasses.replace(
+        fast, collectives={k: Rate(v.latency, v.bandwidth / 1e4) for k, v in fast.collectives.items()}
+    )
+    one, two = predict(cfg, 2, fast).time, predict(cfg, 2, slow).time
+    assert one is not None and two is not None
+    assert 0 < one.dp_comm < 0.05 * one.step
+    assert two.dp_comm > 0.5 * two.step
+
+
+def test_layouts_on_datasheet_gpus_do_not_share_compute() -> None:
+    profile = DATASHEETS["h100"]
+    placement = placement_for(profile, 64)
+    assert (placement.nodes, placement.ranks_per_node, placement.threads) == (8, 8, 1)
+    assert all(placement.share(k) == 1.0 for k in range(1, 9))
+    cpu = placement_for(cpu_profile(cores=2), 8)
+    assert (cpu.nodes, cpu.threads) == (1, 1) and cpu.share(2) == 1.0 and cpu.share(8) == pytest.approx(0.25)
+    measured = Placement(8, 8, 1, 2, capacity=1.6)  # all eight together get 1.6 lone ranks' worth
+    assert measured.share(2) == 1.0 and measured.share(8) == pytest.approx(0.2)
+
+
+def test_table_launch_overrides_reproduce_each_layout() -> None:
+    """The table's overrides, on top of the user's, are the layout the row names: train.py's validator accepts
+    them for the world, and they give the same prediction."""
+    base = TINY + ["parallel.zero=1"]
+    cfg = compose_config(REPO / "conf", base)
+    result = plan(cfg, 4, DATASHEETS["a100"])
+    text = table(result, cfg, 5)
+    assert text.count("\n") >= 2 + 2 * 5 and "tokens/s" in text
+    for p in result.ranked[:5]:
+        launched = compose_config(REPO / "conf", base + launch_overrides(p, cfg))
+        assert validate(launched, 4) == p.dp
+        again = predict(launched, 4, DATASHEETS["a100"])
+        assert again.candidate.canonical() == p.candidate and again.time.step == pytest.approx(p.time.step)
+
+
+def test_candidates_name_every_key() -> None:
+    keys = {o.split("=")[0] for o in Candidate().overrides()}
+    assert keys == {
+        "parallel.dp",
+        "parallel.tp",
+        "parallel.pp",
+        "parallel.vpp",
+        "parallel.schedule",
+        "parallel.zero",
+        "parallel.offload.optimizer",
+        "parallel.offload.ratio",
+        "parallel.sequence_parallel",
+        "train.micro_batch_size",
+        "train.activation_checkpointing",
+    }
+    assert list(itertools.islice(grid(compose_config(REPO / "conf", TINY), 1), 1))

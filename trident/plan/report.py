@@ -1,0 +1,64 @@
+"""The planner's table: the best layouts with their predicted throughput, memory, bubble and exposed communication,
+and the overrides that launch each."""
+
+from __future__ import annotations
+
+from trident.config import Config
+from trident.memory import format_bytes
+from trident.plan.planner import Plan, Prediction, candidate_of
+
+
+def launch_overrides(p: Prediction, base: Config) -> list[str]:
+    """The overrides that turn ``base`` (the config the plan was made for) into this layout: only the keys that
+    differ (dp always follows from the world size)."""
+    mine, theirs = p.candidate.overrides(), candidate_of(base).overrides()
+    out = [o for o, t in zip(mine, theirs, strict=True) if o != t and not o.startswith("parallel.dp=")]
+    if base.parallel.dp is not None:
+        out.insert(0, "parallel.dp=null")
+    return out
+
+
+def header(plan: Plan, cfg: Config) -> list[str]:
+    m, tr, pl = cfg.model, cfg.train, plan.placement
+    nodes = f"{pl.nodes} node{'s' if pl.nodes > 1 else ''} of {pl.ranks_per_node}"
+    threads = (
+        f", {pl.threads} thread{'s' if pl.threads > 1 else ''} per rank on {pl.cores} cores"
+        if plan.profile.device == "cpu"
+        else ""
+    )
+    return [
+        f"plan: {m.name} on {plan.world} ranks ({nodes}{threads}), {plan.profile.name} [{plan.profile.source}]",
+        f"batch {tr.global_batch_size} x {m.seq_len} tokens, {tr.precision}; "
+        f"{len(plan.ranked) + len(plan.unfit)} layouts accepted by the validator ({len(plan.refused)} refused), "
+        f"{len(plan.unfit)} do not fit in {format_bytes(plan.profile.usable_fraction * plan.profile.memory_bytes)}"
+        f"{' per node' if plan.profile.device == 'cpu' else ' per device'}; planned in {plan.seconds:.1f} s",
+    ]
+
+
+def table(plan: Plan, cfg: Config, top: int) -> str:
+    """The ``top`` best layouts, one row each: predicted tokens/s, MFU, step time, peak memory per rank, pipeline
+    bubble, exposed communication (tensor-parallel collectives, pipeline messages, dp/ZeRO not hidden), overrides."""
+    lines = header(plan, cfg)
+    if not plan.ranked:
+        lines.append("no layout fits: try more ranks, train.activation_checkpointing, parallel.zero or offload")
+        return "\n".join(lines)
+    cols = (
+        f"{'#':>3} {'tokens/s':>10} {'MFU':>6} {'step':>8} {'peak/rank':>10} {'bubble':>6} {'exposed comm':>13}  layout"
+    )
+    lines += ["", cols]
+    for i, p in enumerate(plan.ranked[:top], 1):
+        t = p.time
+        assert t is not None
+        mfu = f"{100 * p.mfu:5.1f}%" if p.mfu is not None else "   n/a"
+        exposed = f"{t.exposed_comm:6.3f}s {100 * t.exposed_comm / t.step:4.1f}%"
+        peak = (
+            format_bytes(p.peak["device"] + p.peak["host"])
+            if plan.profile.device == "cpu"
+            else format_bytes(p.peak["device"])
+        )
+        bubble = f"{100 * t.bubble:5.1f}%"
+        lines.append(
+            f"{i:>3} {p.tokens_per_s:>10,.0f} {mfu:>6} {t.step:>7.3f}s {peak:>10} {bubble} {exposed:>13}  {p.label}"
+        )
+        lines.append(f"{'':>3} {' '.join(launch_overrides(p, cfg)) or '(the config as given)'}")
+    return "\n".join(lines)
