@@ -1,14 +1,20 @@
 """tools/plot_schedule.py decides the schedule as train.py does: left out, 1f1b, or interleaved when vpp > 1, and a
-layout train.py's validator refuses is refused with the same line (named by this tool's flags)."""
+layout train.py's validator refuses is refused with the same line (named by this tool's flags). ``--plan`` draws the
+layout planner's per-action costs (a hand-built CPU profile here: no calibration), one box per action of each
+rank, and beside a real run's recorded timings on one time scale."""
 
 from __future__ import annotations
 
+import re
 import runpy
 from pathlib import Path
+from xml.sax.saxutils import escape
 
 import pytest
 
 from tests.conftest import REPO
+from tests.layouts import tiny, train_in_process
+from trident.plan.profile import Profile
 
 TOOL = runpy.run_path(str(REPO / "tools" / "plot_schedule.py"))
 
@@ -44,3 +50,98 @@ def test_a_layout_train_py_refuses_is_refused_with_its_line(tmp_path: Path, argv
         TOOL["main"]([*argv, "--out", str(tmp_path / "x.svg")])
     assert str(refused.value.code).startswith(line)
     assert not (tmp_path / "x.svg").exists()
+
+
+# --- --plan: the layout planner's per-action costs, alone and beside a run's timings ------------------------------
+
+PROFILE = Profile(
+    name="test cpu",
+    device="cpu",
+    source="hand-built",
+    memory_bytes=24e9,
+    units_per_node=2,
+    peak_tflops={"fp32": 0.1, "bf16": 0.1},
+)
+
+
+def boxes(svg: str, panel: int, rank: int) -> int:
+    """Action boxes drawn in ``panel``'s lane of ``rank``."""
+    return svg.count(f'class="action" data-panel="{panel}" data-rank="{rank}" ')
+
+
+def pipeline(*extra: str) -> list[str]:
+    """gpt-tiny in 2 pipeline stages, 4 micro-batches of 4 sequences."""
+    return ["model=gpt-tiny", "parallel.pp=2", "train.global_batch_size=16", "train.micro_batch_size=4", *extra]
+
+
+@pytest.mark.parametrize(
+    "extra, world, per_rank, hatched",
+    [
+        ((), 2, 8, False),  # 1f1b: F and B of each micro-batch
+        (("parallel.schedule=zb-h1",), 2, 12, False),  # F, I and W of each
+        (("parallel.tp=2", "parallel.sequence_parallel=true"), 4, 8, True),  # tp collectives inside each action
+    ],
+)
+def test_plan_mode_draws_one_box_per_action_of_each_rank_in_seconds(
+    extra: tuple[str, ...], world: int, per_rank: int, hatched: bool
+) -> None:
+    cfg = TOOL["load_config"](pipeline(*extra))
+    prediction, panel, title = TOOL["plan_panel"](cfg, world, PROFILE)
+    assert len(panel.boxes) == len(prediction.time.spans) == 2 * per_rank
+    assert all(b.start <= b.compute_end <= b.end <= prediction.time.pipeline for b in panel.boxes)
+    svg = TOOL["draw"]([panel], title, "s")
+    assert [boxes(svg, 0, r) for r in range(3)] == [per_rank, per_rank, 0]
+    assert ('class="comm"' in svg) == hatched and ("hatched: tp communication" in svg) == hatched
+    assert "time (s)" in svg
+    assert title.startswith(f"gpt-tiny {prediction.label} on {world} ranks of test cpu: ")
+    assert f"planned pipeline {prediction.time.pipeline:.4g} s (step {prediction.time.step:.4g} s)" in title
+
+
+def test_plan_mode_from_the_command_line_on_a_datasheet(tmp_path: Path, capsys) -> None:
+    title = plot(tmp_path, capsys, "--plan", *pipeline(), "--device", "a100")
+    assert title.startswith("gpt-tiny dp1 tp1 pp2 1f1b zero0 mbs4 on 2 ranks of a100: 1f1b, pp=2, vpp=1, 4 micro")
+    svg = (tmp_path / "schedule.svg").read_text()
+    assert boxes(svg, 0, 0) == boxes(svg, 0, 1) == 8
+    # The world defaults to dp x tp x pp; a wider one gives dp ranks, the same pipeline lanes.
+    assert "dp2 tp1 pp2" in plot(tmp_path, capsys, "--plan", "--world", "4", *pipeline(), "--device", "h100")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--plan", "model=gpt-tiny", "parallel.pp=3", "--device", "h100"], "error: model.n_layers=2 is not divisible"),
+        (["--plan", "model=gpt-tiny", "parallel.ppp=3"], "error: Could not override 'parallel.ppp'"),
+        (["--plan", "model=gpt-tiny", "--pp", "2"], "error: --plan takes the layout as train.py overrides"),
+        (["model=gpt-tiny"], "error: train.py overrides and --world go with --plan"),
+    ],
+)
+def test_plan_mode_refuses_what_train_py_refuses(tmp_path: Path, argv: list[str], line: str) -> None:
+    with pytest.raises(SystemExit) as refused:
+        TOOL["main"]([*argv, "--out", str(tmp_path / "x.svg")])
+    assert str(refused.value.code).startswith(line)
+    assert not (tmp_path / "x.svg").exists()
+
+
+@pytest.mark.multiprocess
+def test_plan_beside_a_runs_measured_timings_on_one_time_scale(tmp_path: Path, tiny_dataset: Path, capsys) -> None:
+    overrides = pipeline("logging.pipeline_timings=true", "train.eval_every=0")
+    train_in_process(tmp_path / "run", tiny(tiny_dataset, "train.steps=2", *overrides), world=2)
+    timings = tmp_path / "run" / "pipeline_timings"
+
+    prediction, panel, _ = TOOL["plan_panel"](TOOL["load_config"](overrides), 2, PROFILE)
+    recorded = TOOL["read_timings"](timings, None)
+    panels, title = TOOL["plan_and_measured"](prediction, panel, recorded, timings)
+    svg = TOOL["draw"](panels, title, "s")
+    assert [[boxes(svg, p, r) for r in range(2)] for p in range(2)] == [[8, 8], [8, 8]]
+    found = re.search(r"pipeline (\S+) s planned, (\S+) s measured \(([+-]\d+\.\d)%\)", title)
+    assert found and float(found[1]) == pytest.approx(prediction.time.pipeline, rel=1e-3)
+    assert float(found[2]) == pytest.approx(recorded.pipeline_s, rel=1e-3) and 0 < recorded.pipeline_s < 10
+    assert title.startswith(f"gpt-tiny {prediction.label}, 1f1b, pp=2, vpp=1, 4 micro-batches: ")
+    assert "planned: test cpu, hand-built" in svg and f"measured: {escape(str(timings))}" in svg
+
+    # Another pipeline's plan is refused beside these timings.
+    other, other_panel, _ = TOOL["plan_panel"](TOOL["load_config"](pipeline("train.micro_batch_size=8")), 2, PROFILE)
+    with pytest.raises(SystemExit, match=r"another pipeline: micro-batches 4 \(planned 2\)"):
+        TOOL["plan_and_measured"](other, other_panel, recorded, timings)
+    # The measured timings alone, as before (ms).
+    assert plot(tmp_path, capsys, "--measured", str(timings)).startswith("1f1b, pp=2, vpp=1, 4 micro-batches (measured")
