@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import REPO
 from trident.bench.runs import Trial
 from trident.config import Config, compose_config
-from trident.memory_estimate import Layout
+from trident.memory_estimate import Layout, estimate
 from trident.plan import measure, planner
 from trident.plan.cost import StepTime
 from trident.plan.planner import Plan, Prediction
@@ -149,3 +149,18 @@ def test_measure_runs_train_py_and_compares_with_the_plan(plan: Plan, tiny_datas
     found = LINE.fullmatch(measure.summary(runs))
     assert found, measure.summary(runs)
     assert found[1] == found[6] == "2" and found[4] == "0.0" and found[5] in ("1", "2")
+
+
+def test_model_states_are_compared_as_memory_json_counts_them_the_max_over_stages() -> None:
+    """Under a pipeline the stage with the largest peak (whose states ``prediction.states`` holds) need not hold the
+    most model states: here stage 1 peaks (activations), stage 0 holds more states, and memory.json's max is
+    stage 0's."""
+    layout = ["parallel.pp=2", "parallel.schedule=gpipe", "parallel.zero=1", "parallel.offload.optimizer=cpu"]
+    layout += ["train.activation_checkpointing=full", "train.global_batch_size=8", "train.micro_batch_size=8"]
+    p = planner.predict(compose_config(REPO / "conf", ["model=gpt-tiny", *layout]), 2, PROFILE)
+    stages = estimate(p.config.model, p.layout).stages
+    per_stage = [s.model_states["total"]["host"] for s in stages]
+    assert per_stage[0] > per_stage[1] == p.states["host"]
+    assert measure.expected_states(p) == {"device": 0, "host": per_stage[0]}
+    m = measure.read(p, Trial("x", [], memory={"max": {"total": {"device": 0, "host": per_stage[0]}}}), 1)
+    assert m.states_error == 0.0 and m.step_s is None

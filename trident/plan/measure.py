@@ -7,9 +7,10 @@ overrides, one run at a time, a run directory each) and reads back what the run 
 - step time: the median ``step_time_s`` of metrics.jsonl after the first ``warmup`` steps (start-up, the
   allocator's growth), against the prediction's ``time.step``;
 - model states: memory.json's max over ranks of the bytes a rank holds for parameters, gradients and optimizer
-  states (trident/memory.py, measured to the byte), against the estimator's model states of the most loaded
-  stage (``prediction.states``, device + host). The estimator counts these exactly, so the error is ~0 unless a
-  layout's buffers changed without the estimator;
+  states (trident/memory.py, measured to the byte), device + host, against the same figure of the estimator: its
+  max over pipeline stages (``expected_states``). The estimator counts these exactly, so the error is ~0 unless a
+  layout's buffers changed without the estimator. (``prediction.states`` is not that figure: it is the states of
+  the stage with the largest peak, which under pipelines need not be the stage with the most model states.)
 - peak memory, on CUDA only: the largest ``peak_mem_mb`` of the rows (``torch.cuda.max_memory_allocated``: model
   states, activations and transient buffers) against the prediction's device peak (``prediction.peak``). On a CPU
   a run measures no activations (its ``peak_mem_mb`` is the process's resident set, the framework included), so
@@ -34,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trident.bench.runs import Trial, run_trial
 from trident.config import compose_config, validate
 from trident.errors import ConfigError, one_line
+from trident.memory_estimate import estimate
 from trident.plan.planner import Plan, Prediction
 
 MIB = 2**20
@@ -61,6 +63,8 @@ class Measured:
     step_s: float | None = None  # median step time after the warm-up steps
     states: dict[str, int] | None = None  # memory.json's max over ranks of the model states, by place
     peak_mb: float | None = None  # CUDA: the largest peak_mem_mb (torch.cuda.max_memory_allocated) of the rows
+    # The estimator's model states as memory.json's max counts them (``expected_states``); None: prediction.states.
+    predicted: dict[str, int] | None = None
 
     @property
     def error(self) -> str | None:
@@ -82,7 +86,8 @@ class Measured:
 
     @property
     def predicted_states(self) -> int:
-        return self.prediction.states["device"] + self.prediction.states["host"]
+        states = self.predicted if self.predicted is not None else self.prediction.states
+        return states["device"] + states["host"]
 
     @property
     def measured_states(self) -> int | None:
@@ -129,9 +134,16 @@ def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-")
 
 
+def expected_states(prediction: Prediction) -> dict[str, int]:
+    """The estimator's model-state bytes by place, each place's max over the layout's pipeline stages: what
+    memory.json's ``max`` holds (trident/memory.py ``max_over_ranks``)."""
+    stages = estimate(prediction.config.model, prediction.layout).stages
+    return {place: max(s.model_states["total"][place] for s in stages) for place in ("device", "host")}
+
+
 def read(prediction: Prediction, trial: Trial, warmup: int) -> Measured:
     """What ``trial``'s run measured of ``prediction``."""
-    out = Measured(prediction, trial)
+    out = Measured(prediction, trial, predicted=expected_states(prediction))
     if trial.ok:
         times = [r["step_time_s"] for r in trial.rows[warmup:] if r.get("step_time_s") is not None]
         out.step_s = statistics.median(times) if times else None
