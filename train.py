@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
@@ -31,23 +32,36 @@ from trident.loop import Trainer
 from trident.memory import log_model_states
 from trident.memory_estimate import Layout, estimate
 from trident.metrics import MetricsLogger, announce_run
-from trident.parallel.groups import build_process_groups, init_distributed, launch_world_size, shutdown_distributed
+from trident.parallel.groups import (
+    build_process_groups,
+    init_distributed,
+    launch_rank,
+    launch_world_size,
+    shutdown_distributed,
+)
 from trident.parallel.heartbeat import watch_peers
 from trident.parallel.topology import Topology
 from trident.peak import device_peak_tflops
+from trident.plan.auto import choose as choose_layout
 from trident.rundir import claim_run_dir
 from trident.signals import StopRequest
 
 
-def run(cfg: Config, run_dir: Path) -> list[dict]:
+def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
     """Train as ``cfg`` says; return every step's metrics row. Joins the default process group if one exists
     (a test's), else creates it and destroys it at the end. Raises ``Stopped`` after SIGTERM / SIGINT (the last
-    completed step saved) and ``DivergenceError`` when losses or gradients stop being finite, on every rank."""
+    completed step saved) and ``DivergenceError`` when losses or gradients stop being finite, on every rank.
+    ``given``: the command line's overrides, whose layout keys ``parallel.auto`` keeps."""
     owns_group = not dist.is_initialized()
     with contextlib.ExitStack() as cleanup:
         stop = cleanup.enter_context(StopRequest(cfg.train.stop_grace_s))
         # Checks and data need no process group: a problem ends every rank the same way, before any collective.
-        tr, dp = cfg.train, validate(cfg, launch_world_size() if owns_group else dist.get_world_size())
+        world = launch_world_size() if owns_group else dist.get_world_size()
+        if cfg.parallel.auto:  # every rank plans alike (trident/plan/auto.py), before anything depends on the layout
+            cfg, line = choose_layout(cfg, world, given)
+            if (dist.get_rank() if not owns_group else launch_rank()) == 0:
+                print(line, flush=True)
+        tr, dp = cfg.train, validate(cfg, world)
         init_from = check_init_from(cfg, run_dir)  # None when resuming this run's own checkpoint
         topology = Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
         device = pick_device(tr.device)
@@ -105,7 +119,7 @@ def main(hydra_cfg: DictConfig) -> None:
         run_dir = Path(hydra.runtime.output_dir)
         # checkpoint.init_from: the model keys not on the command line take the source's values.
         cfg = adopt_init_from(to_config(hydra_cfg), hydra.overrides.task, CONF_DIR, run_dir)
-        run(cfg, run_dir)
+        run(cfg, run_dir, hydra.overrides.task)
 
 
 if __name__ == "__main__":

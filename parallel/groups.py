@@ -125,6 +125,11 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launch_rank() -> int:
+    """This process's global rank as the launcher announced it, readable before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def shutdown_distributed(barrier: bool = True) -> None:
     """Destroy the groups before the interpreter exits.
 

@@ -116,6 +116,10 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # gradient all-reduce bucket size
     timeout_s: int = 600  # collective timeout: a stuck rank fails instead of hanging forever
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    # Launch the layout planner's best layout for the world size (tools/plan.py; trident/plan/auto.py): it chooses
+    # dp, tp, pp, vpp, schedule, ZeRO, offload, sequence parallelism, micro-batch size and recomputation, keeping
+    # those given on the command line, and says which in one line before training.
+    auto: bool = False
 
 
 @dataclass

@@ -42,6 +42,8 @@ from trident.config import Config, DataConfig, compose_config, validate
 from trident.curves import curve_mismatches
 from trident.data.prepare import resolve_dataset
 from trident.errors import ConfigError
+from trident.plan.auto import LAYOUT_KEYS
+from trident.plan.auto import choose as choose_layout
 from trident.ranks import run_distributed
 
 STEPS = 6
@@ -204,6 +206,9 @@ def draw_case(seed: int, index: int) -> Case:
         weight = data_rng.choice([0.5, 0.7, 0.9])
         data = {**data, "data.mix": f"[{MIX_FIRST}:{weight},{MIX_SECOND}:{round(1 - weight, 1)}]"}
         data.pop("data.tokenizer", None)
+    # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out.
+    if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
+        knobs = {k: v for k, v in knobs.items() if k not in LAYOUT_KEYS} | {"parallel.auto": True}
     return Case(seed, index, world, _overrides({**block, **data, **knobs}))
 
 
@@ -220,11 +225,12 @@ def draw_resume_layout(case: Case, accepts: Callable[[int, tuple[str, ...]], boo
     for _ in range(100):
         world, knobs = _draw_knobs(rng, 0.0, kept)
         overrides = _overrides(knobs)
+        # A parallel.auto case names no layout: any resume layout moves it (the planner's may be the same).
         moved = (world, knobs["parallel.tp"], knobs["parallel.pp"], knobs["parallel.zero"]) != (
             case.world,
-            int(case.knobs["parallel.tp"]),
-            int(case.knobs["parallel.pp"]),
-            int(case.knobs["parallel.zero"]),
+            int(case.knobs.get("parallel.tp", 0)),
+            int(case.knobs.get("parallel.pp", 0)),
+            int(case.knobs.get("parallel.zero", 0)),
         )
         if world <= MAX_WORLD and moved and accepts(world, overrides):
             return world, overrides
@@ -287,6 +293,10 @@ REFUSALS: tuple[Unsupported, ...] = (
         "a world size other than `dp` x `tp` x `pp` (with `dp` left out: not a multiple of `tp` x `pp`)",
         r"world size \d+ (!= dp|is not divisible by tp)",
     ),
+    Unsupported(
+        "`parallel.auto=true` on a world size no layout of the model and batch can use",
+        r"parallel\.auto=true: no layout of \d+ ranks",
+    ),
 )
 
 
@@ -311,8 +321,11 @@ def refusal_problem(error: BaseException) -> str | None:
 
 
 def verdict(cfg: Config, world: int) -> BaseException | None:
-    """The validator's refusal of ``cfg`` on ``world`` processes, or None when it accepts it."""
+    """The validator's refusal of ``cfg`` on ``world`` processes, or None when it accepts it (with
+    ``parallel.auto``, of the layout the planner chooses, as train.py's ``run`` does)."""
     try:
+        if cfg.parallel.auto:
+            cfg, _ = choose_layout(cfg, world)
         validate(cfg, world)
     except Exception as e:  # anything but a ConfigError is itself a finding, reported by refusal_problem
         return e

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
+VERSION = 2  # what a cached calibration measured: an entry of another version is measured again
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
@@ -68,6 +69,7 @@ class Profile:
     units_per_node: int  # GPUs per node, or a CPU's cores (which the node's ranks share)
     threads: int = 1  # CPU threads per rank the rates were measured on (1 on a GPU)
     ranks_per_node: int = 0  # a calibration's: the ranks per node its collectives ran (0: a datasheet)
+    version: int = VERSION
     # On a CPU: the speed the node's ranks get together when all compute at once, in lone ranks' worth (measured;
     # 0: units_per_node / threads, the cores shared without loss).
     shared_capacity: float = 0.0
@@ -169,7 +171,7 @@ def _read(path: Path) -> dict:
 def load_cached(device: str, ranks_per_node: int, threads: int, cache: Path = DEFAULT_CACHE) -> Profile | None:
     """This machine's calibration for ``ranks_per_node`` ranks of ``threads`` threads, if one was saved."""
     entry = _read(cache.expanduser()).get(cache_key(device, ranks_per_node, threads))
-    if not isinstance(entry, dict):
+    if not isinstance(entry, dict) or entry.get("version") != VERSION:
         return None
     try:
         return Profile.from_dict(entry)

@@ -1,0 +1,118 @@
+"""``parallel.auto=true``: train.py launches the planner's best layout for the world it was given.
+
+Every rank plans alone, before any process group exists, so the plan has to come out the same on each: it uses
+only what every rank reads alike: the datasheet of a known GPU, or on a CPU this machine's cached calibration
+(``tools/plan.py --calibrate``) and, without one, a nominal CPU profile (the ranking then rests on FLOPs and bytes
+alone). Nothing is measured here. Layout keys given on the command line with ``parallel.auto=true`` stay as given:
+the plan only chooses among the layouts that have them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from trident.config import Config
+from trident.errors import ConfigError
+from trident.memory import format_bytes
+from trident.plan.machine import local_device, provisional
+from trident.plan.planner import Plan, Prediction, candidate_of, placement_for, plan
+from trident.plan.profile import DATASHEETS, Profile, load_cached
+from trident.plan.report import launch_overrides
+from trident.plan.space import Candidate
+
+LAYOUT_KEYS = (
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.vpp",
+    "parallel.schedule",
+    "parallel.zero",
+    "parallel.offload.optimizer",
+    "parallel.offload.ratio",
+    "parallel.sequence_parallel",
+    "train.micro_batch_size",
+    "train.activation_checkpointing",
+)
+
+
+def auto_profile(cfg: Config, world: int) -> Profile:
+    """The profile every rank of a launch reads alike (module docstring)."""
+    device = "cpu" if cfg.train.device == "cpu" else local_device()
+    if device in DATASHEETS:
+        return DATASHEETS[device]
+    guess = provisional(device)
+    placement = placement_for(guess, world)
+    cached = load_cached(guess.device, placement.ranks_per_node, placement.threads)
+    if cached is not None:
+        return cached
+    if device == "cuda":
+        raise ConfigError(
+            f"parallel.auto=true: no profile of this GPU; run `python tools/plan.py --world {world} --calibrate` once "
+            "to measure it, or set the layout keys yourself"
+        )
+    return dataclasses.replace(guess, name="cpu (nominal)", source="not calibrated: FLOPs and bytes at nominal rates")
+
+
+def _given(overrides: Iterable[str]) -> dict[str, str]:
+    """The layout keys set on the command line, and their values as written."""
+    out = {}
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key in LAYOUT_KEYS:
+            out[key] = value
+    return out
+
+
+def _matches(p: Prediction, given: dict[str, str]) -> bool:
+    mine = dict(o.split("=", 1) for o in p.candidate.overrides())
+    mine["parallel.dp"] = str(p.dp)
+    for key, value in given.items():
+        want = "null" if value in ("null", "None", "") else value
+        have = mine[key]
+        if key == "parallel.schedule" and want != "null":
+            have = p.candidate.canonical().schedule or "null"
+        try:
+            same = float(have) == float(want)
+        except ValueError:
+            same = have.lower() == want.lower()
+        if not same:
+            return False
+    return True
+
+
+def choose(cfg: Config, world: int, given: Iterable[str] = ()) -> tuple[Config, str]:
+    """The config with the planner's best layout for ``world`` ranks that keeps the ``given`` overrides' layout keys,
+    and the one line that says which and why. Raises ConfigError when no layout fits."""
+    profile = auto_profile(cfg, world)
+    keys = _given(given)
+    result: Plan = plan(cfg, world, profile)
+    options = [p for p in result.ranked if _matches(p, keys)]
+    fixed = f" with {' '.join(f'{k}={v}' for k, v in keys.items())}" if keys else ""
+    reasons = {line for _, line in result.refused}
+    if not result.ranked and not result.unfit and len(reasons) == 1:
+        raise ConfigError(reasons.pop())  # the model or batch itself is wrong, whatever the layout
+    if not options:
+        head = f"parallel.auto=true: no layout of {world} ranks"
+        if not result.ranked and not result.unfit:
+            example = min(reasons, key=len) if reasons else "none to try"
+            why = f"is accepted for {cfg.model.name} with a global batch of {cfg.train.global_batch_size} ({example})"
+        elif not result.ranked:
+            why = f"fits {cfg.model.name} in {format_bytes(profile.usable_fraction * profile.memory_bytes)}"
+        else:
+            why = f"has{fixed.removeprefix(' with')} ({len(result.ranked)} others fit)"
+        raise ConfigError(f"{head} {why}; launch another number of processes or change the batch or the given keys")
+    best = options[0]
+    chosen = best.candidate.apply(cfg)
+    launch = " ".join(launch_overrides(best, cfg)) or "the layout as configured"
+    line = (
+        f"parallel.auto: {best.label}, the best of {len(options)} layouts{fixed} for {world} ranks by the planner on "
+        f"{profile.name}: {best.tokens_per_s:,.0f} tokens/s and {format_bytes(sum(best.peak.values()))} per rank "
+        f"predicted ({launch})"
+    )
+    return chosen, line
+
+
+def plan_candidate(cfg: Config) -> Candidate:
+    """The layout ``cfg`` runs, written as the planner writes its candidates."""
+    return candidate_of(cfg).canonical()
