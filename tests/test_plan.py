@@ -159,6 +159,7 @@ def test_step_time_composes_measured_rates() -> None:
     # Measure every matmul shape at exactly half its FLOPs-rule time.
     collected = plan(cfg, 1, profile).needs
     rule = {matmul_key(*k): 2 * k[1] * k[2] * k[3] / 1e9 for k in collected.matmuls}
+    assert {k[4] for k in collected.matmuls} == {"nt", "nn", "tn"}  # forward, input and weight gradients
     halved = dataclasses.replace(profile, matmuls={key: t / 2 for key, t in rule.items()})
     fast = predict(cfg, 1, halved)
     assert fast.time is not None

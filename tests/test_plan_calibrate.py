@@ -23,7 +23,7 @@ from trident.plan.profile import (
     matmul_key,
 )
 
-SMALL, LARGE = ("fp32", 32, 32, 32), ("fp32", 384, 384, 384)
+SMALL, LARGE = ("fp32", 32, 32, 32, "nt"), ("fp32", 384, 384, 384, "tn")
 ATTENTION = ("fp32", 1, 4, 2, 64, 16)  # grouped-query: 4 query heads over 2 kv heads
 
 
@@ -104,8 +104,8 @@ def test_calibration_measures_exactly_the_needs(calibrated: tuple[Profile, Path,
 
 
 def test_elementwise_rate_predicts_a_size_it_did_not_measure(calibrated: tuple[Profile, Path, list[str]]) -> None:
-    """4 MiB tensors (16 KiB, 1 MiB and 8 MiB were measured): an add and a GELU together, which the rate is
-    fitted to, within a factor of 3 (loose: the machine is shared)."""
+    """4 MiB tensors (16 KiB, 1 MiB and 8 MiB were measured): an add at the memory-bound rate and a GELU at the
+    arithmetic-bound one, within a factor of 3 (loose: the machine is shared)."""
     profile, _, _ = calibrated
     nbytes = 4 * 1024**2
     before = torch.get_num_threads()
@@ -114,7 +114,8 @@ def test_elementwise_rate_predicts_a_size_it_did_not_measure(calibrated: tuple[P
         measured = time_add(nbytes // 4, torch.device("cpu")) + time_gelu(nbytes // 4, torch.device("cpu"))
     finally:
         torch.set_num_threads(before)
-    predicted = profile.elementwise.time(3 * nbytes) + profile.elementwise.time(2 * nbytes)
+    assert profile.transcendental is not None
+    predicted = profile.elementwise.time(3 * nbytes) + profile.transcendental.time(2 * nbytes)
     assert measured / 3 < predicted < 3 * measured
 
 
@@ -129,10 +130,10 @@ def test_cached_calibration_measures_only_what_is_new(
     assert calls[0] == 0 and again == profile
 
     wider = tiny_needs()
-    wider.matmuls.add(("fp32", 64, 48, 32))
+    wider.matmuls.add(("fp32", 64, 48, 32, "nn"))
     grown = calibrate(wider, 1, cache=cache, log=lambda _: None)
     assert calls[0] == 1  # that one shape, nothing else
-    assert set(grown.matmuls) == set(profile.matmuls) | {matmul_key("fp32", 64, 48, 32)}
+    assert set(grown.matmuls) == set(profile.matmuls) | {matmul_key("fp32", 64, 48, 32, "nn")}
     assert all(grown.matmuls[key] == t for key, t in profile.matmuls.items())
     assert load_cached("cpu", profile.ranks_per_node, profile.threads, cache) == grown
 

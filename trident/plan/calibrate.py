@@ -68,6 +68,7 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 KIB, MIB = 1024, 1024**2
+COLD_COPIES, COLD_BYTES = 8, 64 * 2**20  # operand pairs a matmul's timing cycles through (at most 64 MiB of them)
 SHAPE_BUDGET_S = 0.05  # per matmul shape: ~150 shapes in a few seconds
 ATTENTION_BUDGET_S = 0.1  # per attention shape and direction
 RATE_BUDGET_S = 0.05  # per size of an element-wise op or a copy
@@ -283,14 +284,28 @@ def fit_rate(points: list[tuple[float, float]]) -> Rate:
 # ---- compute
 
 
-def time_matmul(precision: str, m: int, n: int, k: int, device: torch.device) -> float:
-    """Median seconds of an ``[m, k] @ [k, n]`` matmul in ``precision``."""
+def time_matmul(precision: str, m: int, n: int, k: int, layout: str, device: torch.device) -> float:
+    """Median seconds of an ``[m, k] @ [k, n]`` matmul in ``precision``, its operands laid out as ``layout`` (a
+    transposed view where training has one), each run on other operands than the last (``COLD_COPIES`` of them
+    in turn): training's operands come from memory, not from the cache the previous run warmed."""
     dtype = PRECISION_DTYPES[precision]
     gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(m, k, generator=gen, device=device).to(dtype)
-    b = torch.randn(k, n, generator=gen, device=device).to(dtype)
+
+    def operand(rows: int, cols: int, transposed: bool) -> torch.Tensor:
+        if transposed:
+            return torch.randn(cols, rows, generator=gen, device=device).to(dtype).t()
+        return torch.randn(rows, cols, generator=gen, device=device).to(dtype)
+
+    copies = max(1, min(COLD_COPIES, COLD_BYTES // max(1, (m * k + k * n) * dtype.itemsize)))
+    pairs = [(operand(m, k, layout == "tn"), operand(k, n, layout == "nt")) for _ in range(copies)]
     out = torch.empty(m, n, dtype=dtype, device=device)
-    return median_seconds(lambda: torch.mm(a, b, out=out), device, SHAPE_BUDGET_S)
+    turn = iter(range(1 << 62))
+
+    def run() -> None:
+        a, b = pairs[next(turn) % copies]
+        torch.mm(a, b, out=out)
+
+    return median_seconds(run, device, SHAPE_BUDGET_S)
 
 
 def time_attention(
@@ -323,7 +338,7 @@ def matmul_efficiency(profile: Profile, default: float) -> float:
     """The median fraction of the peak the measured matmuls reach: the planner's figure for a shape not measured."""
     fractions = []
     for key, seconds in profile.matmuls.items():
-        precision, shape = key.split(":")
+        precision, shape, _ = key.split(":")
         if precision in profile.peak_tflops:
             m, n, k = map(int, shape.split("x"))
             fractions.append(2 * m * n * k / seconds / profile.peak(precision))
@@ -339,16 +354,17 @@ def peak_tflops(precision: str, device: torch.device, threads: int, peak_cache: 
     if known is not None:
         return known / 2 if precision == "fp32" else known
     n = 4096
-    return 2 * n**3 / time_matmul(precision, n, n, n, device) / 1e12
+    return 2 * n**3 / time_matmul(precision, n, n, n, "nn", device) / 1e12
 
 
 # ---- memory-bound work
 
 
 def time_add(numel: int, device: torch.device) -> float:
-    """Median seconds of ``torch.add(a, b, out=c)`` on ``numel`` fp32 elements (reads 2, writes 1 tensor)."""
-    a, b, c = (torch.rand(numel, device=device) for _ in range(3))
-    return median_seconds(lambda: torch.add(a, b, out=c), device, RATE_BUDGET_S)
+    """Median seconds of ``a + b`` on ``numel`` fp32 elements (reads 2, writes 1 tensor), its output allocated
+    each time as in training (past glibc's mmap threshold, 32 MiB, that is fresh pages: the OS zeroes each)."""
+    a, b = (torch.rand(numel, device=device) for _ in range(2))
+    return median_seconds(lambda: a + b, device, RATE_BUDGET_S)
 
 
 def time_gelu(numel: int, device: torch.device) -> float:
@@ -357,18 +373,13 @@ def time_gelu(numel: int, device: torch.device) -> float:
     return median_seconds(lambda: F.gelu(a, approximate="tanh"), device, RATE_BUDGET_S)
 
 
-def measure_elementwise(device: torch.device) -> Rate:
-    """Element-wise ops as a latency (dispatch, a kernel launch) plus bytes read and written at a bandwidth.
-
-    Fitted to the mean of an add, bound by memory everywhere, and a GELU, bound on a CPU by its arithmetic (a
-    tenth of the add's bytes per second on one core): a block's element-wise work (norms, activations, residuals,
-    their backwards) is some of each, and one rate cannot fit both, so it gets their sum right."""
-    points = []
-    for nbytes in ELEMENTWISE_BYTES:
-        numel = nbytes // 4
-        pair_s = time_add(numel, device) + time_gelu(numel, device)
-        points.append(((3 * nbytes + 2 * nbytes) / 2, pair_s / 2))
-    return fit_rate(points)
+def measure_elementwise(device: torch.device) -> tuple[Rate, Rate]:
+    """Element-wise ops as a latency (dispatch, a kernel launch) plus bytes read and written at a bandwidth: the
+    memory-bound kind (an add) and the kind bound on a CPU by its arithmetic (a tanh GELU: transcendentals, about a
+    tenth of the add's bytes per second on one core), priced apart (trident/plan/ops.py says which op is which)."""
+    plain = fit_rate([(3 * n, time_add(n // 4, device)) for n in ELEMENTWISE_BYTES])
+    heavy = fit_rate([(2 * n, time_gelu(n // 4, device)) for n in ELEMENTWISE_BYTES])
+    return plain, heavy
 
 
 def time_copy(nbytes: int, device: torch.device) -> float:
@@ -396,7 +407,7 @@ def measure_adam(device: torch.device) -> float:
 
 def measure_basics(profile: Profile, device: torch.device, host_threads: int) -> None:
     """The fields every calibration measures once: element-wise rate, host copies, AdamW on device and host."""
-    profile.elementwise = measure_elementwise(device)
+    profile.elementwise, profile.transcendental = measure_elementwise(device)
     profile.host_copy = measure_host_copy(device)
     profile.adam = measure_adam(device)
     if device.type == "cuda":

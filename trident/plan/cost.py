@@ -104,9 +104,9 @@ class Pricer:
     tp_across_nodes: bool = False
     needs: Needs = field(default_factory=Needs)
 
-    def matmul(self, m: int, n: int, k: int) -> float:
-        self.needs.matmuls.add((self.precision, m, n, k))
-        measured = self.profile.matmuls.get(matmul_key(self.precision, m, n, k))
+    def matmul(self, m: int, n: int, k: int, layout: str = "nn") -> float:
+        self.needs.matmuls.add((self.precision, m, n, k, layout))
+        measured = self.profile.matmuls.get(matmul_key(self.precision, m, n, k, layout))
         if measured is not None:
             return measured
         e = BYTES[self.precision]
@@ -128,7 +128,8 @@ class Pricer:
         if op.kind == "attention":
             return op.count * self.attention(*op.shape, "fwd" if op.phase == "F" else "bwd"), 0.0
         if op.kind == "elementwise":
-            rate = self.profile.elementwise
+            heavy = op.shape == ("transcendental",) and self.profile.transcendental is not None
+            rate = self.profile.transcendental if heavy else self.profile.elementwise
             return op.count * rate.latency + op.nbytes / rate.bandwidth, 0.0
         name, _ = op.shape
         self.needs.groups.add(tp)

@@ -4,11 +4,12 @@ Each ``Op`` is one class of work in one pass: ``F`` the forward, ``I`` the backw
 rank upstream waits for) and ``W`` the backward for the weights (the zero-bubble schedule runs it apart; other
 schedules run I and W together as B). Classes:
 
-    matmul       [m, k] @ [k, n] in the compute dtype: forward (T, out, in); backward input (T, in, out) and
-                 weight (out, in, T), with T the micro-batch's tokens
+    matmul       [m, k] @ [k, n] in the compute dtype: forward x @ W^T (T, out, in); backward input dy @ W
+                 (T, in, out) and weight dy^T @ x (out, in, T), with T the micro-batch's tokens
     attention    causal SDPA of this rank's query and kv heads, forward in F, backward in I
     elementwise  ``count`` kernels moving ``nbytes`` in all (read + written): norms, activations, residual adds,
-                 RoPE, the loss's passes over the logits; a backward moves about twice a forward's bytes
+                 RoPE, the loss's passes over the logits; a backward moves about twice a forward's bytes. Shape
+                 ``("transcendental",)`` marks those bound by arithmetic: GELU, SiLU, the loss's exponentials
     collective   tensor parallelism's all-reduce (or under sequence parallelism all-gather and reduce-scatter) of
                  a [T, d] activation, twice per layer each way, and the vocab-parallel embedding's and loss's
 
@@ -33,7 +34,7 @@ PASSES = ("F", "I", "W")
 class Op:
     kind: str  # matmul | attention | elementwise | collective
     phase: str  # F | I | W
-    shape: tuple  # matmul (m, n, k); attention (b, heads, kv_heads, s, head_dim); collective (op, "tp")
+    shape: tuple  # matmul (m, n, k, layout); attention (b, heads, kv_heads, s, head_dim); collective (op, "tp")
     nbytes: float = 0.0  # elementwise: bytes moved by all ``count`` kernels; collective: one message's bytes
     count: int = 1  # matmuls, attentions, messages: how many; elementwise: kernels
 
@@ -70,15 +71,17 @@ def _linear(s: Shape, out: int, inp: int) -> list[Op]:
     gradient a reduction over the tokens)."""
     t = s.tokens
     return [
-        Op("matmul", "F", (t, out, inp)),
-        Op("matmul", "I", (t, inp, out)),
-        Op("matmul", "W", (out, inp, t)),
+        Op("matmul", "F", (t, out, inp, "nt")),
+        Op("matmul", "I", (t, inp, out, "nn")),
+        Op("matmul", "W", (out, inp, t, "tn")),
     ]
 
 
-def _elementwise(phase_bytes: float, count: int) -> list[Op]:
-    """``count`` kernels moving ``phase_bytes`` in forward, twice that in the input backward."""
-    return [Op("elementwise", "F", (), phase_bytes, count), Op("elementwise", "I", (), 2 * phase_bytes, count)]
+def _elementwise(phase_bytes: float, count: int, heavy: bool = False) -> list[Op]:
+    """``count`` kernels moving ``phase_bytes`` in forward, twice that in the input backward; ``heavy``: bound by
+    arithmetic (transcendentals), not memory."""
+    shape = ("transcendental",) if heavy else ()
+    return [Op("elementwise", "F", shape, phase_bytes, count), Op("elementwise", "I", shape, 2 * phase_bytes, count)]
 
 
 def _tp_collectives(m: ModelConfig, s: Shape, count: int) -> list[Op]:
@@ -123,10 +126,10 @@ def layer_ops(m: ModelConfig, s: Shape) -> list[Op]:
     ops += _linear(s, d, heads * dh)
     if m.mlp == "swiglu":
         ops += _linear(s, f, d) + _linear(s, f, d)
-        ops += _elementwise(2 * t * f * e + 3 * t * f * e, 2)  # silu(gate), silu * up
+        ops += _elementwise(2 * t * f * e, 1, heavy=True) + _elementwise(3 * t * f * e, 1)  # silu(gate), silu * up
     else:
         ops += _linear(s, f, d)
-        ops += _elementwise(2 * t * f * e, 1)  # GELU
+        ops += _elementwise(2 * t * f * e, 1, heavy=True)  # GELU
     ops += _linear(s, d, f)
     if m.bias:  # bias gradients: a reduction over the tokens of each linear's output
         ops.append(Op("elementwise", "W", (), t * (3 * heads * dh + d + f + d) * e, 4))
@@ -171,7 +174,11 @@ def head_ops(m: ModelConfig, s: Shape) -> list[Op]:
     vocab = padded_vocab_size(m.vocab_size, m.vocab_multiple, s.tp) // s.tp
     logits = t * vocab * 4
     ops = _elementwise(2 * t_sp * d * e, 1) + _linear(s, vocab, d)
-    ops += [Op("elementwise", "F", (), 6 * logits, 6), Op("elementwise", "I", (), 4 * logits, 4)]
+    ops += [Op("elementwise", "F", (), 4 * logits, 4), Op("elementwise", "I", (), 3 * logits, 3)]
+    ops += [
+        Op("elementwise", "F", ("transcendental",), 2 * logits, 2),
+        Op("elementwise", "I", ("transcendental",), logits, 1),
+    ]
     if s.tp > 1:
         ops.append(Op("collective", "F", ("all_reduce", "tp"), t * 4, 3))
         if s.sequence_parallel:

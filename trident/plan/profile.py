@@ -8,7 +8,8 @@ fields and replaces the datasheet's rules of thumb with times:
   ``matmul_efficiency`` of the peak;
 - attention (``attention``, seconds by ``attention_key``, forward and backward); else FLOPs at
   ``attention_efficiency`` of the peak;
-- element-wise work by bytes: each op ``elementwise.latency`` (launch or dispatch) plus bytes at its bandwidth;
+- element-wise work by bytes: each op ``elementwise.latency`` (launch or dispatch) plus bytes at its bandwidth, the
+  ops bound by their arithmetic (GELU, SiLU, the loss's exponentials) at ``transcendental``'s;
 - collectives by bytes and group size: a measured ``Rate`` per ``collective_key`` (measured with every rank of the
   launch in a group of that size at once, as in training), else the ring formulas over the ``intra`` (inside a
   node) or ``inter`` (between nodes) link;
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 2  # what a cached calibration measured: an entry of another version is measured again
+VERSION = 5  # what a cached calibration measured: an entry of another version is measured again
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
@@ -45,9 +46,14 @@ class Rate:
         return self.latency + nbytes / self.bandwidth
 
 
-def matmul_key(precision: str, m: int, n: int, k: int) -> str:
-    """An ``[m, k] @ [k, n]`` matmul in ``precision`` (fp32 | bf16 | fp16)."""
-    return f"{precision}:{m}x{n}x{k}"
+MATMUL_LAYOUTS = ("nn", "nt", "tn")  # which operand is a transposed view: none, the second, the first
+
+
+def matmul_key(precision: str, m: int, n: int, k: int, layout: str = "nn") -> str:
+    """An ``[m, k] @ [k, n]`` matmul in ``precision`` (fp32 | bf16 | fp16) with operands laid out as ``layout``: a
+    linear layer's forward is ``x @ W^T`` (nt), its input gradient ``dy @ W`` (nn), its weight gradient
+    ``dy^T @ x`` (tn), and BLAS speeds differ between them."""
+    return f"{precision}:{m}x{n}x{k}:{layout}"
 
 
 def attention_key(precision: str, batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, kind: str) -> str:
@@ -78,6 +84,7 @@ class Profile:
     matmul_efficiency: float = 0.7
     attention_efficiency: float = 0.45
     elementwise: Rate = Rate(5e-6, 1e12)
+    transcendental: Rate | None = None  # element-wise ops bound by arithmetic (GELU, SiLU, exp); None: elementwise
     matmuls: dict[str, float] = field(default_factory=dict)
     attention: dict[str, float] = field(default_factory=dict)
     collectives: dict[str, Rate] = field(default_factory=dict)
@@ -93,8 +100,8 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
         d = dict(d)
-        for key in ("elementwise", "intra", "inter", "host_copy"):
-            if key in d:
+        for key in ("elementwise", "transcendental", "intra", "inter", "host_copy"):
+            if d.get(key) is not None:
                 d[key] = Rate(**d[key])
         d["collectives"] = {k: Rate(**v) for k, v in d.get("collectives", {}).items()}
         return cls(**d)
@@ -208,7 +215,7 @@ def cpu_threads_per_rank(ranks_per_node: int, cores: int | None = None) -> int:
 class Needs:
     """What a calibration has to measure for a plan: the planner lists it from the layouts it considers."""
 
-    matmuls: set[tuple[str, int, int, int]] = field(default_factory=set)  # (precision, m, n, k)
+    matmuls: set[tuple[str, int, int, int, str]] = field(default_factory=set)  # (precision, m, n, k, layout)
     attention: set[tuple[str, int, int, int, int, int]] = field(default_factory=set)  # (precision, b, heads, kv, s, dh)
     groups: set[int] = field(default_factory=set)  # collective group sizes (2 also for p2p)
     precisions: set[str] = field(default_factory=set)
