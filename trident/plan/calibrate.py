@@ -46,7 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from trident.config import ModelConfig
 from trident.peak import PRECISION_DTYPES, cpu_peak_tflops, gpu_peak_bf16_tflops
+from trident.plan.ops import Shape, chunk_ops
 from trident.plan.profile import (
     DEFAULT_CACHE,
     Needs,
@@ -122,8 +124,10 @@ def calibrate(
         for precision in precisions:
             profile.peak_tflops[precision] = peak_tflops(precision, device, threads, peak_cache)
         measure_compute(profile, todo, device, log)
-    if groups or (fresh and ranks_per_node > 1):
-        measure_links(profile, groups, ranks_per_node, host_threads, device, log)
+        if todo.block is not None and device.type == "cpu":
+            measure_framework(profile, todo.block, threads, log)
+    if groups or (todo.block is not None and ranks_per_node > 1):
+        measure_links(profile, groups, ranks_per_node, host_threads, device, log, profile.block)
     if cache is not None:
         save_cached(profile, cache)
     saved = f", saved to {cache}" if cache is not None else ""
@@ -153,6 +157,7 @@ def measure_links(
     threads: int,
     device: torch.device,
     log: Callable[[str], None],
+    block: dict | None = None,
 ) -> None:
     """The collectives of ``groups`` into ``profile``, and its ``intra`` and ``inter`` links (one machine has no
     other) from the all-reduce of the largest group measured. Those links are what the ring formulas price the
@@ -163,12 +168,12 @@ def measure_links(
         log(f"calibrating: {torch.cuda.device_count()} GPUs for {ranks_per_node} ranks: collectives not measured")
         return
     log(f"calibrating: collectives over {ranks_per_node} ranks in groups of {', '.join(map(str, groups))} ...")
-    rates, busy = measure_collectives(groups, ranks_per_node, threads, device)
+    rates, busy = measure_collectives(groups, ranks_per_node, threads, device, block)
     profile.collectives.update(rates)
     if device.type == "cpu":
         # What the node's ranks get together when all compute at once, in lone ranks' worth: the cores they share,
-        # less what oversubscribing them costs (context switches, caches, other load).
-        lone = matmul_rate(threads)
+        # less what oversubscribing them costs (context switches, caches, memory bandwidth, other load).
+        lone = block_rate(block, threads) if block is not None else matmul_rate(threads)
         profile.shared_capacity = busy / lone
         log(
             f"calibrating: {ranks_per_node} ranks computing at once get {profile.shared_capacity:.2f} lone ranks' worth"
@@ -421,14 +426,14 @@ def measure_basics(profile: Profile, device: torch.device, host_threads: int) ->
 
 
 def measure_collectives(
-    groups: list[int], ranks_per_node: int, threads: int, device: torch.device
+    groups: list[int], ranks_per_node: int, threads: int, device: torch.device, block: dict | None = None
 ) -> tuple[dict[str, Rate], float]:
     """A ``Rate`` per ``collective_key`` for each group size (each dividing ``ranks_per_node``), and ``p2p`` at 2,
     from ``ranks_per_node`` ranks of ``threads`` threads that all run their groups' collectives at once; and the
     matmuls per second those ranks do together when they all compute at once."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     per_rank = run_distributed(
-        rank_collective_times, ranks_per_node, groups, threads, device.type, backend=backend,
+        rank_collective_times, ranks_per_node, groups, threads, device.type, block, backend=backend,
         timeout_s=COLLECTIVE_TIMEOUT_S,
     )  # fmt: skip
     busy = sum(times.pop(BUSY_KEY)[0][1] for times in per_rank)
@@ -441,7 +446,7 @@ def measure_collectives(
 
 
 def rank_collective_times(
-    rank: int, world_size: int, groups: list[int], threads: int, device_type: str
+    rank: int, world_size: int, groups: list[int], threads: int, device_type: str, block: dict | None = None
 ) -> dict[str, list[tuple[int, float]]]:
     """On one rank (of run_distributed): median seconds of each collective by group size and message bytes."""
     torch.set_num_threads(threads)
@@ -451,7 +456,10 @@ def rank_collective_times(
         torch.cuda.set_device(device)
     times: dict[str, list[tuple[int, float]]] = {}
     barrier(device)
-    times[BUSY_KEY] = [(0, matmul_rate(threads) if device_type == "cpu" else 0.0)]
+    busy = 0.0
+    if device_type == "cpu":
+        busy = block_rate(block, threads) if block is not None else matmul_rate(threads)
+    times[BUSY_KEY] = [(0, busy)]
     for g in groups:
         group = split_into_groups(rank, world_size, g)
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
@@ -465,6 +473,48 @@ def rank_collective_times(
             for nbytes, reps in COLLECTIVE_SIZES
         ]
     return times
+
+
+def _block(block: dict) -> tuple[Callable[[], None], ModelConfig, Shape]:
+    """A one-layer model of ``block``'s shape (embedding, one block, head and loss) and one forward and backward of
+    a micro-batch through it."""
+    from trident.models.gpt import GPT  # noqa: PLC0415
+
+    m = ModelConfig(**{**block["model"], "n_layers": 1, "dropout": 0.0})
+    torch.manual_seed(0)
+    model = GPT(m).to(PRECISION_DTYPES[block["precision"]])
+    x = torch.randint(0, m.vocab_size, (block["batch"], m.seq_len))
+
+    def step() -> None:
+        model.loss_sum(model(x), x).backward()
+
+    return step, m, Shape(block["batch"], m.seq_len, 1, False, block["precision"])
+
+
+def block_rate(block: dict, threads: int, seconds: float = BUSY_S) -> float:
+    """Forwards and backwards per second of ``block`` on ``threads`` threads over ``seconds``."""
+    with cpu_threads(threads):
+        step, _, _ = _block(block)
+        step()
+        n, start = 0, time.perf_counter()
+        while n < 2 or time.perf_counter() - start < seconds:
+            step()
+            n += 1
+        return n / (time.perf_counter() - start)
+
+
+def measure_framework(profile: Profile, block: dict, threads: int, log: Callable[[str], None]) -> None:
+    """``profile.framework``: a real one-layer model's forward and backward, alone on ``threads`` threads, over the
+    sum of its ops as the profile prices their kernels (its shapes are among those just measured)."""
+    from trident.plan.cost import Placement, Pricer  # noqa: PLC0415 (cost imports this module's profile)
+
+    with cpu_threads(threads):
+        step, m, shape = _block(block)
+        measured = median_seconds(step, torch.device("cpu"), BUSY_S)
+    pricer = Pricer(profile, shape.precision, Placement(1, 1, threads, threads))
+    priced = sum(pricer.kernels(o) for o in chunk_ops(m, shape, 1, True, True, "none") if o.kind != "collective")
+    profile.framework, profile.block = measured / priced, block
+    log(f"calibrating: a {m.name} block runs at {profile.framework:.2f} x its kernels' time (the framework's share)")
 
 
 def matmul_rate(threads: int, seconds: float = BUSY_S) -> float:

@@ -30,7 +30,7 @@ from trident.config import ModelConfig
 from trident.memory_estimate import Layout, chunk_params, rank_params
 from trident.parallel.pipeline.schedules import Action
 from trident.plan import simulate
-from trident.plan.ops import BYTES, Op, Shape, chunk_ops
+from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops
 from trident.plan.profile import Needs, Profile, attention_key, collective_key, matmul_key
 
 
@@ -122,18 +122,24 @@ class Pricer:
         return flops_attention(b, heads, seq, dh, kind) / rate
 
     def op(self, op: Op, tp: int) -> tuple[float, float]:
-        """(compute, communication) seconds of ``op``."""
+        """(compute, communication) seconds of ``op``: its kernels at the profile's rates, times the framework's
+        measured overhead on them."""
+        if op.kind == "collective":
+            name, _ = op.shape
+            self.needs.groups.add(tp)
+            return 0.0, op.count * collective_time(self.profile, name, tp, op.nbytes, self.tp_across_nodes)
+        return self.kernels(op) * self.profile.framework, 0.0
+
+    def kernels(self, op: Op) -> float:
+        """Seconds of a compute op's kernels alone."""
         if op.kind == "matmul":
-            return op.count * self.matmul(*op.shape), 0.0
+            return op.count * self.matmul(*op.shape)
         if op.kind == "attention":
-            return op.count * self.attention(*op.shape, "fwd" if op.phase == "F" else "bwd"), 0.0
-        if op.kind == "elementwise":
-            heavy = op.shape == ("transcendental",) and self.profile.transcendental is not None
-            rate = self.profile.transcendental if heavy else self.profile.elementwise
-            return op.count * rate.latency + op.nbytes / rate.bandwidth, 0.0
-        name, _ = op.shape
-        self.needs.groups.add(tp)
-        return 0.0, op.count * collective_time(self.profile, name, tp, op.nbytes, self.tp_across_nodes)
+            return op.count * self.attention(*op.shape, "fwd" if op.phase == "F" else "bwd")
+        heavy = op.shape == ("transcendental",) and self.profile.transcendental is not None
+        rate = self.profile.transcendental if heavy else self.profile.elementwise
+        assert rate is not None
+        return op.count * rate.latency + op.nbytes / rate.bandwidth
 
     def ops(self, ops: Iterable[Op], tp: int, phases: str) -> tuple[float, float]:
         compute = comm = 0.0
@@ -166,6 +172,11 @@ class StepTime:
 
 def _layers_per_chunk(m: ModelConfig, layout: Layout) -> int:
     return m.n_layers // (layout.pp * layout.vpp)
+
+
+def ew_time(p: Profile, nbytes: float) -> float:
+    """One memory-bound element-wise kernel moving ``nbytes``."""
+    return p.elementwise.time(nbytes) * p.framework
 
 
 def _stage_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict | None) -> int:
@@ -236,10 +247,19 @@ def step_time(
         numel = _stage_numel(m, layout, r, cache)
         backward = sum(costs[(c * pp + r, "B")][0] for c in range(vpp)) / all_busy
         tail = _dp_reduce(profile, layout, numel, backward, dp_across, overlapped=pp == 1)
-        if layout.zero == 2 and pp == 1 and micro > 1:
-            forward = costs[(0, "F")][0] / all_busy
-            per_micro = _dp_reduce(profile, layout, numel, backward + forward, dp_across, overlapped=True)
-            tail += (micro - 1) * per_micro
+        if layout.zero >= 2 and micro > 1 and layout.dp > 1:
+            # ZeRO 2-3 reduce-scatter every micro-batch (into fresh staging buffers), pipelines or not. On a GPU
+            # each overlaps the next micro-batch's work; a CPU's gloo does the reduction on the cores the ranks
+            # compute on, so there it all adds up.
+            staging = ew_time(profile, 4 * numel) / all_busy
+            if profile.device == "cpu":
+                tail += (micro - 1) * (
+                    collective_time(profile, "reduce_scatter", layout.dp, 4 * numel, dp_across) + staging
+                )
+            else:
+                forward = costs[(0, "F")][0] / all_busy
+                per_micro = _dp_reduce(profile, layout, numel, backward + forward, dp_across, overlapped=True)
+                tail += (micro - 1) * (per_micro + staging)
         step_end = max(step_end, ends[r] + tail)
     if layout.dp > 1:
         pricer.needs.groups.add(layout.dp)
@@ -250,9 +270,9 @@ def step_time(
     optimizer = _optimizer_time(m, layout, profile, placement, dp_across, all_busy, cache)
     step = step_end + zero3 + optimizer
 
-    rank0 = [s for s in spans if s.rank == pp - 1]
-    compute = sum(s.compute_end - s.start for s in rank0)
-    tp_comm = sum(s.end - s.compute_end for s in rank0)
+    last = [s for s in spans if s.rank == pp - 1]  # the last pipeline rank: it runs every micro-batch's loss
+    compute = sum(s.compute_end - s.start for s in last)
+    tp_comm = sum(s.end - s.compute_end for s in last)
     return StepTime(
         step=step,
         pipeline=pipeline,
@@ -281,6 +301,12 @@ def _pipeline(
         ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, layout.activation_checkpointing)
         ops.append(_accumulate(m, layout, stage))
         f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
+        if layout.resolved_schedule == "zb-h1" and layout.activation_checkpointing == "full" and pp > 1:
+            # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
+            # I's backward: W recomputes the block's forward and backs up through all of it again to its weights.
+            block = layer_ops(m, shape)
+            again = [pricer.ops(block, layout.tp, ph) for ph in ("F", "I")]
+            w = (w[0] + layers * sum(a[0] for a in again), w[1] + layers * sum(a[1] for a in again))
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
 
@@ -361,4 +387,6 @@ def _optimizer_time(
         gather = collective_time(p, "all_gather", layout.dp, numel * e, dp_across)
     world = placement.world
     scalars = 3 * collective_time(p, "all_reduce", world, 8, placement.nodes > 1) if world > 1 else 0.0
+    if p.device == "cpu":  # the "host" is the same cores the ranks share
+        host_part /= speed
     return (device_part + other) / speed + host_part + copies + gather + scalars

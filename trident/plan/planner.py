@@ -181,6 +181,8 @@ def plan(cfg: Config, world: int, profile: Profile, nodes: int | None = None, ne
     placement = placement_for(profile, world, nodes)
     out = Plan(world=world, profile=profile, placement=placement, needs=needs or Needs())
     out.needs.precisions.add(cfg.train.precision)
+    # The block a calibration runs whole: a micro-batch of one sequence, as every plan has (tp 1, micro-batch 1).
+    out.needs.block = {"model": dataclasses.asdict(cfg.model), "batch": 1, "precision": cfg.train.precision}
     found = enumerate_layouts(cfg, world)
     out.refused = found.refused
     cache: dict = {}

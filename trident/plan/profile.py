@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 5  # what a cached calibration measured: an entry of another version is measured again
+VERSION = 6  # what a cached calibration measured: an entry of another version is measured again
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
@@ -79,6 +79,10 @@ class Profile:
     # On a CPU: the speed the node's ranks get together when all compute at once, in lone ranks' worth (measured;
     # 0: units_per_node / threads, the cores shared without loss).
     shared_capacity: float = 0.0
+    # A real block's forward and backward over what its ops are priced at, measured alone (the framework's overhead
+    # beyond its kernels: autograd, allocation, dispatch); compute is priced times this. 1: not measured.
+    framework: float = 1.0
+    block: dict | None = None  # the block framework and shared_capacity were measured with
     usable_fraction: float = 0.9  # of memory_bytes, for the estimator's peak (context, fragmentation not in it)
     peak_tflops: dict[str, float] = field(default_factory=dict)  # precision -> dense peak of one rank's device
     matmul_efficiency: float = 0.7
@@ -219,6 +223,10 @@ class Needs:
     attention: set[tuple[str, int, int, int, int, int]] = field(default_factory=set)  # (precision, b, heads, kv, s, dh)
     groups: set[int] = field(default_factory=set)  # collective group sizes (2 also for p2p)
     precisions: set[str] = field(default_factory=set)
+    # A block to run whole (a one-layer model of the plan's: {"model": ModelConfig fields, "batch", "precision"}):
+    # its measured forward and backward against its priced ops is ``framework``, and all the node's ranks running it
+    # at once give ``shared_capacity``.
+    block: dict | None = None
 
     def missing(self, profile: Profile) -> Needs:
         """The part of this that ``profile`` has not measured."""
@@ -236,4 +244,5 @@ class Needs:
                 if any(collective_key(op, g) not in profile.collectives for op in COLLECTIVES if op != "p2p" or g == 2)
             },
             precisions={p for p in self.precisions if p not in profile.peak_tflops},
+            block=self.block if self.block is not None and self.block != profile.block else None,
         )
