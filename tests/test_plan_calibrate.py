@@ -4,12 +4,14 @@ calibration measures nothing and a wider one only what is new, and fits collecti
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from trident.config import ModelConfig
 from trident.plan import calibrate as calibration
 from trident.plan.calibrate import calibrate, fit_rate, time_add, time_gelu
 from trident.plan.profile import (
@@ -170,3 +172,14 @@ def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(calibration, "run_distributed", refuse)
     assert calibrate(needs, 4, cache=cache, log=lambda _: None) == profile
+
+
+def test_framework_share_is_a_real_block_against_its_priced_kernels(tmp_path: Path) -> None:
+    """A one-layer gpt-tiny run forward and backward, over its ops as priced: a ratio, recorded with the block, and
+    not asked for again."""
+    block = {"model": dataclasses.asdict(ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16, vocab_size=64)),
+             "batch": 1, "precision": "fp32"}  # fmt: skip
+    needs = Needs(precisions={"fp32"}, block=block)
+    profile = calibrate(needs, 1, cache=tmp_path / "p.json", log=lambda _: None)
+    assert profile.block == block and 0.2 < profile.framework < 100
+    assert needs.missing(profile).block is None
