@@ -47,27 +47,30 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def backward_weight(param_groups: list[dict]) -> None:
     """The weight gradients of a chunk from what ``stage_backward_input`` kept: backward from the saved
     gradients of the intermediates to the weights only. Unlike torch's ``stage_backward_weight`` (which writes
-    ``.grad`` itself) this accumulates through autograd, so the reducer's post-accumulate hooks see every one."""
+    ``.grad`` itself) this accumulates through autograd, so the reducer's post-accumulate hooks see every one.
+
+    One backward for all the groups, not one per group: under activation checkpointing every separate backward
+    recomputes the checkpointed block again (its saved tensors are unpacked anew in each graph task), which made the
+    W pass of a fully recomputed block cost several forwards."""
+    edges, grads, inputs, nodes = [], [], [], []
     for group in param_groups:
-        edges, grads = [], []
         for saved, node in zip(group["grads"], group["intermediates"], strict=True):
+            nodes.append((node, saved))
             for i, g in enumerate(saved):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
-        handles = []
-        if len(group["intermediates"]) > 1:
-            # An intermediate reached again through another one must take its saved gradient, not a second sum.
-            handles = [
-                node.register_prehook(lambda _, sg=saved: sg)
-                for saved, node in zip(group["grads"], group["intermediates"], strict=True)
-            ]
-        try:
-            if edges:
-                torch.autograd.backward(edges, grad_tensors=grads, inputs=[acc.variable for acc in group["params"]])
-        finally:
-            for h in handles:
-                h.remove()
+        inputs += [acc.variable for acc in group["params"] if all(acc.variable is not x for x in inputs)]
+    handles = []
+    if len(nodes) > 1:
+        # An intermediate reached again through another one must take its saved gradient, not a second sum.
+        handles = [node.register_prehook(lambda _, sg=saved: sg) for node, saved in nodes]
+    try:
+        if edges:
+            torch.autograd.backward(edges, grad_tensors=grads, inputs=inputs)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class PipelineRunner:

@@ -301,12 +301,12 @@ def _pipeline(
         ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, layout.activation_checkpointing)
         ops.append(_accumulate(m, layout, stage))
         f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
-        if layout.resolved_schedule == "zb-h1" and layout.activation_checkpointing == "full" and pp > 1:
+        if layout.resolved_schedule == "zb-h1" and layout.activation_checkpointing == "full" and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
-            # I's backward: W recomputes the block's forward and backs up through all of it again to its weights.
-            block = layer_ops(m, shape)
-            again = [pricer.ops(block, layout.tp, ph) for ph in ("F", "I")]
-            w = (w[0] + layers * sum(a[0] for a in again), w[1] + layers * sum(a[1] for a in again))
+            # I's backward: W's one backward recomputes the block's forward once more (not on the first stage, whose
+            # I is its whole backward).
+            again = pricer.ops(layer_ops(m, shape), layout.tp, "F")
+            w = (w[0] + layers * again[0], w[1] + layers * again[1])
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
 

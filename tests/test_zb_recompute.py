@@ -1,0 +1,57 @@
+"""The zero-bubble schedule under full recomputation recomputes each block once in its I pass and once in its W
+pass, not once per parameter group (parallel/pipeline/executor.py ``backward_weight``: one backward for all of a
+chunk's groups). Counted as calls of the blocks' forward on each pipeline rank of a real two-rank run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.layouts import make_config, tiny
+from trident.ranks import run_distributed
+
+STEPS, MICRO, LAYERS = 2, 4, 4
+
+
+def _count_block_forwards(rank: int, world: int, cfg, run_dir: Path) -> int:  # noqa: ANN001
+    from train import run
+    from trident.models import gpt
+
+    calls = [0]
+    forward = gpt.Block.forward
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls[0] += 1
+        return forward(self, *args, **kwargs)
+
+    gpt.Block.forward = counting
+    try:
+        run(cfg, run_dir)
+    finally:
+        gpt.Block.forward = forward
+    return calls[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule,last_per_micro", [("1f1b", 2), ("zb-h1", 3)])
+def test_each_block_is_recomputed_once_per_backward_pass(
+    tiny_dataset: Path, tmp_path: Path, schedule: str, last_per_micro: int
+) -> None:
+    """Per micro-batch and block: the forward, then one recomputation in B (1f1b), or one in I and one in W; the
+    first stage's I is its whole backward (token ids in: no input gradient), so it has no W to recompute for.
+    Before W's backward was one per parameter group, zb-h1's last rank counted 8 per micro-batch, not 3."""
+    overrides = tiny(
+        tiny_dataset,
+        f"train.steps={STEPS}",
+        "train.eval_every=0",
+        f"model.n_layers={LAYERS}",
+        "train.micro_batch_size=2",  # 16 / 2 = 8 micro-batches
+        "parallel.pp=2",
+        f"parallel.schedule={schedule}",
+        "train.activation_checkpointing=full",
+    )
+    counts = run_distributed(_count_block_forwards, 2, make_config(*overrides), tmp_path, timeout_s=300)
+    micro = 16 // 2
+    per_rank = STEPS * micro * (LAYERS // 2)
+    assert counts == [per_rank * 2, per_rank * last_per_micro]
