@@ -21,7 +21,7 @@ Bubble (idle time over busy time on each rank, F and B of a chunk costing f and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -260,12 +260,24 @@ def dependencies(action: Action, rank: int, pp: int, vpp: int) -> list[tuple[int
     return deps
 
 
-def simulate(schedule: Schedule, vpp: int = 1, costs: Mapping[str, float] = UNIT_COSTS) -> list[Span]:
-    """Run every rank's list in order, each action as soon as its rank is free and what it needs is done
-    (sends are buffered: a sender never waits for its receiver). Raises ``DeadlockError`` naming what each
-    stuck rank waits for."""
+def waits_for(schedule: Schedule, vpp: int = 1) -> list[list[list[tuple[int, Action]]]]:
+    """Per rank and action, the (rank, action) pairs of ``dependencies`` that the schedule has."""
     pp = len(schedule)
     exists = {(r, a) for r, ops in enumerate(schedule) for a in ops}
+    return [[[d for d in dependencies(a, r, pp, vpp) if d in exists] for a in ops] for r, ops in enumerate(schedule)]
+
+
+def list_schedule(
+    schedule: Schedule,
+    deps: Sequence[Sequence[Sequence[tuple[int, Action]]]],
+    cost: Callable[[int, Action], float],
+    transfer: Callable[[int, Action], float] = lambda rank, action: 0.0,
+) -> list[Span]:
+    """Run every rank's list in order, each action as soon as its rank is free and what it needs (``deps``, from
+    ``waits_for``) is done, a result of another rank arriving ``transfer(rank, action)`` after it ends (sends are
+    buffered: a sender never waits for its receiver); ``cost(rank, action)`` is its duration. Raises
+    ``DeadlockError`` naming what each stuck rank waits for."""
+    pp = len(schedule)
     done: dict[tuple[int, Action], float] = {}
     pos, clock = [0] * pp, [0.0] * pp
     spans: list[Span] = []
@@ -274,12 +286,13 @@ def simulate(schedule: Schedule, vpp: int = 1, costs: Mapping[str, float] = UNIT
         progress = False
         for r, ops in enumerate(schedule):
             while pos[r] < len(ops):
-                a = ops[pos[r]]
-                deps = [d for d in dependencies(a, r, pp, vpp) if d in exists]
-                if any(d not in done for d in deps):
+                a, needs = ops[pos[r]], deps[r][pos[r]]
+                if any(d not in done for d in needs):
                     break
-                start = max([clock[r], *(done[d] for d in deps)])
-                clock[r] = start + costs[a.kind]
+                start = clock[r]
+                for d in needs:
+                    start = max(start, done[d] + (transfer(*d) if d[0] != r else 0.0))
+                clock[r] = start + cost(r, a)
                 done[(r, a)] = clock[r]
                 spans.append(Span(r, a, start, clock[r]))
                 pos[r] += 1
@@ -289,6 +302,11 @@ def simulate(schedule: Schedule, vpp: int = 1, costs: Mapping[str, float] = UNIT
         waits = "; ".join(f"rank {r} at {format_action(schedule[r][pos[r]], r, pp)}" for r in stuck)
         raise DeadlockError(f"the schedule deadlocks: {waits}")
     return spans
+
+
+def simulate(schedule: Schedule, vpp: int = 1, costs: Mapping[str, float] = UNIT_COSTS) -> list[Span]:
+    """``list_schedule`` with a cost per action kind and no transfer time."""
+    return list_schedule(schedule, waits_for(schedule, vpp), lambda rank, action: costs[action.kind])
 
 
 def idle_fractions(spans: Sequence[Span], pp: int) -> list[float]:

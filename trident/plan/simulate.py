@@ -24,8 +24,9 @@ from trident.parallel.pipeline.schedules import (
     DeadlockError,
     Schedule,
     build_schedule,
-    dependencies,
     format_action,
+    list_schedule,
+    waits_for,
 )
 
 Cost = Callable[[int, Action], tuple[float, float]]  # (rank, action) -> (compute seconds, communication seconds)
@@ -45,15 +46,10 @@ def full_speed(active: int) -> float:
 
 
 @lru_cache(maxsize=256)
-def structure(name: str, pp: int, vpp: int, micro: int) -> tuple[Schedule, tuple]:
+def structure(name: str, pp: int, vpp: int, micro: int) -> tuple[Schedule, list]:
     """Schedule ``name``'s action lists and, per action, what it waits for (dependencies that exist)."""
     schedule = build_schedule(name, pp, vpp, micro)
-    exists = {(r, a) for r, ops in enumerate(schedule) for a in ops}
-    deps = tuple(
-        tuple(tuple(d for d in dependencies(a, r, pp, vpp) if d in exists) for a in ops)
-        for r, ops in enumerate(schedule)
-    )
-    return schedule, deps
+    return schedule, waits_for(schedule, vpp)
 
 
 def run_schedule(
@@ -67,9 +63,7 @@ def run_schedule(
 ) -> list[TimedSpan]:
     """``run`` of schedule ``name`` for P ranks, V chunks and M micro-batches (its structure built once)."""
     schedule, deps = structure(name, pp, vpp, micro)
-    if speed is None or speed is full_speed:
-        return _list_schedule(schedule, deps, cost, transfer)
-    return run(schedule, vpp, cost, transfer, speed)
+    return run(schedule, vpp, cost, transfer, speed or full_speed, deps)
 
 
 def run(
@@ -78,31 +72,26 @@ def run(
     cost: Cost,
     transfer: Callable[[int, Action], float] = lambda r, a: 0.0,
     speed: Callable[[int], float] = full_speed,
+    deps: Sequence[Sequence[Sequence[tuple[int, Action]]]] | None = None,
 ) -> list[TimedSpan]:
-    """Every action's span. Raises ``DeadlockError`` if the lists cannot all finish."""
+    """Every action's span. ``deps``: ``schedules.waits_for(schedule, vpp)``, if already built. Raises
+    ``DeadlockError`` if the lists cannot all finish."""
     pp = len(schedule)
-    exists = {(r, a) for r, ops in enumerate(schedule) for a in ops}
-    if speed is full_speed:
-        deps = tuple(
-            tuple(tuple(d for d in dependencies(a, r, pp, vpp) if d in exists) for a in ops)
-            for r, ops in enumerate(schedule)
-        )
-        return _list_schedule(schedule, deps, cost, transfer)
+    deps = deps if deps is not None else waits_for(schedule, vpp)
+    if speed is full_speed:  # every rank computes alone: the schedules' list scheduling, compute then communication
+        spans = list_schedule(schedule, deps, lambda r, a: sum(cost(r, a)), transfer)
+        return [TimedSpan(s.rank, s.action, s.start, s.start + cost(s.rank, s.action)[0], s.end) for s in spans]
     done: dict[tuple[int, Action], float] = {}
     pos = [0] * pp
     now = 0.0
     # Rank state: None (idle), ("compute", remaining work, start, action), ("comm", end, start, compute_end, action)
     state: list[tuple | None] = [None] * pp
     spans: list[TimedSpan] = []
-    shared = speed is not full_speed
 
     def ready_at(r: int) -> float | None:
         """When rank r's next action may start (None: something it needs is not done yet)."""
-        a = schedule[r][pos[r]]
         t = now
-        for d in dependencies(a, r, pp, vpp):
-            if d not in exists:
-                continue
+        for d in deps[r][pos[r]]:
             if d not in done:
                 return None
             t = max(t, done[d] + (transfer(d[0], d[1]) if d[0] != r else 0.0))
@@ -123,7 +112,7 @@ def run(
                 work, comm = cost(r, a)
                 state[r] = ("compute", work, now, a, comm)
         computing = [r for r in range(pp) if state[r] is not None and state[r][0] == "compute"]
-        rate = speed(len(computing)) if shared and computing else 1.0
+        rate = speed(len(computing)) if computing else 1.0
         # The next event: a compute or a communication ending, or a message arriving.
         events = [now + state[r][1] / rate for r in computing]
         events += [state[r][1] for r in range(pp) if state[r] is not None and state[r][0] == "comm"]
@@ -150,39 +139,6 @@ def run(
                 done[(r, a)] = end
                 state[r] = None
                 pos[r] += 1
-    stuck = [r for r in range(pp) if pos[r] < len(schedule[r])]
-    if stuck:
-        waits = "; ".join(f"rank {r} at {format_action(schedule[r][pos[r]], r, pp)}" for r in stuck)
-        raise DeadlockError(f"the schedule deadlocks: {waits}")
-    return spans
-
-
-def _list_schedule(
-    schedule: Schedule, deps: tuple, cost: Cost, transfer: Callable[[int, Action], float]
-) -> list[TimedSpan]:
-    """``run`` when every rank computes at full speed: each action starts as soon as its rank is free and its
-    inputs have arrived (schedules.simulate's list scheduling, with compute, communication and transfers)."""
-    pp = len(schedule)
-    done: dict[tuple[int, Action], float] = {}
-    pos, clock = [0] * pp, [0.0] * pp
-    spans: list[TimedSpan] = []
-    progress = True
-    while progress:
-        progress = False
-        for r, ops in enumerate(schedule):
-            while pos[r] < len(ops):
-                a, needs = ops[pos[r]], deps[r][pos[r]]
-                if any(d not in done for d in needs):
-                    break
-                start = clock[r]
-                for d in needs:
-                    start = max(start, done[d] + (transfer(*d) if d[0] != r else 0.0))
-                work, comm = cost(r, a)
-                clock[r] = start + work + comm
-                done[(r, a)] = clock[r]
-                spans.append(TimedSpan(r, a, start, start + work, clock[r]))
-                pos[r] += 1
-                progress = True
     stuck = [r for r in range(pp) if pos[r] < len(schedule[r])]
     if stuck:
         waits = "; ".join(f"rank {r} at {format_action(schedule[r][pos[r]], r, pp)}" for r in stuck)
