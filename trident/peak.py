@@ -14,7 +14,6 @@ what the field reports MFU against. ``logging.peak_tflops`` overrides either.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import re
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from trident.device import local_world_size
+from trident.json_cache import add_entry, read_entries
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s; fp32 runs use the TF32 peak, half of these.
 # Keys match whole words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
@@ -108,14 +108,6 @@ def _cache_key(precision: str, threads: int) -> str:
     return f"{cpu_model()} | {threads} threads | {precision} | torch {torch.__version__}"
 
 
-def _read_cache(path: Path) -> dict:
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return cached if isinstance(cached, dict) else {}
-
-
 def cpu_peak_tflops(precision: str, threads: int, cache: Path | None = DEFAULT_CACHE) -> float:
     """The measured peak of ``threads`` threads of this machine's CPU for ``precision``, probed once and then
     read from ``cache`` (None: always probe). A cache that cannot be written costs a probe per run, nothing more.
@@ -123,18 +115,12 @@ def cpu_peak_tflops(precision: str, threads: int, cache: Path | None = DEFAULT_C
     key = _cache_key(precision, threads)
     path = cache.expanduser() if cache is not None else None
     if path is not None:
-        value = _read_cache(path).get(key)
+        value = read_entries(path).get(key)
         if isinstance(value, (int, float)) and value > 0:
             return float(value)
     peak = probe_matmul_tflops(PRECISION_DTYPES[precision], threads)
     if path is not None:
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Re-read just before writing: ranks of one node probe together and each adds its own entry.
-            entries = {**_read_cache(path), key: peak}
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
-            os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+        add_entry(path, key, peak)
     return peak
 
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trident.json_cache import add_entry, read_entries
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
 VERSION = 6  # what a cached calibration measured: an entry of another version is measured again
@@ -171,17 +172,9 @@ def cache_key(device: str, ranks_per_node: int, threads: int) -> str:
     return f"{machine} | {ranks_per_node} ranks per node | {threads} threads | torch {torch.__version__}"
 
 
-def _read(path: Path) -> dict:
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return cached if isinstance(cached, dict) else {}
-
-
 def load_cached(device: str, ranks_per_node: int, threads: int, cache: Path = DEFAULT_CACHE) -> Profile | None:
     """This machine's calibration for ``ranks_per_node`` ranks of ``threads`` threads, if one was saved."""
-    entry = _read(cache.expanduser()).get(cache_key(device, ranks_per_node, threads))
+    entry = read_entries(cache.expanduser()).get(cache_key(device, ranks_per_node, threads))
     if not isinstance(entry, dict) or entry.get("version") != VERSION:
         return None
     try:
@@ -192,13 +185,8 @@ def load_cached(device: str, ranks_per_node: int, threads: int, cache: Path = DE
 
 def save_cached(profile: Profile, cache: Path = DEFAULT_CACHE) -> None:
     """Add ``profile`` to the cache (atomically: a reader sees the old file or the new one)."""
-    path = cache.expanduser()
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        entries = {**_read(path), cache_key(profile.device, profile.ranks_per_node, profile.threads): profile.to_dict()}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+    key = cache_key(profile.device, profile.ranks_per_node, profile.threads)
+    add_entry(cache.expanduser(), key, profile.to_dict())
 
 
 def host_memory_bytes() -> float:
