@@ -10,24 +10,17 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.plan_profiles import hand_built_cpu
 from trident.bench.runs import Trial
 from trident.config import Config, compose_config
 from trident.memory_estimate import Layout, estimate
 from trident.plan import measure, planner
 from trident.plan.cost import StepTime
 from trident.plan.planner import Plan, Prediction
-from trident.plan.profile import Profile
 from trident.plan.space import Candidate
 
 BASE = ["model=gpt-tiny", "train.global_batch_size=4", "logging.peak_tflops=1"]
-PROFILE = Profile(
-    name="test",
-    device="cpu",
-    source="test",
-    memory_bytes=24e9,
-    units_per_node=2,
-    peak_tflops={"fp32": 0.1, "bf16": 0.1},
-)
+PROFILE = hand_built_cpu()
 LINE = re.compile(
     r"plan: (\d+) layouts measured; step time error median (\d+\.\d)%, max (\d+\.\d)%; "
     r"memory error max (\d+\.\d)%; predicted best is measured rank (\d+) of (\d+)"

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.layouts import tiny, train_in_process
-from trident.plan.profile import Profile
+from tests.plan_profiles import hand_built_cpu
 
 TOOL = runpy.run_path(str(REPO / "tools" / "plot_schedule.py"))
 
@@ -54,14 +54,7 @@ def test_a_layout_train_py_refuses_is_refused_with_its_line(tmp_path: Path, argv
 
 # --- --plan: the layout planner's per-action costs, alone and beside a run's timings ------------------------------
 
-PROFILE = Profile(
-    name="test cpu",
-    device="cpu",
-    source="hand-built",
-    memory_bytes=24e9,
-    units_per_node=2,
-    peak_tflops={"fp32": 0.1, "bf16": 0.1},
-)
+PROFILE = hand_built_cpu()
 
 
 def boxes(svg: str, panel: int, rank: int) -> int:
