@@ -1,5 +1,7 @@
 """Shared fixtures: a small real dataset (a few standard-library packages, 512-piece BPE tokenizer); and the two
-test tiers: every test is ``pure`` unless marked ``multiprocess``, and a pure test that starts a process fails."""
+test tiers: every test is ``pure`` unless marked ``multiprocess``, and a pure test that starts a process fails.
+A test marked ``gpu`` (the GPU check kit, tests/test_gpu.py) needs CUDA and is skipped without it; it is pure or
+multiprocess like any other, so ``-m gpu`` runs the kit on a GPU machine and CI only sees the skips."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 import trident.ranks
 from trident.data.prepare import collect_text_files, prepare_dataset
@@ -28,9 +31,12 @@ class TierViolation(BaseException):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="gpu tier: no CUDA device visible")
     for item in items:
         if item.get_closest_marker("multiprocess") is None:
             item.add_marker(pytest.mark.pure)
+        if no_gpu is not None and item.get_closest_marker("gpu") is not None:
+            item.add_marker(no_gpu)
 
 
 @pytest.fixture(autouse=True)

@@ -214,3 +214,26 @@ def test_throughput_refuses_hf_where_transformers_llama_is_not_the_same_model() 
         bench("throughput", "--model", "llama-tiny", "--hf", "--set", "model.norm=layernorm")
     with pytest.raises(SystemExit, match="--hf compares one process: use --dp 1"):
         bench("throughput", "--model", "llama-tiny", "--hf", "--dp", "2", "--global-batch", "8")
+
+
+@pytest.mark.multiprocess
+def test_gpu_bench_times_trident_the_plain_loop_and_torch_compile_here_on_a_cpu() -> None:
+    """The GPU check kit's bench, run where CI runs: gpt-tiny on the CPU, through the same code a GPU takes. Its
+    torch.compile is dynamo and AOT autograd without inductor's code generation (40 s of C++ compilation on a CPU;
+    inductor itself is tests/test_gpu.py's and test_compile.py's)."""
+    (table,) = bench(
+        "gpu", "--device", "cpu", "--models", "gpt-tiny", "--precision", "fp32", "--micro-batch", "2",
+        "--global-batch", "4", "--steps", "1", "--rounds", "2", "--warmup", "1", "--peak-tflops", "1",
+        "--compile-backend", "aot_eager",
+    )  # fmt: skip
+    assert table.column("variant") == ["trident", "plain torch loop", "torch.compile (aot_eager)"]
+    assert table.column("precision") == ["float32 parameters", "float32 weights", "float32 weights"]
+    assert_finite(table, "tokens/s", "spread", "x plain", "MFU", "first loss", "last loss")
+    assert table.column("x plain")[1] == "1.00x" and table.ok
+    assert table.column("peak mem") == ["n/a (cpu)"] * 3  # no allocator peak on a CPU
+    estimate = table.column("estimate")
+    assert figure(estimate[0]) > 0 and estimate[1:] == ["-", "-"]  # the estimator predicts trident's run only
+    first = [figure(c) for c in table.column("first loss")]
+    assert first[0] == pytest.approx(first[1], rel=1e-5)  # trident and the plain loop: the same weights and batch
+    last = [figure(c) for c in table.column("last loss")]
+    assert last[2] < first[1]  # torch.compile trained the plain loop's model on from its warm-up
