@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> list[Table]:
     for model in args.models:
         for precision in args.precision:
             cfg = build_config(args, model, precision)
-            job = Job(cfg, device, args.warmup, args.steps, args.rounds, args.compile_backend)
-            tables.append(table(job, args.peak_tflops))
+            job = Job(cfg, device, args.warmup, args.steps, args.rounds, args.compile_backend, args.peak_tflops)
+            tables.append(table(job))
     return tables
 
 
@@ -141,12 +141,11 @@ class Job:
     steps: int
     rounds: int
     compile_backend: str = "inductor"
-    peak_tflops: float | None = None
+    peak_tflops: float | None = None  # the device's, for MFU; None: trident/peak.py's
 
 
-def table(job: Job, peak_tflops: float | None = None) -> Table:
+def table(job: Job) -> Table:
     """The three variants of ``job`` timed in one rank's process, as one table."""
-    job = dataclasses.replace(job, peak_tflops=peak_tflops)
     backend = pool_backend(1) if job.device == "cuda" else "gloo"
     result = run_distributed(_rank, 1, job, backend=backend, timeout_s=24 * 3600)[0]
     cfg = job.cfg
