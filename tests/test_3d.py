@@ -111,6 +111,31 @@ def test_a_checkpoint_moves_between_3d_layouts_with_the_uninterrupted_losses(tin
             assert_same_curve(uninterrupted[SAVED_AT:], rows)
 
 
+ZERO3_PP = ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3"]
+ZERO1_TP = ["parallel.dp=2", "parallel.tp=2", "parallel.zero=1"]
+
+
+def test_a_zero3_pipeline_checkpoint_moves_to_zero1_tp_and_back_with_the_uninterrupted_losses(
+    tiny_dataset, tmp_path, reference
+):
+    """Save at zero=3 pp=2 dp=2, resume at zero=1 tp=2 dp=2 (no pipeline), and the reverse into zero=3 pp=2 in step
+    mode: the next 5 losses, norms and validation losses are the uninterrupted run's (masters and moments are
+    logical boxes, whatever the buckets and chunks that held them)."""
+    saved = {}
+    for name, layout in (("zero3-pp", ZERO3_PP), ("zero1-tp", ZERO1_TP)):
+        histories = train_in_process(tmp_path / name, _base(tiny_dataset, f"checkpoint.every={SAVED_AT}", *layout), 4)
+        assert_same_curve(reference, histories[0])
+        saved[name] = (tmp_path / name / "checkpoints" / f"step_{SAVED_AT:08d}", histories[0])
+    for source, target in (("zero3-pp", ZERO1_TP), ("zero1-tp", [*ZERO3_PP, "parallel.zero3_gather=step"])):
+        checkpoint, uninterrupted = saved[source]
+        resumed = train_in_process(
+            tmp_path / f"{source}-resumed", _base(tiny_dataset, f"checkpoint.resume={checkpoint}", *target), 4
+        )
+        for rows in resumed:
+            assert [r["step"] for r in rows] == list(range(SAVED_AT + 1, STEPS + 1))
+            assert_same_curve(uninterrupted[SAVED_AT:], rows)
+
+
 @pytest.mark.parametrize(
     "world,extra",
     [(4, ["train.precision=bf16", "parallel.dp=2", "parallel.zero=1"]), (2, ["train.precision=fp16"])],
