@@ -64,6 +64,31 @@ def test_zero_with_pipeline_gives_the_one_process_curve(tiny_dataset, tmp_path, 
         assert_same_curve(short_reference, history)
 
 
+# ZeRO-3 under every pipeline schedule, in both gather modes (trident/parallel/zero/stage3.py): the tied embedding
+# and its copy on the two ends, interleaved chunks, zb-h1's split backward, recomputation and tensor parallelism.
+ZERO3 = ["train.steps=4", "parallel.zero=3", "parallel.pp=2"]
+ZERO3_LAYOUTS = {
+    "pp2-1f1b-micro_batch": (4, ["parallel.schedule=1f1b", "parallel.zero3_gather=micro_batch"]),
+    "pp2-1f1b-step": (4, ["parallel.schedule=1f1b", "parallel.zero3_gather=step"]),
+    "pp2-vpp2-micro_batch-prefetch0": (4, ["parallel.vpp=2", "parallel.zero3_prefetch=0"]),
+    "pp2-vpp2-step-prefetch2": (4, ["parallel.vpp=2", "parallel.zero3_gather=step", "parallel.zero3_prefetch=2"]),
+    "pp2-zbh1-micro_batch-full": (4, ["parallel.schedule=zb-h1", "train.activation_checkpointing=full"]),
+    "pp2-zbh1-step-selective": (
+        4,
+        ["parallel.schedule=zb-h1", "parallel.zero3_gather=step", "train.activation_checkpointing=selective"],
+    ),
+    "tp2-pp2-dp2-micro_batch-sp": (8, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ZERO3_LAYOUTS))
+def test_zero3_with_pipeline_gives_the_one_process_curve(tiny_dataset, tmp_path, short_reference, name):
+    world, extra = ZERO3_LAYOUTS[name]
+    histories = train_in_process(tmp_path, _base(tiny_dataset, *ZERO3, *extra), world=world)
+    for history in histories:
+        assert_same_curve(short_reference, history)
+
+
 A = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"]
 B = ["parallel.dp=2", "parallel.tp=1", "parallel.pp=4", "parallel.zero=1"]
 
@@ -80,6 +105,31 @@ def test_a_checkpoint_moves_between_3d_layouts_with_the_uninterrupted_losses(tin
         checkpoint, uninterrupted = saved[source]
         resumed = train_in_process(
             tmp_path / f"{source}-resumed", _base(tiny_dataset, f"checkpoint.resume={checkpoint}", *target), 8
+        )
+        for rows in resumed:
+            assert [r["step"] for r in rows] == list(range(SAVED_AT + 1, STEPS + 1))
+            assert_same_curve(uninterrupted[SAVED_AT:], rows)
+
+
+ZERO3_PP = ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3"]
+ZERO1_TP = ["parallel.dp=2", "parallel.tp=2", "parallel.zero=1"]
+
+
+def test_a_zero3_pipeline_checkpoint_moves_to_zero1_tp_and_back_with_the_uninterrupted_losses(
+    tiny_dataset, tmp_path, reference
+):
+    """Save at zero=3 pp=2 dp=2, resume at zero=1 tp=2 dp=2 (no pipeline), and the reverse into zero=3 pp=2 in step
+    mode: the next 5 losses, norms and validation losses are the uninterrupted run's (masters and moments are
+    logical boxes, whatever the buckets and chunks that held them)."""
+    saved = {}
+    for name, layout in (("zero3-pp", ZERO3_PP), ("zero1-tp", ZERO1_TP)):
+        histories = train_in_process(tmp_path / name, _base(tiny_dataset, f"checkpoint.every={SAVED_AT}", *layout), 4)
+        assert_same_curve(reference, histories[0])
+        saved[name] = (tmp_path / name / "checkpoints" / f"step_{SAVED_AT:08d}", histories[0])
+    for source, target in (("zero3-pp", ZERO1_TP), ("zero1-tp", [*ZERO3_PP, "parallel.zero3_gather=step"])):
+        checkpoint, uninterrupted = saved[source]
+        resumed = train_in_process(
+            tmp_path / f"{source}-resumed", _base(tiny_dataset, f"checkpoint.resume={checkpoint}", *target), 4
         )
         for rows in resumed:
             assert [r["step"] for r in rows] == list(range(SAVED_AT + 1, STEPS + 1))

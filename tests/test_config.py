@@ -123,7 +123,8 @@ INVALID = [
         {"parallel.offload.optimizer": "cpu"}, 1, ["parallel.offload.optimizer", "parallel.zero"], id="offload-zero0"
     ),
     pytest.param({"parallel.offload.ratio": 1.5}, 1, ["parallel.offload.ratio=1.5"], id="offload-ratio"),
-    pytest.param({"parallel.zero": 3, "parallel.pp": 2}, 2, ["parallel.zero=3", "parallel.pp"], id="zero3-pp"),
+    pytest.param({"parallel.zero3_gather": "always"}, 1, ["parallel.zero3_gather='always'", "step"], id="zero3-gather"),
+    pytest.param({"parallel.zero3_prefetch": -1}, 1, ["parallel.zero3_prefetch=-1", ">= 0"], id="zero3-prefetch"),
     pytest.param({"parallel.sequence_parallel": True}, 1, ["parallel.sequence_parallel", "tp"], id="sp-tp1"),
     pytest.param({"parallel.bucket_mb": 0.0}, 1, ["parallel.bucket_mb"], id="bucket"),
     pytest.param({"parallel.timeout_s": 0}, 1, ["parallel.timeout_s"], id="timeout"),
@@ -213,7 +214,7 @@ def test_invalid_configs(overrides: dict, world: int, fragments: list[str]) -> N
 
 LAUNCH_LAST = [
     # `python train.py parallel.tp=2` used to say "launch 2 processes"; launched so, it said "not implemented".
-    pytest.param({"parallel.zero": 3, "parallel.pp": 2}, 1, "parallel.zero=3 does not work", id="zero3-pp"),
+    pytest.param({"parallel.zero": 3, "parallel.zero3_gather": "x"}, 1, "parallel.zero3_gather='x'", id="zero3-gather"),
     pytest.param({"parallel.tp": 2, "model.n_heads": 3}, 1, "model.d_model=256 is not divisible", id="shape"),
     pytest.param({"parallel.pp": 2, "model.n_layers": 3}, 1, "model.n_layers=3", id="split"),
     pytest.param({"parallel.dp": 2, "train.precision": "fp8"}, 1, "train.precision='fp8'", id="choice"),

@@ -37,6 +37,7 @@ LAYOUTS = [
     (4, ["parallel.zero=1", "parallel.tp=2", "train.micro_batch_size=4"]),
     (4, ["parallel.zero=2", "parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2"]),
     (4, ["parallel.zero=3", "parallel.tp=2", "train.micro_batch_size=4"]),
+    (2, ["parallel.zero=3", "parallel.zero3_gather=step", "parallel.zero3_prefetch=0", "train.micro_batch_size=2"]),
     (2, ["parallel.zero=1", "parallel.offload.optimizer=cpu", "parallel.offload.ratio=1.0"]),
     (4, ["parallel.zero=2", "parallel.offload.optimizer=cpu", "parallel.offload.ratio=0.5"]),
     (
@@ -155,8 +156,10 @@ def test_stage2_holds_only_its_gradient_shard_and_stage1_its_optimizer_shard():
     assert all(s["no_grad_attr"] for s in (stage0, stage1, stage2))
 
 
-def _stage3_frees(rank: int, world: int) -> dict:
-    cfg, groups, model, setup, runner = _build(world, 1, "parallel.zero=3", "train.precision=bf16")
+def _stage3_frees(rank: int, world: int, mode: str = "micro_batch") -> dict:
+    cfg, groups, model, setup, runner = _build(
+        world, 1, "parallel.zero=3", "train.precision=bf16", f"parallel.zero3_gather={mode}"
+    )
     store = setup.zero.store
     seen = []
     for block in model.layers.values():
@@ -170,6 +173,7 @@ def _stage3_frees(rank: int, world: int) -> dict:
         "peak": max(seen),
         "root_plus_two_blocks": root_bytes + 2 * block_bytes + 2 * world,  # each bucket padded by < dp
         "all_full": root_bytes + len(model.layers) * block_bytes,
+        "layout_bytes": store.layout.numel * 2,  # every bucket with its padding, in bf16
         "dtypes": {p.dtype for p in model.parameters()},
     }
 
@@ -179,6 +183,14 @@ def test_stage3_frees_full_parameters_after_use():
         assert got["after_step"] == 0 and set(got["block_storage"]) == {0}
         assert got["peak"] <= got["root_plus_two_blocks"] < got["all_full"]
         assert got["dtypes"] == {torch.bfloat16}
+
+
+def test_stage3_step_mode_keeps_every_block_gathered_until_the_step_ends():
+    """parallel.zero3_gather=step: from the second block's forward on, every block gathered before stays (the
+    next micro-batch's forward finds them all), and nothing is left gathered after the step."""
+    for got in run_distributed(_stage3_frees, 2, "step"):
+        assert got["after_step"] == 0 and set(got["block_storage"]) == {0}
+        assert got["root_plus_two_blocks"] < got["all_full"] <= got["peak"] == got["layout_bytes"]
 
 
 def _fp16_overflow(rank: int, world: int) -> dict:

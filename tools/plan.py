@@ -6,13 +6,13 @@
     python tools/plan.py model=llama-8b train.global_batch_size=512 train.precision=bf16 --world 64 --device h100
 
 Takes train.py's own overrides (the model, batch, precision, and any layout key, which the planner then varies).
-The layouts are every combination of tp, pp, vpp, schedule, ZeRO stage, optimizer offload (and ratio),
-recomputation, micro-batch size and sequence parallelism that train.py's validator accepts, with dp the rest of
-the world; those whose predicted peak does not fit the device are dropped. ``--device`` picks a datasheet profile
-(h100, h200, a100: nodes of 8 GPUs, NVLink inside, InfiniBand between) or ``cpu``, this machine measured; by default
-the machine this runs on. ``--calibrate`` measures this machine again (for a GPU: instead of its datasheet).
-``--measure K`` runs the K best layouts and K from the rest of the ranking through train.py here and prints
-predicted against measured step time and memory, and a last line with the errors.
+The layouts are every combination of tp, pp, vpp, schedule, ZeRO stage (and ZeRO-3's gather mode), optimizer
+offload (and ratio), recomputation, micro-batch size and sequence parallelism that train.py's validator accepts,
+with dp the rest of the world; those whose predicted peak does not fit the device are dropped. ``--device`` picks
+a datasheet profile (h100, h200, a100: nodes of 8 GPUs, NVLink inside, InfiniBand between) or ``cpu``, this machine
+measured; by default the machine this runs on. ``--calibrate`` measures this machine again (for a GPU: instead of
+its datasheet). ``--measure K`` runs the K best layouts and K from the rest of the ranking through train.py here and
+prints predicted against measured step time and memory, and a last line with the errors.
 """
 
 from __future__ import annotations

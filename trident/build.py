@@ -13,6 +13,7 @@ Which reducer and parameter store each ZeRO stage uses:
     zero=1   ScatterReducer (full buffer, reduce-scatter) FlatParams, the dp shard all-gathered after the step
     zero=2   ShardedGradReducer (per bucket, shard only)  FlatParams, likewise
     zero=3   ShardedGradReducer over one bucket per block ShardedParams, gathered around each block's use
+             (one launch order per model chunk)     (parallel.zero3_gather, parallel.zero3_prefetch)
 
 The ZeRO optimizer casts the parameters to the precision policy's dtype (after copying the fp32 values into its
 masters), so building the optimizer is also what makes a bf16 or fp16 model 16-bit.
@@ -105,10 +106,11 @@ def build_optimizer(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups)
         layout = FlatLayout.by_size(params, numel, groups.dp_size, isolate)
         reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, device)
     else:
-        (model,) = chunks  # validate refuses stage 3 with pipeline parallelism
-        blocks = list(model.layers.values())
-        layout = unit_layout(model, blocks, groups.dp_size)
-        reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, device)
+        units_of = [(chunk, list(chunk.layers.values())) for chunk in chunks]
+        layout, units = unit_layout(units_of, groups.dp_size, set(isolate))
+        # One launch order per chunk: a pipeline rank runs its chunks' backward passes interleaved.
+        chains = [[s.index for s in [*reversed(u.blocks), *u.root]] for u in units]
+        reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, device, chains=chains)
 
     def make_store() -> FlatParams | ShardedParams:
         if zero == 3:
@@ -119,8 +121,8 @@ def build_optimizer(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups)
     ratio = par.offload.ratio if par.offload.optimizer == "cpu" else 0.0
     optimizer = ZeroOptimizer(layout, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio)
     if zero == 3:
-        sharding = ParameterSharding(model, blocks, layout, optimizer.store)
-        reducer.on_reduced = optimizer.store.free
+        sharding = ParameterSharding(units_of, units, optimizer.store, par.zero3_gather, par.zero3_prefetch)
+        reducer.on_reduced, reducer.on_finish = sharding.released, sharding.end_step
     scaler = LossScaler() if policy.loss_scaling else None
     step = GradStep(optimizer, groups, opt.grad_clip, scaler)
     return Optimizer(reducer, optimizer, step, sharding)

@@ -111,6 +111,10 @@ class ParallelConfig:
     vpp: int = 1
     schedule: str | None = None  # gpipe | 1f1b | interleaved | zb-h1; None: 1f1b, or interleaved when vpp > 1
     zero: int = 0
+    # ZeRO-3: re-gather a block's parameters for each micro-batch's forward and backward ("micro_batch": least
+    # memory), or keep every bucket gathered from its first use to the step's last backward ("step": one gather).
+    zero3_gather: str = "micro_batch"
+    zero3_prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the running one (0: none)
     sequence_parallel: bool = False
     backend: str = "auto"  # auto | nccl | gloo
     bucket_mb: float = 25.0  # gradient all-reduce bucket size
@@ -429,10 +433,8 @@ def validate(cfg: Config, world_size: int) -> int:
         par.offload.optimizer == "none" or par.zero >= 1,
         "parallel.offload.optimizer=cpu needs a ZeRO stage (parallel.zero >= 1)",
     )
-    _need(
-        par.zero < 3 or par.pp == 1,
-        "parallel.zero=3 does not work with pipeline parallelism (parallel.pp > 1); use parallel.zero=1 or 2 with pp",
-    )
+    _one_of("parallel.zero3_gather", par.zero3_gather, ("micro_batch", "step"))
+    _need(par.zero3_prefetch >= 0, f"parallel.zero3_prefetch={par.zero3_prefetch} must be >= 0 (blocks ahead)")
     _need(
         not par.sequence_parallel or par.tp > 1,
         "parallel.sequence_parallel=true needs parallel.tp > 1",

@@ -124,6 +124,12 @@ def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None
     batch = int(model["train.global_batch_size"])
     micro = [m for m in (1, 2, 4, 8) if batch % (m * dp) == 0]
     knobs["train.micro_batch_size"] = rng.choice(micro if micro and not wrong() else [1, 2, 4, 8])
+    # ZeRO-3 with pipelines and its gather knobs (issue 21), drawn last so that every earlier knob of a case stays.
+    if pp > 1 and knobs["parallel.zero"] == 2 and rng.random() < 0.5:
+        knobs["parallel.zero"] = 3
+    if knobs["parallel.zero"] == 3 and rng.random() < 0.6:
+        knobs["parallel.zero3_gather"] = rng.choice(["micro_batch", "step"])
+        knobs["parallel.zero3_prefetch"] = rng.choice([0, 1, 2])
     return world, {**model, **knobs}
 
 
@@ -249,10 +255,6 @@ class Unsupported:
 
 
 REFUSALS: tuple[Unsupported, ...] = (
-    Unsupported(
-        "ZeRO stage 3 with pipeline parallelism (`parallel.zero=3` with `parallel.pp` > 1)",
-        r"parallel\.zero=3 does not work with pipeline parallelism",
-    ),
     Unsupported(
         "CPU offload without a ZeRO stage (`parallel.offload.optimizer=cpu` with `parallel.zero=0`)",
         r"parallel\.offload\.optimizer=cpu needs a ZeRO stage",

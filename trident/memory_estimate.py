@@ -109,6 +109,8 @@ class Layout:
     bucket_mb: float = 25.0
     device: str = "cuda"  # cuda | cpu: on a CPU run the "device" is host memory too
     document_mask: bool = False  # data.document_mask: packed documents (models/documents.py)
+    zero3_gather: str = "micro_batch"  # micro_batch | step: when ZeRO-3 frees a training forward's buckets
+    zero3_prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the running one
 
     @classmethod
     def from_config(cls, cfg: Config, dp: int, device: str = "cuda") -> Layout:
@@ -131,6 +133,8 @@ class Layout:
             bucket_mb=par.bucket_mb,
             device=device,
             document_mask=cfg.data.document_mask,
+            zero3_gather=par.zero3_gather,
+            zero3_prefetch=par.zero3_prefetch,
         )
 
     @property
@@ -238,22 +242,40 @@ def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collecti
     """The flat layout trident builds over these parameters (trident/build.py), from stand-in
     parameters on the meta device: at stages 0-2 the reducer's buckets of about ``bucket_mb`` of fp32 in reverse
     registration order, the parameters named in ``isolate`` (``isolated``: a tied embedding and its copy under
-    pipeline parallelism) each in a bucket of its own; at stage 3 one bucket per transformer block, last block
-    first, then the rest (the root); every bucket padded to a multiple of dp."""
+    pipeline parallelism) each in a bucket of its own; at stage 3 (parallel/zero/stage3.py ``unit_layout``), per
+    model chunk, one bucket per transformer block, last block first, then the rest (the root: none on a chunk with
+    no embedding or head), an isolated parameter in a bucket of its own; every bucket padded to a multiple of dp."""
     metas = [(name, _meta(n)) for name, n in params]
     if layout.zero < 3:
         alone = [p for name, p in metas if name in isolate]
         numel = bucket_numel(layout.bucket_mb, torch.float32)
         return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=alone)
-    blocks: dict[str, list[nn.Parameter]] = {}
-    root = []
+    buckets = []
+    for blocks, root in _chunk_units(metas):
+        roots = [[p for name, p in root if name not in isolate]] + [[p] for name, p in root if name in isolate]
+        buckets += [list(reversed(u)) for u in [*reversed(blocks), *(r for r in roots if r)]]
+    return FlatLayout(buckets, layout.dp)
+
+
+def _chunk_units(metas: list[tuple[str, nn.Parameter]]) -> list[tuple[list[list[nn.Parameter]], list]]:
+    """(each block's parameters in forward order, the root's (name, parameter)s) of each model chunk among
+    ``metas`` (a rank's, chunk after chunk, as ``rank_params`` lists them). A chunk's layers are consecutive and a
+    rank's next chunk starts pp chunks later, so a gap in the layer indices starts a chunk; the embedding opens the
+    first chunk, the final norm and head close the last."""
+    chunks: list[tuple[list[list[nn.Parameter]], list]] = [([], [])]
+    previous = None
     for name, p in metas:
-        if name.startswith("layers."):
-            blocks.setdefault(name.split(".")[1], []).append(p)
-        else:
-            root.append(p)
-    units = [list(reversed(u)) for u in reversed(blocks.values())]
-    return FlatLayout([*units, list(reversed(root))], layout.dp)
+        if not name.startswith("layers."):
+            chunks[-1][1].append((name, p))
+            continue
+        layer = int(name.split(".")[1])
+        if previous is not None and layer not in (previous, previous + 1):
+            chunks.append(([], []))
+        if layer != previous:
+            chunks[-1][0].append([])
+        chunks[-1][0][-1].append(p)
+        previous = layer
+    return chunks
 
 
 # --- model states ---------------------------------------------------------------------------------------------
@@ -281,7 +303,7 @@ class ModelStates:
 
     figures: Figures  # kind -> place -> bytes, as ``trident.memory.measure_model_states`` measures them
     staging: int  # stages 2-3: fp32 staging of the bucket filling and those in flight (the largest ones)
-    gathered: int  # stage 3: full buffers of gathered buckets (the root and two blocks, in the parameter dtype)
+    gathered: int  # stage 3: the most full buffers gathered at once, in the parameter dtype (``_gathered``)
 
 
 def model_states(
@@ -305,14 +327,49 @@ def model_states(
     filling (at stage 2 two, where one bucket ends and the next begins; at stage 3 a block and the root, which fills
     from backward's first gradient to its last) and MAX_IN_FLIGHT = 2 in flight (under gradient accumulation, maybe
     another micro-batch's copies of those filling). Stage 3 gathers a block's parameters while it runs
-    (``gathered``: the root and two blocks, the running and the prefetched).
+    (``gathered``: the roots and 1 + ``zero3_prefetch`` blocks, the running and the prefetched; every bucket with
+    ``zero3_gather=step``).
     """
     flat = flat_layout(params, layout, isolate)
     ranks = range(layout.dp if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
-    return max((_rank_states(params, flat, layout, r) for r in ranks), key=lambda s: sum(s.figures["total"].values()))
+    units = _stage3_units(params, flat, isolate) if layout.zero == 3 else []
+    first = any(name == "wte.weight" for name, _ in params)
+    states = (_rank_states(params, flat, layout, r, units, first) for r in ranks)
+    return max(states, key=lambda s: sum(s.figures["total"].values()))
 
 
-def _rank_states(params: list[tuple[str, int]], flat: FlatLayout, layout: Layout, dp_rank: int) -> ModelStates:
+def _stage3_units(
+    params: list[tuple[str, int]], flat: FlatLayout, isolate: Collection[str]
+) -> list[tuple[list[int], list[int]]]:
+    """(its blocks' bucket numels, its root buckets' numels) of each model chunk, as ``flat_layout`` laid them."""
+    out, at = [], 0
+    for blocks, root in _chunk_units([(name, _meta(n)) for name, n in params]):
+        roots = int(any(name not in isolate for name, _ in root)) + sum(name in isolate for name, _ in root)
+        spans = [s.numel for s in flat.spans[at : at + len(blocks) + roots]]
+        out.append((spans[: len(blocks)], spans[len(blocks) :]))
+        at += len(blocks) + roots
+    return out
+
+
+def _gathered(layout: Layout, flat: FlatLayout, units: list[tuple[list[int], list[int]]], first: bool) -> int:
+    """Stage 3's most full-buffer elements gathered at once (parallel/zero/stage3.py): in step mode every bucket;
+    else every chunk's root (held while any micro-batch is in flight) and the running block of one chunk with the
+    ``zero3_prefetch`` next ones; under zb-h1 off the first stage every block too (held from I to W)."""
+    if layout.zero3_gather == "step" or (layout.resolved_schedule == "zb-h1" and layout.pp > 1 and not first):
+        return flat.numel
+    roots = sum(sum(root) for _, root in units)
+    running = max(sum(sorted(blocks, reverse=True)[: 1 + layout.zero3_prefetch]) for blocks, _ in units)
+    return roots + running
+
+
+def _rank_states(
+    params: list[tuple[str, int]],
+    flat: FlatLayout,
+    layout: Layout,
+    dp_rank: int,
+    units: list[tuple[list[int], list[int]]],
+    first: bool,
+) -> ModelStates:
     fig = _figures()
     pb = DTYPE_BYTES[layout.precision]
     ratio = layout.offload_ratio if layout.offload == "cpu" else 0.0
@@ -337,10 +394,10 @@ def _rank_states(params: list[tuple[str, int]], flat: FlatLayout, layout: Layout
         in_flight = sum(largest[: ShardedGradReducer.MAX_IN_FLIGHT])
         if layout.zero == 2:  # filling: two buckets at most, where one ends and the next begins
             staging = (sum(largest[:2]) + in_flight) * FP32
-        else:  # filling: a block, and the root from backward's first gradient (final LayerNorm) to its last
-            root, blocks = flat.spans[-1].numel, sorted((s.numel for s in flat.spans[:-1]), reverse=True)
-            staging = (root + blocks[0] + in_flight) * FP32
-            gathered = (root + sum(blocks[:2])) * pb
+        else:  # filling: a chunk's block, and its root from backward's first gradient (final norm) to its last
+            filling = max(sum(root) + max(blocks, default=0) for blocks, root in units)
+            staging = (filling + in_flight) * FP32
+            gathered = _gathered(layout, flat, units, first) * pb
     return ModelStates(_place(_total(fig), layout), staging, gathered)
 
 

@@ -24,9 +24,10 @@ reduce in fp32 (4 bytes), whatever the precision. "moments" is AdamW's exp_avg +
 
 Transient, on top (not model state at rest): stages 2-3 stage gradients in a pool of fp32 buffers, one per bucket
 being filled by backward plus at most two whose reduce-scatter is in flight, each at most the largest bucket
-(``ShardedGradReducer.grad_tensors`` lists them). Stage 3 gathers full buckets in the parameter dtype: the root
-bucket (embeddings, final LayerNorm) from the model's forward to the end of its backward, plus the running block
-and the prefetched next one (``ShardedParams.full_bytes``).
+(``ShardedGradReducer.grad_tensors`` lists them). Stage 3 gathers full buckets in the parameter dtype: each model
+chunk's root buckets (embeddings, final norm, head) from its forward to the end of its backward, plus the running
+block and the ``parallel.zero3_prefetch`` next ones; with ``parallel.zero3_gather=step`` every bucket for the whole
+step (``ShardedParams.full_bytes``, ``peak_full_bytes``; memory_estimate's ``gathered``).
 
 Offload (parallel.offload.optimizer=cpu, ratio r): the first r of the shard's S elements (S = Psi'/N, or Psi' at
 stage 0) move to host memory, pinned when CUDA exists: masters 4 rS, moments 8 rS and a host copy of their
@@ -35,5 +36,6 @@ the host part needs its own masters (4 rS on the host; the device part's masters
 
 Communication per step: stages 0-1 send 2 Psi' (all-reduce, or reduce-scatter + all-gather of the parameters in
 their dtype); stage 2 reduce-scatters every micro-batch (GAS x Psi') + one all-gather; stage 3 gathers each
-block twice per micro-batch (forward, backward) and reduce-scatters once: 3 Psi' per micro-batch.
+block twice per micro-batch (forward, backward) and reduce-scatters once: 3 Psi' per micro-batch (with
+``zero3_gather=step``: one gather per step, Psi' + GAS x Psi').
 """

@@ -20,12 +20,16 @@ the bucket's next launch replaces it: a gloo worker thread that released the las
 tensor would take the GIL to free it, which aborts an interpreter that is shutting down (see GradReducer.finish).
 At most ``MAX_IN_FLIGHT`` (2) reduce-scatters are waited for later (a launch waits for the oldest beyond that), so
 the staging memory is the buckets being filled plus at most two in flight.
+
+Buckets launch in a fixed order, the same on every dp rank: the layout's, or at stage 3 under pipeline parallelism
+one order per model chunk (``chains``), since a rank runs its chunks' backward passes interleaved: each chunk's
+buckets then launch once per backward of that chunk, whatever the schedule.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,8 +69,9 @@ class ShardedGradReducer:
     """Stages 2 and 3: only this rank's fp32 shard of the gradients is kept (``shard``, layout.numel / dp).
 
     ``on_reduced(span)`` is called once a bucket's reduce-scatter has been launched (stage 3 frees the bucket's
-    gathered parameters then). Same calls as ``GradReducer``; ``set_sync`` is accepted and changes nothing,
-    since every micro-batch is reduced.
+    gathered parameters then), ``on_finish()`` once ``finish`` has reduced the step. ``chains``: lists of span
+    indices, each launched in its own cyclic order (default: one chain, the layout's order). Same calls as
+    ``GradReducer``; ``set_sync`` is accepted and changes nothing, since every micro-batch is reduced.
     """
 
     def __init__(
@@ -76,9 +81,11 @@ class ShardedGradReducer:
         reduce_dtype: torch.dtype,
         device: torch.device,
         on_reduced: Callable[[Span], None] | None = None,
+        chains: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.layout, self.params = layout, layout.params
         self.dp_group, self.on_reduced = dp_group, on_reduced
+        self.on_finish: Callable[[], None] | None = None
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.shard = torch.zeros(layout.numel // self.dp_size, dtype=reduce_dtype, device=device)
         self._shards: list[torch.Tensor] = []
@@ -98,7 +105,10 @@ class ShardedGradReducer:
         self._dtype, self._device = reduce_dtype, device
         self.peak_staging_bytes = 0  # the most staging memory held at once
         self._in_flight: deque[int] = deque()  # launched buckets not waited for yet, oldest first
-        self._next = 0  # the next bucket to launch; buckets launch strictly in order on every rank
+        # Each chain's next bucket to launch: a chain's buckets launch strictly in its order on every rank.
+        self._chains = [list(c) for c in chains] if chains is not None else [list(range(n))]
+        self._chain_of = {i: c for c, chain in enumerate(self._chains) for i in chain}
+        self._next = [0] * len(self._chains)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     MAX_IN_FLIGHT = 2
@@ -134,13 +144,19 @@ class ShardedGradReducer:
         # A parameter seen twice before its bucket launched (a bucket left incomplete by a micro-batch) only
         # adds to the staged sum, which is still right.
         self._seen[i].add(param)
-        spans = self.layout.spans
-        while self._staging[self._next] is not None and len(self._seen[self._next]) == len(spans[self._next].params):
-            self._launch(self._next)
-            if self._next == 0:
+        c = self._chain_of[i]
+        chain, spans = self._chains[c], self.layout.spans
+        while True:
+            j = chain[self._next[c]]
+            if self._staging[j] is None or len(self._seen[j]) < len(spans[j].params):
+                break
+            self._launch(c)
+            if self._next[c] == 0:
                 break
 
-    def _launch(self, i: int) -> None:
+    def _launch(self, c: int) -> None:
+        """Launch chain ``c``'s next bucket."""
+        i = self._chains[c][self._next[c]]
         span = self.layout.spans[i]
         staging = self._staging[i]
         if staging is None:  # finish() reducing a bucket none of whose parameters got a gradient
@@ -155,7 +171,7 @@ class ShardedGradReducer:
         while len(self._in_flight) > self.MAX_IN_FLIGHT:
             self._wait(self._in_flight[0])
         self._staging[i], self._seen[i] = None, set()
-        self._next = (self._next + 1) % len(self.layout.spans)
+        self._next[c] = (self._next[c] + 1) % len(self._chains[c])
         if self.on_reduced is not None:
             self.on_reduced(span)
 
@@ -174,13 +190,16 @@ class ShardedGradReducer:
 
     def finish(self) -> None:
         """Launch the buckets a pass left incomplete (parameters with no gradient) and wait for every bucket."""
-        if self._next > 0 or any(s is not None for s in self._staging):
-            while True:
-                self._launch(self._next)
-                if self._next == 0:
-                    break
+        for c, chain in enumerate(self._chains):
+            if self._next[c] > 0 or any(self._staging[i] is not None for i in chain):
+                while True:
+                    self._launch(c)
+                    if self._next[c] == 0:
+                        break
         for i in range(len(self.layout.spans)):
             self._wait(i)
+        if self.on_finish is not None:
+            self.on_finish()
 
     def zero_grad(self) -> None:
         self.shard.zero_()

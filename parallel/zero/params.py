@@ -91,6 +91,7 @@ class ShardedParams:
         self._gathered = [True] * len(layout.spans)
         for span in layout.spans:
             self.free(span)
+        self.peak_full_bytes = 0  # the most full-buffer memory gathered at once (memory_estimate's ``gathered``)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,6 +118,7 @@ class ShardedParams:
             self._full[i].untyped_storage().resize_(self._nbytes[i])
             self._work[i] = dist.all_gather_single(self._full[i], self._shards[i], group=self.dp_group, async_op=True)
             self._gathered[i] = self._in_flight[i] = True
+            self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes())
         if wait:
             self._finish(i)
 

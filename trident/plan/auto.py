@@ -33,6 +33,7 @@ LAYOUT_KEYS = (
     "parallel.sequence_parallel",
     "train.micro_batch_size",
     "train.activation_checkpointing",
+    "parallel.zero3_gather",
 )
 
 

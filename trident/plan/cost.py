@@ -11,6 +11,7 @@
                  fills them during the last micro-batch's backward and queue on the dp group; under pipelines every
                  bucket waits for the rank's last backward. ZeRO 1-3 add the all-gather of the updated parameters,
                  ZeRO 2 reduces every micro-batch, ZeRO 3 gathers each block around its forward and backward
+                 (``parallel.zero3_gather=micro_batch``) or once a step (``step``), ``zero3_prefetch`` blocks ahead
     optimizer    AdamW over the rank's shard at the device's rate, its offloaded part at the host's, with the
                  gradient and parameter copies between them
 
@@ -227,14 +228,16 @@ def step_time(
         pricer.needs = needs
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
     # The schedule's simulation does not depend on the ZeRO stage or offload: layouts differing only in those share it.
-    key = dataclasses.replace(layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0)
+    key = dataclasses.replace(
+        layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0, zero3_gather="", zero3_prefetch=0
+    )
     if cache is not None and key in cache:
         costs, spans, hop = cache[key]
     else:
         costs, spans, hop = _pipeline(m, layout, profile, placement, pricer)
         if cache is not None:
             cache[key] = costs, spans, hop
-    zero3 = _zero3_gathers(m, layout, profile, placement, costs, cache) if layout.zero == 3 else 0.0
+    zero3 = _zero3_gathers(m, layout, profile, placement, costs) if layout.zero == 3 else 0.0
     ends = simulate.rank_ends(spans, pp)
     pipeline = max(ends)
     all_busy = placement.share(placement.ranks_per_node if placement.nodes > 1 else placement.world)
@@ -347,21 +350,35 @@ def _accumulate(m: ModelConfig, layout: Layout, stage: int) -> Op:
     return Op("elementwise", "W", (), (BYTES[layout.precision] + 12) * numel, len(params))
 
 
-def _zero3_gathers(
-    m: ModelConfig, layout: Layout, p: Profile, placement: Placement, costs: dict, cache: dict | None
-) -> float:
-    """ZeRO 3's parameter all-gathers left exposed: each block is gathered before its forward and again before its
-    backward, the next one prefetched while the current one computes, for every micro-batch."""
-    params = _stage_numel(m, layout, 0, cache)
-    blocks = max(1, m.n_layers)
+def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: Placement, costs: dict) -> float:
+    """ZeRO 3's parameter all-gathers left exposed, on the pipeline rank that has the most (parallel/zero/stage3.py).
+    A chunk's blocks are gathered in order with ``zero3_prefetch`` (d) of them ahead: the first gather of a pass is
+    exposed, each later one only where it outlasts the d passes of the blocks before it (d = 0: all exposed).
+    ``micro_batch`` gathers every block before each micro-batch's forward and again before its backward (behind
+    which its reduce-scatter also runs); ``step`` gathers each bucket once, at the step's first forward, and keeps
+    it; under zb-h1 the backward's gather comes before the input pass (I)."""
+    pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
+    blocks = max(1, m.n_layers // (pp * vpp))
     e = BYTES[layout.precision]
     across = placement.spans_nodes(layout.tp, layout.dp)
-    gather = collective_time(p, "all_gather", layout.dp, params * e / blocks, across)
-    scatter = collective_time(p, "reduce_scatter", layout.dp, params * 4 / blocks, across)
-    f, b = costs[(0, "F")][0] / blocks, costs[(0, "B")][0] / blocks
-    exposed_f = gather + (blocks - 1) * max(0.0, gather - f)
-    exposed_b = gather + (blocks - 1) * max(0.0, gather + scatter - b)
-    return layout.micro_batches * (exposed_f + exposed_b)
+    depth = layout.zero3_prefetch
+    worst = 0.0
+    for r in range(pp):
+        exposed = 0.0
+        for c in range(vpp):
+            stage = c * pp + r
+            numel = sum(n for _, n in chunk_params(m, layout.tp, pp, vpp, stage)) / blocks
+            gather = collective_time(p, "all_gather", layout.dp, numel * e, across)
+            scatter = collective_time(p, "reduce_scatter", layout.dp, numel * 4, across)
+            f, b = costs[(stage, "F")][0] / blocks, costs[(stage, "B")][0] / blocks
+            forward = gather + (blocks - 1) * max(0.0, gather - depth * f)
+            if layout.zero3_gather == "step":
+                exposed += forward
+            else:
+                backward = gather + (blocks - 1) * max(0.0, gather + scatter - depth * b)
+                exposed += micro * (forward + backward)
+        worst = max(worst, exposed)
+    return worst
 
 
 def _optimizer_time(

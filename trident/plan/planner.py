@@ -161,6 +161,7 @@ def candidate_of(cfg: Config) -> Candidate:
         recompute=tr.activation_checkpointing,
         micro_batch=tr.micro_batch_size,
         sequence_parallel=par.sequence_parallel,
+        zero3_gather=par.zero3_gather,
     )
 
 

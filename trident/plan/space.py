@@ -2,11 +2,11 @@
 validator (trident/config.py ``validate``), never by rules of the planner's.
 
 A ``Candidate`` fixes the layout keys: tp, pp (dp is what the world leaves), vpp, schedule, ZeRO stage, optimizer
-offload and its ratio, recomputation, micro-batch size and sequence parallelism. ``grid`` is their full product
-over each key's domain; ``candidates`` skips the combinations that only repeat another launch (a schedule named
-at pp = 1, an offload ratio with no offload, ...) or that name a value twice, and ``enumerate_layouts`` hands each
-one to ``validate``. tests/test_plan.py checks that what it lists is exactly what the validator accepts of
-the full grid.
+offload and its ratio, recomputation, micro-batch size, sequence parallelism and ZeRO-3's gather mode. ``grid`` is
+their full product over each key's domain; ``candidates`` skips the combinations that only repeat another launch (a
+schedule named at pp = 1, an offload ratio with no offload, a gather mode below ZeRO 3, ...) or that name a value
+twice, and ``enumerate_layouts`` hands each one to ``validate``. tests/test_plan.py checks that what it lists is
+exactly what the validator accepts of the full grid.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from trident.config import Config, ParallelConfig, resolve_schedule, validate
 from trident.errors import ConfigError
 from trident.parallel.pipeline.schedules import SCHEDULES
+from trident.parallel.zero.stage3 import GATHER_MODES
 
 POLICIES = ("none", "selective", "full")
 OFFLOAD_RATIOS = (0.5, 1.0)
@@ -39,6 +40,7 @@ class Candidate:
     recompute: str = "none"
     micro_batch: int = 1
     sequence_parallel: bool = False
+    zero3_gather: str = "micro_batch"  # parallel.zero3_gather: re-gather per micro-batch, or keep for the step
 
     def overrides(self) -> list[str]:
         """The train.py overrides that launch this layout (dp follows from the world size)."""
@@ -54,6 +56,7 @@ class Candidate:
             f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
             f"train.micro_batch_size={self.micro_batch}",
             f"train.activation_checkpointing={self.recompute}",
+            f"parallel.zero3_gather={self.zero3_gather}",
         ]
         return out
 
@@ -67,6 +70,8 @@ class Candidate:
         if self.sequence_parallel:
             words.append("sp")
         words.append(f"zero{self.zero}")
+        if self.zero3_gather != "micro_batch":
+            words.append(f"gather={self.zero3_gather}")
         if self.offload != "none":
             words.append(f"offload{self.ratio:g}")
         if self.recompute != "none":
@@ -84,6 +89,7 @@ class Candidate:
             vpp=self.vpp,
             schedule=self.schedule,
             zero=self.zero,
+            zero3_gather=self.zero3_gather,
             sequence_parallel=self.sequence_parallel,
             offload=dataclasses.replace(cfg.parallel.offload, optimizer=self.offload, ratio=self.ratio),
         )
@@ -94,11 +100,12 @@ class Candidate:
 
     def canonical(self) -> Candidate:
         """The same launch written one way: the schedule train.py resolves (none at pp = 1), ratio 1 without
-        offload."""
+        offload, the default gather mode below ZeRO 3."""
         par = ParallelConfig(pp=self.pp, vpp=self.vpp, schedule=self.schedule)
         schedule = None if self.pp == 1 else resolve_schedule(par)
         ratio = self.ratio if self.offload != "none" else 1.0
-        return dataclasses.replace(self, schedule=schedule, ratio=ratio)
+        gather = self.zero3_gather if self.zero == 3 else "micro_batch"
+        return dataclasses.replace(self, schedule=schedule, ratio=ratio, zero3_gather=gather)
 
 
 def grid(cfg: Config, world: int) -> Iterator[Candidate]:
@@ -113,7 +120,10 @@ def grid(cfg: Config, world: int) -> Iterator[Candidate]:
                             for recompute in POLICIES:
                                 for mbs in divisors(tr.global_batch_size):
                                     for sp in (False, True):
-                                        yield Candidate(tp, pp, vpp, schedule, zero, offload, ratio, recompute, mbs, sp)
+                                        for gather in GATHER_MODES:
+                                            yield Candidate(
+                                                tp, pp, vpp, schedule, zero, offload, ratio, recompute, mbs, sp, gather
+                                            )
 
 
 def candidates(cfg: Config, world: int) -> Iterator[Candidate]:
@@ -133,7 +143,10 @@ def candidates(cfg: Config, world: int) -> Iterator[Candidate]:
                                 per_rank = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
                                 for mbs in divisors(per_rank) if per_rank else []:
                                     for sp in (False, True) if tp > 1 else (False,):
-                                        yield Candidate(tp, pp, vpp, schedule, zero, offload, ratio, recompute, mbs, sp)
+                                        for gather in GATHER_MODES if zero == 3 else ("micro_batch",):
+                                            yield Candidate(
+                                                tp, pp, vpp, schedule, zero, offload, ratio, recompute, mbs, sp, gather
+                                            )
 
 
 @dataclass
