@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import threading
 import time
 from types import TracebackType
 
 import torch.distributed as dist
 
+from trident.parallel.attempt import uses_agent_store
 from trident.parallel.errors import TridentError, gist, is_lost_peer
 
 
@@ -116,9 +116,7 @@ class Heartbeat:
 def watch_peers() -> contextlib.AbstractContextManager:
     """A ``Heartbeat`` of this rank in the default group's store, under torchrun; nothing without its agent's store
     or in a one-process run."""
-    if dist.get_world_size() == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if dist.get_world_size() == 1 or not uses_agent_store():
         return contextlib.nullcontext()
-    store = dist.distributed_c10d._get_default_store()
-    # torchrun's restarts (--max-restarts) share the agent's store: each attempt beats under its own keys.
-    prefix = f"trident/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), prefix=prefix)
+    # The default group's store holds this restart round's keys alone (trident/parallel/attempt.py).
+    return Heartbeat(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size())
