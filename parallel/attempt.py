@@ -70,5 +70,9 @@ def agent_store(timeout_s: float) -> dist.Store:
     )
 
 
+def agent_store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
 def uses_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
