@@ -7,8 +7,10 @@ what was lost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,10 +42,15 @@ def _two_nodes(nproc: int, run_dir: Path, overrides: list[str]) -> list[subproce
     first = _agent(port, 0, nproc, run_dir, overrides)
     # The first agent hosts the rendezvous (both would try, on one machine): let it bind the port first.
     deadline = time.monotonic() + 30
-    while subprocess.run(["ss", "-ltn", f"sport = :{port}"], capture_output=True, text=True).stdout.count("\n") < 2:
+    while not _listening(port):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.05)
     return [first, _agent(port, 1, nproc, run_dir, overrides)]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _end(agents: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
@@ -51,25 +58,19 @@ def _end(agents: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]
         return [agent.communicate(timeout=timeout) for agent in agents]
     finally:
         for agent in agents:
-            with contextlib_suppress():
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(agent.pid, signal.SIGKILL)
-
-
-class contextlib_suppress:  # noqa: N801 - a tiny local stand-in for contextlib.suppress(ProcessLookupError)
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, kind: type | None, *_: object) -> bool:
-        return kind is ProcessLookupError
 
 
 def test_two_agents_train_a_3d_layout_with_the_one_process_curve_and_prepare_the_data_once(tmp_path):
     steps, cache = 6, tmp_path / "cache"
     data = [f"data.text=[{','.join(SMALL_CORPUS)}]", "data.suffixes=[.py]", f"data.cache_dir={cache}"]
-    common = [*tiny(Path("unused"), f"train.steps={steps}", "train.eval_every=3")[2:], *data]  # no dataset_dir
+    # gpt-tiny on the text the test dataset is prepared from, prepared by the run itself (no data.dataset_dir).
+    tiny_run = tiny(Path("unused"), f"train.steps={steps}", "train.eval_every=3")
+    common = [*(o for o in tiny_run if not o.startswith("data.dataset_dir=")), *data]
     layout = ["parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=2"]  # dp = 8 / (2 x 2) = 2
     run_dir = tmp_path / "run"
-    agents = _two_nodes(4, run_dir, ["model=gpt-tiny", *common, *layout])
+    agents = _two_nodes(4, run_dir, [*common, *layout])
     (out0, err0), (out1, err1) = _end(agents, timeout=240)
     assert [a.returncode for a in agents] == [0, 0], err0 + err1
     # Every rank of both nodes asked for the dataset; the first prepared it, the rest waited on its lock.
@@ -77,7 +78,7 @@ def test_two_agents_train_a_3d_layout_with_the_one_process_curve_and_prepare_the
     assert len(prepared) == 1, out0 + out1
     assert "world 8 (dp 2 x tp 2 x pp 2)" in out0 + out1
 
-    (reference,) = train_in_process(tmp_path / "reference", ["model=gpt-tiny", *common])
+    (reference,) = train_in_process(tmp_path / "reference", common)
     assert_same_curve(reference, _rows(run_dir))
 
 
