@@ -27,9 +27,12 @@ from trident.ranks import free_port
 pytestmark = pytest.mark.multiprocess
 
 
-def _agent(port: int, node: int, nproc: int, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+def _agent(
+    port: int, node: int, nproc: int, run_dir: Path, overrides: list[str], restarts: int = 0
+) -> subprocess.Popen:
     """One node's torchrun agent, in a process group of its own (a node's processes, to kill at once)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"]
+    cmd += [f"--max-restarts={restarts}"] if restarts else []
     cmd += [f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test"]
     cmd += [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.Popen(
@@ -37,15 +40,15 @@ def _agent(port: int, node: int, nproc: int, run_dir: Path, overrides: list[str]
     )
 
 
-def _two_nodes(nproc: int, run_dir: Path, overrides: list[str]) -> list[subprocess.Popen]:
+def _two_nodes(nproc: int, run_dir: Path, overrides: list[str], restarts: int = 0) -> list[subprocess.Popen]:
     port = free_port()
-    first = _agent(port, 0, nproc, run_dir, overrides)
+    first = _agent(port, 0, nproc, run_dir, overrides, restarts)
     # The first agent hosts the rendezvous (both would try, on one machine): let it bind the port first.
     deadline = time.monotonic() + 30
     while not _listening(port):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.05)
-    return [first, _agent(port, 1, nproc, run_dir, overrides)]
+    return [first, _agent(port, 1, nproc, run_dir, overrides, restarts)]
 
 
 def _listening(port: int) -> bool:
@@ -125,3 +128,26 @@ def test_a_node_killed_mid_run_ends_the_other_nodes_ranks_within_60_s_naming_wha
         named = "error: lost contact with another rank and with the job's store (torchrun's agent at "
     assert any(line.startswith(named) for line in lines), err
     assert all(line.startswith((named, "stopped by SIGTERM")) for line in lines), err
+
+
+def test_a_rank_killed_on_one_node_under_max_restarts_resumes_on_both_with_the_unbroken_losses(tiny_dataset, tmp_path):
+    """The node whose rank died counts a restart; the other is restarted without counting one (torch's agents count
+    their own), so the restart count cannot name the round: the ranks still meet in the new one."""
+    steps = 12
+    overrides = tiny(tiny_dataset, f"train.steps={steps}", "train.micro_batch_size=1", "train.eval_every=0")
+    overrides += ["logging.interval=1000", "checkpoint.every=2"]
+    run_dir = tmp_path / "run"
+    agents = _two_nodes(1, run_dir, overrides, restarts=1)
+    try:
+        _wait_for_rows(run_dir, 5, agents[0])
+        node = 1 - _node_of_rank_0(agents)  # rank 1's node
+        os.kill(_workers(agents[node].pid)[1], signal.SIGKILL)
+        killed_at = _rows(run_dir)[-1]["step"]
+    finally:
+        results = _end(agents, timeout=240)
+    assert killed_at < steps, "the run ended before the kill: make its steps longer"
+    assert [a.returncode for a in agents] == [0, 0], results
+    out = results[0][0] + results[1][0]
+    assert sum(line.startswith("resumed from ") for line in _lines(out)) == 1, out  # rank 0 says it
+    (reference,) = train_in_process(tmp_path / "reference", overrides)
+    assert_same_curve(reference, _rows(run_dir))
