@@ -134,14 +134,14 @@ def test_a_rank_killed_on_one_node_under_max_restarts_resumes_on_both_with_the_u
     """The node whose rank died counts a restart; the other is restarted without counting one (torch's agents count
     their own), so the restart count cannot name the round: the ranks still meet in the new one."""
     steps = 12
-    overrides = tiny(tiny_dataset, f"train.steps={steps}", "train.micro_batch_size=1", "train.eval_every=0")
+    overrides = tiny(tiny_dataset, f"train.steps={steps}", "train.micro_batch_size=2", "train.eval_every=0")
     overrides += ["logging.interval=1000", "checkpoint.every=2"]
     run_dir = tmp_path / "run"
-    agents = _two_nodes(1, run_dir, overrides, restarts=1)
+    agents = _two_nodes(2, run_dir, [*overrides, "parallel.tp=2"], restarts=1)  # dp=2 x tp=2
     try:
         _wait_for_rows(run_dir, 5, agents[0])
-        node = 1 - _node_of_rank_0(agents)  # rank 1's node
-        os.kill(_workers(agents[node].pid)[1], signal.SIGKILL)
+        node = 1 - _node_of_rank_0(agents)  # the node of ranks 2 and 3
+        os.kill(_workers(agents[node].pid)[3], signal.SIGKILL)
         killed_at = _rows(run_dir)[-1]["step"]
     finally:
         results = _end(agents, timeout=240)
