@@ -28,6 +28,7 @@ from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_
 from trident.config import Config, register_configs, to_config, validate
 from trident.data.mixture import open_training_data
 from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores
+from trident.launcher import launcher_pid, stop_when_orphaned
 from trident.loop import Trainer
 from trident.memory import log_model_states
 from trident.memory_estimate import Layout, estimate
@@ -55,6 +56,8 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
     owns_group = not dist.is_initialized()
     with contextlib.ExitStack() as cleanup:
         stop = cleanup.enter_context(StopRequest(cfg.train.stop_grace_s))
+        if (launcher := launcher_pid()) is not None:  # under torchrun: no training on, orphaned, if it dies
+            cleanup.callback(stop_when_orphaned(launcher, launch_rank()).set)
         # Checks and data need no process group: a problem ends every rank the same way, before any collective.
         world = launch_world_size() if owns_group else dist.get_world_size()
         if cfg.parallel.auto:  # every rank plans alike (trident/plan/auto.py), before anything depends on the layout

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trident.parallel.attempt import agent_store, round_store, uses_agent_store
 from trident.parallel.topology import Coord, Topology
 
 
@@ -113,7 +114,12 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float = 600.
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if uses_agent_store():
+        # torchrun keeps one store for all its restart rounds: this round's ranks meet under keys of their own.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store, _ = round_store(agent_store(timeout_s), rank, world_size, timeout_s)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -14,9 +14,11 @@ SIGTERM after another rank died) first says so in the store, so it is not named 
 
 The store must outlive the failed rank. Under torchrun the agent hosts it in its own process
 (``TORCHELASTIC_USE_AGENT_STORE``), so it does whichever worker fails; should the store itself be gone (its
-node died) the error says only that a peer is gone. Without the agent (ranks started by hand, ``srun python``)
-rank 0 hosts the store and takes it along when it exits, even after an error of its own, while the other ranks
-still need it: there are no heartbeats then, and a lost peer is reported without a name.
+node died) the error names the store's address and the node hosting it as lost. Each rank also records its
+node (torchrun's ``GROUP_RANK`` and the host name), so that a node lost whole is named as one. Without the
+agent (ranks started by hand, ``srun python``) rank 0 hosts the store and takes it along when it exits, even
+after an error of its own, while the other ranks still need it: there are no heartbeats then, and a lost peer is
+reported without a name.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 import threading
 import time
 from types import TracebackType
 
 import torch.distributed as dist
 
+from trident.parallel.attempt import agent_store_address, uses_agent_store
 from trident.parallel.errors import TridentError, gist, is_lost_peer
 
 
@@ -51,8 +55,10 @@ class Heartbeat:
         interval_s: float = 0.5,
         window_s: float = 3.0,
         prefix: str = "trident/heartbeat/",
+        store_host: str = "its host",
     ) -> None:
         self.store, self.rank, self.world_size, self.prefix = store, rank, world_size, prefix
+        self.store_host = store_host
         self.interval_s, self.window_s = interval_s, window_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="trident-heartbeat", daemon=True)
@@ -83,6 +89,10 @@ class Heartbeat:
             return None
 
     def __enter__(self) -> Heartbeat:
+        # Which node this rank runs on, so that a node lost whole is named as one (torchrun's GROUP_RANK).
+        self.store.set(
+            f"{self.prefix}node/{self.rank}", f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
+        )
         self._thread.start()
         return self
 
@@ -107,18 +117,30 @@ class Heartbeat:
 
     def _who(self) -> str:
         silent = self.silent_ranks()
+        if silent is None:
+            return f"another rank and with the job's store ({self.store_host}), so with the node that hosts it"
         if not silent:
             return "another rank"
         ranks = ", ".join(map(str, silent))
-        return f"rank{'s' if len(silent) > 1 else ''} {ranks} (silent for {self.window_s:g} s: dead or stuck)"
+        nodes = self._whole_nodes(silent)
+        where = f"; all of {' and '.join(nodes)}" if nodes else ""
+        return f"rank{'s' if len(silent) > 1 else ''} {ranks} (silent for {self.window_s:g} s: dead or stuck{where})"
+
+    def _whole_nodes(self, silent: list[int]) -> list[str]:
+        """The nodes every rank of which is silent: a node lost whole (killed, crashed, cut off)."""
+        try:
+            node = [self.store.get(f"{self.prefix}node/{r}").decode() for r in range(self.world_size)]
+        except Exception:  # a rank that died before it said where it runs
+            return []
+        lost = {node[r] for r in silent}
+        return sorted(n for n in lost if all(r in silent for r in range(self.world_size) if node[r] == n))
 
 
 def watch_peers() -> contextlib.AbstractContextManager:
     """A ``Heartbeat`` of this rank in the default group's store, under torchrun; nothing without its agent's store
     or in a one-process run."""
-    if dist.get_world_size() == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if dist.get_world_size() == 1 or not uses_agent_store():
         return contextlib.nullcontext()
-    store = dist.distributed_c10d._get_default_store()
-    # torchrun's restarts (--max-restarts) share the agent's store: each attempt beats under its own keys.
-    prefix = f"trident/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), prefix=prefix)
+    # The default group's store holds this restart round's keys alone (trident/parallel/attempt.py).
+    store, host = dist.distributed_c10d._get_default_store(), f"torchrun's agent at {agent_store_address()}"
+    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), store_host=host)

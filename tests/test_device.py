@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from trident.device import pick_backend, pick_device
+from trident.device import pick_backend, pick_device, set_cpu_threads
 from trident.errors import ConfigError
 
 
@@ -124,3 +124,16 @@ def test_nccl_on_cpu_fails() -> None:
 def test_explicit_gloo_is_kept(device: str) -> None:
     """An explicit gloo is kept on either device."""
     assert pick_backend("gloo", torch.device(device)) == "gloo"
+
+
+def test_a_nodes_cores_are_split_between_its_own_ranks_not_the_worlds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 cores, 4 ranks on this node of a 32-rank world (8 nodes): 4 threads each, whatever the world size."""
+    fake_node(monkeypatch, gpus=0, local_rank=1, local_world_size=4)
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    before = torch.get_num_threads()
+    try:
+        set_cpu_threads()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,153 @@
+"""Several nodes, tested on one machine: two torchrun agents joined by the c10d rendezvous, as on two nodes (the
+README's "Several nodes" commands). What is per node is per node: each agent numbers its own local ranks, and the
+dataset a run prepares (``data.text``) is prepared once where the nodes share the cache (here, one file system).
+A node that dies, agent and workers at once, ends the other node's ranks within 60 s, each with a line naming
+what was lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SMALL_CORPUS
+from tests.layouts import assert_same_curve, tiny, train_in_process
+from tests.test_failures import _alive, _workers
+from tests.test_lifecycle import _env, _lines, _rows, _wait_for_rows
+from trident.ranks import free_port
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _agent(
+    port: int, node: int, nproc: int, run_dir: Path, overrides: list[str], restarts: int = 0
+) -> subprocess.Popen:
+    """One node's torchrun agent, in a process group of its own (a node's processes, to kill at once)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"]
+    cmd += [f"--max-restarts={restarts}"] if restarts else []
+    cmd += [f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test"]
+    cmd += [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+    )
+
+
+def _two_nodes(nproc: int, run_dir: Path, overrides: list[str], restarts: int = 0) -> list[subprocess.Popen]:
+    port = free_port()
+    first = _agent(port, 0, nproc, run_dir, overrides, restarts)
+    # The first agent hosts the rendezvous (both would try, on one machine): let it bind the port first.
+    deadline = time.monotonic() + 30
+    while not _listening(port):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    return [first, _agent(port, 1, nproc, run_dir, overrides, restarts)]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _end(agents: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    try:
+        return [agent.communicate(timeout=timeout) for agent in agents]
+    finally:
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+
+
+def test_two_agents_train_a_3d_layout_with_the_one_process_curve_and_prepare_the_data_once(tmp_path):
+    steps, cache = 6, tmp_path / "cache"
+    data = [f"data.text=[{','.join(SMALL_CORPUS)}]", "data.suffixes=[.py]", f"data.cache_dir={cache}"]
+    # gpt-tiny on the text the test dataset is prepared from, prepared by the run itself (no data.dataset_dir).
+    tiny_run = tiny(Path("unused"), f"train.steps={steps}", "train.eval_every=3")
+    common = [*(o for o in tiny_run if not o.startswith("data.dataset_dir=")), *data]
+    layout = ["parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=2"]  # dp = 8 / (2 x 2) = 2
+    run_dir = tmp_path / "run"
+    agents = _two_nodes(4, run_dir, [*common, *layout])
+    (out0, err0), (out1, err1) = _end(agents, timeout=240)
+    assert [a.returncode for a in agents] == [0, 0], err0 + err1
+    # Every rank of both nodes asked for the dataset; the first prepared it, the rest waited on its lock.
+    prepared = [line for line in _lines(out0 + out1) if line.startswith("preparing dataset")]
+    assert len(prepared) == 1, out0 + out1
+    assert "world 8 (dp 2 x tp 2 x pp 2)" in out0 + out1
+
+    (reference,) = train_in_process(tmp_path / "reference", common)
+    assert_same_curve(reference, _rows(run_dir))
+
+
+def _node_of_rank_0(agents: list[subprocess.Popen]) -> int:
+    for node, agent in enumerate(agents):
+        if 0 in _workers(agent.pid):
+            return node
+    raise AssertionError("no agent runs rank 0")
+
+
+@pytest.mark.parametrize("lost", ["the other node", "the node of rank 0"])
+def test_a_node_killed_mid_run_ends_the_other_nodes_ranks_within_60_s_naming_what_was_lost(
+    tiny_dataset, tmp_path, lost
+):
+    overrides = tiny(tiny_dataset, "train.steps=100000", "parallel.tp=2", "train.eval_every=0", "logging.interval=1000")
+    run_dir = tmp_path / "run"
+    agents = _two_nodes(2, run_dir, overrides)
+    try:
+        _wait_for_rows(run_dir, 3, agents[0])
+        rank0_node = _node_of_rank_0(agents)
+        dead = rank0_node if lost == "the node of rank 0" else 1 - rank0_node
+        survivor = agents[1 - dead]
+        workers = _workers(survivor.pid)
+        dead_workers = _workers(agents[dead].pid)
+        # The node's agent and its workers at once (torchrun starts each worker in a session of its own).
+        for pid in [agents[dead].pid, *dead_workers.values()]:
+            os.kill(pid, signal.SIGKILL)
+        dead_ranks = sorted(dead_workers)
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in workers.values()) and time.monotonic() - killed < 90:
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+    finally:
+        results = _end(agents, timeout=60)
+    assert took < 60, took
+    # Each surviving rank whose collective failed first names what was lost; one that its agent's SIGTERM reached
+    # first (sent when the first survivor exited) leaves nothing or the stop line.
+    err = results[1 - dead][1]
+    lines = [line for line in _lines(err) if line.startswith(("error:", "stopped by"))]
+    if lost == "the other node":
+        ranks = ", ".join(map(str, dead_ranks))
+        named = f"error: lost contact with ranks {ranks} (silent for 3 s: dead or stuck; all of node "
+    else:  # rank 0's node hosted the job's store (its agent's): the survivors cannot see beats, only that it is gone
+        named = "error: lost contact with another rank and with the job's store (torchrun's agent at "
+    assert any(line.startswith(named) for line in lines), err
+    assert all(line.startswith((named, "stopped by SIGTERM")) for line in lines), err
+
+
+def test_a_rank_killed_on_one_node_under_max_restarts_resumes_on_both_with_the_unbroken_losses(tiny_dataset, tmp_path):
+    """The node whose rank died counts a restart; the other is restarted without counting one (torch's agents count
+    their own), so the restart count cannot name the round: the ranks still meet in the new one."""
+    steps = 12
+    overrides = tiny(tiny_dataset, f"train.steps={steps}", "train.micro_batch_size=2", "train.eval_every=0")
+    overrides += ["logging.interval=1000", "checkpoint.every=2"]
+    run_dir = tmp_path / "run"
+    agents = _two_nodes(2, run_dir, [*overrides, "parallel.tp=2"], restarts=1)  # dp=2 x tp=2
+    try:
+        _wait_for_rows(run_dir, 5, agents[0])
+        node = 1 - _node_of_rank_0(agents)  # the node of ranks 2 and 3
+        os.kill(_workers(agents[node].pid)[3], signal.SIGKILL)
+        killed_at = _rows(run_dir)[-1]["step"]
+    finally:
+        results = _end(agents, timeout=240)
+    assert killed_at < steps, "the run ended before the kill: make its steps longer"
+    assert [a.returncode for a in agents] == [0, 0], results
+    out = results[0][0] + results[1][0]
+    assert sum(line.startswith("resumed from ") for line in _lines(out)) == 1, out  # rank 0 says it
+    (reference,) = train_in_process(tmp_path / "reference", overrides)
+    assert_same_curve(reference, _rows(run_dir))

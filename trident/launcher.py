@@ -1,0 +1,49 @@
+"""A worker whose torchrun agent is gone stops: nothing would restart it, end it, or report its exit.
+
+When a node's agent dies (killed, its node's job step cancelled) and its workers do not, they would train on
+orphaned, holding the run directory and the devices. A worker sees its launcher go when its parent pid changes
+(the kernel hands an orphan to init or a subreaper): a thread looks twice a second and then sends this process
+SIGTERM, which stops the run cleanly after the step in flight, with a checkpoint, as any SIGTERM does
+(trident/signals.py), within ``train.stop_grace_s`` when the other ranks no longer answer.
+
+Not ``prctl(PR_SET_PDEATHSIG)``: the kernel sends that signal when the parent *thread* exits, and a killed
+multi-threaded agent's threads exit one by one, so it comes while the worker still sees the agent as its parent.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+INTERVAL_S = 0.5
+
+
+def launcher_pid() -> int | None:
+    """The pid of this rank's torchrun agent, or None when no torchrun agent started this process."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return os.getppid()  # torchrun starts its workers itself
+
+
+def gone_line(launcher: int, rank: int) -> str:
+    return (
+        f"error: rank {rank}'s launcher (torchrun agent, pid {launcher}) is gone: stopping, since nothing would "
+        "restart or end this rank; start the job again to resume from its last checkpoint"
+    )
+
+
+def stop_when_orphaned(launcher: int, rank: int, interval_s: float = INTERVAL_S) -> threading.Event:
+    """Watch, from a daemon thread, for ``launcher`` to stop being this process's parent; then print one line and
+    send this process SIGTERM. Setting the returned event ends the watch."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(interval_s):
+            if os.getppid() != launcher:
+                os.write(2, (gone_line(launcher, rank) + "\n").encode())
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="trident-launcher-watch", daemon=True).start()
+    return done
