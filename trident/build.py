@@ -181,7 +181,7 @@ def build_parts(
 def build_checkpointer(
     cfg: Config, groups: ProcessGroups, parts: RunParts, root: Path, tokenizer: Path | None
 ) -> Checkpointer:
-    """The checkpointer of ``parts`` under ``root`` (``checkpoint.every``, ``keep_last``, ``resume``)."""
+    """The checkpointer of ``parts`` under ``root`` (``checkpoint.every``, ``keep_last``, ``resume``, ``async``)."""
     ck = cfg.checkpoint
     return Checkpointer(
         root=root,
@@ -193,4 +193,6 @@ def build_checkpointer(
         optimizer=parts.optimizer.zero,
         config=dataclasses.asdict(cfg),
         tokenizer=tokenizer,
+        background=ck.async_,
+        timeout_s=cfg.parallel.timeout_s,
     )
