@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -24,7 +26,7 @@ from train import run
 from trident.checkpoint import dcp
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.config import Config, compose_config
-from trident.errors import ConfigError
+from trident.errors import CheckpointError, ConfigError
 from trident.ranks import run_distributed
 from trident.signals import Stopped
 
@@ -161,3 +163,49 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tiny_da
     (resumed,) = train_in_process(run_dir, overrides)
     assert [r["step"] for r in resumed] == [3, 4, 5, 6, 7, 8]
     assert_same_curve(killed[2:6], resumed[:4], rel=1e-6)
+
+
+def _write_fails_on_rank_1(rank: int, world: int, cfg: Config, run_dir: Path) -> str:
+    real = dcp._Writer.write_data
+
+    def failing(self: dcp._Writer, plan: object, planner: object) -> object:
+        if rank == 1 and f".{checkpoint_name(2)}.tmp-" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return real(self, plan, planner)
+
+    dcp._Writer.write_data = failing
+    try:
+        run(cfg, run_dir)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        dcp._Writer.write_data = real
+    raise AssertionError("the failed write was lost")
+
+
+@pytest.mark.multiprocess
+def test_a_failed_background_write_is_one_error_on_every_rank(tiny_dataset, tmp_path):
+    """Rank 1's write of step 2 fails in the background: both ranks raise it, as one line naming the rank, when
+    they next wait for it (at step 4's save), and nothing of step 2 is left."""
+    overrides = four_layers(tiny_dataset, 6, "train.eval_every=0", "checkpoint.every=2", "checkpoint.async=true")
+    errors = run_distributed(_write_fails_on_rank_1, 2, make_config(*overrides), tmp_path, timeout_s=120)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("rank 1: cannot write checkpoint data in "), errors[0]
+    assert errors[0].endswith("No space left on device"), errors[0]
+    root = tmp_path / "checkpoints"
+    assert list_checkpoints(root) == [] and not list(root.glob(".step_*"))
+
+
+@pytest.mark.multiprocess
+def test_bench_checkpoint_tables_no_save_sync_and_async():
+    """``tools/bench.py checkpoint`` on gpt-tiny: its three rows and finite figures (never how fast)."""
+    tool = runpy.run_path(str(REPO / "tools" / "bench.py"))
+    argv = ["checkpoint", "--model", "gpt-tiny", "--world", "2", "--every", "2", "--rounds", "1", "--seq-len", "16"]
+    module, args = tool["parse"]([*argv, "--micro-batch", "1", "--micro-batches", "1"])
+    (table,) = module.run(args)
+    assert table.column("variant") == ["no save", "sync", "async"]
+    assert all(float(c.rstrip("x")) > 0 for c in table.column("s/step") + table.column("vs no save"))
+    assert [c == "-" for c in table.column("stall s/save")] == [True, False, False]
+    # The host staging measured against the estimator's figure for it (tools/estimate_memory.py prints it).
+    measured, predicted = (float(x) for x in re.findall(r"([\d.]+) MiB", table.notes[0]))
+    assert predicted == pytest.approx(measured, rel=0.02)

@@ -11,6 +11,7 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
     python tools/bench.py zero --worlds 2 4            # ZeRO 0-3 vs FSDP2 and DDP + ZeroRedundancyOptimizer
     python tools/bench.py prepare --mb 200             # prepare_data's tokens/s at 1 and 2 workers vs the batch API
     python tools/bench.py loader                       # reading batches: its share of a real loop's step
+    python tools/bench.py checkpoint                   # step time with no save, a sync save, an async save
 
 ``python tools/bench.py <subcommand> --help`` says what each measures. ``--out FILE`` also writes the tables.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 REPO = Path(__file__).resolve().parent.parent
-SUBCOMMANDS = ("layouts", "matrix", "throughput", "tp", "pp", "zero", "loader", "prepare")
+SUBCOMMANDS = ("layouts", "matrix", "throughput", "tp", "pp", "zero", "loader", "prepare", "checkpoint")
 
 
 def parse(argv: list[str] | None = None) -> tuple[ModuleType, argparse.Namespace]:

@@ -124,6 +124,8 @@ def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None
     batch = int(model["train.global_batch_size"])
     micro = [m for m in (1, 2, 4, 8) if batch % (m * dp) == 0]
     knobs["train.micro_batch_size"] = rng.choice(micro if micro and not wrong() else [1, 2, 4, 8])
+    # The mid-run checkpoint and the resumed run's written in the background (drawn last: earlier draws keep theirs).
+    knobs["checkpoint.async"] = rng.random() < 0.5
     return world, {**model, **knobs}
 
 

@@ -109,6 +109,7 @@ class Layout:
     bucket_mb: float = 25.0
     device: str = "cuda"  # cuda | cpu: on a CPU run the "device" is host memory too
     document_mask: bool = False  # data.document_mask: packed documents (models/documents.py)
+    async_checkpoint: bool = False  # checkpoint.async: a host copy of what the rank saves (checkpoint/background.py)
 
     @classmethod
     def from_config(cls, cfg: Config, dp: int, device: str = "cuda") -> Layout:
@@ -131,6 +132,7 @@ class Layout:
             bucket_mb=par.bucket_mb,
             device=device,
             document_mask=cfg.data.document_mask,
+            async_checkpoint=cfg.checkpoint.async_,
         )
 
     @property
@@ -282,6 +284,7 @@ class ModelStates:
     figures: Figures  # kind -> place -> bytes, as ``trident.memory.measure_model_states`` measures them
     staging: int  # stages 2-3: fp32 staging of the bucket filling and those in flight (the largest ones)
     gathered: int  # stage 3: full buffers of gathered buckets (the root and two blocks, in the parameter dtype)
+    checkpoint: int  # what the rank's checkpoint holds: fp32 masters and moments of its shard, a step per piece
 
 
 def model_states(
@@ -327,10 +330,12 @@ def _rank_states(params: list[tuple[str, int]], flat: FlatLayout, layout: Layout
     fig["optimizer"]["host"] = host_numel * FP32
     if pb != FP32:
         fig["optimizer"]["device"] = (shard - host_numel) * FP32
+    checkpoint = 0
     for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel):
         pieces = flat.pieces(span, start, stop)
         place = "host" if on_host else "device"
         fig["optimizer"][place] += sum(p.numel for p in pieces) * ADAM_MOMENTS * FP32 + len(pieces) * STEP_COUNTER
+        checkpoint += sum(p.numel for p in pieces) * (1 + ADAM_MOMENTS) * FP32 + len(pieces) * STEP_COUNTER
     staging = gathered = 0
     if layout.zero >= 2:
         largest = sorted((s.numel for s in flat.spans), reverse=True)
@@ -341,7 +346,7 @@ def _rank_states(params: list[tuple[str, int]], flat: FlatLayout, layout: Layout
             root, blocks = flat.spans[-1].numel, sorted((s.numel for s in flat.spans[:-1]), reverse=True)
             staging = (root + blocks[0] + in_flight) * FP32
             gathered = (root + sum(blocks[:2])) * pb
-    return ModelStates(_place(_total(fig), layout), staging, gathered)
+    return ModelStates(_place(_total(fig), layout), staging, gathered, checkpoint)
 
 
 # --- activations ----------------------------------------------------------------------------------------------
@@ -576,11 +581,13 @@ class StageEstimate:
     gathered: int  # transient gathered parameters (stage 3)
     activations: dict[str, int]  # bytes kept for backward at the schedule's peak, per recomputation policy
     recompute: dict[str, int]  # transient bytes while backward recomputes, per policy
+    checkpoint_staging: int = 0  # checkpoint.async: host memory holding a copy of what the rank saves, for the run
 
     def peak(self, policy: str) -> dict[str, int]:
         """Model states, transient buffers and activations, by place, at the schedule's peak under ``policy``."""
         out = dict(self.model_states["total"])
         out[self.compute_place] += self.staging + self.gathered + self.activations[policy] + self.recompute[policy]
+        out["host"] += self.checkpoint_staging
         return out
 
 
@@ -617,6 +624,7 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
                 gathered=states.gathered,
                 activations={p: activation_bytes(m, layout, stage, p) for p in POLICIES},
                 recompute={p: recompute_bytes(m, layout, p) for p in POLICIES},
+                checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
             )
         )
     return out

@@ -96,8 +96,9 @@ class BackgroundSave:
         self._thread.start()
 
     @property
-    def in_flight(self) -> bool:
-        return self._thread is not None
+    def writing(self) -> bool:
+        """Whether the save in flight is still being written (``wait`` would block)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> Path | None:
         """Wait for the save in flight; return its checkpoint (None when none was in flight) or raise its error."""
