@@ -26,7 +26,7 @@ from train import run
 from trident.checkpoint import dcp
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.config import Config, compose_config
-from trident.errors import CheckpointError, ConfigError
+from trident.errors import CheckpointError, ConfigError, DivergenceError
 from trident.ranks import run_distributed
 from trident.signals import Stopped
 
@@ -209,3 +209,27 @@ def test_bench_checkpoint_tables_no_save_sync_and_async():
     # The host staging measured against the estimator's figure for it (tools/estimate_memory.py prints it).
     measured, predicted = (float(x) for x in re.findall(r"([\d.]+) MiB", table.notes[0]))
     assert predicted == pytest.approx(measured, rel=0.02)
+
+
+def _diverges_during_write(rank: int, world: int, cfg: Config, run_dir: Path) -> str:
+    real, _ = _hold_write_of(1, 1.5)
+    try:
+        run(cfg, run_dir)
+    except DivergenceError as e:
+        return str(e)
+    finally:
+        dcp._Writer.write_data = real
+    raise AssertionError("the run did not diverge")
+
+
+@pytest.mark.multiprocess
+def test_divergence_during_a_background_write_names_it_once_complete(tiny_dataset, tmp_path):
+    """lr=1000 in fp16 diverges at step 4 while step 1's write (held 1.5 s) is in flight: the stop waits for it and
+    names it as the last good checkpoint."""
+    overrides = four_layers(tiny_dataset, 30, "train.precision=fp16", "optim.lr=1000", "optim.warmup_steps=0")
+    cfg = make_config(*overrides, "checkpoint.every=1", "train.eval_every=0", "checkpoint.async=true")
+    errors = run_distributed(_diverges_during_write, 2, cfg, tmp_path, timeout_s=120)
+    assert errors[0] == errors[1]
+    good = tmp_path / "checkpoints" / checkpoint_name(1)
+    assert errors[0].startswith("training diverged at step 4") and f"the last good checkpoint is {good}:" in errors[0]
+    assert list_checkpoints(tmp_path / "checkpoints") == [good]
