@@ -16,8 +16,9 @@ with ``true``) saves them, into a temporary directory (keep_last 2). Three varia
 
 Each row: the median over rounds of the block's mean step time, its spread, the ratio to no save; the time a save
 holds training up (sync: the write; async: staging plus the final wait), and for async the median time of the
-steps taken while its write ran (the issue's target: within 10% of a step without a save). On a CPU the writer
-thread shares the machine's cores with the ranks' compute, so the figures depend on how many are free.
+steps taken while its write ran (the issue's target: within 10% of a step without a save); CPU-s/step is the
+rank process's CPU time (its threads together, the writer's included) per step. On a CPU the writer thread shares
+the machine's cores with the ranks' compute, so the figures depend on how many are free.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from trident.ranks import run_distributed
 
 VARIANTS = ("no save", "sync", "async")
 HEADER = ["variant", "s/step", "spread", "vs no save", "stall s/save", "step s while writing", "vs no save step"]
+HEADER += ["CPU-s/step"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> list[Table]:
             number(stall, ".3f"),
             number(writing, ".3f"),
             ratio(writing, base_step),
+            number(statistics.median(r["cpu"]), ".3f"),
         )
     ck = dataclasses.replace(cfg.checkpoint, async_=True)
     layout = Layout.from_config(dataclasses.replace(cfg, checkpoint=ck), args.world, "cpu")
@@ -174,4 +177,5 @@ def _rank(rank: int, world: int, job: Job) -> dict:
         )
         state_bytes = savers["async"].background.stage.nbytes
     parts.optimizer.remove_hooks()
-    return {**{name: {"wall": timings[name].wall, **stats[name]} for name in VARIANTS}, "bytes": state_bytes}
+    rows = {name: {"wall": timings[name].wall, "cpu": timings[name].cpu, **stats[name]} for name in VARIANTS}
+    return {**rows, "bytes": state_bytes}
