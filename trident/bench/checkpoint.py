@@ -14,11 +14,12 @@ with ``true``) saves them, into a temporary directory (keep_last 2). Three varia
   async       the state staged in host memory, then written by a thread of its own while the block's next steps
               run; the block ends waiting for that write, so a write longer than the block is paid for in it.
 
-Each row: the median over rounds of the block's mean step time, its spread, the ratio to no save; the time a save
-holds training up (sync: the write; async: staging plus the final wait), and for async the median time of the
-steps taken while its write ran (the issue's target: within 10% of a step without a save); CPU-s/step is the
-rank process's CPU time (its threads together, the writer's included) per step. On a CPU the writer thread shares
-the machine's cores with the ranks' compute, so the figures depend on how many are free.
+Each row: the median over rounds of the block's mean step time, its spread, the median over rounds of its ratio to
+the no-save block of the same round; the time a save holds training up (sync: the write; async: staging plus the
+final wait), and for async the median time of the steps taken while its write ran (the issue's target: within 10%
+of a step without a save); CPU-s/step is the rank process's CPU time (its threads together, the writer's included)
+per step. On a CPU the writer thread shares the machine's cores with the ranks' compute, so the figures depend on
+how many are free.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> list[Table]:
         f"{args.rounds} rounds; gloo on {os.cpu_count()} CPUs",
         HEADER,
     )
-    base = statistics.median(rows["no save"]["wall"])
+    base = rows["no save"]["wall"]
     base_step = statistics.median(rows["no save"]["steps"])
     for name in VARIANTS:
         r = rows[name]
@@ -100,7 +101,8 @@ def run(args: argparse.Namespace) -> list[Table]:
             name,
             number(wall, ".3f"),
             spread(r["wall"]),
-            ratio(wall, base),
+            # Each round's block against the no-save block of the same round: load that drifts cancels out.
+            f"{statistics.median(a / b for a, b in zip(r['wall'], base, strict=True)):.2f}x",
             number(stall, ".3f"),
             number(writing, ".3f"),
             ratio(writing, base_step),
