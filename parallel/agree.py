@@ -36,14 +36,15 @@ def _raise_agreed(failure: tuple[str, str]) -> None:
     raise error
 
 
-def on_one_rank(fn: Callable[[], T], src: int, what: str) -> T | None:
+def on_one_rank(fn: Callable[[], T], src: int, what: str, group: dist.ProcessGroup | None = None) -> T | None:
     """Call ``fn`` on global rank ``src``; return its result there (None elsewhere) or raise everywhere.
 
     ``what`` names the step for the message of an OS-level failure, e.g. "write checkpoint step_00000040".
+    ``group``: the group the outcome is shared over (every rank's; default the world), e.g. a background one.
     """
     result, failure = _attempt(fn, what) if dist.get_rank() == src else (None, None)
     outcome = [failure]
-    dist.broadcast_object_list(outcome, src=src)
+    dist.broadcast_object_list(outcome, src=src, group=group)
     if outcome[0] is not None:
         _raise_agreed(outcome[0])
     return result

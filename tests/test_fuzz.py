@@ -57,6 +57,7 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
         "train.activation_checkpointing": {"none", "selective", "full"},
         "train.micro_batch_size": {"1", "2", "4", "8"},
         "parallel.bucket_mb": {"25.0", "1.0", "0.05", "0.001"},
+        "checkpoint.async": {"true", "false"},
         "model.vocab_size": {"512", "515"},
         "model.n_layers": {"2", "3", "4", "8"},
         "model.dropout": {"0.0", "0.1"},

@@ -13,6 +13,7 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
     python tools/bench.py loader                       # reading batches: its share of a real loop's step
     python tools/bench.py gpu --models gpt-small llama-1b --precision bf16
                                                        # trident vs a plain loop vs torch.compile: MFU, peak memory
+    python tools/bench.py checkpoint                   # step time with no save, a sync save, an async save
 
 ``python tools/bench.py <subcommand> --help`` says what each measures. ``--out FILE`` also writes the tables.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 
 REPO = Path(__file__).resolve().parent.parent
-SUBCOMMANDS = ("layouts", "matrix", "throughput", "tp", "pp", "zero", "loader", "prepare", "gpu")
+SUBCOMMANDS = ("layouts", "matrix", "throughput", "tp", "pp", "zero", "loader", "prepare", "gpu", "checkpoint")
 
 
 def parse(argv: list[str] | None = None) -> tuple[ModuleType, argparse.Namespace]:

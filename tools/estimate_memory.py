@@ -119,6 +119,8 @@ def report(cfg: Config, world: int, device: str) -> str:
         if n:
             cells = (_cell(n), _cell(0)) if place == "device" else (_cell(0), _cell(n))
             lines.append(f"  {name:<36} {cells[0]} {cells[1]}")
+    if worst.checkpoint_staging:
+        lines.append(f"  {'checkpoint staging (checkpoint.async)':<36} {_cell(0)} {_cell(worst.checkpoint_staging)}")
     peak = worst.peak(policy)
     lines.append(f"  {'peak (recomputation ' + policy + ')':<36} {_cell(peak['device'])} {_cell(peak['host'])}")
     lines += [

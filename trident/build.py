@@ -183,7 +183,7 @@ def build_parts(
 def build_checkpointer(
     cfg: Config, groups: ProcessGroups, parts: RunParts, root: Path, tokenizer: Path | None
 ) -> Checkpointer:
-    """The checkpointer of ``parts`` under ``root`` (``checkpoint.every``, ``keep_last``, ``resume``)."""
+    """The checkpointer of ``parts`` under ``root`` (``checkpoint.every``, ``keep_last``, ``resume``, ``async``)."""
     ck = cfg.checkpoint
     return Checkpointer(
         root=root,
@@ -195,4 +195,6 @@ def build_checkpointer(
         optimizer=parts.optimizer.zero,
         config=dataclasses.asdict(cfg),
         tokenizer=tokenizer,
+        background=ck.async_,
+        timeout_s=cfg.parallel.timeout_s,
     )

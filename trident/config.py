@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.nodes import BooleanNode
 
 from trident.errors import ConfigError
 from trident.parallel.pipeline.schedules import SCHEDULES, schedule_error
@@ -200,6 +201,14 @@ class CheckpointConfig:
     # Start from the weights (only: a fresh optimizer, step 0) of a trident checkpoint or a local Hugging Face
     # GPT-2 / Llama directory; the model shape is taken from it.
     init_from: str | None = None
+    # ``checkpoint.async`` to users: write each checkpoint in the background while training goes on. ``async`` is a
+    # Python keyword, so the field is ``async_``; the schema Hydra sees has ``async`` (typed bool) and ``to_config``
+    # maps it here, so YAML and the command line say ``checkpoint.async`` like every other key.
+    async_: bool = False
+
+
+# The config keys whose Python field has another name: (section, what users type, the dataclass field).
+_RENAMED = (("checkpoint", "async", "async_"),)
 
 
 @dataclass
@@ -260,7 +269,12 @@ def launch_id() -> str:
 def register_configs() -> None:
     """Register the schema (so conf/config.yaml can name it) and the resolvers the YAML uses."""
     cs = ConfigStore.instance()
-    cs.store(name="trident_schema", node=Config)
+    schema = OmegaConf.structured(Config)
+    for section, key, name in _RENAMED:
+        # The key users type, as a typed node beside the field (a bad value is refused like any other key's).
+        with open_dict(schema[section]):
+            schema[section][key] = BooleanNode(getattr(getattr(Config(), section), name))
+    cs.store(name="trident_schema", node=schema)
     if not OmegaConf.has_resolver("launch_id"):
         OmegaConf.register_new_resolver("launch_id", launch_id)
 
@@ -280,6 +294,12 @@ def to_config(node: DictConfig) -> Config:
             if dataclasses.is_dataclass(default):
                 check(sub[key], default, f"{prefix}{key}.")
 
+    for section, key, name in _RENAMED:
+        if section in node and key in node[section]:
+            if node[section][name] != getattr(getattr(Config(), section), name):
+                raise ConfigError(f"unknown config key {section}.{name}; the key is {section}.{key}")
+            with open_dict(node[section]):
+                node[section][name] = node[section].pop(key)
     check(node, Config(), "")
     return OmegaConf.to_object(node)
 

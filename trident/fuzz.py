@@ -130,6 +130,8 @@ def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None
     if knobs["parallel.zero"] == 3 and rng.random() < 0.6:
         knobs["parallel.zero3_gather"] = rng.choice(["micro_batch", "step"])
         knobs["parallel.zero3_prefetch"] = rng.choice([0, 1, 2])
+    # The mid-run checkpoint and the resumed run's written in the background (drawn last: earlier draws keep theirs).
+    knobs["checkpoint.async"] = rng.random() < 0.5
     return world, {**model, **knobs}
 
 

@@ -386,6 +386,8 @@ class Trainer:
                 result.loss, result.skipped, result.loss_scale if scaler else None, scaler.min_scale if scaler else None
             )
             if reason is not None:
+                if self.checkpointer is not None:
+                    self._saved(self.checkpointer.wait())  # the last good checkpoint is named once it is complete
                 raise DivergenceError(self._diverged(reason, result))
             # One tiny all-reduce per step: every rank stops after the same step, whichever got the signal.
             signum = self.stop.agreed(self.groups.world_group, self.device) if self.stop is not None else 0
@@ -393,9 +395,10 @@ class Trainer:
             if self.checkpointer is not None:
                 save_pending = save_pending or self.checkpointer.due(self.step, total) or bool(signum)
                 if save_pending and finite:  # nothing non-finite is ever saved
-                    self.checkpointer.save(self)
-                    self.last_checkpoint = self.checkpointer.root / checkpoint_name(self.step)
+                    self._saved(self.checkpointer.save(self))
                     save_pending = False
+                if signum or self.step == total:  # a stop and the end of the run wait for a save in the background
+                    self._saved(self.checkpointer.wait())
             if self.stop is not None:
                 self.stop.completed(self.step, self.last_checkpoint)
             if signum:
@@ -403,6 +406,11 @@ class Trainer:
                 if self.groups.is_logging_rank:
                     print(stop_line(signum, self.step, self.last_checkpoint, note), file=sys.stderr, flush=True)
                 raise Stopped(signum, self.step, self.last_checkpoint, history)
+
+    def _saved(self, checkpoint: Path | None) -> None:
+        """Note a checkpoint known to be complete (with ``checkpoint.async``, a save is named only once written)."""
+        if checkpoint is not None:
+            self.last_checkpoint = checkpoint
 
     def _newest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint of this run up to the current step (the one resumed from, if any)."""

@@ -111,6 +111,7 @@ class Layout:
     document_mask: bool = False  # data.document_mask: packed documents (models/documents.py)
     zero3_gather: str = "micro_batch"  # micro_batch | step: when ZeRO-3 frees a training forward's buckets
     zero3_prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the running one
+    async_checkpoint: bool = False  # checkpoint.async: a host copy of what the rank saves (checkpoint/background.py)
 
     @classmethod
     def from_config(cls, cfg: Config, dp: int, device: str = "cuda") -> Layout:
@@ -135,6 +136,7 @@ class Layout:
             document_mask=cfg.data.document_mask,
             zero3_gather=par.zero3_gather,
             zero3_prefetch=par.zero3_prefetch,
+            async_checkpoint=cfg.checkpoint.async_,
         )
 
     @property
@@ -304,6 +306,7 @@ class ModelStates:
     figures: Figures  # kind -> place -> bytes, as ``trident.memory.measure_model_states`` measures them
     staging: int  # stages 2-3: fp32 staging of the bucket filling and those in flight (the largest ones)
     gathered: int  # stage 3: the most full buffers gathered at once, in the parameter dtype (``_gathered``)
+    checkpoint: int  # what the rank's checkpoint holds: fp32 masters and moments of its shard, a step per piece
 
 
 def model_states(
@@ -384,10 +387,12 @@ def _rank_states(
     fig["optimizer"]["host"] = host_numel * FP32
     if pb != FP32:
         fig["optimizer"]["device"] = (shard - host_numel) * FP32
+    checkpoint = 0
     for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel):
         pieces = flat.pieces(span, start, stop)
         place = "host" if on_host else "device"
         fig["optimizer"][place] += sum(p.numel for p in pieces) * ADAM_MOMENTS * FP32 + len(pieces) * STEP_COUNTER
+        checkpoint += sum(p.numel for p in pieces) * (1 + ADAM_MOMENTS) * FP32 + len(pieces) * STEP_COUNTER
     staging = gathered = 0
     if layout.zero >= 2:
         largest = sorted((s.numel for s in flat.spans), reverse=True)
@@ -398,7 +403,7 @@ def _rank_states(
             filling = max(sum(root) + max(blocks, default=0) for blocks, root in units)
             staging = (filling + in_flight) * FP32
             gathered = _gathered(layout, flat, units, first) * pb
-    return ModelStates(_place(_total(fig), layout), staging, gathered)
+    return ModelStates(_place(_total(fig), layout), staging, gathered, checkpoint)
 
 
 # --- activations ----------------------------------------------------------------------------------------------
@@ -633,11 +638,13 @@ class StageEstimate:
     gathered: int  # transient gathered parameters (stage 3)
     activations: dict[str, int]  # bytes kept for backward at the schedule's peak, per recomputation policy
     recompute: dict[str, int]  # transient bytes while backward recomputes, per policy
+    checkpoint_staging: int = 0  # checkpoint.async: host memory holding a copy of what the rank saves, for the run
 
     def peak(self, policy: str) -> dict[str, int]:
         """Model states, transient buffers and activations, by place, at the schedule's peak under ``policy``."""
         out = dict(self.model_states["total"])
         out[self.compute_place] += self.staging + self.gathered + self.activations[policy] + self.recompute[policy]
+        out["host"] += self.checkpoint_staging
         return out
 
 
@@ -674,6 +681,7 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
                 gathered=states.gathered,
                 activations={p: activation_bytes(m, layout, stage, p) for p in POLICIES},
                 recompute={p: recompute_bytes(m, layout, p) for p in POLICIES},
+                checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
             )
         )
     return out

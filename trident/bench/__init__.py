@@ -8,4 +8,5 @@ trident/build.py as train.py does:
     tp          tensor parallelism (+SP) against torch DTensor's and one process; the collectives it sends
     pp          every pipeline schedule against torch.distributed.pipelining and one process; bubble, activations
     zero        ZeRO stages 0-3 against FSDP2 and DDP + ZeroRedundancyOptimizer; model-state bytes vs the formula
+    checkpoint  step time with no save, a foreground save and a background one (checkpoint.async)
 """

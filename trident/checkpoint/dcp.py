@@ -167,10 +167,11 @@ def _raise_agreed(e: CheckpointException, what: str) -> None:
     raise agreed from None
 
 
-def write_sharded(state: dict[str, Sharded], directory: Path) -> None:
-    """Every rank calls this with its own boxes; a failure on any rank raises on every rank."""
+def write_sharded(state: dict[str, Sharded], directory: Path, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank calls this with its own boxes; a failure on any rank raises on every rank. ``group``: the
+    group DCP's collectives run on (every rank's; default the world)."""
     try:
-        dcp.save(state, storage_writer=_Writer(directory), planner=_SavePlanner())
+        dcp.save(state, storage_writer=_Writer(directory), planner=_SavePlanner(), process_group=group)
     except CheckpointException as e:
         _raise_agreed(e, f"write checkpoint data in {directory}")
 

@@ -4,11 +4,13 @@ The tensor data is keyed by parameter name in global coordinates (``state.py``):
 tensors, AdamW state per parameter, each rank's RNG state under its layout coordinate. Each rank writes only the
 boxes it holds, and loads exactly the boxes its placement covers, whatever the layout that saved them
 (``dcp.py``). The directory and its atomic publish are ``files.py``'s. Nothing is ever unpickled with plain
-``pickle``. A failure on any rank is raised on every rank and removes the temporary directory.
+``pickle``. A failure on any rank is raised on every rank and removes the temporary directory. With
+``checkpoint.async`` the same save is staged in host memory and written in the background (``background.py``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -19,6 +21,7 @@ from typing import Protocol
 import torch.distributed as dist
 from torch import nn
 
+from trident.checkpoint.background import BackgroundSave
 from trident.checkpoint.dcp import read_metadata, read_sharded, write_sharded
 from trident.checkpoint.files import (
     checkpoint_name,
@@ -73,7 +76,11 @@ class Checkpointer:
         optimizer: ZeroOptimizer,
         config: dict,
         tokenizer: Path | None,
+        background: bool = False,
+        timeout_s: float = 600.0,
     ) -> None:
+        """``background``: write each save in the background (``checkpoint.async``); ``timeout_s``: its
+        collectives' timeout."""
         self.root, self.every, self.keep_last, self.resume = root, every, keep_last, resume
         self.groups, self.config, self.tokenizer = groups, config, tokenizer
         self.params = named_parameters(modules)
@@ -82,6 +89,8 @@ class Checkpointer:
         self.optimizer = MomentState(optimizer, self.params)
         topo = groups.topology
         self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}
+        # Made on every rank alike (a new process group): build_checkpointer runs at the same point on each.
+        self.background = BackgroundSave(timeout_s) if background else None
 
     def due(self, step: int, total: int) -> bool:
         return step == total or (self.every > 0 and step % self.every == 0)
@@ -100,7 +109,10 @@ class Checkpointer:
 
         on_one_rank(probe, self._WRITER, f"write to checkpoint.dir {self.root}")
 
-    def save(self, trainer: Trainable) -> None:
+    def save(self, trainer: Trainable) -> Path | None:
+        """Save the trainer's step; return the newest checkpoint complete on return: this one, or when saving in
+        the background (``checkpoint.async``), the one before it, if any (waited for first: one save at a time)."""
+        done = self.wait()
         step = trainer.step
         name = checkpoint_name(step)
         made = [on_one_rank(lambda: str(new_temporary(self.root, step)), self._WRITER, f"write {name} in {self.root}")]
@@ -111,19 +123,38 @@ class Checkpointer:
             **{OPTIM + k: v for k, v in self.optimizer.sharded_state().items()},
             **rng_state(self.groups.coord),
         }
+        # Taken now: the trainer goes on to later steps while a background save is written.
+        files = {"trainer.json": copy.deepcopy(trainer.state_dict()), "config.json": self.config}
+        if self.background is None:
+            return self._write(state, tmp, step, files, None)
+        staged = self.background.stage.copy(state)  # the live tensors are free to change once this returns
+        self.background.start(lambda group: self._write(staged, tmp, step, files, group))
+        return done
+
+    def wait(self) -> Path | None:
+        """Wait for the save in the background, if any (every rank, after the same step); return its checkpoint,
+        or raise its failure, the same on every rank."""
+        return self.background.wait() if self.background is not None else None
+
+    def _write(
+        self, state: dict, tmp: Path, step: int, files: dict[str, dict], group: dist.ProcessGroup | None
+    ) -> Path:
+        """Write the tensor data into ``tmp`` (every rank), then publish it (one rank); the collectives run on
+        ``group`` (the background save's, or the world)."""
+        name = checkpoint_name(step)
         try:
-            write_sharded(state, tmp)  # every rank; a failure anywhere is raised everywhere
+            write_sharded(state, tmp, group)  # every rank; a failure anywhere is raised everywhere
         except TridentError:
             if dist.get_rank() == self._WRITER:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
         def finish() -> None:
-            files = {"trainer.json": trainer.state_dict(), "config.json": self.config}
             publish(tmp, step, files, self.tokenizer, self.layout)
             prune_checkpoints(self.root, self.keep_last, step)
 
-        on_one_rank(finish, self._WRITER, f"write checkpoint {name} in {self.root}")
+        on_one_rank(finish, self._WRITER, f"write checkpoint {name} in {self.root}", group)
+        return self.root / name
 
     def _find(self) -> str | None:
         if self.resume == "none" and list_checkpoints(self.root):

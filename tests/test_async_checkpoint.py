@@ -1,0 +1,235 @@
+"""``checkpoint.async``: checkpoints staged in host memory and written in the background while training goes on.
+
+A background save must write what a foreground one writes, resume under another layout with the unbroken curve,
+stay atomic when the process is killed mid-write, and be waited for by a SIGTERM stop. The slow writes below are
+real writes held back by a hook on DCP's file writer (trident/checkpoint/dcp.py's ``_Writer``): the hook delays
+the write of one step, then the real writer runs, so the kill and the signal land inside a background write
+deterministically."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.layouts import assert_same_curve, four_layers, make_config, train_in_process
+from train import run
+from trident.checkpoint import dcp
+from trident.checkpoint.files import checkpoint_name, list_checkpoints
+from trident.config import Config, compose_config
+from trident.errors import CheckpointError, ConfigError, DivergenceError
+from trident.ranks import run_distributed
+from trident.signals import Stopped
+
+
+def test_checkpoint_async_is_the_key_users_type():
+    assert compose_config(REPO / "conf", ["checkpoint.async=true"]).checkpoint.async_ is True
+    assert compose_config(REPO / "conf", []).checkpoint.async_ is False
+    # The Python field's name is not a second spelling of the key.
+    with pytest.raises(ConfigError, match=r"^unknown config key checkpoint\.async_; the key is checkpoint\.async$"):
+        compose_config(REPO / "conf", ["checkpoint.async_=true"])
+    with pytest.raises(Exception, match=r"checkpoint\.async=maybe"):
+        compose_config(REPO / "conf", ["checkpoint.async=maybe"])
+
+
+def _data_files(path: Path) -> dict[str, bytes]:
+    """The tensor data and DCP's index of a checkpoint, by file name."""
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix == ".distcp" or p.name == ".metadata"}
+
+
+@pytest.mark.multiprocess
+def test_async_saves_equal_sync_ones_and_resume_under_another_layout(tiny_dataset, tmp_path):
+    """dp=2 saves at steps 2, 4, 6 in the background and in the foreground: the same curve and the same bytes.
+    The background step-4 checkpoint then resumes under tp=2 (saving in the background too) with the losses
+    of the run that never stopped."""
+    base = four_layers(tiny_dataset, 6, "train.eval_every=0", "checkpoint.every=2")
+    background = train_in_process(tmp_path / "async", [*base, "checkpoint.async=true", "parallel.dp=2"], world=2)
+    foreground = train_in_process(tmp_path / "sync", [*base, "parallel.dp=2"], world=2)
+    assert_same_curve(foreground[0], background[0], rel=1e-12)
+    for step in (2, 4, 6):
+        saved = tmp_path / "async" / "checkpoints" / checkpoint_name(step)
+        expected = tmp_path / "sync" / "checkpoints" / checkpoint_name(step)
+        assert _data_files(saved) == _data_files(expected), step
+        assert (saved / "trainer.json").read_text() == (expected / "trainer.json").read_text()
+    resumed = tmp_path / "async" / "checkpoints" / checkpoint_name(4)
+    again = [*base, "checkpoint.async=true", "parallel.tp=2", f"checkpoint.resume={resumed}"]
+    (continued, _) = train_in_process(tmp_path / "tp2", again, world=2)
+    assert [r["step"] for r in continued] == [5, 6]
+    assert_same_curve(background[0][4:], continued, rel=1e-6)
+    assert [p.name for p in list_checkpoints(tmp_path / "tp2" / "checkpoints")] == [checkpoint_name(6)]
+
+
+# --- a write held back: the hook on DCP's writer
+
+
+def _hold_write_of(step: int, seconds: float, then: str = "") -> tuple[object, object]:
+    """Make the background write of ``step``'s checkpoint start ``seconds`` late (``then="SIGTERM"``: after
+    signalling this process); return what undoes it."""
+    real = dcp._Writer.write_data
+
+    def held(self: dcp._Writer, plan: object, planner: object) -> object:
+        if f".{checkpoint_name(step)}.tmp-" in str(self.path):
+            (Path(self.path).parent.parent / "writing").write_text(str(step))  # in the run directory
+            if then:
+                os.kill(os.getpid(), getattr(signal, then))
+            time.sleep(seconds)
+        return real(self, plan, planner)
+
+    dcp._Writer.write_data = held
+    return real, held
+
+
+def _stopped_during_write(rank: int, world: int, cfg: Config, run_dir: Path) -> tuple[int, str, int]:
+    real, _ = _hold_write_of(4, 2.0, then="SIGTERM" if rank == 0 else "")
+    try:
+        run(cfg, run_dir)
+    except Stopped as e:
+        return e.step, str(e.checkpoint), e.exit_code
+    finally:
+        dcp._Writer.write_data = real
+    raise AssertionError("the run was not stopped")
+
+
+@pytest.mark.multiprocess
+def test_sigterm_during_a_background_write_waits_for_it_and_saves_the_step(tiny_dataset, tmp_path):
+    """Rank 0 is signalled as its step-4 write starts, which then takes 2 s. Training goes on meanwhile; the
+    stop, after the same later step on both ranks, waits for step 4, saves its own step and exits 143."""
+    cfg = make_config(
+        *four_layers(tiny_dataset, 50, "train.eval_every=0", "checkpoint.every=2", "checkpoint.async=true")
+    )
+    outcomes = run_distributed(_stopped_during_write, 2, cfg, tmp_path, timeout_s=120)
+    assert outcomes[0] == outcomes[1]
+    step, checkpoint, code = outcomes[0]
+    root = tmp_path / "checkpoints"
+    assert code == 143 and 5 <= step < 50
+    assert checkpoint == str(root / checkpoint_name(step))
+    saved = [checkpoint_name(s) for s in range(2, step + 1, 2)] + ([checkpoint_name(step)] if step % 2 else [])
+    assert [p.name for p in list_checkpoints(root)] == saved
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == saved  # nothing in flight
+    assert json.loads((root / checkpoint_name(4) / "trainer.json").read_text())["step"] == 4
+
+
+_DRIVER = """
+import runpy, sys
+sys.path.insert(0, {repo!r})
+from tests.test_async_checkpoint import _hold_write_of
+_hold_write_of(4, 600.0)
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+
+
+@pytest.mark.multiprocess
+def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tiny_dataset, tmp_path):
+    """``python train.py`` with step 4's write held back: training goes on past step 4 while it is written, and
+    SIGKILL then leaves step 2 complete, nothing named step_4, and a resume from step 2 with the same losses."""
+    run_dir = tmp_path / "run"
+    overrides = four_layers(tiny_dataset, 8, "train.eval_every=0", "checkpoint.every=2", "checkpoint.async=true")
+    driver = _DRIVER.format(repo=str(REPO), train=str(REPO / "train.py"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
+    cmd = [sys.executable, "-c", driver, f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    root = run_dir / "checkpoints"
+    try:
+        deadline = time.monotonic() + 120
+        # Step 6's save waits for step 4's write: training reached step 6 while step 4 was being written.
+        while not ((run_dir / "writing").exists() and len(_rows(run_dir)) >= 6):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run did not reach step 6"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert [p.name for p in list_checkpoints(root)] == [checkpoint_name(2)]
+    assert sorted(p.name for p in root.glob("step_*")) == [checkpoint_name(2)]
+    assert list(root.glob(f".{checkpoint_name(4)}.tmp-*")), "the write in flight was not where it should be"
+    killed = _rows(run_dir)
+
+    (resumed,) = train_in_process(run_dir, overrides)
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6, 7, 8]
+    assert_same_curve(killed[2:6], resumed[:4], rel=1e-6)
+
+
+def _write_fails_on_rank_1(rank: int, world: int, cfg: Config, run_dir: Path) -> str:
+    real = dcp._Writer.write_data
+
+    def failing(self: dcp._Writer, plan: object, planner: object) -> object:
+        if rank == 1 and f".{checkpoint_name(2)}.tmp-" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return real(self, plan, planner)
+
+    dcp._Writer.write_data = failing
+    try:
+        run(cfg, run_dir)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        dcp._Writer.write_data = real
+    raise AssertionError("the failed write was lost")
+
+
+@pytest.mark.multiprocess
+def test_a_failed_background_write_is_one_error_on_every_rank(tiny_dataset, tmp_path):
+    """Rank 1's write of step 2 fails in the background: both ranks raise it, as one line naming the rank, when
+    they next wait for it (at step 4's save), and nothing of step 2 is left."""
+    overrides = four_layers(tiny_dataset, 6, "train.eval_every=0", "checkpoint.every=2", "checkpoint.async=true")
+    errors = run_distributed(_write_fails_on_rank_1, 2, make_config(*overrides), tmp_path, timeout_s=120)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("rank 1: cannot write checkpoint data in "), errors[0]
+    assert errors[0].endswith("No space left on device"), errors[0]
+    root = tmp_path / "checkpoints"
+    assert list_checkpoints(root) == [] and not list(root.glob(".step_*"))
+
+
+@pytest.mark.multiprocess
+def test_bench_checkpoint_tables_no_save_sync_and_async():
+    """``tools/bench.py checkpoint`` on gpt-tiny: its three rows and finite figures (never how fast)."""
+    tool = runpy.run_path(str(REPO / "tools" / "bench.py"))
+    argv = ["checkpoint", "--model", "gpt-tiny", "--world", "2", "--every", "2", "--rounds", "1", "--seq-len", "16"]
+    module, args = tool["parse"]([*argv, "--micro-batch", "1", "--micro-batches", "1"])
+    (table,) = module.run(args)
+    assert table.column("variant") == ["no save", "sync", "async"]
+    assert all(float(c.rstrip("x")) > 0 for c in table.column("s/step") + table.column("vs no save"))
+    assert [c == "-" for c in table.column("stall s/save")] == [True, False, False]
+    # The host staging measured against the estimator's figure for it (tools/estimate_memory.py prints it).
+    measured, predicted = (float(x) for x in re.findall(r"([\d.]+) MiB", table.notes[0]))
+    assert predicted == pytest.approx(measured, rel=0.02)
+
+
+def _diverges_during_write(rank: int, world: int, cfg: Config, run_dir: Path) -> str:
+    real, _ = _hold_write_of(1, 1.5)
+    try:
+        run(cfg, run_dir)
+    except DivergenceError as e:
+        return str(e)
+    finally:
+        dcp._Writer.write_data = real
+    raise AssertionError("the run did not diverge")
+
+
+@pytest.mark.multiprocess
+def test_divergence_during_a_background_write_names_it_once_complete(tiny_dataset, tmp_path):
+    """lr=1000 in fp16 diverges at step 4 while step 1's write (held 1.5 s) is in flight: the stop waits for it and
+    names it as the last good checkpoint."""
+    overrides = four_layers(tiny_dataset, 30, "train.precision=fp16", "optim.lr=1000", "optim.warmup_steps=0")
+    cfg = make_config(*overrides, "checkpoint.every=1", "train.eval_every=0", "checkpoint.async=true")
+    errors = run_distributed(_diverges_during_write, 2, cfg, tmp_path, timeout_s=120)
+    assert errors[0] == errors[1]
+    good = tmp_path / "checkpoints" / checkpoint_name(1)
+    assert errors[0].startswith("training diverged at step 4") and f"the last good checkpoint is {good}:" in errors[0]
+    assert list_checkpoints(tmp_path / "checkpoints") == [good]

@@ -1,0 +1,112 @@
+"""``checkpoint.async``: a checkpoint written in the background while training goes on.
+
+A save here has three parts:
+
+stage    on the training thread: every box is copied to host memory (pinned on CUDA, so the copy is one DMA,
+         reused from save to save), so the next step may change the live parameters and moments at once. This
+         copy is the memory a background save costs: the rank's saved state (fp32 masters, AdamW moments) once
+         more, in host memory, for as long as the run lives.
+write    on a thread of its own, through DCP, whose collectives (the save plan, the agreement that every rank's
+         data is written, the index) run on a gloo group made for this thread alone: collectives on the training
+         groups from a second thread could interleave with the step's own and hang or corrupt both.
+publish  once DCP returns (every rank's data and the index are on disk), rank 0 adds the small files and renames
+         the temporary directory into place (files.publish: complete or absent), then prunes (keep_last); the
+         outcome is shared over the same group, so a failure is known to every rank.
+
+At most one save is in flight. ``wait`` joins it and raises its failure, the same one-line error on every rank;
+the checkpointer calls it before the next save, and the loop at the end of the run, on a stop and on divergence,
+all points every rank reaches after the same step. torch.distributed.checkpoint.async_save does stage and write
+the same way, but stages only tensors (our boxes are ``Sharded`` objects) and would leave the publish and its
+agreement to a second mechanism; this is one thread doing the three in order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trident.checkpoint.dcp import Sharded
+
+
+class HostStage:
+    """Host copies of a rank's checkpoint boxes, allocated on the first save and reused by every later one."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def copy(self, state: dict[str, Sharded]) -> dict[str, Sharded]:
+        """``state`` with every box replaced by a host copy of it, complete when this returns."""
+        staged: dict[str, Sharded] = {}
+        cuda = False
+        for key, value in state.items():
+            boxes = []
+            for i, (offsets, t) in enumerate(value.boxes):
+                buffer = self._buffer((key, i), t)
+                cuda = cuda or t.is_cuda
+                buffer.copy_(t.detach(), non_blocking=t.is_cuda)
+                boxes.append((offsets, buffer))
+            staged[key] = Sharded(value.shape, boxes)
+        if cuda:
+            torch.cuda.current_stream().synchronize()  # the pinned copies are whole before the step goes on
+        return staged
+
+    def _buffer(self, key: tuple[str, int], t: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            self._buffers[key] = buffer
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class BackgroundSave:
+    """One save at a time on a thread of its own, with its own gloo group over every rank.
+
+    Created by every rank at the same point (``new_group`` is collective).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.stage = HostStage()
+        self._thread: threading.Thread | None = None
+        self._path: Path | None = None
+        self._error: BaseException | None = None
+
+    def start(self, write: Callable[[dist.ProcessGroup], Path]) -> None:
+        """Run ``write(group)`` in the background (the previous save must have been waited for)."""
+        assert self._thread is None, "one save in flight at a time: wait() first"
+
+        def run() -> None:
+            try:
+                self._path = write(self.group)
+            except BaseException as e:  # kept for wait(), which raises it on the training thread
+                self._error = e
+
+        # A daemon: a process ending on an error must not hang on a write whose peers are gone (the temporary
+        # directory it leaves is hidden, and cleared by the next run in the directory).
+        self._thread = threading.Thread(target=run, name="trident-checkpoint", daemon=True)
+        self._thread.start()
+
+    @property
+    def writing(self) -> bool:
+        """Whether the save in flight is still being written (``wait`` would block)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight; return its checkpoint (None when none was in flight) or raise its error."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        path, error = self._path, self._error
+        self._thread, self._path, self._error = None, None, None
+        if error is not None:
+            raise error
+        return path
