@@ -147,6 +147,7 @@ def build_runner(
         cfg.model.d_model,
         seq_divisor=groups.tp_size if cfg.parallel.sequence_parallel else 1,
         timings=timings,
+        recomputed=cfg.train.activation_checkpointing != "none",
     )
 
 

@@ -49,30 +49,44 @@ from trident.parallel.reducer import GradReducer
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def backward_weight(param_groups: list[dict]) -> None:
+def backward_weight(param_groups: list[dict], together: bool = False) -> None:
     """The weight gradients of a chunk from what ``stage_backward_input`` kept: backward from the saved
     gradients of the intermediates to the weights only. Unlike torch's ``stage_backward_weight`` (which writes
     ``.grad`` itself) this accumulates through autograd, so the reducer's post-accumulate hooks see every one.
 
-    One backward for all the groups, not one per group: under activation checkpointing every separate backward
-    recomputes the checkpointed block again (its saved tensors are unpacked anew in each graph task), which made the
-    W pass of a fully recomputed block cost several forwards."""
-    edges, grads, inputs, nodes = [], [], [], []
+    One backward per group (as torch does), each to its own weights only: the engine then runs just the weight
+    branches of the group's intermediates. A single backward over all the groups would also walk the input-gradient
+    path from each intermediate down to the earlier ones (they lead to earlier weights), redoing most of the I pass
+    only for the prehooks below to throw it away; that made W cost about as much as a whole backward.
+    ``together``: one backward for all the groups all the same, for recomputed chunks: under activation
+    checkpointing every separate backward recomputes the checkpointed block again (its saved tensors are unpacked
+    anew in each graph task), which would make W cost several forwards."""
+    groups, nodes, seen = [], [], set()
     for group in param_groups:
+        edges, grads = [], []
         for saved, node in zip(group["grads"], group["intermediates"], strict=True):
             nodes.append((node, saved))
             for i, g in enumerate(saved):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
-        inputs += [acc.variable for acc in group["params"] if all(acc.variable is not x for x in inputs)]
+        weights = [acc.variable for acc in group["params"]]
+        # A weight in two groups would get two accumulations, which the reducer counts as two gradients.
+        together |= any(id(w) in seen for w in weights)
+        seen.update(id(w) for w in weights)
+        if edges:
+            groups.append((edges, grads, weights))
+    if together and groups:
+        edges, grads, weights = (sum((g[k] for g in groups), []) for k in range(3))
+        weights = list({id(w): w for w in weights}.values())
+        groups = [(edges, grads, weights)]
     handles = []
     if len(nodes) > 1:
         # An intermediate reached again through another one must take its saved gradient, not a second sum.
         handles = [node.register_prehook(lambda _, sg=saved: sg) for node, saved in nodes]
     try:
-        if edges:
-            torch.autograd.backward(edges, grad_tensors=grads, inputs=inputs)
+        for k, (edges, grads, weights) in enumerate(groups):
+            torch.autograd.backward(edges, grad_tensors=grads, inputs=weights, retain_graph=k < len(groups) - 1)
     finally:
         for h in handles:
             h.remove()
@@ -86,7 +100,8 @@ class PipelineRunner:
     ``timings``: a JSON-lines file to which each step's actions are appended with their start and end times, and
     the span of the reducer's ``finish`` (the dp reduction left exposed after the schedule).
     ``reduce_per_chunk``: False reduces every bucket after the schedule instead (the old behaviour, kept for the
-    benchmark's before/after of the exposed reduction).
+    benchmark's before/after of the exposed reduction). ``recomputed``: the chunks recompute activations in backward
+    (``backward_weight``'s ``together``).
     """
 
     def __init__(
@@ -102,9 +117,10 @@ class PipelineRunner:
         seq_divisor: int = 1,
         timings: Path | None = None,
         reduce_per_chunk: bool = True,
+        recomputed: bool = False,
     ) -> None:
         self.chunks, self.schedule = list(chunks), schedule
-        self.reduce_per_chunk = reduce_per_chunk
+        self.reduce_per_chunk, self.recomputed = reduce_per_chunk, recomputed
         self.pp_rank, self.pp_ranks, self.pp_group = pp_rank, tuple(pp_ranks), pp_group
         self.pp, self.vpp = len(self.pp_ranks), len(self.chunks)
         self.stages = self.pp * self.vpp
@@ -265,7 +281,7 @@ class _Step:
                 self.saved[key] = (x, out)
             return [(out.detach(), dst) for _, dst in sends]
         if action.kind == W:
-            backward_weight(self.kept.pop(key))
+            backward_weight(self.kept.pop(key), together=r.recomputed)
             return []
         x, out = self.saved.pop(key)
         if action.kind == B or stage == 0:
