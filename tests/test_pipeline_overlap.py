@@ -14,6 +14,7 @@ import torch
 from trident.bench.harness import random_batches
 from trident.build import build_optimizer, model_chunks
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from trident.memory_estimate import Layout, flat_layout, isolated, rank_params
 from trident.parallel.groups import build_process_groups
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
@@ -72,7 +73,14 @@ def _launches(rank: int, world: int, schedule: str, vpp: int, per_chunk: bool, t
         row = json.loads(path.read_text().splitlines()[-1])
         steps.append({"launches": list(launches), "spans": row["spans"], "reduce": row["reduce"]})
     chunks_of = {b.span.index: b.chunk for b in reducer.buckets}
-    return {"steps": steps, "pp_rank": groups.pp_rank, "dp_rank": groups.dp_rank, "chunks_of": chunks_of}
+    numels = [s.numel for s in reducer.layout.spans]
+    return {
+        "steps": steps,
+        "pp_rank": groups.pp_rank,
+        "dp_rank": groups.dp_rank,
+        "chunks_of": chunks_of,
+        "numels": numels,
+    }
 
 
 def _last_weight_span(spans: list, chunk: int, stage0: bool) -> int:
@@ -85,6 +93,10 @@ def _last_weight_span(spans: list, chunk: int, stage0: bool) -> int:
 def test_each_chunks_buckets_launch_during_its_last_backward(tmp_path, schedule, vpp):
     new = run_distributed(_launches, 4, schedule, vpp, True, tmp_path / "new")
     old = run_distributed(_launches, 4, schedule, vpp, False, tmp_path / "old")
+    layout = Layout(dp=2, pp=2, vpp=vpp, bucket_mb=0.01)
+    for r in new:  # the memory estimator's layout (trident/memory_estimate.py) is the reducer's, chunk cuts included
+        predicted = flat_layout(rank_params(MODEL, layout, r["pp_rank"]), layout, isolated(MODEL, layout))
+        assert [s.numel for s in predicted.spans] == r["numels"]
     for per_chunk, results in ((True, new), (False, old)):
         for r in results:
             peer = next(o for o in results if o["pp_rank"] == r["pp_rank"] and o is not r)

@@ -234,6 +234,20 @@ def _meta(numel: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(numel, device="meta"))
 
 
+def _chunk_indices(names: list[str]) -> list[int]:
+    """Which of the rank's model chunks each parameter of ``rank_params`` is in: they come chunk after chunk, each
+    chunk's layers contiguous, the next chunk's starting further on (the other ranks' chunks lie between)."""
+    chunk, last, out = 0, None, []
+    for name in names:
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            if last is not None and layer not in (last, last + 1):
+                chunk += 1
+            last = layer
+        out.append(chunk)
+    return out
+
+
 def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collection[str] = ()) -> FlatLayout:
     """The flat layout trident builds over these parameters (trident/build.py), from stand-in
     parameters on the meta device: at stages 0-2 the reducer's buckets of about ``bucket_mb`` of fp32 in reverse
@@ -244,7 +258,11 @@ def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collecti
     if layout.zero < 3:
         alone = [p for name, p in metas if name in isolate]
         numel = bucket_numel(layout.bucket_mb, torch.float32)
-        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=alone)
+        chunks: list[list[nn.Parameter]] = []  # no bucket spans two of the rank's model chunks
+        for (_, p), c in zip(metas, _chunk_indices([name for name, _ in metas]), strict=True):
+            chunks += [[] for _ in range(c + 1 - len(chunks))]
+            chunks[c].append(p)
+        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=alone, chunks=chunks)
     blocks: dict[str, list[nn.Parameter]] = {}
     root = []
     for name, p in metas:
