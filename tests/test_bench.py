@@ -163,8 +163,9 @@ def test_pp_tables_every_schedule_against_torch_and_one_process() -> None:
     assert_finite(exposed, "exposed before (ms)", "exposed after (ms)", "step before (ms)", "step after (ms)")
     assert table.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1"]
     assert_finite(table, "tokens/s", "pp=1 tokens/s", "vs pp=1", "bubble", "formula")
-    for cell in table.column("torch tokens/s"):
+    for cell, cpu in zip(table.column("torch tokens/s"), table.column("CPU vs torch"), strict=True):
         assert cell.startswith("n/a") or math.isfinite(figure(cell))
+        assert (cpu == "-") == cell.startswith("n/a") and (cpu == "-" or figure(cpu) > 0)
     assert [c != "-" for c in table.column("act. peak (stage 0)")] == [True, True, False, False]
 
 

@@ -12,10 +12,13 @@ Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble with one st
 baseline is the whole model in one process (pp=1, one thread, on rank 0). The three alternate step by step
 (trident/bench/harness.py). A layout train.py's validator refuses is listed with its line.
 
-Per row: tokens/s and its ratio to pp=1 and to torch; the measured bubble, idle / step time per rank (worst rank,
-from the runner's recorded action timings, median over steps) beside the formula's (P-1)/(M+P-1) (interleaved:
-V*M; zb-h1 with the measured F, I, W costs); for gpipe and 1f1b the first stage's peak bytes of activations saved
-for backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once, parameters left out).
+Per row: tokens/s and its ratio to pp=1 and to torch; CPU vs torch: torch's CPU seconds per step over trident's
+(process time, summed over the ranks, median over rounds: the work each executor does, which a loaded machine
+stretches far less than the wall clock, since a rank waiting for a message uses none); the measured bubble, idle /
+step time per rank (worst rank, from the runner's recorded action timings, median over steps) beside the formula's
+(P-1)/(M+P-1) (interleaved: V*M; zb-h1 with the measured F, I, W costs); for gpipe and 1f1b the first stage's
+peak bytes of activations saved for backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once,
+parameters left out).
 
 On a machine with fewer cores than ranks (pp=4 on 2 cores) the ranks share cores: tokens/s then measures the
 schedule's overhead more than its speed-up.
@@ -68,6 +71,7 @@ TORCH_SCHEDULES = {
     "zb-h1": "ScheduleInterleavedZeroBubble",
 }
 HEADER = ["pp", "schedule", "tokens/s", "spread", "pp=1 tokens/s", "vs pp=1", "torch tokens/s", "vs torch"]
+HEADER += ["CPU vs torch"]
 HEADER += ["bubble", "formula", "act. peak (stage 0)"]
 
 
@@ -240,6 +244,7 @@ def row(job: Job, res: list[dict], tokens: int) -> list[str]:
         ratio(ours_tps, base_tps),
         number(torch_tps) if torch_tps else f"n/a: {first.get('torch_error')}",
         ratio(ours_tps, torch_tps),
+        ratio(*(sum(r["cpu"][name] for r in res) for name in ("torch", "trident"))) if torch_tps else "-",
         f"{bubble:.3f}",
         f"{formula:.3f}",
         f"{peak / 2**20:.2f} MiB" if peak is not None else "-",
@@ -289,6 +294,7 @@ def _rank(rank: int, pp: int, job: Job) -> dict:
 
     timings = alternate(impls, warmup=job.warmup, steps=1, rounds=job.steps, sync=lambda: barrier(device))
     result.update({name: timing.wall for name, timing in timings.items()})
+    result["cpu"] = {name: statistics.median(timing.cpu) for name, timing in timings.items()}
     if rank == 0 and resolve_schedule(cfg.parallel) in ("gpipe", "1f1b"):
         saved = SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
