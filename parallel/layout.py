@@ -17,7 +17,7 @@ tensor. This module is arithmetic only: no process group, no tensor data.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -99,25 +99,42 @@ class FlatLayout:
 
     @classmethod
     def by_size(
-        cls, params: list[nn.Parameter], bucket_numel: int, dp_size: int, isolate: Collection[nn.Parameter] = ()
+        cls,
+        params: list[nn.Parameter],
+        bucket_numel: int,
+        dp_size: int,
+        isolate: Collection[nn.Parameter] = (),
+        chunks: Sequence[Collection[nn.Parameter]] = (),
     ) -> FlatLayout:
         """Reverse registration order (roughly the order backward produces gradients), greedy buckets.
 
         Each parameter in ``isolate`` gets a bucket of its own, so its dp shards cover the same elements of it in
         any layout: two ranks with different parameters (pipeline stages holding an embedding and its tied copy)
         can then sum their shards of it over another group after a reduce-scatter.
+
+        ``chunks``: the parameters of each model chunk (pipeline virtual stages, each a run of ``params``). No bucket
+        holds parameters of two chunks, so a chunk's buckets can be reduced as soon as its last backward is done,
+        whatever the other chunks still have to do.
         """
         isolated = {id(p) for p in isolate}
+        chunk_of = {id(p): c for c, ps in enumerate(chunks) for p in ps}
         buckets: list[list[nn.Parameter]] = []
-        run: list[nn.Parameter] = []
-        for p in [*reversed(params), None]:
-            if p is None or id(p) in isolated:
-                plan = plan_buckets([q.numel() for q in run], bucket_numel, dp_size)
-                buckets += [[run[i] for i in idx] for idx, _ in plan]
-                buckets += [[p]] if p is not None else []
-                run = []
+        run: list[nn.Parameter] = []  # consecutive parameters of one chunk, none isolated
+
+        def cut() -> None:
+            plan = plan_buckets([q.numel() for q in run], bucket_numel, dp_size)
+            buckets.extend([run[i] for i in idx] for idx, _ in plan)
+            run.clear()
+
+        for p in reversed(params):
+            if run and chunk_of.get(id(p)) != chunk_of.get(id(run[-1])):
+                cut()
+            if id(p) in isolated:
+                cut()
+                buckets.append([p])
             else:
                 run.append(p)
+        cut()
         return cls(buckets, dp_size)
 
     @property

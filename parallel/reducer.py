@@ -13,13 +13,17 @@ reduced gradient from the buffer itself (``reduced_grad``), never from ``.grad``
 
 During the backward of the last micro-batch a bucket's reduction starts asynchronously as soon as all its
 gradients are in, so communication overlaps the rest of backward; earlier micro-batches only accumulate.
+Under pipeline parallelism a rank holds several model chunks (``chunks``) whose last backwards come at different
+times of the schedule: no bucket spans two chunks, and sync is turned on per chunk (``set_sync(True, chunk)``) for
+that chunk's last backward only; ``launch_chunk`` then starts whatever of the chunk is left, so each chunk's
+buckets are on the wire while the schedule still runs the others, and ``finish`` mostly waits.
 ``reduce_bucket`` is the one call that reduces a bucket: an all-reduce here, a reduce-scatter under ZeRO.
 The loss is pre-divided by the global token count, so the reduction is a plain SUM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +40,7 @@ class Bucket:
     numel: int  # padded to a multiple of dp_size
     grads: torch.Tensor  # the bucket's slice of the flat buffer
     span: Span  # the bucket in the layout
+    chunk: int = 0  # the model chunk whose parameters the bucket holds
     ready: int = 0
     work: dist.Work | None = field(default=None, repr=False)
 
@@ -53,6 +58,7 @@ class GradReducer:
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype = torch.float32,
         isolate: Collection[nn.Parameter] = (),
+        chunks: Sequence[Collection[nn.Parameter]] = (),
     ) -> None:
         params = [p for p in params if p.requires_grad]
         if not params:
@@ -60,8 +66,10 @@ class GradReducer:
         self.params = params
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
-        # ``isolate``: parameters each in a bucket of their own (see FlatLayout.by_size).
-        self.layout = FlatLayout.by_size(params, bucket_numel(bucket_mb, reduce_dtype), self.dp_size, isolate)
+        # ``isolate``: parameters each in a bucket of their own; ``chunks``: no bucket spans two (FlatLayout.by_size).
+        numel = bucket_numel(bucket_mb, reduce_dtype)
+        self.layout = FlatLayout.by_size(params, numel, self.dp_size, isolate, chunks)
+        chunk_of = {id(p): c for c, ps in enumerate(chunks) for p in ps}
         self.buffer = torch.zeros(self.layout.numel, dtype=reduce_dtype, device=params[0].device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
@@ -69,15 +77,20 @@ class GradReducer:
         for span in self.layout.spans:
             # Views made once and kept: see finish() on why the reducer must own the bucket tensors.
             view = self.buffer[span.offset : span.offset + span.numel]
-            bucket = Bucket(params=span.params, offset=span.offset, numel=span.numel, grads=view, span=span)
+            chunk = chunk_of.get(id(span.params[0]), 0)
+            bucket = Bucket(span.params, span.offset, span.numel, view, span, chunk)
             for p in bucket.params:
                 start = self.layout.offset[p]
                 self._grad[p] = self.buffer[start : start + p.numel()].view_as(p)
                 self._bucket_of[p] = bucket
             self.buckets.append(bucket)
 
-        self._sync = True
-        self._next = 0  # index of the next bucket to launch
+        # Each chunk's buckets, in layout order, and the index in that list of the next one to launch.
+        self._chunks: dict[int, list[Bucket]] = {}
+        for bucket in self.buckets:
+            self._chunks.setdefault(bucket.chunk, []).append(bucket)
+        self._next = dict.fromkeys(self._chunks, 0)
+        self._syncing: set[int] = set(self._chunks)  # chunks whose buckets launch as their gradients come in
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def grad(self, param: nn.Parameter) -> torch.Tensor:
@@ -92,20 +105,34 @@ class GradReducer:
         """Every tensor holding gradients: the flat buffer."""
         return [self.buffer]
 
-    def set_sync(self, enabled: bool) -> None:
-        """Call before each micro-batch's backward: True only for the last one of the step."""
-        self._sync = enabled
+    def set_sync(self, enabled: bool, chunk: int | None = None) -> None:
+        """Call before each micro-batch's backward: True only for the last one of the step. ``chunk``: only that
+        model chunk's buckets (a pipeline's chunks each have their own last backward); None: every chunk."""
+        chunks = self._chunks if chunk is None else [chunk]
+        self._syncing = self._syncing | set(chunks) if enabled else self._syncing - set(chunks)
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         self._grad[param].add_(param.grad)
         param.grad = None
-        if not self._sync or self.dp_size == 1:
+        bucket = self._bucket_of[param]
+        if bucket.chunk not in self._syncing or self.dp_size == 1:
             return
-        self._bucket_of[param].ready += 1
-        # Collectives must be issued in the same order on every rank, so buckets start strictly in
+        bucket.ready += 1
+        # Collectives must be issued in the same order on every rank, so a chunk's buckets start strictly in
         # bucket order (as torch DDP does), even if autograd finishes a later one first.
-        while self._next < len(self.buckets) and self._is_ready(self.buckets[self._next]):
-            self._launch(self.buckets[self._next])
+        buckets, c = self._chunks[bucket.chunk], bucket.chunk
+        while self._next[c] < len(buckets) and self._is_ready(buckets[self._next[c]]):
+            self._launch(buckets[self._next[c]])
+
+    def launch_chunk(self, chunk: int) -> None:
+        """Start the reduction of every bucket of ``chunk`` not started yet (buckets some of whose parameters got
+        no gradient), in bucket order: call once the chunk's last backward of the step is done, at the same point
+        of the schedule on every dp rank."""
+        if self.dp_size == 1:
+            return
+        buckets = self._chunks[chunk]
+        while self._next[chunk] < len(buckets):
+            self._launch(buckets[self._next[chunk]])
 
     @staticmethod
     def _is_ready(bucket: Bucket) -> bool:
@@ -117,14 +144,14 @@ class GradReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.work = self.reduce_bucket(bucket)
-        self._next += 1
+        self._next[bucket.chunk] += 1
 
     def finish(self) -> None:
         """Wait for every bucket's reduction; buckets whose parameters got no gradient are reduced now."""
         if self.dp_size == 1:
             return
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
+        for chunk in self._chunks:
+            self.launch_chunk(chunk)
         for bucket in self.buckets:
             # Keep the handle until the next launch replaces it. Whoever drops the last reference to a
             # finished work frees its tensors, which takes the GIL; on gloo's worker thread that aborts
@@ -132,7 +159,7 @@ class GradReducer:
             # exception"). Held here, the last reference is always dropped on this thread.
             bucket.work.wait()
             bucket.ready = 0
-        self._next = 0
+        self._next = dict.fromkeys(self._chunks, 0)
 
     def zero_grad(self) -> None:
         self.buffer.zero_()

@@ -138,8 +138,12 @@ def test_a_zero3_pipeline_checkpoint_moves_to_zero1_tp_and_back_with_the_uninter
 
 @pytest.mark.parametrize(
     "world,extra",
-    [(4, ["train.precision=bf16", "parallel.dp=2", "parallel.zero=1"]), (2, ["train.precision=fp16"])],
-    ids=["pp2-dp2-zero1-bf16", "pp2-fp16"],
+    [
+        (4, ["train.precision=bf16", "parallel.dp=2", "parallel.zero=1"]),
+        (2, ["train.precision=fp16"]),
+        (4, ["train.precision=fp16", "parallel.dp=2", "parallel.vpp=2"]),  # each chunk reduced after its last B
+    ],
+    ids=["pp2-dp2-zero1-bf16", "pp2-fp16", "pp2-dp2-vpp2-fp16"],
 )
 def test_pipeline_trains_in_16_bit_close_to_the_fp32_curve(tiny_dataset, tmp_path, short_reference, world, extra):
     """16-bit activations cross the stages (the p2p buffers take the parameters' dtype); 4 steps stay within 1% of

@@ -155,14 +155,17 @@ def test_zero_tables_every_stage_and_torchs_against_the_formula() -> None:
 
 @pytest.mark.multiprocess
 def test_pp_tables_every_schedule_against_torch_and_one_process() -> None:
-    (table,) = bench(
+    table, exposed = bench(
         "pp", "--pp", "2", "--layers", "4", "--d-model", "64", "--seq-len", "32", "--vocab", "512",
         "--micro", "4", "--mbs", "1", "--steps", "1", "--warmup", "1",
     )  # fmt: skip
+    assert exposed.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    assert_finite(exposed, "exposed before (ms)", "exposed after (ms)", "step before (ms)", "step after (ms)")
     assert table.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1"]
     assert_finite(table, "tokens/s", "pp=1 tokens/s", "vs pp=1", "bubble", "formula")
-    for cell in table.column("torch tokens/s"):
+    for cell, cpu in zip(table.column("torch tokens/s"), table.column("CPU vs torch"), strict=True):
         assert cell.startswith("n/a") or math.isfinite(figure(cell))
+        assert (cpu == "-") == cell.startswith("n/a") and (cpu == "-" or figure(cpu) > 0)
     assert [c != "-" for c in table.column("act. peak (stage 0)")] == [True, True, False, False]
 
 

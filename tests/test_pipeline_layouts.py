@@ -53,6 +53,11 @@ LAYOUTS = [
     ),  # M=3: not a multiple of pp
     pytest.param(4, 8, ["parallel.pp=4", "parallel.vpp=2", "train.micro_batch_size=6"], id="pp4-vpp2-M2"),  # M=2 < pp
     pytest.param(4, 4, ["parallel.pp=2", "parallel.dp=2"], id="pp2-dp2"),  # M=3 per dp rank
+    # dp under the schedules whose chunks reduce at different points (each chunk after its last backward or W)
+    pytest.param(4, 4, ["parallel.pp=2", "parallel.dp=2", "parallel.schedule=zb-h1"], id="pp2-dp2-zb-h1"),
+    pytest.param(
+        4, 4, ["parallel.pp=2", "parallel.dp=2", "parallel.vpp=2", "parallel.zero=2"], id="pp2-dp2-vpp2-zero2"
+    ),
     pytest.param(
         4,
         4,

@@ -16,7 +16,7 @@ from trident.memory_estimate import Layout, estimate
 from trident.parallel.pipeline.schedules import UNIT_COSTS, bubble_formula
 from trident.plan import simulate
 from trident.plan.auto import LAYOUT_KEYS
-from trident.plan.cost import Placement
+from trident.plan.cost import Placement, _chunk_reduce_end, collective_time
 from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
 from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
 from trident.plan.report import launch_overrides, table
@@ -216,3 +216,19 @@ def test_candidates_name_every_layout_key() -> None:
     """A candidate's overrides are exactly the layout keys parallel.auto chooses (and keeps when given)."""
     assert [o.split("=")[0] for o in Candidate().overrides()] == list(LAYOUT_KEYS)
     assert list(itertools.islice(grid(compose_config(REPO / "conf", TINY), 1), 1))
+
+
+def test_pipeline_chunks_reduce_behind_their_own_last_backward() -> None:
+    """Under pipelines each chunk's buckets fill during its last weight-gradient action and queue on the dp group:
+    a chunk done early is reduced while the schedule runs on; only what the last chunk fills is left to the end."""
+    profile = cpu_profile()
+    layout = Layout(dp=2, pp=2, vpp=2, bucket_mb=1.0)
+    per_bucket = 2**20 // 4
+    s = collective_time(profile, "all_reduce", 2, 4 * per_bucket, False)
+    # Chunk 1: two buckets filled over [0, 1]; chunk 0: one bucket over [10, 11] (given first: ordered by its end).
+    end = _chunk_reduce_end(profile, layout, [(per_bucket, 10.0, 11.0), (2 * per_bucket, 0.0, 1.0)], False)
+    assert s < 4  # the first chunk's two reductions are over long before the second chunk's action ends
+    assert end == pytest.approx(11.0 + s)
+    # Both ending at 1.0, in the order given (as the executor launches): the three queue from 1.0, one after another.
+    end = _chunk_reduce_end(profile, layout, [(per_bucket, 1.0, 1.0), (2 * per_bucket, 0.0, 1.0)], False)
+    assert end == pytest.approx(1.0 + 3 * s)

@@ -124,7 +124,7 @@ def _dp_matches_full_batch(rank: int, world: int, micro: int, bucket_mb: float) 
         lm_loss_sum(model(chunk[:, :-1]), chunk[:, 1:]).div(n_tokens).backward()
         if last:
             # Every bucket was launched from the backward hooks, before finish() is called.
-            assert reducer._next == len(reducer.buckets)
+            assert sum(reducer._next.values()) == len(reducer.buckets)
         else:
             # No communication yet: the gradient is this rank's local partial sum, which differs across ranks.
             both = [torch.empty_like(reducer.buffer) for _ in range(world)]

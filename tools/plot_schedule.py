@@ -138,6 +138,8 @@ class Recorded:
     pp: int
     vpp: int
     micro_batches: int
+    # The data-parallel reduction left after the schedule (the reducer's finish), worst rank; None if not recorded.
+    exposed_reduce_s: float | None = None
 
     @property
     def pipeline_s(self) -> float:
@@ -161,7 +163,9 @@ def read_timings(directory: Path, call: int | None) -> Recorded:
         Span(row["rank"], Action(k, m, c), start - t0, end - t0) for row in rows for k, m, c, start, end in row["spans"]
     ]
     first = rows[0]
-    return Recorded(spans, first["schedule"], len(rows), first["vpp"], first["micro_batches"])
+    reduces = [row["reduce"][1] - row["reduce"][0] for row in rows if "reduce" in row]
+    exposed = max(reduces) if reduces else None
+    return Recorded(spans, first["schedule"], len(rows), first["vpp"], first["micro_batches"], exposed)
 
 
 def measured(directory: Path, call: int | None) -> tuple[list[Span], str]:
@@ -174,6 +178,8 @@ def measured(directory: Path, call: int | None) -> tuple[list[Span], str]:
         f"{rec.schedule}, pp={rec.pp}, vpp={rec.vpp}, {rec.micro_batches} micro-batches (measured, ms): "
         f"bubble {idle:.3f} of busy time, formula {formula:.3f}"
     )
+    if rec.exposed_reduce_s is not None:
+        title += f"; dp reduction exposed after it {rec.exposed_reduce_s * 1e3:.1f} ms"
     return spans, title
 
 

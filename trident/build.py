@@ -89,21 +89,23 @@ def build_optimizer(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups)
     """The reducer, the ZeRO optimizer of ``parallel.zero`` (with offload) and the ``GradStep`` around it.
 
     Parameters whose gradients are summed across pipeline stages after the dp reduction (the tied embedding's
-    two copies) get a bucket of their own, so their shards line up on the ranks that sum them."""
+    two copies) get a bucket of their own, so their shards line up on the ranks that sum them. No bucket spans two
+    model chunks, so the pipeline reduces each chunk's buckets after its last backward."""
     zero, par, opt = cfg.parallel.zero, cfg.parallel, cfg.optim
     policy = precision_policy(cfg.train.precision)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     isolate = [p for p in params if "embedding" in placement_of(p).grad_sums]
+    per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
     dp_group, device = groups.dp_group, params[0].device
 
     sharding: ParameterSharding | None = None
     if zero <= 1:
         kind = ScatterReducer if zero == 1 else GradReducer
-        reducer = kind(params, dp_group, par.bucket_mb, policy.reduce_dtype, isolate)
+        reducer = kind(params, dp_group, par.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
         layout = reducer.layout
     elif zero == 2:
         numel = bucket_numel(par.bucket_mb, policy.reduce_dtype)
-        layout = FlatLayout.by_size(params, numel, groups.dp_size, isolate)
+        layout = FlatLayout.by_size(params, numel, groups.dp_size, isolate, per_chunk)
         reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, device)
     else:
         units_of = [(chunk, list(chunk.layers.values())) for chunk in chunks]
@@ -147,6 +149,7 @@ def build_runner(
         cfg.model.d_model,
         seq_divisor=groups.tp_size if cfg.parallel.sequence_parallel else 1,
         timings=timings,
+        recomputed=cfg.train.activation_checkpointing != "none",
     )
 
 

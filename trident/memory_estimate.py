@@ -240,6 +240,20 @@ def _meta(numel: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(numel, device="meta"))
 
 
+def _chunk_indices(names: list[str]) -> list[int]:
+    """Which of the rank's model chunks each parameter of ``rank_params`` is in: they come chunk after chunk, each
+    chunk's layers contiguous, the next chunk's starting further on (the other ranks' chunks lie between)."""
+    chunk, last, out = 0, None, []
+    for name in names:
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            if last is not None and layer not in (last, last + 1):
+                chunk += 1
+            last = layer
+        out.append(chunk)
+    return out
+
+
 def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collection[str] = ()) -> FlatLayout:
     """The flat layout trident builds over these parameters (trident/build.py), from stand-in
     parameters on the meta device: at stages 0-2 the reducer's buckets of about ``bucket_mb`` of fp32 in reverse
@@ -251,7 +265,11 @@ def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collecti
     if layout.zero < 3:
         alone = [p for name, p in metas if name in isolate]
         numel = bucket_numel(layout.bucket_mb, torch.float32)
-        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=alone)
+        chunks: list[list[nn.Parameter]] = []  # no bucket spans two of the rank's model chunks
+        for (_, p), c in zip(metas, _chunk_indices([name for name, _ in metas]), strict=True):
+            chunks += [[] for _ in range(c + 1 - len(chunks))]
+            chunks[c].append(p)
+        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=alone, chunks=chunks)
     buckets = []
     for blocks, root in _chunk_units(metas):
         roots = [[p for name, p in root if name not in isolate]] + [[p] for name, p in root if name in isolate]
@@ -261,21 +279,20 @@ def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collecti
 
 def _chunk_units(metas: list[tuple[str, nn.Parameter]]) -> list[tuple[list[list[nn.Parameter]], list]]:
     """(each block's parameters in forward order, the root's (name, parameter)s) of each model chunk among
-    ``metas`` (a rank's, chunk after chunk, as ``rank_params`` lists them). A chunk's layers are consecutive and a
-    rank's next chunk starts pp chunks later, so a gap in the layer indices starts a chunk; the embedding opens the
-    first chunk, the final norm and head close the last."""
-    chunks: list[tuple[list[list[nn.Parameter]], list]] = [([], [])]
+    ``metas`` (a rank's, chunk after chunk, as ``rank_params`` lists them; chunks as ``_chunk_indices`` finds
+    them): the embedding opens the first chunk, the final norm and head close the last."""
+    chunks: list[tuple[list[list[nn.Parameter]], list]] = []
     previous = None
-    for name, p in metas:
+    for (name, p), c in zip(metas, _chunk_indices([name for name, _ in metas]), strict=True):
+        chunks += [([], []) for _ in range(c + 1 - len(chunks))]
+        blocks, root = chunks[c]
         if not name.startswith("layers."):
-            chunks[-1][1].append((name, p))
+            root.append((name, p))
             continue
         layer = int(name.split(".")[1])
-        if previous is not None and layer not in (previous, previous + 1):
-            chunks.append(([], []))
         if layer != previous:
-            chunks[-1][0].append([])
-        chunks[-1][0][-1].append(p)
+            blocks.append([])
+        blocks[-1].append(p)
         previous = layer
     return chunks
 

@@ -17,8 +17,13 @@ Shapes are known in advance: [micro_batch, seq (/ tp under sequence parallelism)
 stream's dtype (the parameters'). Tokens are read on the first stage only, labels on the last; the last stage
 returns the summed loss of its micro-batches (unscaled), other stages zero. A training forward runs inside its
 micro-batch's context on the chunk's RNG tracker (dropout's masks are derived from it). A micro-batch's activations are
-dropped as soon as its backward (B, or W) is done. Gradient sync is off during the schedule and the reducer
-reduces every bucket after the last backward.
+dropped as soon as its backward (B, or W) is done.
+
+Gradient sync is off during the schedule except for each chunk's last action that produces its weight gradients
+(its last B; under zb-h1 its last W, or on stage 0, where I is the whole backward, its last I): during that action
+the chunk's buckets start their dp reduction as they fill, and right after it the rest of them
+(``GradReducer.launch_chunk``), so the reduction runs behind the rest of the schedule and ``finish`` at the end only
+waits. Every dp rank of a pipeline rank walks the same actions, so they start the buckets in the same order.
 """
 
 from __future__ import annotations
@@ -44,30 +49,45 @@ from trident.parallel.reducer import GradReducer
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def backward_weight(param_groups: list[dict]) -> None:
+def backward_weight(param_groups: list[dict], together: bool = False) -> None:
     """The weight gradients of a chunk from what ``stage_backward_input`` kept: backward from the saved
     gradients of the intermediates to the weights only. Unlike torch's ``stage_backward_weight`` (which writes
     ``.grad`` itself) this accumulates through autograd, so the reducer's post-accumulate hooks see every one.
 
-    One backward for all the groups, not one per group: under activation checkpointing every separate backward
-    recomputes the checkpointed block again (its saved tensors are unpacked anew in each graph task), which made the
-    W pass of a fully recomputed block cost several forwards."""
-    edges, grads, inputs, nodes = [], [], [], []
+    One backward per group (as torch does), each to its own weights only: the engine then runs just the weight
+    branches of the group's intermediates. A single backward over all the groups would also walk the input-gradient
+    path from each intermediate down to the earlier ones (they lead to earlier weights), redoing most of the I pass
+    only for the prehooks below to throw it away: I + W cost 1.5 backwards' FLOPs, not one
+    (tests/test_zb_weight_pass.py).
+    ``together``: one backward for all the groups all the same, for recomputed chunks: under activation
+    checkpointing every separate backward recomputes the checkpointed block again (its saved tensors are unpacked
+    anew in each graph task), which would make W cost several forwards."""
+    groups, nodes, seen = [], [], set()
     for group in param_groups:
+        edges, grads = [], []
         for saved, node in zip(group["grads"], group["intermediates"], strict=True):
             nodes.append((node, saved))
             for i, g in enumerate(saved):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
-        inputs += [acc.variable for acc in group["params"] if all(acc.variable is not x for x in inputs)]
+        weights = [acc.variable for acc in group["params"]]
+        # A weight in two groups would get two accumulations, which the reducer counts as two gradients.
+        together |= any(id(w) in seen for w in weights)
+        seen.update(id(w) for w in weights)
+        if edges:
+            groups.append((edges, grads, weights))
+    if together and groups:
+        edges, grads, weights = (sum((g[k] for g in groups), []) for k in range(3))
+        weights = list({id(w): w for w in weights}.values())
+        groups = [(edges, grads, weights)]
     handles = []
     if len(nodes) > 1:
         # An intermediate reached again through another one must take its saved gradient, not a second sum.
         handles = [node.register_prehook(lambda _, sg=saved: sg) for node, saved in nodes]
     try:
-        if edges:
-            torch.autograd.backward(edges, grad_tensors=grads, inputs=inputs)
+        for k, (edges, grads, weights) in enumerate(groups):
+            torch.autograd.backward(edges, grad_tensors=grads, inputs=weights, retain_graph=k < len(groups) - 1)
     finally:
         for h in handles:
             h.remove()
@@ -78,7 +98,11 @@ class PipelineRunner:
 
     ``chunks[c]`` is virtual stage ``c * pp + pp_rank``; ``pp_ranks`` the global ranks of this pipeline in stage
     order; ``seq_divisor`` tp under sequence parallelism (activations are sequence shards), else 1.
-    ``timings``: a JSON-lines file to which each step's actions are appended with their start and end times.
+    ``timings``: a JSON-lines file to which each step's actions are appended with their start and end times, and
+    the span of the reducer's ``finish`` (the dp reduction left exposed after the schedule).
+    ``reduce_per_chunk``: False reduces every bucket after the schedule instead (the old behaviour, kept for the
+    benchmark's before/after of the exposed reduction). ``recomputed``: the chunks recompute activations in backward
+    (``backward_weight``'s ``together``).
     """
 
     def __init__(
@@ -93,8 +117,11 @@ class PipelineRunner:
         d_model: int,
         seq_divisor: int = 1,
         timings: Path | None = None,
+        reduce_per_chunk: bool = True,
+        recomputed: bool = False,
     ) -> None:
         self.chunks, self.schedule = list(chunks), schedule
+        self.reduce_per_chunk, self.recomputed = reduce_per_chunk, recomputed
         self.pp_rank, self.pp_ranks, self.pp_group = pp_rank, tuple(pp_ranks), pp_group
         self.pp, self.vpp = len(self.pp_ranks), len(self.chunks)
         self.stages = self.pp * self.vpp
@@ -111,16 +138,24 @@ class PipelineRunner:
     def forward_backward(self, micro_batches: list[Batch], loss_fn: LossFn, loss_multiplier: float) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.train()
-        self.reducer.set_sync(False)  # every bucket is reduced once, after the last backward
-        total = _Step(self, self._plan(len(micro_batches), True), micro_batches, loss_fn, loss_multiplier, True).run()
+        self.reducer.set_sync(False)  # on for each chunk's last backward only (module docstring)
+        step = _Step(self, self._plan(len(micro_batches), True), micro_batches, loss_fn, loss_multiplier, True)
+        total = step.run()
+        start = time.time()
         self.reducer.finish()
+        if self.timings is not None:
+            step.record(reduce=(start, time.time()))
         return total
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.eval()
-        return _Step(self, self._plan(len(micro_batches), False), micro_batches, loss_fn, 1.0, train=False).run()
+        step = _Step(self, self._plan(len(micro_batches), False), micro_batches, loss_fn, 1.0, train=False)
+        total = step.run()
+        if self.timings is not None:
+            step.record()
+        return total
 
     def _plan(self, micro: int, train: bool) -> list[Step]:
         """This rank's ticks for ``micro`` micro-batches (training, or forwards only), computed once."""
@@ -129,6 +164,16 @@ class PipelineRunner:
             schedule = build_schedule(self.schedule, self.pp, self.vpp, micro)
             self._plans[key] = p2p_plan(schedule if train else forward_only(schedule), self.pp_rank, self.stages)
         return self._plans[key]
+
+    def last_weight_ticks(self, plan: list[Step]) -> dict[int, int]:
+        """{tick: chunk} for each chunk's last action of ``plan`` that produces its weight gradients: B, or W
+        (zb-h1), or I on stage 0, where I is the whole backward and W has nothing left."""
+        last = {}
+        for t, tick in enumerate(plan):
+            a = tick.action
+            if a is not None and (a.kind in (B, W) or (a.kind == I and stage_of(a.chunk, self.pp_rank, self.pp) == 0)):
+                last[a.chunk] = t
+        return {t: c for c, t in last.items()} if self.reduce_per_chunk else {}
 
     def activation_shape(self, micro_batches: list[Batch]) -> tuple[int, int, int]:
         b, t = micro_batches[0].tokens.shape
@@ -159,13 +204,20 @@ class _Step:
 
     def run(self) -> torch.Tensor:
         r = self.r
-        for tick in self.plan:
+        last = r.last_weight_ticks(self.plan) if self.train else {}
+        for t, tick in enumerate(self.plan):
             outgoing: list[tuple[torch.Tensor, int]] = []
             if tick.action is not None:
                 need = needs_of(tick.action, r.pp_rank, r.pp, r.stages)
                 received = None if need is None else self._take(need)
                 start = time.time()  # after the wait: a span is compute, the gaps between spans are the bubble
+                chunk = last.get(t)
+                if chunk is not None:  # the chunk's last weight gradients: its buckets reduce as they fill
+                    r.reducer.set_sync(True, chunk)
                 outgoing = self._do(tick.action, received)
+                if chunk is not None:
+                    r.reducer.set_sync(False, chunk)
+                    r.reducer.launch_chunk(chunk)
                 if r.timings is not None:
                     if r.device.type == "cuda":
                         torch.cuda.synchronize(r.device)
@@ -175,8 +227,6 @@ class _Step:
             work.wait()
         self.sends.clear()
         assert not self.saved and not self.kept and not self.received, "the schedule left work undone"
-        if r.timings is not None:
-            self._record()
         return self.total
 
     # -- messages ---------------------------------------------------------------------------------------------
@@ -232,7 +282,7 @@ class _Step:
                 self.saved[key] = (x, out)
             return [(out.detach(), dst) for _, dst in sends]
         if action.kind == W:
-            backward_weight(self.kept.pop(key))
+            backward_weight(self.kept.pop(key), together=r.recomputed)
             return []
         x, out = self.saved.pop(key)
         if action.kind == B or stage == 0:
@@ -246,7 +296,8 @@ class _Step:
             (dx,), self.kept[key] = stage_backward_input([out], grads, [x], r.chunks[action.chunk].parameters())
         return [(dx, dst) for _, dst in sends]
 
-    def _record(self) -> None:
+    def record(self, reduce: tuple[float, float] | None = None) -> None:
+        """Append the step's action spans (and ``reduce``: the span of the reducer's finish) to the timings file."""
         r = self.r
         row = {
             "call": r.calls,
@@ -259,6 +310,8 @@ class _Step:
             "train": self.train,
             "spans": self.spans,
         }
+        if reduce is not None:
+            row["reduce"] = reduce
         r.calls += 1
         r.timings.parent.mkdir(parents=True, exist_ok=True)
         with open(r.timings, "a") as f:

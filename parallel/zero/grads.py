@@ -49,8 +49,9 @@ class ScatterReducer(GradReducer):
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype = torch.float32,
         isolate: Collection[nn.Parameter] = (),
+        chunks: Sequence[Collection[nn.Parameter]] = (),
     ) -> None:
-        super().__init__(params, dp_group, bucket_mb, reduce_dtype, isolate)
+        super().__init__(params, dp_group, bucket_mb, reduce_dtype, isolate, chunks)
         rank = dist.get_rank(dp_group)
         # Made once and kept, like the bucket views (a collective's tensors must outlive its work).
         self._shards = [self.buffer[slice(*span.shard(rank, self.dp_size))] for span in self.layout.spans]
@@ -113,8 +114,12 @@ class ShardedGradReducer:
 
     MAX_IN_FLIGHT = 2
 
-    def set_sync(self, enabled: bool) -> None:
+    def set_sync(self, enabled: bool, chunk: int | None = None) -> None:
         """Nothing to decide: each micro-batch's gradients are reduce-scattered as they are produced."""
+
+    def launch_chunk(self, chunk: int) -> None:
+        """Nothing left to start: a bucket is reduce-scattered the moment it is complete (``finish`` starts the
+        ones a pass left incomplete)."""
 
     def reduced_grad(self, span: Span) -> torch.Tensor:
         """This rank's shard of the bucket's gradient, summed over dp and over the step's micro-batches."""

@@ -12,13 +12,22 @@ Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble with one st
 baseline is the whole model in one process (pp=1, one thread, on rank 0). The three alternate step by step
 (trident/bench/harness.py). A layout train.py's validator refuses is listed with its line.
 
-Per row: tokens/s and its ratio to pp=1 and to torch; the measured bubble, idle / step time per rank (worst rank,
-from the runner's recorded action timings, median over steps) beside the formula's (P-1)/(M+P-1) (interleaved:
-V*M; zb-h1 with the measured F, I, W costs); for gpipe and 1f1b the first stage's peak bytes of activations saved
-for backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once, parameters left out).
+Per row: tokens/s and its ratio to pp=1 and to torch; CPU vs torch: torch's CPU seconds per step over trident's
+(process time, summed over the ranks, median over rounds: the work each executor does, which a loaded machine
+stretches far less than the wall clock, since a rank waiting for a message uses none); the measured bubble, idle /
+step time per rank (worst rank, from the runner's recorded action timings, median over steps) beside the formula's
+(P-1)/(M+P-1) (interleaved: V*M; zb-h1 with the measured F, I, W costs); for gpipe and 1f1b the first stage's
+peak bytes of activations saved for backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once,
+parameters left out).
 
 On a machine with fewer cores than ranks (pp=4 on 2 cores) the ranks share cores: tokens/s then measures the
 schedule's overhead more than its speed-up.
+
+A second table (``--exposed-dp``, with ``--exposed-pp``) times each schedule at dp x pp ranks twice, alternating:
+the data-parallel gradient reduction as the pipeline runs it, each model chunk's buckets started during its last
+backward, and as it ran before (``PipelineRunner(reduce_per_chunk=False)``: every bucket after the schedule). Per
+step: the reduction left exposed, the reducer's ``finish`` after the rank's last action (worst pipeline rank of dp
+rank 0, from the recorded timings, median over steps), and the step time.
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ TORCH_SCHEDULES = {
     "zb-h1": "ScheduleInterleavedZeroBubble",
 }
 HEADER = ["pp", "schedule", "tokens/s", "spread", "pp=1 tokens/s", "vs pp=1", "torch tokens/s", "vs torch"]
+HEADER += ["CPU vs torch"]
 HEADER += ["bubble", "formula", "act. peak (stage 0)"]
 
 
@@ -76,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    p.add_argument("--exposed-dp", type=int, default=2, help="dp of the exposed-reduction table (0: no table)")
+    p.add_argument("--exposed-pp", type=int, default=2, help="pp of the exposed-reduction table")
 
 
 @dataclasses.dataclass
@@ -123,7 +135,85 @@ def run(args: argparse.Namespace) -> list[Table]:
                 job = Job(cfg, one, args.steps, args.warmup, timings)
                 res = run_distributed(_rank, pp, job, timeout_s=24 * 3600)
                 t.add(*row(job, res, tokens))
-    return [t]
+        tables = [t]
+        if args.exposed_dp > 0:
+            tables.append(exposed_table(args, base, Path(tmp)))
+    return tables
+
+
+EXPOSED_HEADER = ["dp x pp", "schedule", "exposed before (ms)", "range", "exposed after (ms)", "range"]
+EXPOSED_HEADER += ["step before (ms)", "step after (ms)", "after / before"]
+
+
+def exposed_table(args: argparse.Namespace, base: list[str], tmp: Path) -> Table:
+    """Each schedule at dp x pp ranks: the dp reduction left after the schedule, before and after part 5."""
+    dp, pp = args.exposed_dp, args.exposed_pp
+    t = Table(
+        f"The dp reduction left exposed per step, dp={dp} x pp={pp} ranks, same GPT and batch size per dp rank "
+        f"(M={args.micro}); before: every bucket after the schedule; after: each chunk's during its last backward",
+        EXPOSED_HEADER,
+    )
+    t.notes.append(
+        "exposed: the reducer's finish() after the rank's last action, worst pipeline rank, median over steps and "
+        "the lowest-highest step; step: median step time over alternating rounds."
+    )
+    for schedule in args.schedules:
+        vpp = 2 if schedule == "interleaved" else 1
+        overrides = [*base, f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.vpp={vpp}"]
+        overrides[overrides.index(f"train.global_batch_size={args.micro * args.mbs}")] = (
+            f"train.global_batch_size={dp * args.micro * args.mbs}"
+        )
+        cfg = compose_config(args.conf, [*overrides, f"parallel.schedule={schedule}"])
+        try:
+            validate(cfg, dp * pp)
+        except ConfigError as e:
+            t.add(f"{dp} x {pp}", schedule, f"refused: {e}")
+            continue
+        job = Job(cfg, cfg, args.steps, args.warmup, tmp / f"exposed-{schedule}")
+        (first, *_) = run_distributed(_exposed_rank, dp * pp, job, timeout_s=24 * 3600)
+        exposed = {}
+        for name in ("before", "after"):
+            rows = [  # the ranks of dp rank 0's pipeline, one file each
+                [json.loads(line) for line in path.read_text().splitlines()]
+                for path in sorted((job.timings / name).glob("rank*.jsonl"))
+            ]
+            steps = zip(*(rs[job.warmup : job.warmup + job.steps] for rs in rows), strict=True)
+            exposed[name] = [1e3 * max(r["reduce"][1] - r["reduce"][0] for r in step) for step in steps]
+        before, after = (statistics.median(first[n]) for n in ("before", "after"))
+        t.add(
+            f"{dp} x {pp}",
+            schedule,
+            number(statistics.median(exposed["before"]), ".1f"),
+            f"{min(exposed['before']):.1f}-{max(exposed['before']):.1f}",
+            number(statistics.median(exposed["after"]), ".1f"),
+            f"{min(exposed['after']):.1f}-{max(exposed['after']):.1f}",
+            number(1e3 * before, ".1f"),
+            number(1e3 * after, ".1f"),
+            ratio(after, before),
+        )
+    return t
+
+
+def _exposed_rank(rank: int, world: int, job: Job) -> dict:
+    cfg, device = job.cfg, torch.device("cpu")
+    par = cfg.parallel
+    groups = build_process_groups(Topology(dp=par.dp, pp=par.pp, tp=1))
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    micro = cfg.train.global_batch_size // cfg.train.micro_batch_size // par.dp
+    impls = {}
+    for name in ("before", "after"):
+        parts = build_parts(cfg, groups, device, timings_dir=job.timings / name)
+        parts.runner.reduce_per_chunk = name == "after"
+
+        def step(i: int, parts=parts) -> None:
+            mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_len
+            batches = random_batches(cfg.model.vocab_size, micro, mbs, seq, i, 1000 * groups.dp_rank + i)
+            parts.runner.forward_backward(batches, parts.chunks[-1].loss_sum, 1.0 / tokens)
+            parts.optimizer.zero.zero_grad()
+
+        impls[name] = step
+    timings = alternate(impls, warmup=job.warmup, steps=1, rounds=job.steps, sync=lambda: barrier(device))
+    return {name: timing.wall for name, timing in timings.items()}
 
 
 def row(job: Job, res: list[dict], tokens: int) -> list[str]:
@@ -154,6 +244,7 @@ def row(job: Job, res: list[dict], tokens: int) -> list[str]:
         ratio(ours_tps, base_tps),
         number(torch_tps) if torch_tps else f"n/a: {first.get('torch_error')}",
         ratio(ours_tps, torch_tps),
+        ratio(*(sum(r["cpu"][name] for r in res) for name in ("torch", "trident"))) if torch_tps else "-",
         f"{bubble:.3f}",
         f"{formula:.3f}",
         f"{peak / 2**20:.2f} MiB" if peak is not None else "-",
@@ -203,6 +294,7 @@ def _rank(rank: int, pp: int, job: Job) -> dict:
 
     timings = alternate(impls, warmup=job.warmup, steps=1, rounds=job.steps, sync=lambda: barrier(device))
     result.update({name: timing.wall for name, timing in timings.items()})
+    result["cpu"] = {name: statistics.median(timing.cpu) for name, timing in timings.items()}
     if rank == 0 and resolve_schedule(cfg.parallel) in ("gpipe", "1f1b"):
         saved = SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):

@@ -8,8 +8,9 @@
     sharing      ranks that share a node's cores share their compute: k busy ranks of ``threads`` threads on C cores
                  each run at min(1, C / (k threads)) of a lone rank's speed
     dp / ZeRO    the gradient reduction as the reducer runs it: buckets (``parallel.bucket_mb``) start as backward
-                 fills them during the last micro-batch's backward and queue on the dp group; under pipelines every
-                 bucket waits for the rank's last backward. ZeRO 1-3 add the all-gather of the updated parameters,
+                 fills them during the last micro-batch's backward and queue on the dp group; under pipelines each
+                 chunk's buckets fill during its own last backward (zb-h1: its last W) in the simulated schedule
+                 and queue behind the earlier chunks'. ZeRO 1-3 add the all-gather of the updated parameters,
                  ZeRO 2 reduces every micro-batch, ZeRO 3 gathers each block around its forward and backward
                  (``parallel.zero3_gather=micro_batch``) or once a step (``step``), ``zero3_prefetch`` blocks ahead
     optimizer    AdamW over the rank's shard at the device's rate, its offloaded part at the host's, with the
@@ -211,6 +212,37 @@ def _dp_reduce(p: Profile, layout: Layout, numel: int, backward: float, across: 
     return max(0.0, float(np.max(ready + after)) - backward)
 
 
+def _chunk_reduce_end(p: Profile, layout: Layout, chunks: list[tuple[int, float, float]], across: bool) -> float:
+    """When the gradient reduction of a pipeline rank ends (parallel/pipeline/executor.py): ``chunks`` holds, per model
+    chunk, its parameter elements and the simulated span of its last weight-gradient action, during which its
+    buckets fill (evenly) and start; the buckets queue on the dp group in that order, one at a time."""
+    op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+    per_bucket = max(1, int(layout.bucket_mb * 2**20 / 4))
+    service: dict[int, float] = {}
+    end = 0.0
+    for numel, start, stop in sorted(chunks, key=lambda c: c[2]):
+        full, rest = divmod(numel, per_bucket)
+        filled = 0
+        for n in [per_bucket] * full + ([rest] if rest else []):
+            filled += n
+            if n not in service:
+                service[n] = collective_time(p, op, layout.dp, 4 * n, across)
+            end = max(end, start + (stop - start) * filled / numel) + service[n]
+    return end
+
+
+def _weight_spans(spans: list[simulate.TimedSpan], rank: int) -> dict[int, simulate.TimedSpan]:
+    """Each chunk's last action on ``rank`` that produces its weight gradients: B or W, or I on stage 0 (the whole
+    backward there)."""
+    last = {}
+    for s in spans:
+        a = s.action
+        if s.rank == rank and (a.kind in ("B", "W") or (a.kind == "I" and rank == 0 and a.chunk == 0)):
+            if a.chunk not in last or s.start > last[a.chunk].start:
+                last[a.chunk] = s
+    return last
+
+
 def step_time(
     m: ModelConfig,
     layout: Layout,
@@ -242,14 +274,24 @@ def step_time(
     pipeline = max(ends)
     all_busy = placement.share(placement.ranks_per_node if placement.nodes > 1 else placement.world)
 
-    # Gradient reduction: per pipeline rank, after its own last backward (pp > 1) or behind the last micro-batch's
-    # backward (pp = 1); ZeRO 2 reduces every micro-batch.
+    # Gradient reduction: per pipeline rank, each chunk's behind its own last backward (pp > 1) or behind the last
+    # micro-batch's backward (pp = 1); ZeRO 2 reduces every micro-batch.
     dp_across = placement.spans_nodes(layout.tp, layout.dp)
     step_end = 0.0
     for r in range(pp):
         numel = _stage_numel(m, layout, r, cache)
         backward = sum(costs[(c * pp + r, "B")][0] for c in range(vpp)) / all_busy
-        tail = _dp_reduce(profile, layout, numel, backward, dp_across, overlapped=pp == 1)
+        if pp == 1:
+            tail = _dp_reduce(profile, layout, numel, backward, dp_across, overlapped=True)
+        elif layout.dp == 1:
+            tail = 0.0
+        else:
+            weights = _weight_spans(spans, r)
+            chunks = [
+                (sum(n for _, n in chunk_params(m, layout.tp, pp, vpp, c * pp + r)), s.start, s.compute_end)
+                for c, s in weights.items()
+            ]
+            tail = max(0.0, _chunk_reduce_end(profile, layout, chunks, dp_across) - ends[r])
         if layout.zero >= 2 and micro > 1 and layout.dp > 1:
             # ZeRO 2-3 reduce-scatter every micro-batch (into fresh staging buffers), pipelines or not. On a GPU
             # each overlaps the next micro-batch's work; a CPU's gloo does the reduction on the cores the ranks
