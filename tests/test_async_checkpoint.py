@@ -233,3 +233,43 @@ def test_divergence_during_a_background_write_names_it_once_complete(tiny_datase
     good = tmp_path / "checkpoints" / checkpoint_name(1)
     assert errors[0].startswith("training diverged at step 4") and f"the last good checkpoint is {good}:" in errors[0]
     assert list_checkpoints(tmp_path / "checkpoints") == [good]
+
+
+def _write_through_the_writer_process(rank: int, world: int, root: str) -> dict:
+    """Two ranks write one sharded tensor (each its half) through their writer processes (each a process of its
+    own, reading the staged halves from shared memory), then the same in the foreground; and a write whose data file
+    is taken by a directory, which fails in the writer process (the rank made the directory itself) and must come
+    back to the rank."""
+    import torch
+    import torch.distributed as dist
+
+    from trident.checkpoint.background import HostStage, WriterProcess
+    from trident.checkpoint.dcp import Sharded, read_metadata, read_sharded, write_sharded
+
+    group = dist.new_group(backend="gloo")
+    half = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
+    state = {"w": Sharded((4, 3), [((2 * rank, 0), half)])}
+    staged = HostStage().copy(state)
+    process = WriterProcess()
+    write_sharded(staged, Path(root) / "background", group, process)
+    write_sharded(state, Path(root) / "foreground", group)
+    out = {"shared": staged["w"].boxes[0][1].is_shared(), "pid": process._proc.pid, "me": os.getpid()}
+    back = {"w": Sharded((4, 3), [((2 * rank, 0), torch.zeros(2, 3))])}
+    read_sharded(back, Path(root) / "background", read_metadata(Path(root) / "background"))
+    out["read"] = bool(torch.equal(back["w"].boxes[0][1], half))
+    (Path(root) / "blocked" / f"__{rank}_0.distcp").mkdir(parents=True)
+    try:
+        write_sharded(staged, Path(root) / "blocked", group, process)
+    except CheckpointError as e:
+        out["error"] = str(e)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_writer_process_writes_what_the_foreground_writes_and_its_errors_come_back(tmp_path):
+    results = run_distributed(_write_through_the_writer_process, 2, str(tmp_path))
+    for r in results:
+        assert r["shared"] and r["read"], r
+        assert r["pid"] != r["me"], "the files are written by a process of the rank's own"
+        assert "cannot write checkpoint data in" in r["error"] and "IsADirectoryError" in r["error"], r["error"]
+    assert _data_files(tmp_path / "background") == _data_files(tmp_path / "foreground")

@@ -11,15 +11,15 @@ with ``true``) saves them, into a temporary directory (keep_last 2). Three varia
 
   no save     the steps alone;
   sync        the save written before the next step starts (training stalls for the whole write);
-  async       the state staged in host memory, then written by a thread of its own while the block's next steps
+  async       the state staged in host memory, then written by the rank's writer process while the block's next steps
               run; the block ends waiting for that write, so a write longer than the block is paid for in it.
 
 Each row: the median over rounds of the block's mean step time, its spread, the median over rounds of its ratio to
 the no-save block of the same round; the time a save holds training up (sync: the write; async: staging plus the
 final wait), and for async the median time of the steps taken while its write ran (the issue's target: within 10%
-of a step without a save); CPU-s/step is the rank process's CPU time (its threads together, the writer's included)
-per step. On a CPU the writer thread shares the machine's cores with the ranks' compute, so the figures depend on
-how many are free.
+of a step without a save); CPU-s/step is the rank process's CPU time (its threads together; the writer process's
+not included) per step. On a CPU the writer shares the machine's cores with the ranks' compute, so the figures
+depend on how many are free.
 """
 
 from __future__ import annotations

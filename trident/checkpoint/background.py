@@ -8,7 +8,11 @@ stage    on the training thread: every box is copied to host memory (pinned on C
          more, in host memory, for as long as the run lives.
 write    on a thread of its own, through DCP, whose collectives (the save plan, the agreement that every rank's
          data is written, the index) run on a gloo group made for this thread alone: collectives on the training
-         groups from a second thread could interleave with the step's own and hang or corrupt both.
+         groups from a second thread could interleave with the step's own and hang or corrupt both. The files
+         themselves are serialised and written by a process of the rank's own (``WriterProcess``), which reads the
+         staged boxes from shared memory: torch.save holds the GIL for much of its work, and a writer thread in the
+         training process slowed its steps by half here (a training loop beside a thread writing 1.4 GB with
+         torch.save: 1.64 s a step alone, 2.42-2.59 s with the thread, 1.68 s with the same writes in a process).
 publish  once DCP returns (every rank's data and the index are on disk), rank 0 adds the small files and renames
          the temporary directory into place (files.publish: complete or absent), then prunes (keep_last); the
          outcome is shared over the same group, so a failure is known to every rank.
@@ -23,12 +27,20 @@ agreement to a second mechanism; this is one thread doing the three in order.
 from __future__ import annotations
 
 import datetime
+import pickle
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from trident.checkpoint.dcp import Sharded
 
@@ -59,12 +71,84 @@ class HostStage:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
             buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            if not t.is_cuda:  # shared with the writer process once, not copied to it at every save
+                buffer.share_memory_()
             self._buffers[key] = buffer
         return buffer
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class _Resolved:
+    """What the writer process's FileSystemWriter asks a planner for: the data of each write item, sent along."""
+
+    def __init__(self, data: dict[MetadataIndex, object]) -> None:
+        self.data = data
+
+    def resolve_data(self, item: WriteItem) -> object:
+        return self.data[item.index]
+
+
+def _serve(conn: Connection) -> None:
+    """The writer process: write each plan it is sent, answer with DCP's results or the exception; end when the
+    rank's end of the pipe closes (the rank is gone, however it ended)."""
+    torch.set_num_threads(1)
+    while True:
+        try:
+            path, plan, data = conn.recv()
+        except EOFError:
+            return
+        try:
+            answer: object = FileSystemWriter(path).write_data(plan, _Resolved(data)).wait()
+        except BaseException as e:  # raised again on the rank's thread
+            answer = e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")
+        del data
+        try:
+            conn.send(answer)
+        except OSError:  # the rank is gone (killed mid-write): what was written stays hidden under its tmp name
+            return
+
+
+def _picklable(e: BaseException) -> bool:
+    try:
+        pickle.dumps(e)
+        return True
+    except Exception:
+        return False
+
+
+class WriterProcess:
+    """A process of this rank's that serialises and writes a save's files (DCP's ``write_data``), started at the
+    first write. The tensors reach it as shared memory: on a CPU the host stage's buffers are allocated there, so
+    nothing is copied; on CUDA they are pinned (for the device-to-host DMA), and sending copies them into shared
+    memory, on the background thread."""
+
+    def __init__(self) -> None:
+        self._proc: mp.Process | None = None
+        self._conn: Connection | None = None
+
+    def write(self, path: Path, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._proc is None:
+            ctx = mp.get_context("spawn")
+            self._conn, child = ctx.Pipe()
+            # A daemon: it must not outlive the rank's normal exit; on any other end the pipe's EOF ends it.
+            self._proc = ctx.Process(target=_serve, args=(child,), name="trident-checkpoint-writer", daemon=True)
+            self._proc.start()
+            child.close()
+        data = {item.index: planner.resolve_data(item) for item in plan.items}
+        try:
+            self._conn.send((path, plan, data))
+            del data
+            answer = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise RuntimeError(f"the checkpoint writer process ended while writing {path}: {e}") from None
+        if isinstance(answer, BaseException):
+            raise answer
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(answer)
+        return future
 
 
 class BackgroundSave:
@@ -76,6 +160,7 @@ class BackgroundSave:
     def __init__(self, timeout_s: float) -> None:
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.stage = HostStage()
+        self.process = WriterProcess()
         self._thread: threading.Thread | None = None
         self._path: Path | None = None
         self._error: BaseException | None = None

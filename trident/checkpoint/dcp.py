@@ -30,6 +30,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,14 +52,20 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
+    SavePlan,
+    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from trident.errors import CheckpointError
 from trident.parallel.placement import Placement
+
+if TYPE_CHECKING:
+    from trident.checkpoint.background import WriterProcess
 
 METADATA_FILE = ".metadata"
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # DCP's names for the per-rank data files
@@ -148,6 +155,18 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 class _Writer(FileSystemWriter):
+    """DCP's file writer; with ``process`` (a background save's ``WriterProcess``) the files are written by that
+    process: DCP's planning and collectives stay here, only the serialisation and the writes move."""
+
+    def __init__(self, path: Path, process: WriterProcess | None = None) -> None:
+        super().__init__(path)
+        self.process = process
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.process is None:
+            return super().write_data(plan, planner)
+        return self.process.write(Path(self.path), plan, planner)
+
     def storage_meta(self) -> StorageMeta:
         # The default records the directory written to: a temporary name, stale once renamed into place.
         return StorageMeta()
@@ -167,11 +186,17 @@ def _raise_agreed(e: CheckpointException, what: str) -> None:
     raise agreed from None
 
 
-def write_sharded(state: dict[str, Sharded], directory: Path, group: dist.ProcessGroup | None = None) -> None:
+def write_sharded(
+    state: dict[str, Sharded],
+    directory: Path,
+    group: dist.ProcessGroup | None = None,
+    process: WriterProcess | None = None,
+) -> None:
     """Every rank calls this with its own boxes; a failure on any rank raises on every rank. ``group``: the
-    group DCP's collectives run on (every rank's; default the world)."""
+    group DCP's collectives run on (every rank's; default the world); ``process``: the files are written there."""
     try:
-        dcp.save(state, storage_writer=_Writer(directory), planner=_SavePlanner(), process_group=group)
+        writer = _Writer(directory, process)
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), process_group=group)
     except CheckpointException as e:
         _raise_agreed(e, f"write checkpoint data in {directory}")
 

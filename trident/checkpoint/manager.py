@@ -143,7 +143,8 @@ class Checkpointer:
         ``group`` (the background save's, or the world)."""
         name = checkpoint_name(step)
         try:
-            write_sharded(state, tmp, group)  # every rank; a failure anywhere is raised everywhere
+            process = self.background.process if group is not None and self.background is not None else None
+            write_sharded(state, tmp, group, process)  # every rank; a failure anywhere is raised everywhere
         except TridentError:
             if dist.get_rank() == self._WRITER:
                 shutil.rmtree(tmp, ignore_errors=True)
