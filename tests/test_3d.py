@@ -93,22 +93,30 @@ A = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"]
 B = ["parallel.dp=2", "parallel.tp=1", "parallel.pp=4", "parallel.zero=1"]
 
 
-def test_a_checkpoint_moves_between_3d_layouts_with_the_uninterrupted_losses(tiny_dataset, tmp_path, reference):
-    """Save at tp=2 pp=2 dp=2, resume at tp=1 pp=4 dp=2 zero=1, and the reverse: the next 5 losses (and norms and
-    validation losses) are the uninterrupted run's. Both saving runs are themselves checked against one process."""
+def _saved_and_resumed_both_ways(
+    dataset, tmp_path, reference, layouts: dict[str, list[str]], resumed_into: dict[str, list[str]], world: int
+) -> None:
+    """Train each of the two ``layouts`` (checked against one process) with a checkpoint at SAVED_AT, then resume
+    each one's checkpoint under ``resumed_into[name]``: every rank's next steps are the uninterrupted run's."""
     saved = {}
-    for name, layout in (("A", A), ("B", B)):
-        histories = train_in_process(tmp_path / name, _base(tiny_dataset, f"checkpoint.every={SAVED_AT}", *layout), 8)
+    for name, layout in layouts.items():
+        histories = train_in_process(tmp_path / name, _base(dataset, f"checkpoint.every={SAVED_AT}", *layout), world)
         assert_same_curve(reference, histories[0])
         saved[name] = (tmp_path / name / "checkpoints" / f"step_{SAVED_AT:08d}", histories[0])
-    for source, target in (("A", B), ("B", A)):
+    for source, target in resumed_into.items():
         checkpoint, uninterrupted = saved[source]
         resumed = train_in_process(
-            tmp_path / f"{source}-resumed", _base(tiny_dataset, f"checkpoint.resume={checkpoint}", *target), 8
+            tmp_path / f"{source}-resumed", _base(dataset, f"checkpoint.resume={checkpoint}", *target), world
         )
         for rows in resumed:
             assert [r["step"] for r in rows] == list(range(SAVED_AT + 1, STEPS + 1))
             assert_same_curve(uninterrupted[SAVED_AT:], rows)
+
+
+def test_a_checkpoint_moves_between_3d_layouts_with_the_uninterrupted_losses(tiny_dataset, tmp_path, reference):
+    """Save at tp=2 pp=2 dp=2, resume at tp=1 pp=4 dp=2 zero=1, and the reverse: the next 5 losses (and norms and
+    validation losses) are the uninterrupted run's. Both saving runs are themselves checked against one process."""
+    _saved_and_resumed_both_ways(tiny_dataset, tmp_path, reference, {"A": A, "B": B}, {"A": B, "B": A}, 8)
 
 
 ZERO3_PP = ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3"]
@@ -121,19 +129,9 @@ def test_a_zero3_pipeline_checkpoint_moves_to_zero1_tp_and_back_with_the_uninter
     """Save at zero=3 pp=2 dp=2, resume at zero=1 tp=2 dp=2 (no pipeline), and the reverse into zero=3 pp=2 in step
     mode: the next 5 losses, norms and validation losses are the uninterrupted run's (masters and moments are
     logical boxes, whatever the buckets and chunks that held them)."""
-    saved = {}
-    for name, layout in (("zero3-pp", ZERO3_PP), ("zero1-tp", ZERO1_TP)):
-        histories = train_in_process(tmp_path / name, _base(tiny_dataset, f"checkpoint.every={SAVED_AT}", *layout), 4)
-        assert_same_curve(reference, histories[0])
-        saved[name] = (tmp_path / name / "checkpoints" / f"step_{SAVED_AT:08d}", histories[0])
-    for source, target in (("zero3-pp", ZERO1_TP), ("zero1-tp", [*ZERO3_PP, "parallel.zero3_gather=step"])):
-        checkpoint, uninterrupted = saved[source]
-        resumed = train_in_process(
-            tmp_path / f"{source}-resumed", _base(tiny_dataset, f"checkpoint.resume={checkpoint}", *target), 4
-        )
-        for rows in resumed:
-            assert [r["step"] for r in rows] == list(range(SAVED_AT + 1, STEPS + 1))
-            assert_same_curve(uninterrupted[SAVED_AT:], rows)
+    layouts = {"zero3-pp": ZERO3_PP, "zero1-tp": ZERO1_TP}
+    resumed_into = {"zero3-pp": ZERO1_TP, "zero1-tp": [*ZERO3_PP, "parallel.zero3_gather=step"]}
+    _saved_and_resumed_both_ways(tiny_dataset, tmp_path, reference, layouts, resumed_into, 4)
 
 
 @pytest.mark.parametrize(
