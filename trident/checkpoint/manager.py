@@ -21,7 +21,7 @@ from typing import Protocol
 import torch.distributed as dist
 from torch import nn
 
-from trident.checkpoint.background import BackgroundSave
+from trident.checkpoint.background import BackgroundSave, WriterProcess
 from trident.checkpoint.dcp import read_metadata, read_sharded, write_sharded
 from trident.checkpoint.files import (
     checkpoint_name,
@@ -128,7 +128,8 @@ class Checkpointer:
         if self.background is None:
             return self._write(state, tmp, step, files, None)
         staged = self.background.stage.copy(state)  # the live tensors are free to change once this returns
-        self.background.start(lambda group: self._write(staged, tmp, step, files, group))
+        process = self.background.process
+        self.background.start(lambda group: self._write(staged, tmp, step, files, group, process))
         return done
 
     def wait(self) -> Path | None:
@@ -137,13 +138,19 @@ class Checkpointer:
         return self.background.wait() if self.background is not None else None
 
     def _write(
-        self, state: dict, tmp: Path, step: int, files: dict[str, dict], group: dist.ProcessGroup | None
+        self,
+        state: dict,
+        tmp: Path,
+        step: int,
+        files: dict[str, dict],
+        group: dist.ProcessGroup | None,
+        process: WriterProcess | None = None,
     ) -> Path:
         """Write the tensor data into ``tmp`` (every rank), then publish it (one rank); the collectives run on
-        ``group`` (the background save's, or the world)."""
+        ``group`` (the background save's, or the world), the files are written by ``process`` (the background
+        save's writer) or in this one."""
         name = checkpoint_name(step)
         try:
-            process = self.background.process if group is not None and self.background is not None else None
             write_sharded(state, tmp, group, process)  # every rank; a failure anywhere is raised everywhere
         except TridentError:
             if dist.get_rank() == self._WRITER:
