@@ -1,6 +1,7 @@
 """The pipeline executor on real gloo ranks: the tied embedding copies stay bit-identical over steps, the measured
-action timings are recorded for every action (only when asked). That pipeline stages draw different dropout masks
-is tests/test_dropout.py's."""
+action timings are recorded for every action (only when asked), and gloo's receives posted a tick ahead (its
+default) train bit-identically to NCCL's plan. That pipeline stages draw different dropout masks is
+tests/test_dropout.py's."""
 
 from __future__ import annotations
 
@@ -73,3 +74,36 @@ def test_tied_embedding_copies_stay_bit_identical_and_timings_are_recorded(tmp_p
                 assert all(a[4] <= b[3] for a, b in zip(spans, spans[1:], strict=False))  # one action at a time
         assert stage_of(vpp - 1, 1, 2) == 2 * vpp - 1  # the last rank holds the last stage and the loss
     assert Config().logging.pipeline_timings is False
+
+
+def _trained_with_lead(rank: int, world: int, schedule: str, vpp: int, lead: int | None) -> dict:
+    par = ParallelConfig(pp=world, vpp=vpp, schedule=schedule)
+    cfg = Config(model=MODEL, parallel=par, train=TrainConfig(seed=0), optim=OptimConfig(lr=1e-2, grad_clip=1.0))
+    groups = build_process_groups(Topology(dp=1, pp=world, tp=1))
+    parts = build_parts(cfg, groups, torch.device("cpu"))
+    default = parts.runner.lead
+    if lead is not None:
+        parts.runner.lead = lead
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for i in range(3):
+        x, y = (torch.randint(0, 100, (2, 16), generator=gen) for _ in range(2))
+        batches = [Batch(x.roll(m, 1), y.roll(m, 1), torch.arange(2 * m, 2 * m + 2), i) for m in range(6)]
+        losses.append(parts.runner.forward_backward(batches, parts.chunks[-1].loss_sum, 1.0 / 192).item())
+        parts.optimizer.step.step(1e-2)
+    params = [p.detach().clone() for c in parts.chunks for p in c.parameters()]
+    parts.optimizer.remove_hooks()
+    return {"default": default, "losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("schedule,vpp", [("interleaved", 2), ("zb-h1", 1)])
+def test_receives_posted_ahead_train_as_in_the_send_tick(schedule, vpp):
+    """gloo posts each receive a tick before its send (parallel/pipeline/messages.py); NCCL's plan (lead 0) and a
+    longer lead run here too: the same losses and weights, bit for bit."""
+    runs = {lead: run_distributed(_trained_with_lead, 2, schedule, vpp, lead) for lead in (None, 0, 3)}
+    assert [r["default"] for r in runs[None]] == [1, 1]
+    for lead in (0, 3):
+        for ours, theirs in zip(runs[None], runs[lead], strict=True):
+            assert ours["losses"] == theirs["losses"], lead
+            assert all(torch.equal(a, b) for a, b in zip(ours["params"], theirs["params"], strict=True)), lead
+    assert runs[None][1]["losses"][0] > 0  # the last stage's loss, not the zeros of the others

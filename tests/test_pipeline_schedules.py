@@ -1,12 +1,13 @@
 """Pipeline schedules as data (no process group): invariants over many layouts, deadlock-free simulation, the
 bubble against its formula, the grid's print/parse round trip, one schedule written out by hand, and the
-executor's message plan: sends match receives, in order, and never stall under NCCL's rendezvous rules."""
+executor's message plan: sends match receives, in order, and never stall under NCCL's rendezvous rules; on gloo
+each receive is posted a tick ahead of its send, in the same order."""
 
 from __future__ import annotations
 
 import pytest
 
-from trident.parallel.pipeline.messages import Step, check_rendezvous, p2p_plan
+from trident.parallel.pipeline.messages import Step, check_order, check_rendezvous, p2p_plan, receive_lead
 from trident.parallel.pipeline.schedules import (
     UNIT_COSTS,
     Action,
@@ -165,3 +166,42 @@ def test_receives_posted_after_a_send_that_waits_for_them_stall():
     plans[0][1].recvs, plans[0][0].recvs = [], [(b, 1)]  # both ends in the batch of the same tick
     plans[1][1].recvs, plans[1][0].recvs = [], [(a, 0)]
     check_rendezvous(plans, 2)
+
+
+def _receive_ticks(plans: list[list[Step]]) -> dict:
+    return {(r, m): t for r, plan in enumerate(plans) for t, step in enumerate(plan) for m, _ in step.recvs}
+
+
+@pytest.mark.parametrize("name,pp,vpp,micro", LAYOUTS, ids=lambda v: str(v))
+def test_receives_posted_a_tick_ahead_keep_each_pairs_order(name, pp, vpp, micro):
+    """gloo's plan (``receive_lead``): the same actions and sends at the same ticks, each receive posted one tick
+    before its send's (the first tick's at tick 0), still in the order each pair sends and before it is needed."""
+    schedule = build_schedule(name, pp, vpp, micro)
+    for planned in (schedule, forward_only(schedule)):
+        same = [p2p_plan(planned, r, pp * vpp) for r in range(pp)]
+        ahead = [p2p_plan(planned, r, pp * vpp, lead=1) for r in range(pp)]
+        check_order(ahead, pp * vpp)
+        for a, b in zip(same, ahead, strict=True):
+            assert [(s.action, s.sends) for s in a] == [(s.action, s.sends) for s in b]
+        before, after = _receive_ticks(same), _receive_ticks(ahead)
+        assert before.keys() == after.keys() and before
+        assert all(after[k] == max(0, t - 1) for k, t in before.items())
+
+
+def test_a_lead_is_for_gloo_only_under_nccl_rules_it_deadlocks():
+    assert (receive_lead("gloo"), receive_lead("nccl")) == (1, 0)
+    plans = [p2p_plan(build_schedule("interleaved", 2, 2, 8), r, 4, lead=1) for r in range(2)]
+    with pytest.raises(DeadlockError, match="rendezvous"):
+        check_rendezvous(plans, 4)
+
+
+def test_receives_out_of_order_or_too_late_are_refused():
+    a0, a1 = ("act", 0, 1), ("act", 1, 1)
+    sender = [Step(Action(F, 0), sends=[(a0, 1)]), Step(Action(F, 1), sends=[(a1, 1)]), Step(None)]
+    swapped = [Step(None, recvs=[(a1, 0)]), Step(None, recvs=[(a0, 0)]), Step(Action(F, 0)), Step(Action(F, 1))]
+    with pytest.raises(ValueError, match="out of the order"):
+        check_order([sender, swapped], 2)
+    late = [Step(None), Step(Action(F, 0), recvs=[(a0, 0), (a1, 0)]), Step(Action(F, 1))]
+    with pytest.raises(ValueError, match="before its receive is posted"):
+        check_order([sender, late], 2)
+    check_order([sender, [Step(None, recvs=[(a0, 0), (a1, 0)]), Step(Action(F, 0)), Step(Action(F, 1))]], 2)

@@ -10,8 +10,10 @@ Point-to-point messages go through ``dist.batch_isend_irecv`` on global ranks of
 the schedule alone (parallel/pipeline/messages.py): the ranks walk a common clock, and after each tick a rank
 posts one batch holding the sends of its action and the receives of what its neighbours sent at that tick, so
 both ends of every message are in batches of the same tick (NCCL sees each pair's sends and receives together,
-and posted in the same order: it matches same-shaped messages by order alone). A receive is waited for just
-before the action that needs it, a send only once its buffer could be reused (at the latest at the step's end).
+and posted in the same order: it matches same-shaped messages by order alone). On gloo each receive is posted a
+tick earlier, so it is usually there before its message (``receive_lead``: a receive posted after its message had
+arrived cost the posting rank 0.7 ms). A receive is waited for just before the action that needs it, a send only
+once its buffer could be reused (at the latest at the step's end).
 
 Shapes are known in advance: [micro_batch, seq (/ tp under sequence parallelism), d_model] in the residual
 stream's dtype (the parameters'). Tokens are read on the first stage only, labels on the last; the last stage
@@ -40,7 +42,7 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import stage_backward_input
 
 from trident.parallel.batch import Batch
-from trident.parallel.pipeline.messages import Message, Step, needs_of, p2p_plan, sends_of
+from trident.parallel.pipeline.messages import Message, Step, needs_of, p2p_plan, receive_lead, sends_of
 from trident.parallel.pipeline.schedules import Action, B, F, I, W, build_schedule, forward_only, stage_of
 from trident.parallel.precision import autocast
 from trident.parallel.random import dropout_context
@@ -102,7 +104,9 @@ class PipelineRunner:
     the span of the reducer's ``finish`` (the dp reduction left exposed after the schedule).
     ``reduce_per_chunk``: False reduces every bucket after the schedule instead (the old behaviour, kept for the
     benchmark's before/after of the exposed reduction). ``recomputed``: the chunks recompute activations in backward
-    (``backward_weight``'s ``together``).
+    (``backward_weight``'s ``together``). The attribute ``lead``: how many ticks before its send a receive is posted
+    (parallel/pipeline/messages.py), ``receive_lead`` of the group's backend; a test sets it to run NCCL's plan on
+    gloo.
     """
 
     def __init__(
@@ -128,7 +132,8 @@ class PipelineRunner:
         self.reducer, self.precision = reducer, precision
         self.d_model, self.seq_divisor = d_model, seq_divisor
         self.timings, self.calls = timings, 0
-        self._plans: dict[tuple[int, bool], list[Step]] = {}
+        self.lead = receive_lead(dist.get_backend(pp_group))
+        self._plans: dict[tuple[int, bool, int], list[Step]] = {}
         first = next(p for c in self.chunks for p in c.parameters())
         self.device, self.dtype = first.device, first.dtype
         # NCCL creates a communicator on a group's first collective, which every member must join; p2p batches
@@ -159,10 +164,11 @@ class PipelineRunner:
 
     def _plan(self, micro: int, train: bool) -> list[Step]:
         """This rank's ticks for ``micro`` micro-batches (training, or forwards only), computed once."""
-        key = (micro, train)
+        key = (micro, train, self.lead)
         if key not in self._plans:
             schedule = build_schedule(self.schedule, self.pp, self.vpp, micro)
-            self._plans[key] = p2p_plan(schedule if train else forward_only(schedule), self.pp_rank, self.stages)
+            planned = schedule if train else forward_only(schedule)
+            self._plans[key] = p2p_plan(planned, self.pp_rank, self.stages, self.lead)
         return self._plans[key]
 
     def last_weight_ticks(self, plan: list[Step]) -> dict[int, int]:

@@ -20,6 +20,9 @@ step time per rank (worst rank, from the runner's recorded action timings, media
 peak bytes of activations saved for backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once,
 parameters left out).
 
+``--receive-lead 0`` runs trident with NCCL's message plan (each receive posted in its send's tick, as every
+backend did before gloo's receives went a tick ahead: parallel/pipeline/messages.py), for the before and after.
+
 On a machine with fewer cores than ranks (pp=4 on 2 cores) the ranks share cores: tokens/s then measures the
 schedule's overhead more than its speed-up.
 
@@ -88,6 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     p.add_argument("--exposed-dp", type=int, default=2, help="dp of the exposed-reduction table (0: no table)")
     p.add_argument("--exposed-pp", type=int, default=2, help="pp of the exposed-reduction table")
+    p.add_argument(
+        "--receive-lead",
+        type=int,
+        default=None,
+        help="ticks before its send that trident posts a receive (default: gloo's 1; 0 is NCCL's plan, as before)",
+    )
 
 
 @dataclasses.dataclass
@@ -97,6 +106,7 @@ class Job:
     steps: int
     warmup: int
     timings: Path
+    lead: int | None = None  # PipelineRunner.lead, None: the backend's
 
 
 def run(args: argparse.Namespace) -> list[Table]:
@@ -132,7 +142,7 @@ def run(args: argparse.Namespace) -> list[Table]:
                     t.add(pp, schedule, f"refused: {e}")
                     continue
                 timings = Path(tmp) / f"pp{pp}-{schedule}"
-                job = Job(cfg, one, args.steps, args.warmup, timings)
+                job = Job(cfg, one, args.steps, args.warmup, timings, args.receive_lead)
                 res = run_distributed(_rank, pp, job, timeout_s=24 * 3600)
                 t.add(*row(job, res, tokens))
         tables = [t]
@@ -280,6 +290,8 @@ def _rank(rank: int, pp: int, job: Job) -> dict:
     result: dict = {}
 
     parts = build_parts(cfg, groups, device, timings_dir=job.timings)
+    if job.lead is not None:
+        parts.runner.lead = job.lead
 
     def ours(step: int) -> None:
         parts.runner.forward_backward(batches_for(cfg, step), parts.chunks[-1].loss_sum, 1.0 / tokens)
