@@ -22,8 +22,8 @@ as each pair's receives keep the order of its sends (``check_order``); under NCC
 in its send's own tick, a receive goes out after the receiver's action of that tick, often after the neighbour has
 sent; posting a receive for a message already sent took 0.14 ms against 0.02 ms on the idle 2-core VM,
 and on rank 0 of interleaved pp=2 (tools/bench.py pp) posting took 20-24 ms a step against
-10 ms a tick ahead: trident's interleaved schedule went from 0.94-0.97x of torch.distributed.pipelining (which
-posts its receives an action ahead) to 1.05-1.07x.
+10 ms a tick ahead: trident's interleaved schedule went from 0.93-0.97x of torch.distributed.pipelining (which
+posts its receives an action ahead) to 1.01-1.07x over six runs.
 """
 
 from __future__ import annotations
