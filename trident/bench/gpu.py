@@ -32,7 +32,6 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from trident.bench.harness import (
     Table,
@@ -43,6 +42,7 @@ from trident.bench.harness import (
     mfu,
     number,
     peak_flops,
+    plain_step,
     pool_backend,
     random_windows,
     rank_device,
@@ -57,9 +57,7 @@ from trident.device import use_tensor_cores
 from trident.loop import Trainer
 from trident.memory_estimate import Layout, estimate
 from trident.models.gpt import flops_per_token
-from trident.optim import lr_at
 from trident.parallel.groups import build_process_groups
-from trident.parallel.precision import autocast
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
@@ -226,7 +224,6 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     torch._dynamo.reset()  # a pool rank may have compiled another model for an earlier table
     groups = build_process_groups(Topology(dp=1, pp=1, tp=1))
     data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
-    o = cfg.optim
 
     # Built and warmed up one after another, each measured while the ones before it sit still (``warm_up``).
     parts = build_parts(cfg, groups, device)
@@ -245,24 +242,10 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     opt = torch.optim.AdamW(**adamw_args(model, cfg, foreach=not on_cuda, fused=on_cuda))
     compiled = torch.compile(model, backend=job.compile_backend)
 
-    def plain_step(net: torch.nn.Module, step: int) -> float:
-        """nanoGPT's step: autocast forward, fp32 loss / micro-batches, backward, clip, AdamW, zero_grad."""
-        micro = trainer.micro_batches(step)
-        total = torch.zeros((), device=device)
-        for x, y, *_ in micro:
-            with autocast(precision, device):
-                logits = net(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, o, cfg.train.steps)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total.item()
+    def torch_step(net: torch.nn.Module, step: int) -> float:
+        return plain_step(net, opt, trainer.micro_batches(step), cfg, step).item()
 
-    steps = {"trident": ours, "plain": lambda s: plain_step(model, s), "compiled": lambda s: plain_step(compiled, s)}
+    steps = {"trident": ours, "plain": lambda s: torch_step(model, s), "compiled": lambda s: torch_step(compiled, s)}
     for name in ("plain", "compiled"):
         peaks[name], losses[name] = warm_up(steps[name], job.warmup, device, held_bytes(model, opt))
 

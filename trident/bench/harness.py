@@ -12,24 +12,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from trident.config import Config
 from trident.data.dataset import TokenWindows
 from trident.memory import format_bytes
+from trident.optim import lr_at
 from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups
+from trident.parallel.precision import autocast
 from trident.parallel.topology import Topology
 from trident.peak import device_peak_tflops
 
@@ -181,6 +185,36 @@ def adamw_args(model: torch.nn.Module, cfg: Config, **kwargs: object) -> dict:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return {"params": groups, "lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "foreach": True, **kwargs}
+
+
+def plain_step(
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Batch],
+    cfg: Config,
+    step: int,
+    no_sync: bool = False,
+) -> torch.Tensor:
+    """The step a user writes with torch alone (nanoGPT's): ``cfg.train.precision`` by autocast, the fp32 loss /
+    micro-batches, backward (``no_sync``: under DDP's no_sync but for the last micro-batch), clip, AdamW at the
+    schedule's learning rate, zero_grad. Returns this rank's summed loss, on the device."""
+    o, device = cfg.optim, micro_batches[0].tokens.device
+    total = torch.zeros((), device=device)
+    for i, (x, y, *_) in enumerate(micro_batches):
+        sync = not no_sync or i == len(micro_batches) - 1
+        with contextlib.nullcontext() if sync else net.no_sync():
+            with autocast(cfg.train.precision, device):
+                logits = net(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro_batches)
+            loss.backward()
+        total += loss.detach()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, o, cfg.train.steps)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
 
 
 # --- the table ------------------------------------------------------------------------------------------------

@@ -28,13 +28,11 @@ Each table row: tokens/s (median over rounds) and the spread of its rounds, the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trident.bench.harness import (
@@ -45,6 +43,7 @@ from trident.bench.harness import (
     mfu,
     number,
     peak_flops,
+    plain_step,
     pool_backend,
     random_windows,
     rank_device,
@@ -58,10 +57,8 @@ from trident.config import Config, compose_config
 from trident.errors import CheckpointError
 from trident.loop import Trainer
 from trident.models.gpt import flops_per_token
-from trident.optim import lr_at
 from trident.parallel.groups import build_process_groups
 from trident.parallel.placement import placement_of
-from trident.parallel.precision import autocast
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
@@ -202,35 +199,19 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     trainer = Trainer(cfg, groups, parts, (data, data))
 
     (model,) = model_chunks(cfg, groups, device)  # the same weights, left fp32: torch's own mixed precision
-    o, on_cuda = cfg.optim, device.type == "cuda"  # decay on matrices only, as trident's optimizer steps
+    on_cuda = device.type == "cuda"  # AdamW decays matrices only, as trident's optimizer steps
     opt = torch.optim.AdamW(**adamw_args(model, cfg, foreach=not on_cuda, fused=on_cuda))
     ddp = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True) if world > 1 else model
     precision = cfg.train.precision
 
-    def plain_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, sync_last: bool) -> float:
-        """What a user writes with torch alone: mixed precision by autocast, loss / micro-batches, backward (under
-        DDP's no_sync but the last micro-batch), clip, AdamW at the schedule's learning rate, zero_grad."""
-        micro = trainer.micro_batches(step)
-        total = torch.zeros((), device=device)
-        for i, (x, y, *_) in enumerate(micro):
-            sync = not sync_last or i == len(micro) - 1
-            with contextlib.nullcontext() if sync else net.no_sync():
-                with autocast(precision, device):
-                    logits = net(x)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
-                loss.backward()
-            total += loss.detach()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, o, cfg.train.steps)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def torch_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, no_sync: bool) -> float:
+        """``plain_step`` (under DDP's no_sync but the last micro-batch), the loss averaged over the ranks."""
+        total = plain_step(net, optimizer, trainer.micro_batches(step), cfg, step, no_sync)
         dist.all_reduce(total)
         return total.item() / world
 
     def baseline_step(step: int) -> float:
-        return plain_step(ddp, opt, step, sync_last=world > 1)
+        return torch_step(ddp, opt, step, no_sync=world > 1)
 
     losses: dict[str, list[float]] = {"trident": [], "base": [], "hf": []}
 
@@ -251,7 +232,7 @@ def _rank(rank: int, world: int, job: Job) -> dict:
         hf = hf_llama(cfg, model).to(device)
         hf_opt = torch.optim.AdamW(**adamw_args(hf, cfg, foreach=not on_cuda, fused=on_cuda))
         logits = _Logits(hf)
-        variants["hf"] = lambda step: losses["hf"].append(plain_step(logits, hf_opt, step, sync_last=False))
+        variants["hf"] = lambda step: losses["hf"].append(torch_step(logits, hf_opt, step, no_sync=False))
         labels["hf"] = HF
         dtype[HF] = next(hf.parameters()).dtype
 
