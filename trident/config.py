@@ -23,6 +23,7 @@ from omegaconf.nodes import BooleanNode
 from trident.errors import ConfigError
 from trident.parallel.pipeline.schedules import SCHEDULES, schedule_error
 from trident.parallel.tensor import kv_heads_error, tp_split_error
+from trident.parallel.zero.stage3 import GATHER_MODES
 
 
 @dataclass
@@ -453,7 +454,7 @@ def validate(cfg: Config, world_size: int) -> int:
         par.offload.optimizer == "none" or par.zero >= 1,
         "parallel.offload.optimizer=cpu needs a ZeRO stage (parallel.zero >= 1)",
     )
-    _one_of("parallel.zero3_gather", par.zero3_gather, ("micro_batch", "step"))
+    _one_of("parallel.zero3_gather", par.zero3_gather, GATHER_MODES)
     _need(par.zero3_prefetch >= 0, f"parallel.zero3_prefetch={par.zero3_prefetch} must be >= 0 (blocks ahead)")
     _need(
         not par.sequence_parallel or par.tp > 1,

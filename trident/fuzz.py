@@ -42,6 +42,7 @@ from trident.config import Config, DataConfig, compose_config, validate
 from trident.curves import curve_mismatches
 from trident.data.prepare import resolve_dataset
 from trident.errors import ConfigError
+from trident.parallel.zero.stage3 import GATHER_MODES
 from trident.plan.auto import LAYOUT_KEYS
 from trident.plan.auto import choose as choose_layout
 from trident.ranks import run_distributed
@@ -128,7 +129,7 @@ def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None
     if pp > 1 and knobs["parallel.zero"] == 2 and rng.random() < 0.5:
         knobs["parallel.zero"] = 3
     if knobs["parallel.zero"] == 3 and rng.random() < 0.6:
-        knobs["parallel.zero3_gather"] = rng.choice(["micro_batch", "step"])
+        knobs["parallel.zero3_gather"] = rng.choice(GATHER_MODES)
         knobs["parallel.zero3_prefetch"] = rng.choice([0, 1, 2])
     # The mid-run checkpoint and the resumed run's written in the background (drawn last: earlier draws keep theirs).
     knobs["checkpoint.async"] = rng.random() < 0.5
