@@ -43,7 +43,17 @@ from torch.distributed.pipelining._backward import stage_backward_input
 
 from trident.parallel.batch import Batch
 from trident.parallel.pipeline.messages import Message, Step, needs_of, p2p_plan, receive_lead, sends_of
-from trident.parallel.pipeline.schedules import Action, B, F, I, W, build_schedule, forward_only, stage_of
+from trident.parallel.pipeline.schedules import (
+    Action,
+    B,
+    F,
+    I,
+    W,
+    build_schedule,
+    forward_only,
+    makes_weight_grads,
+    stage_of,
+)
 from trident.parallel.precision import autocast
 from trident.parallel.random import dropout_context
 from trident.parallel.reducer import GradReducer
@@ -176,9 +186,8 @@ class PipelineRunner:
         (zb-h1), or I on stage 0, where I is the whole backward and W has nothing left."""
         last = {}
         for t, tick in enumerate(plan):
-            a = tick.action
-            if a is not None and (a.kind in (B, W) or (a.kind == I and stage_of(a.chunk, self.pp_rank, self.pp) == 0)):
-                last[a.chunk] = t
+            if tick.action is not None and makes_weight_grads(tick.action, self.pp_rank, self.pp):
+                last[tick.action.chunk] = t
         return {t: c for c, t in last.items()} if self.reduce_per_chunk else {}
 
     def activation_shape(self, micro_batches: list[Batch]) -> tuple[int, int, int]:

@@ -44,6 +44,13 @@ def stage_of(chunk: int, rank: int, pp: int) -> int:
     return chunk * pp + rank
 
 
+def makes_weight_grads(action: Action, rank: int, pp: int) -> bool:
+    """Whether ``action`` on pipeline rank ``rank`` produces weight gradients of its chunk: B, W, or I on stage 0,
+    where I is the whole backward (token ids in, no input gradient) and W has nothing left. A chunk's last such
+    action is where its gradients are complete (the executor starts their dp reduction there)."""
+    return action.kind in (B, W) or (action.kind == I and stage_of(action.chunk, rank, pp) == 0)
+
+
 def gpipe(pp: int, micro: int) -> Schedule:
     """Every forward, then every backward: M micro-batches of activations in flight on every rank."""
     return [[Action(F, m) for m in range(micro)] + [Action(B, m) for m in range(micro)] for _ in range(pp)]

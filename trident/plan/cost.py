@@ -30,7 +30,7 @@ import numpy as np
 
 from trident.config import ModelConfig
 from trident.memory_estimate import Layout, chunk_params, rank_params
-from trident.parallel.pipeline.schedules import Action
+from trident.parallel.pipeline.schedules import Action, makes_weight_grads
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops
 from trident.plan.profile import Needs, Profile, attention_key, collective_key, matmul_key
@@ -231,15 +231,13 @@ def _chunk_reduce_end(p: Profile, layout: Layout, chunks: list[tuple[int, float,
     return end
 
 
-def _weight_spans(spans: list[simulate.TimedSpan], rank: int) -> dict[int, simulate.TimedSpan]:
-    """Each chunk's last action on ``rank`` that produces its weight gradients: B or W, or I on stage 0 (the whole
-    backward there)."""
+def _weight_spans(spans: list[simulate.TimedSpan], rank: int, pp: int) -> dict[int, simulate.TimedSpan]:
+    """Each chunk's last action on ``rank`` that produces its weight gradients (``makes_weight_grads``)."""
     last = {}
     for s in spans:
-        a = s.action
-        if s.rank == rank and (a.kind in ("B", "W") or (a.kind == "I" and rank == 0 and a.chunk == 0)):
-            if a.chunk not in last or s.start > last[a.chunk].start:
-                last[a.chunk] = s
+        if s.rank == rank and makes_weight_grads(s.action, rank, pp):
+            if s.action.chunk not in last or s.start > last[s.action.chunk].start:
+                last[s.action.chunk] = s
     return last
 
 
@@ -286,7 +284,7 @@ def step_time(
         elif layout.dp == 1:
             tail = 0.0
         else:
-            weights = _weight_spans(spans, r)
+            weights = _weight_spans(spans, r, pp)
             chunks = [
                 (sum(n for _, n in chunk_params(m, layout.tp, pp, vpp, c * pp + r)), s.start, s.compute_end)
                 for c, s in weights.items()
