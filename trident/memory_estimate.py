@@ -271,10 +271,22 @@ def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collecti
             chunks[c].append(p)
         return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=alone, chunks=chunks)
     buckets = []
+    for blocks, roots in _stage3_chunks(metas, isolate):
+        buckets += [list(reversed(u)) for u in [*reversed(blocks), *roots]]
+    return FlatLayout(buckets, layout.dp)
+
+
+def _stage3_chunks(
+    metas: list[tuple[str, nn.Parameter]], isolate: Collection[str]
+) -> list[tuple[list[list[nn.Parameter]], list[list[nn.Parameter]]]]:
+    """Stage 3's buckets of each model chunk, unpadded (parallel/zero/stage3.py ``unit_layout``): each block's
+    parameters in forward order, and the root's buckets: the chunk's other parameters, then each one in ``isolate``
+    alone; an empty root has no bucket."""
+    out = []
     for blocks, root in _chunk_units(metas):
         roots = [[p for name, p in root if name not in isolate]] + [[p] for name, p in root if name in isolate]
-        buckets += [list(reversed(u)) for u in [*reversed(blocks), *(r for r in roots if r)]]
-    return FlatLayout(buckets, layout.dp)
+        out.append((blocks, [r for r in roots if r]))
+    return out
 
 
 def _chunk_units(metas: list[tuple[str, nn.Parameter]]) -> list[tuple[list[list[nn.Parameter]], list]]:
@@ -363,11 +375,10 @@ def _stage3_units(
 ) -> list[tuple[list[int], list[int]]]:
     """(its blocks' bucket numels, its root buckets' numels) of each model chunk, as ``flat_layout`` laid them."""
     out, at = [], 0
-    for blocks, root in _chunk_units([(name, _meta(n)) for name, n in params]):
-        roots = int(any(name not in isolate for name, _ in root)) + sum(name in isolate for name, _ in root)
-        spans = [s.numel for s in flat.spans[at : at + len(blocks) + roots]]
+    for blocks, roots in _stage3_chunks([(name, _meta(n)) for name, n in params], isolate):
+        spans = [s.numel for s in flat.spans[at : at + len(blocks) + len(roots)]]
         out.append((spans[: len(blocks)], spans[len(blocks) :]))
-        at += len(blocks) + roots
+        at += len(blocks) + len(roots)
     return out
 
 
