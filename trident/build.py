@@ -93,9 +93,9 @@ def build_optimizer(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups)
     model chunks, so the pipeline reduces each chunk's buckets after its last backward."""
     zero, par, opt = cfg.parallel.zero, cfg.parallel, cfg.optim
     policy = precision_policy(cfg.train.precision)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    isolate = [p for p in params if "embedding" in placement_of(p).grad_sums]
     per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+    params = [p for ps in per_chunk for p in ps]
+    isolate = [p for p in params if "embedding" in placement_of(p).grad_sums]
     dp_group, device = groups.dp_group, params[0].device
 
     sharding: ParameterSharding | None = None
