@@ -31,7 +31,7 @@ from trident.device import pick_backend, pick_device, set_cpu_threads, use_tenso
 from trident.launcher import launcher_pid, stop_when_orphaned
 from trident.loop import Trainer
 from trident.memory import log_model_states
-from trident.memory_estimate import Layout, estimate
+from trident.memory_estimate import estimate
 from trident.metrics import MetricsLogger, announce_run
 from trident.parallel.groups import (
     build_process_groups,
@@ -64,9 +64,9 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
             cfg, line = choose_layout(cfg, world, given)
             if (dist.get_rank() if not owns_group else launch_rank()) == 0:
                 print(line, flush=True)
-        tr, dp = cfg.train, validate(cfg, world)
+        tr, layout = cfg.train, validate(cfg, world)
         init_from = check_init_from(cfg, run_dir)  # None when resuming this run's own checkpoint
-        topology = Topology(dp=dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
+        topology = Topology(dp=layout.dp, pp=layout.pp, tp=layout.tp)
         device = pick_device(tr.device)
         use_tensor_cores(device)
         eval_batches = tr.eval_batches if tr.eval_every else None
@@ -83,7 +83,7 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
 
         timings = run_dir / "pipeline_timings" if cfg.logging.pipeline_timings else None
         load = (lambda chunks: load_init_weights(chunks, init_from)) if init_from else None
-        parts = build_parts(cfg, groups, device, timings, load)
+        parts = build_parts(cfg, layout, groups, device, timings, load)
         if init_from is not None and groups.is_logging_rank:
             print(f"initialised from the {init_from.what} {init_from.path} (step 0, fresh optimizer)", flush=True)
         cleanup.callback(parts.optimizer.remove_hooks)
@@ -91,7 +91,9 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
         if groups.is_logging_rank:
             announce_run(cfg, topology, parts.chunks, device, len(data.train), run_dir, peak)
         # memory.json: each rank's model-state bytes beside the prediction made before launch.
-        predicted = estimate(cfg.model, Layout.from_config(cfg, dp, device.type)).to_dict()
+        predicted = estimate(cfg.model, layout).to_dict()
+        # memory.json: the most activation sets this rank held in its first step, beside the estimator's count.
+        sets = predicted["stages"][groups.pp_rank]["activation_sets"]
         config_dict = dataclasses.asdict(cfg)
         trainer = Trainer(
             cfg,
@@ -102,7 +104,13 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
             make_logger=lambda start: MetricsLogger(run_dir, tr.steps, cfg.logging, cfg.wandb, config_dict, start),
             stop=stop,
             peak_flops=peak * 1e12 if peak else None,
-            after_first_step=lambda: log_model_states(parts.optimizer.step, groups, run_dir, {"estimate": predicted}),
+            after_first_step=lambda: log_model_states(
+                parts.optimizer.step,
+                groups,
+                run_dir,
+                {"estimate": predicted},
+                {"activation_sets": {"measured": parts.runner.peak_activation_sets, "predicted": sets}},
+            ),
             eos_id=data.eos_id,
         )
         history = trainer.fit()

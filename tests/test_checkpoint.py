@@ -34,7 +34,7 @@ import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
 import trident.checkpoint.manager as manager_mod
 from tests.conftest import REPO
-from trident.build import RunParts, build_checkpointer, build_parts
+from trident.build import RunParts, build_checkpointer, build_parts, layout_of
 from trident.checkpoint.consolidated import (
     ModelWeights,
     load_weights,
@@ -116,7 +116,7 @@ def build(groups: ProcessGroups, seed: int, model: ModelConfig | None = None, ze
         train=TrainConfig(seed=seed, global_batch_size=8),
         optim=OptimConfig(**{"lr": LR, "grad_clip": 0.0, **optim}),
     )
-    return Run(cfg, groups, build_parts(cfg, groups, torch.device("cpu")))
+    return Run(cfg, groups, build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu")))
 
 
 def fake_step(run: Run, i: int) -> None:

@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from trident import config
-from trident.config import Config, TrainConfig, grad_accum_steps, resolve_schedule, validate
+from trident.config import Config, TrainConfig, grad_accum_steps, validate
 from trident.errors import ConfigError, one_line
 from trident.models.gpt import count_params
 
@@ -60,7 +60,7 @@ VALID = [
 
 @pytest.mark.parametrize(("overrides", "world", "dp"), VALID)
 def test_valid_configs(overrides: dict, world: int, dp: int) -> None:
-    assert validate(make(overrides), world) == dp
+    assert validate(make(overrides), world).dp == dp
 
 
 # --- every rule: (overrides, world size, fragments the message must contain; the first names the key).
@@ -261,10 +261,22 @@ def test_grad_accum_steps(micro: int, global_batch: int, dp: int, steps: int) ->
     assert steps * micro * dp == global_batch
 
 
-def test_resolve_schedule() -> None:
-    assert resolve_schedule(make().parallel) == "1f1b"
-    assert resolve_schedule(make({"parallel.vpp": 2}).parallel) == "interleaved"
-    assert resolve_schedule(make({"parallel.schedule": "gpipe"}).parallel) == "gpipe"
+def test_validation_resolves_one_layout() -> None:
+    """The schedule from vpp (none without a pipeline), the micro-batch count from the batch, and the settings that
+    do not apply to a launch at their defaults: two configs that launch the same run give one layout."""
+    pp2 = {"parallel.pp": 2, "model.n_layers": 4}
+    assert validate(make(pp2), 2).schedule == "1f1b"
+    assert validate(make(pp2 | {"parallel.vpp": 2}), 2).schedule == "interleaved"
+    assert validate(make(pp2 | {"parallel.schedule": "gpipe"}), 2).schedule == "gpipe"
+    assert validate(make({"parallel.schedule": "gpipe"}), 1).schedule is None
+    layout = validate(make({"train.micro_batch_size": 2, "parallel.dp": 2}), 2)
+    assert (layout.dp, layout.micro_batches, layout.global_batch_size) == (2, 8, 32)
+    same = [{"parallel.zero3_gather": "step"}, {"parallel.offload.ratio": 0.5}, {"parallel.zero3_prefetch": 3}]
+    assert {validate(make(o), 1) for o in same} == {validate(make(), 1)}
+    zero3 = validate(make({"parallel.zero": 3, "parallel.zero3_gather": "step", "parallel.zero3_prefetch": 3}), 1)
+    assert (zero3.zero3_gather, zero3.zero3_prefetch) == ("step", 3)
+    layout = validate(make({"parallel.tp": 2, "parallel.sequence_parallel": True}), 2)
+    assert validate(layout.apply(make()), 2) == layout  # a layout written back into a config launches itself
 
 
 # --- Hydra: conf/ composes into the typed schema.
@@ -327,7 +339,7 @@ def test_model_presets(hydra_conf, preset: str) -> None:
     assert m.name == preset
     assert (m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size) == PRESETS[preset]
     assert m.d_ff is None and m.ffn_dim == 4 * m.d_model
-    assert validate(cfg, 1) == 1
+    assert validate(cfg, 1).dp == 1
 
 
 def test_default_model_is_gpt_mini(hydra_conf) -> None:

@@ -31,7 +31,7 @@ import train
 import trident.build
 from tests.conftest import REPO
 from tests.layouts import assert_same_curve, make_config, tiny
-from trident.build import build_optimizer, model_chunks
+from trident.build import build_optimizer, layout_of, model_chunks
 from trident.models.gpt import CausalSelfAttention, causal_attention_probs
 from trident.parallel.groups import build_process_groups
 from trident.parallel.precision import LossScaler
@@ -163,8 +163,8 @@ def _fused_step(rank: int, world: int, precision: str) -> dict:
     cfg = make_config("model=gpt-tiny", f"train.precision={precision}", "optim.weight_decay=0.1")
     device = torch.device("cuda", 0)
     groups = build_process_groups(Topology(dp=1, pp=1, tp=1))
-    (model,) = model_chunks(cfg, groups, device)
-    zero = build_optimizer([model], cfg, groups).zero
+    (model,) = model_chunks(cfg.model, layout_of(cfg, groups), cfg.train, groups, device)
+    zero = build_optimizer([model], layout_of(cfg, groups), cfg.optim, groups).zero
     gen = torch.Generator(device).manual_seed(0)
     views = [zero.master(piece) for _, piece in zero.pieces()]
     for grad in zero.grads():
@@ -204,8 +204,8 @@ def _offload_memory(rank: int, world: int, ratio: float) -> dict:
         "model=gpt-tiny", "parallel.zero=1", "parallel.offload.optimizer=cpu", f"parallel.offload.ratio={ratio}"
     )
     groups = build_process_groups(Topology(dp=1, pp=1, tp=1))
-    (model,) = model_chunks(cfg, groups, torch.device("cuda", 0))
-    zero = build_optimizer([model], cfg, groups).zero
+    (model,) = model_chunks(cfg.model, layout_of(cfg, groups), cfg.train, groups, torch.device("cuda", 0))
+    zero = build_optimizer([model], layout_of(cfg, groups), cfg.optim, groups).zero
     host = zero.host_optimizer.param_groups
     return {
         "pinned": zero.host_masters.is_pinned() and zero.host_grads.is_pinned(),

@@ -12,24 +12,26 @@ import torch
 import torch.distributed as dist
 
 from tests.layouts import make_config, tiny, train_in_process
-from trident.build import build_parts
-from trident.config import Config, ModelConfig, OffloadConfig
+from trident.build import build_parts, layout_of
+from trident.config import Config, ModelConfig, OffloadConfig, validate
 from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
 from trident.memory_estimate import (
     POLICIES,
     Layout,
     activation_bytes,
+    activation_sets,
     chunk_params,
     flat_layout,
     isolated,
     model_states,
     rank_params,
-    schedule_order,
+    stage_actions,
 )
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
 from trident.parallel.batch import Batch, document_ids
 from trident.parallel.groups import ProcessGroups, build_process_groups
+from trident.parallel.pipeline.schedules import build_schedule
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.placement import placement_of
 from trident.parallel.precision import autocast
@@ -161,31 +163,29 @@ def test_pipeline_split_holds_every_layer_once_and_a_tied_copy() -> None:
 # --- the pipeline schedules' micro-batches in flight ----------------------------------------------------------
 
 
-def _peak_in_flight(schedule: str, pp: int, vpp: int, m: int, stage: int) -> int:
-    held = peak = 0
-    for kind, _, _ in schedule_order(schedule, pp, vpp, m, stage):
-        held += 1 if kind == "F" else -1
-        peak = max(peak, held)
-    return peak
-
-
-def test_schedule_orders_run_every_pass_once_and_hold_the_textbook_count() -> None:
-    """Each (chunk, micro-batch) has one F before its one B; in flight: GPipe M, 1F1B min(pp - r, M), interleaved
-    Megatron's warm-up + 1, whose layer count on stage 0 is Korthikanti's L (1 + (pp - 1) / (pp vpp))."""
+def test_activation_sets_walk_the_executors_own_schedule() -> None:
+    """The estimator's count of activation sets in flight is the executor's action list walked (one F takes a set,
+    the action that finishes its backward gives it back): GPipe M, 1F1B min(pp - r, M), interleaved (in rounds)
+    its warm-up + 1, whose layer count on stage 0 is Korthikanti's L (1 + (pp - 1) / (pp vpp)); zb-h1 keeps each set
+    until its delayed W. The old copy of Megatron's interleaved order said 5 at pp=2 vpp=2 with 3 micro-batches,
+    where the executor holds 6."""
     pp, m = 4, 8
-    for schedule, vpp in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+
+    def sets(schedule: str, vpp: int, micro: int) -> list[int]:
+        layout = Layout(pp=pp, vpp=vpp, schedule=schedule, micro_batches=micro)
+        return [activation_sets(layout, r) for r in range(layout.pp)]
+
+    for schedule, vpp in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         for stage in range(pp):
-            order = schedule_order(schedule, pp, vpp, m, stage)
-            forwards = [(c, mb) for kind, c, mb in order if kind == "F"]
-            backwards = [(c, mb) for kind, c, mb in order if kind == "B"]
-            assert sorted(forwards) == sorted(backwards) == sorted({(c, mb) for c in range(vpp) for mb in range(m)})
-            assert all(order.index(("F", c, mb)) < order.index(("B", c, mb)) for c, mb in forwards)
-    assert [_peak_in_flight("gpipe", pp, 1, m, r) for r in range(pp)] == [m] * pp
-    assert [_peak_in_flight("1f1b", pp, 1, m, r) for r in range(pp)] == [4, 3, 2, 1]
-    assert _peak_in_flight("1f1b", pp, 1, 2, 0) == 2
-    chunk_forwards = _peak_in_flight("interleaved", pp, 2, m, 0)
+            layout = Layout(pp=pp, vpp=vpp, schedule=schedule, micro_batches=m)
+            assert stage_actions(layout, stage) == build_schedule(schedule, pp, vpp, m)[stage]
+    assert sets("gpipe", 1, m) == [m] * pp
+    assert sets("1f1b", 1, m) == [4, 3, 2, 1]
+    assert sets("zb-h1", 1, 6) == [4, 4, 4, 4]
     layers, chunks = 8, pp * 2
-    assert chunk_forwards * layers / chunks == pytest.approx(layers * (1 + (pp - 1) / (pp * 2)))
+    assert sets("interleaved", 2, m)[0] * layers / chunks == pytest.approx(layers * (1 + (pp - 1) / (pp * 2)))
+    assert activation_sets(Layout(pp=2, vpp=2, micro_batches=3), 0) == 6
+    assert [activation_sets(Layout(micro_batches=k), 0) for k in (1, 5)] == [1, 1]  # no pipeline: one at a time
 
 
 # --- activations: predicted against what a forward really keeps -----------------------------------------------
@@ -298,7 +298,7 @@ def _measure_states(config: Config, groups: ProcessGroups, run_dir: Path | None,
     """Build the reducer, optimizer and step as train.py does, run one step of two micro-batches (of ``seq``
     tokens: model states do not depend on it), measure."""
     cfg = config.model
-    parts = build_parts(config, groups, torch.device("cpu"))
+    parts = build_parts(config, layout_of(config, groups), groups, torch.device("cpu"))
     setup, (model,) = parts.optimizer, parts.chunks
     try:
         g = torch.Generator().manual_seed(groups.dp_rank)
@@ -452,6 +452,33 @@ def test_a_run_logs_its_model_states_beside_the_prediction(tiny_dataset: Path, t
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
+    ("world", "layout"),
+    [
+        (4, ["parallel.pp=4", "parallel.vpp=2", "model.n_layers=8", "train.global_batch_size=6"]),
+        (2, ["parallel.pp=2", "parallel.vpp=3", "model.n_layers=6", "train.global_batch_size=5"]),
+        (4, ["parallel.pp=4", "parallel.schedule=zb-h1", "model.n_layers=4", "train.global_batch_size=6"]),
+        (2, ["parallel.dp=2", "train.global_batch_size=6"]),
+    ],
+    ids=["interleaved-pp4-vpp2-m6", "interleaved-pp2-vpp3-m5", "zb-h1-pp4-m6", "dp2-accumulation"],
+)
+def test_memory_json_activation_sets_measured_equal_predicted(
+    tiny_dataset: Path, tmp_path: Path, world: int, layout: list[str]
+) -> None:
+    """Every rank's row of memory.json has the most activation sets (micro-batch x chunk) its executor held in a
+    training step, beside the estimator's walk of the same actions: equal on every rank, for the interleaved
+    schedule's rounds (where a copy of Megatron's order under-counted), zb-h1's delayed W and plain accumulation."""
+    overrides = tiny(tiny_dataset, "train.steps=1", "train.micro_batch_size=1", "train.eval_every=0", *layout)
+    train_in_process(tmp_path, overrides, world=world)
+    rows = json.loads((tmp_path / "memory.json").read_text())["ranks"]
+    assert len(rows) == world
+    sets = {(r["pp"], r["dp"]): r["activation_sets"] for r in rows}
+    assert all(s["measured"] == s["predicted"] for s in sets.values()), sets
+    if "parallel.pp=4" in layout:  # the walk is not trivially one: a pipeline keeps several sets in flight
+        assert max(s["measured"] for s in sets.values()) >= 4, sets
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
     "extra",
     [["parallel.zero=1"], ["parallel.zero=2", "model.tie_embeddings=true", "parallel.bucket_mb=0.01"]],
     ids=["untied-zero1", "tied-zero2-small-buckets"],
@@ -475,7 +502,7 @@ def test_a_llama_pipeline_run_logs_the_predicted_model_states(
     train_in_process(tmp_path, overrides, world=4)
     report = json.loads((tmp_path / "memory.json").read_text())
     config = make_config(*overrides)
-    layout = Layout.from_config(config, 2, "cpu")
+    layout = dataclasses.replace(validate(config, 4), device="cpu")
     m = config.model
     assert {(r["pp"], r["dp"]) for r in report["ranks"]} == {(s, d) for s in range(2) for d in range(2)}
     for r in report["ranks"]:
@@ -521,7 +548,7 @@ def _zero3_pp_on_ranks(rank: int, world: int) -> list[dict]:
     for case in ZERO3_PP_CASES:
         config = _zero3_pp_config(case)
         cfg = config.model
-        parts = build_parts(config, groups, torch.device("cpu"))
+        parts = build_parts(config, layout_of(config, groups), groups, torch.device("cpu"))
         setup = parts.optimizer
         try:
             g = torch.Generator().manual_seed(groups.dp_rank)
@@ -555,7 +582,7 @@ def test_zero3_pipeline_model_states_and_gathered_parameters_match_the_predictio
         for case, got in zip(ZERO3_PP_CASES, r, strict=True):
             config = _zero3_pp_config(case)
             m = config.model
-            layout = dataclasses.replace(Layout.from_config(config, 2, "cpu"), micro_batches=4)
+            layout = dataclasses.replace(validate(config, 4), device="cpu", micro_batches=4)
             predicted = model_states(rank_params(m, layout, got["pp"]), layout, got["dp"], isolated(m, layout))
             assert got["states"] == predicted.figures, case
             assert got["peak_gathered"] == predicted.gathered, (case, got["pp"], got["peak_gathered"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import runpy
 import sys
@@ -10,6 +11,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.layouts import make_config
+from trident.config import validate
 from trident.memory import format_bytes
 from trident.memory_estimate import Layout, estimate
 
@@ -58,7 +60,7 @@ def test_table_lists_every_option_and_marks_the_asked_one(
     assert "refused: parallel.offload.optimizer=cpu needs a ZeRO stage" in rows[1]
     # The asked row shows the library's prediction for the same config.
     cfg = make_config(*overrides)
-    states = estimate(cfg.model, Layout.from_config(cfg, 4)).worst.model_states["total"]
+    states = estimate(cfg.model, dataclasses.replace(validate(cfg, 4), device="cuda")).worst.model_states["total"]
     asked = next(r for r in rows if "(asked)" in r)
     assert asked.split("|")[0].strip() == format_bytes(states["device"])
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trident.build import build_parts
+from trident.build import build_parts, layout_of
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
@@ -29,7 +29,7 @@ def _tied_copies_after_steps(rank: int, world: int, schedule: str, vpp: int, tim
     par = ParallelConfig(pp=world, vpp=vpp, schedule=schedule)
     cfg = Config(model=MODEL, parallel=par, train=TrainConfig(seed=0), optim=OptimConfig(lr=1e-2, grad_clip=1.0))
     groups = build_process_groups(Topology(dp=1, pp=world, tp=1))
-    parts = build_parts(cfg, groups, torch.device("cpu"), timings)
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu"), timings)
     chunks, runner, step = parts.chunks, parts.runner, parts.optimizer.step
     path = timings / f"rank{rank}.jsonl"
     (copy,) = [p for c in chunks for p in c.parameters() if "embedding" in placement_of(p).grad_sums]
@@ -80,7 +80,7 @@ def _trained_with_lead(rank: int, world: int, schedule: str, vpp: int, lead: int
     par = ParallelConfig(pp=world, vpp=vpp, schedule=schedule)
     cfg = Config(model=MODEL, parallel=par, train=TrainConfig(seed=0), optim=OptimConfig(lr=1e-2, grad_clip=1.0))
     groups = build_process_groups(Topology(dp=1, pp=world, tp=1))
-    parts = build_parts(cfg, groups, torch.device("cpu"))
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu"))
     default = parts.runner.lead
     if lead is not None:
         parts.runner.lead = lead

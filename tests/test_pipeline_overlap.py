@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trident.bench.harness import random_batches
-from trident.build import build_optimizer, model_chunks
+from trident.build import build_optimizer, layout_of, model_chunks
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trident.memory_estimate import Layout, flat_layout, isolated, rank_params
 from trident.parallel.groups import build_process_groups
@@ -39,8 +39,8 @@ def _launches(rank: int, world: int, schedule: str, vpp: int, per_chunk: bool, t
     par = ParallelConfig(dp=2, pp=2, vpp=vpp, schedule=schedule, bucket_mb=0.01)
     cfg = Config(model=MODEL, parallel=par, train=TrainConfig(seed=0), optim=OptimConfig(lr=1e-2))
     groups = build_process_groups(Topology(dp=2, pp=2, tp=1))
-    chunks = model_chunks(cfg, groups, torch.device("cpu"))
-    optimizer = build_optimizer(chunks, cfg, groups)
+    chunks = model_chunks(cfg.model, layout_of(cfg, groups), cfg.train, groups, torch.device("cpu"))
+    optimizer = build_optimizer(chunks, layout_of(cfg, groups), cfg.optim, groups)
     reducer = optimizer.reducer
     path = timings / f"rank{rank}.jsonl"
     runner = PipelineRunner(

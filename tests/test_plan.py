@@ -12,15 +12,15 @@ import pytest
 
 from trident.config import compose_config, validate
 from trident.errors import ConfigError
-from trident.memory_estimate import Layout, estimate
+from trident.layout import PLANNED_KEYS, Layout, with_keys
+from trident.memory_estimate import estimate
 from trident.parallel.pipeline.schedules import UNIT_COSTS, bubble_formula
 from trident.plan import simulate
-from trident.plan.auto import LAYOUT_KEYS
 from trident.plan.cost import Placement, _chunk_reduce_end, collective_time
 from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
 from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
 from trident.plan.report import launch_overrides, table
-from trident.plan.space import Candidate, enumerate_layouts, grid
+from trident.plan.space import enumerate_layouts, grid
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
@@ -55,21 +55,20 @@ def test_enumeration_is_the_validators_verdict_on_the_whole_grid() -> None:
     cfg = compose_config(REPO / "conf", TINY)
     world = 4
     accepted = set()
-    for c in grid(cfg, world):
+    for keys in grid(cfg, world):
         try:
-            validate(c.apply(cfg), world)
+            accepted.add(validate(with_keys(cfg, keys), world))
         except ConfigError:
             continue
-        accepted.add(c.canonical())
     found = enumerate_layouts(cfg, world)
-    listed = [c for c, _, _ in found.accepted]
-    assert len(listed) == len(set(listed)) and {c.canonical() for c in listed} == accepted
-    assert all(c == c.canonical() for c in listed)
+    listed = [layout for layout, _ in found.accepted]
+    assert len(listed) == len(set(listed)) and set(listed) == accepted
+    assert all(validate(variant, world) == layout for layout, variant in found.accepted)
     assert len(accepted) > 500  # the space is not trivially small: every key varies
     # What the planner refuses, the validator refuses, with its own line.
-    for c, line in found.refused[:50]:
+    for keys, line in found.refused[:50]:
         with pytest.raises(ConfigError, match=line[:30].replace("(", r"\(").replace(")", r"\)")):
-            validate(c.apply(cfg), world)
+            validate(with_keys(cfg, keys), world)
 
 
 def test_plan_keeps_what_fits_and_lists_what_does_not() -> None:
@@ -82,9 +81,7 @@ def test_plan_keeps_what_fits_and_lists_what_does_not() -> None:
     budget = peaks[len(peaks) // 2] * 4 / 0.9  # four ranks on the node share its memory
     tight = plan(cfg, 4, cpu_profile(memory=budget))
     assert tight.ranked and tight.unfit
-    assert {p.candidate for p in tight.ranked} | {p.candidate for p in tight.unfit} == {
-        p.candidate for p in roomy.ranked
-    }
+    assert {p.layout for p in tight.ranked} | {p.layout for p in tight.unfit} == {p.layout for p in roomy.ranked}
     for p in tight.ranked + tight.unfit:
         assert fits(p.peak, tight.profile, tight.placement) == (p in tight.ranked)
         assert (sum(p.peak.values()) * 4 <= 0.9 * budget) == (p in tight.ranked)
@@ -103,9 +100,9 @@ def test_memory_predictions_are_the_estimators(overrides: list[str]) -> None:
     world = 8
     found = enumerate_layouts(cfg, world)
     memory = MemoryModel(cfg.model)
-    for _, variant, dp in found.accepted[:: max(1, len(found.accepted) // 150)]:
+    for accepted, variant in found.accepted[:: max(1, len(found.accepted) // 150)]:
         for device in ("cpu", "cuda"):
-            layout = Layout.from_config(variant, dp, device)
+            layout = dataclasses.replace(accepted, device=device)
             worst = estimate(variant.model, layout).worst
             peak, states = memory.peak(layout)
             assert peak == worst.peak(layout.activation_checkpointing)
@@ -207,14 +204,14 @@ def test_table_launch_overrides_reproduce_each_layout() -> None:
     assert text.count("\n") >= 2 + 2 * 5 and "tokens/s" in text
     for p in result.ranked[:5]:
         launched = compose_config(REPO / "conf", base + launch_overrides(p, cfg))
-        assert validate(launched, 4) == p.dp
+        assert validate(launched, 4) == dataclasses.replace(p.layout, device="cpu")
         again = predict(launched, 4, DATASHEETS["a100"])
-        assert again.candidate.canonical() == p.candidate and again.time.step == pytest.approx(p.time.step)
+        assert again.layout == p.layout and again.time.step == pytest.approx(p.time.step)
 
 
 def test_candidates_name_every_layout_key() -> None:
     """A candidate's overrides are exactly the layout keys parallel.auto chooses (and keeps when given)."""
-    assert [o.split("=")[0] for o in Candidate().overrides()] == list(LAYOUT_KEYS)
+    assert [o.split("=")[0] for o in Layout().overrides()] == list(PLANNED_KEYS)
     assert list(itertools.islice(grid(compose_config(REPO / "conf", TINY), 1), 1))
 
 

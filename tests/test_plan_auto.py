@@ -3,6 +3,7 @@ which in one line, refuses a world no layout can use, and trains the one-process
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
+from trident.config import validate
 from trident.errors import ConfigError
 from trident.plan import auto
 from trident.plan.planner import plan
@@ -44,15 +46,15 @@ def test_auto_launches_the_plans_best_and_keeps_given_keys(profile: Profile) -> 
     ranked = plan(cfg, 4, profile).ranked
     chosen, line = auto.choose(cfg, 4)
     best = ranked[0]
-    assert auto.plan_candidate(chosen) == best.candidate
+    assert validate(chosen, 4) == dataclasses.replace(best.layout, device="cpu")
     assert line.startswith(f"parallel.auto: {best.label}, the best of {len(ranked)} layouts for 4 ranks")
     assert "\n" not in line and chosen.parallel.auto
 
     given = ["parallel.pp=2", "train.activation_checkpointing=full"]
     kept, line = auto.choose(cfg, 4, given)
     assert kept.parallel.pp == 2 and kept.train.activation_checkpointing == "full"
-    with_given = [p for p in ranked if p.candidate.pp == 2 and p.candidate.recompute == "full"]
-    assert auto.plan_candidate(kept) == with_given[0].candidate
+    with_given = [p for p in ranked if p.layout.pp == 2 and p.layout.activation_checkpointing == "full"]
+    assert validate(kept, 4) == dataclasses.replace(with_given[0].layout, device="cpu")
     assert f"the best of {len(with_given)} layouts with parallel.pp=2 train.activation_checkpointing=full" in line
 
 

@@ -17,7 +17,6 @@ from trident.memory_estimate import Layout, estimate
 from trident.plan import measure, planner
 from trident.plan.cost import StepTime
 from trident.plan.planner import Plan, Prediction
-from trident.plan.space import Candidate
 
 BASE = ["model=gpt-tiny", "train.global_batch_size=4", "logging.peak_tflops=1"]
 PROFILE = hand_built_cpu()
@@ -64,10 +63,8 @@ def prediction(step: float, states: int = 1000, device: str = "cpu", peak: int =
     time = StepTime(step, step, step, 0.0, 0.0, 0.0, 0.0, 0.0)
     place = "host" if device == "cpu" else "device"
     return Prediction(
-        Candidate(),
-        1,
-        Config(),
         Layout(device=device),
+        Config(),
         peak={"device": peak, "host": 0},
         states={"device": 0, "host": 0} | {place: states},
         time=time,
@@ -135,7 +132,10 @@ def test_measure_runs_train_py_and_compares_with_the_plan(plan: Plan, tiny_datas
         assert len(m.trial.rows) == 4 and m.step_s is not None and m.step_s > 0
         assert m.states is not None and abs(m.memory_error) < 0.01  # model states: predicted to the byte
         assert m.peak_mb is None  # a CPU run measures no activations
-        assert m.trial.overrides[len(base) : len(base) + len(m.prediction.overrides())] == m.prediction.overrides()
+        assert (
+            m.trial.overrides[len(base) : len(base) + len(m.prediction.layout.overrides())]
+            == m.prediction.layout.overrides()
+        )
         checkpoints = Path(m.trial.overrides[-1].removeprefix("checkpoint.dir="))
         assert checkpoints.parent.parent == tmp_path / "runs" and checkpoints.is_dir()  # a run directory each
     assert sum(line.startswith("measure [") for line in logged) == 4  # a start and a result per layout

@@ -9,7 +9,7 @@ import torch
 import trident.build
 from tests.layouts import make_config, tiny, train_in_process
 from train import run
-from trident.build import build_optimizer, model_chunks
+from trident.build import build_optimizer, layout_of, model_chunks
 from trident.errors import DivergenceError
 from trident.parallel.groups import build_process_groups
 from trident.parallel.precision import LossScaler
@@ -37,9 +37,9 @@ def test_bf16_and_fp16_runs_end_within_2_percent_of_the_fp32_loss(tiny_dataset, 
 def _parameter_bytes(rank: int, world: int, precision: str) -> dict:
     cfg = make_config("model=gpt-tiny", f"train.precision={precision}")
     groups = build_process_groups(Topology(dp=1, pp=1, tp=1))
-    (model,) = model_chunks(cfg, groups, torch.device("cpu"))
+    (model,) = model_chunks(cfg.model, layout_of(cfg, groups), cfg.train, groups, torch.device("cpu"))
     reference = {name: p.detach().clone() for name, p in model.named_parameters()}
-    setup = build_optimizer([model], cfg, groups)
+    setup = build_optimizer([model], layout_of(cfg, groups), cfg.optim, groups)
     optimizer = setup.zero
     masters = {p: optimizer.master(pc) for _, pc in optimizer.pieces() for p in [pc.param]}
     return {

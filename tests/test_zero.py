@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
-from trident.build import build_parts
+from trident.build import build_parts, layout_of
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
@@ -97,7 +97,7 @@ def _build(world: int, tp: int, *overrides: str):
     """A rank's parts as train.py builds them; returns (cfg, groups, model, optimizer, runner)."""
     cfg = make_config("model=gpt-tiny", "model.n_layers=4", "parallel.bucket_mb=0.05", *overrides)
     groups = build_process_groups(Topology(dp=world // tp, pp=1, tp=tp))
-    parts = build_parts(cfg, groups, torch.device("cpu"))
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu"))
     (model,) = parts.chunks
     return cfg, groups, model, parts.optimizer, parts.runner
 

@@ -25,10 +25,11 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.config import Config, compose_config, resolve_schedule, validate
+from trident.config import Config, compose_config, validate
 from trident.errors import ConfigError
+from trident.layout import Layout
 from trident.memory import format_bytes
-from trident.memory_estimate import POLICIES, Estimate, Layout, estimate
+from trident.memory_estimate import POLICIES, Estimate, estimate
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -58,11 +59,11 @@ def option_rows(cfg: Config, world: int, device: str) -> list[tuple[str, Estimat
             label = f"zero={zero}" + (f", offload.optimizer=cpu, offload.ratio={ratio:g}" if offload == "cpu" else "")
             asked = zero == par.zero and offload == par.offload.optimizer
             try:
-                dp = validate(variant, world)
+                layout = layout_on(variant, world, device)
             except ConfigError as e:
                 rows.append((label, str(e), asked))
                 continue
-            rows.append((label, estimate(variant.model, Layout.from_config(variant, dp, device)), asked))
+            rows.append((label, estimate(variant.model, layout), asked))
     return rows
 
 
@@ -70,19 +71,24 @@ def _cell(n: int) -> str:
     return f"{format_bytes(n):>10}"
 
 
+def layout_on(cfg: Config, world: int, device: str) -> Layout:
+    """The layout train.py would launch for ``cfg`` on ``world`` ranks, each driving a ``device``."""
+    return dataclasses.replace(validate(cfg, world), device=device)
+
+
 def report(cfg: Config, world: int, device: str) -> str:
-    dp = validate(cfg, world)
-    layout = Layout.from_config(cfg, dp, device)
+    layout = layout_on(cfg, world, device)
     asked = estimate(cfg.model, layout)
     worst = asked.worst
-    tr, policy = cfg.train, layout.activation_checkpointing
+    policy = layout.activation_checkpointing
     lines = [
         f"Estimated memory per rank for {cfg.model.name} ({asked.total_params / 1e6:.2f}M parameters), "
-        f"world {world} = dp {dp} x tp {layout.tp} x pp {layout.pp}"
+        f"world {world} = dp {layout.dp} x tp {layout.tp} x pp {layout.pp}"
         + (f" (vpp {layout.vpp})" if layout.vpp > 1 else "")
         + f", {layout.precision} on {device}",
-        f"micro-batch {tr.micro_batch_size} x {layout.seq_len} tokens, {layout.micro_batches} micro-batches per step"
-        + (f", {resolve_schedule(cfg.parallel)} schedule" if layout.pp > 1 else "")
+        f"micro-batch {layout.micro_batch_size} x {cfg.model.seq_len} tokens, "
+        f"{layout.micro_batches} micro-batches per step"
+        + (f", {layout.schedule} schedule" if layout.schedule else "")
         + f", sequence parallel {'on' if layout.sequence_parallel else 'off'}, recomputation {policy}",
         "",
         f"Model states and peak per rank (most loaded pipeline stage; activations with recomputation {policy}):",
@@ -142,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.overrides)
         world = args.world or default_world(cfg)
         if args.json:
-            dp = validate(cfg, world)
-            print(json.dumps(estimate(cfg.model, Layout.from_config(cfg, dp, args.device)).to_dict(), indent=1))
+            print(json.dumps(estimate(cfg.model, layout_on(cfg, world, args.device)).to_dict(), indent=1))
         else:
             print(report(cfg, world, args.device))
     except (ConfigError, HydraException, OmegaConfBaseException) as e:

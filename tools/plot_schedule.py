@@ -41,7 +41,7 @@ from xml.sax.saxutils import escape
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, compose_config, resolve_schedule, validate
+from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, compose_config, validate
 from trident.errors import ConfigError, one_line
 from trident.parallel.pipeline.schedules import (
     SCHEDULES,
@@ -111,13 +111,13 @@ def decide(schedule: str | None, pp: int, vpp: int, micro: int) -> str:
     model = ModelConfig(n_layers=max(1, pp * vpp))
     cfg = Config(model=model, parallel=par, train=TrainConfig(micro_batch_size=1, global_batch_size=micro))
     try:
-        validate(cfg, world_size=pp)
+        layout = validate(cfg, world_size=pp)
     except ConfigError as e:
         message = str(e)
         for key, flag in FLAGS.items():
             message = message.replace(key, flag)
         raise SystemExit(f"error: {message}") from None
-    return resolve_schedule(par)
+    return layout.schedule or "1f1b"  # one rank: gradient accumulation, 1F1B's order
 
 
 def planned(name: str, pp: int, vpp: int, micro: int, costs: dict[str, float]) -> tuple[list[Span], str]:
@@ -234,7 +234,7 @@ def plan_panel(cfg: Config, world: int, profile: Profile) -> tuple[Prediction, P
     t = p.time
     boxes = [Box(s.rank, s.action, s.start, s.end, s.compute_end) for s in t.spans]
     lay = p.layout
-    shape = f"{lay.resolved_schedule}, pp={lay.pp}, vpp={lay.vpp}, {lay.micro_batches} micro-batches"
+    shape = f"{lay.schedule}, pp={lay.pp}, vpp={lay.vpp}, {lay.micro_batches} micro-batches"
     if lay.pp == 1:
         shape = f"no pipeline, {lay.micro_batches} micro-batches"
     title = (
@@ -251,7 +251,7 @@ def plan_and_measured(
     """The planned panel above the measured one, and a title line with both pipeline times. The recorded run must
     be of the same pipeline (ranks, chunks, schedule, micro-batches)."""
     lay = prediction.layout
-    want = (lay.pp, lay.vpp, lay.resolved_schedule, lay.micro_batches)
+    want = (lay.pp, lay.vpp, lay.schedule, lay.micro_batches)
     got = (rec.pp, rec.vpp, rec.schedule, rec.micro_batches)
     if want != got:
         names = ("pp", "vpp", "schedule", "micro-batches")
@@ -260,7 +260,7 @@ def plan_and_measured(
     planned_s = prediction.time.pipeline
     error = rec.pipeline_s / planned_s - 1 if planned_s else math.nan
     title = (
-        f"{prediction.config.model.name} {prediction.label}, {lay.resolved_schedule}, pp={lay.pp}, vpp={lay.vpp}, "
+        f"{prediction.config.model.name} {prediction.label}, {lay.schedule}, pp={lay.pp}, vpp={lay.vpp}, "
         f"{lay.micro_batches} micro-batches: pipeline {planned_s:.4g} s planned, {rec.pipeline_s:.4g} s measured "
         f"({100 * error:+.1f}%)"
     )

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from trident.checkpoint.manager import Checkpointer
-from trident.config import Config, resolve_schedule
+from trident.config import Config, ModelConfig, OptimConfig, TrainConfig, validate
+from trident.layout import Layout
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.compile import compile_blocks
 from trident.models.gpt import GPT, init_weights
@@ -50,22 +51,23 @@ from trident.parallel.zero.stage3 import ParameterSharding, unit_layout
 from trident.runner import LocalRunner, Runner
 
 
-def model_chunks(cfg: Config, groups: ProcessGroups, device: torch.device) -> list[GPT]:
+def model_chunks(
+    m: ModelConfig, layout: Layout, train: TrainConfig, groups: ProcessGroups, device: torch.device
+) -> list[GPT]:
     """This rank's model chunks: chunk c is virtual stage c * pp + pp_rank (parallel/pipeline/stages.py), each
-    initialised from the seed as the one-process model is, then moved, compiled and wrapped for recomputation."""
-    m, par, tr = cfg.model, cfg.parallel, cfg.train
-    rng = model_parallel_rng(tr.seed)
-    stages = par.pp * par.vpp
+    initialised from the seed (``train.seed``) as the one-process model is, then moved, compiled
+    (``train.compile``) and wrapped for recomputation."""
+    rng = model_parallel_rng(train.seed)
     chunks = []
-    for c in range(par.vpp):
-        stage = c * par.pp + groups.pp_rank
-        layers = stage_layers(m.n_layers, par.pp, par.vpp, stage)
-        chunk = GPT(m, groups.tp_group, par.sequence_parallel, rng, layers, stage == 0, stage == stages - 1)
-        init_weights(chunk, m, tr.seed)
+    for c in range(layout.vpp):
+        stage = c * layout.pp + groups.pp_rank
+        layers = stage_layers(m.n_layers, layout.pp, layout.vpp, stage)
+        chunk = GPT(m, groups.tp_group, layout.sequence_parallel, rng, layers, stage == 0, stage == layout.chunks - 1)
+        init_weights(chunk, m, train.seed)
         chunk.to(device)
-        if tr.compile:  # before activation checkpointing, which then wraps the compiled blocks
+        if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
             compile_blocks(chunk, device)
-        apply_activation_checkpointing(chunk, tr.activation_checkpointing)
+        apply_activation_checkpointing(chunk, layout.activation_checkpointing)
         chunks.append(chunk)
     return chunks
 
@@ -85,14 +87,14 @@ class Optimizer:
             self.sharding.remove_hooks()
 
 
-def build_optimizer(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups) -> Optimizer:
-    """The reducer, the ZeRO optimizer of ``parallel.zero`` (with offload) and the ``GradStep`` around it.
+def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, groups: ProcessGroups) -> Optimizer:
+    """The reducer, the ZeRO optimizer of the layout's stage (with offload) and the ``GradStep`` around it.
 
     Parameters whose gradients are summed across pipeline stages after the dp reduction (the tied embedding's
     two copies) get a bucket of their own, so their shards line up on the ranks that sum them. No bucket spans two
     model chunks, so the pipeline reduces each chunk's buckets after its last backward."""
-    zero, par, opt = cfg.parallel.zero, cfg.parallel, cfg.optim
-    policy = precision_policy(cfg.train.precision)
+    zero = layout.zero
+    policy = precision_policy(layout.precision)
     per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
     params = [p for ps in per_chunk for p in ps]
     isolate = [p for p in params if "embedding" in placement_of(p).grad_sums]
@@ -101,29 +103,29 @@ def build_optimizer(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups)
     sharding: ParameterSharding | None = None
     if zero <= 1:
         kind = ScatterReducer if zero == 1 else GradReducer
-        reducer = kind(params, dp_group, par.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
-        layout = reducer.layout
+        reducer = kind(params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
+        flat = reducer.layout
     elif zero == 2:
-        numel = bucket_numel(par.bucket_mb, policy.reduce_dtype)
-        layout = FlatLayout.by_size(params, numel, groups.dp_size, isolate, per_chunk)
-        reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, device)
+        numel = bucket_numel(layout.bucket_mb, policy.reduce_dtype)
+        flat = FlatLayout.by_size(params, numel, groups.dp_size, isolate, per_chunk)
+        reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device)
     else:
         units_of = [(chunk, list(chunk.layers.values())) for chunk in chunks]
-        layout, units = unit_layout(units_of, groups.dp_size, set(isolate))
+        flat, units = unit_layout(units_of, groups.dp_size, set(isolate))
         # One launch order per chunk: a pipeline rank runs its chunks' backward passes interleaved.
         chains = [[s.index for s in [*reversed(u.blocks), *u.root]] for u in units]
-        reducer = ShardedGradReducer(layout, dp_group, policy.reduce_dtype, device, chains=chains)
+        reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device, chains=chains)
 
     def make_store() -> FlatParams | ShardedParams:
         if zero == 3:
-            return ShardedParams(layout, policy.param_dtype, dp_group)
-        return FlatParams(layout, policy.param_dtype, dp_group, shards=groups.dp_size if zero >= 1 else 1)
+            return ShardedParams(flat, policy.param_dtype, dp_group)
+        return FlatParams(flat, policy.param_dtype, dp_group, shards=groups.dp_size if zero >= 1 else 1)
 
     adamw = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
-    ratio = par.offload.ratio if par.offload.optimizer == "cpu" else 0.0
-    optimizer = ZeroOptimizer(layout, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio)
+    ratio = layout.offloaded_fraction
+    optimizer = ZeroOptimizer(flat, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio)
     if zero == 3:
-        sharding = ParameterSharding(units_of, units, optimizer.store, par.zero3_gather, par.zero3_prefetch)
+        sharding = ParameterSharding(units_of, units, optimizer.store, layout.zero3_gather, layout.zero3_prefetch)
         reducer.on_reduced, reducer.on_finish = sharding.released, sharding.end_step
     scaler = LossScaler() if policy.loss_scaling else None
     step = GradStep(optimizer, groups, opt.grad_clip, scaler)
@@ -131,25 +133,24 @@ def build_optimizer(chunks: list[nn.Module], cfg: Config, groups: ProcessGroups)
 
 
 def build_runner(
-    chunks: list[GPT], cfg: Config, groups: ProcessGroups, optimizer: Optimizer, timings: Path | None = None
+    chunks: list[GPT], layout: Layout, groups: ProcessGroups, optimizer: Optimizer, timings: Path | None = None
 ) -> Runner:
-    """The local runner at pp=1, else the pipeline schedule of ``parallel.schedule`` over this rank's chunks.
+    """The local runner at pp=1, else the layout's pipeline schedule over this rank's chunks.
     ``timings``: a file to record each pipeline action's start and end in (``logging.pipeline_timings``)."""
-    precision = cfg.train.precision
-    if cfg.parallel.pp == 1:
-        return LocalRunner(chunks, optimizer.reducer, precision)
+    if layout.schedule is None:
+        return LocalRunner(chunks, optimizer.reducer, layout.precision)
     return PipelineRunner(
         chunks,
-        resolve_schedule(cfg.parallel),
+        layout.schedule,
         groups.pp_rank,
         groups.pp_ranks,
         groups.pp_group,
         optimizer.reducer,
-        precision,
-        cfg.model.d_model,
-        seq_divisor=groups.tp_size if cfg.parallel.sequence_parallel else 1,
+        layout.precision,
+        chunks[0].cfg.d_model,
+        seq_divisor=layout.seq_divisor,
         timings=timings,
-        recomputed=cfg.train.activation_checkpointing != "none",
+        recomputed=layout.activation_checkpointing != "none",
     )
 
 
@@ -157,6 +158,7 @@ def build_runner(
 class RunParts:
     """What one rank trains with: its model chunks, their optimizer, and the runner of a step."""
 
+    layout: Layout
     device: torch.device
     chunks: list[GPT]
     optimizer: Optimizer
@@ -165,6 +167,7 @@ class RunParts:
 
 def build_parts(
     cfg: Config,
+    layout: Layout,
     groups: ProcessGroups,
     device: torch.device,
     timings_dir: Path | None = None,
@@ -174,13 +177,19 @@ def build_parts(
     coordinate (one pipeline's ranks) record their actions' timings, one file per rank. ``load``: fills the
     initialised chunks with other weights (``checkpoint.init_from``), before the optimizer copies its fp32 masters;
     every rank calls it."""
-    chunks = model_chunks(cfg, groups, device)
+    chunks = model_chunks(cfg.model, layout, cfg.train, groups, device)
     if load is not None:
         load(chunks)
-    optimizer = build_optimizer(chunks, cfg, groups)
+    optimizer = build_optimizer(chunks, layout, cfg.optim, groups)
     record = timings_dir is not None and groups.dp_rank == 0 and groups.tp_rank == 0
     timings = timings_dir / f"rank{groups.rank}.jsonl" if record else None
-    return RunParts(device, chunks, optimizer, build_runner(chunks, cfg, groups, optimizer, timings))
+    return RunParts(layout, device, chunks, optimizer, build_runner(chunks, layout, groups, optimizer, timings))
+
+
+def layout_of(cfg: Config, groups: ProcessGroups) -> Layout:
+    """The layout ``cfg`` resolves to on the world of ``groups``: for the tests, tools and benches that build a run's
+    parts themselves (train.py has it from its own validation)."""
+    return validate(cfg, groups.topology.world_size)
 
 
 def build_checkpointer(

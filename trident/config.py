@@ -20,8 +20,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.nodes import BooleanNode
 
+from trident.device import device_type
 from trident.errors import ConfigError
-from trident.parallel.pipeline.schedules import SCHEDULES, schedule_error
+from trident.layout import Layout
+from trident.parallel.pipeline.schedules import SCHEDULES, default_schedule, schedule_error
 from trident.parallel.tensor import kv_heads_error, tp_split_error
 from trident.parallel.zero.stage3 import GATHER_MODES
 
@@ -366,12 +368,6 @@ def grad_accum_steps(train: TrainConfig, dp: int) -> int:
     return train.global_batch_size // (train.micro_batch_size * dp)
 
 
-def resolve_schedule(par: ParallelConfig) -> str:
-    if par.schedule is not None:
-        return par.schedule
-    return "interleaved" if par.vpp > 1 else "1f1b"
-
-
 def _batch_error(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str) -> str | None:
     """What is wrong with the batch arithmetic of one dp size, or None."""
     per_step = tr.micro_batch_size * dp
@@ -385,8 +381,8 @@ def _batch_error(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str) -
     return None if error is None else f"{error}; change train.global_batch_size or train.micro_batch_size"
 
 
-def validate(cfg: Config, world_size: int) -> int:
-    """Check every rule that can be checked before any collective; return the resolved dp size.
+def validate(cfg: Config, world_size: int) -> Layout:
+    """Check every rule that can be checked before any collective; return the resolved layout (trident/layout.py).
 
     The fit to the launch (world size = dp x tp x pp) is checked after every rule of the config itself: a config
     that is wrong in itself must say so first, rather than ask for a relaunch that would only reveal its next
@@ -436,7 +432,7 @@ def validate(cfg: Config, world_size: int) -> int:
     _one_of("parallel.zero", par.zero, (0, 1, 2, 3))
     _need(par.vpp >= 1, f"parallel.vpp={par.vpp} must be >= 1")
     _need(par.vpp == 1 or par.pp > 1, f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")
-    schedule = resolve_schedule(par)
+    schedule = par.schedule or default_schedule(par.vpp)
     _one_of("parallel.schedule", schedule, SCHEDULES)
     _need(
         schedule != "interleaved" or par.vpp > 1,
@@ -526,4 +522,32 @@ def validate(cfg: Config, world_size: int) -> int:
     dp = resolve_dp(par, world_size, _batch_error(tr, par, par.dp, schedule) if par.dp is not None else None)
     error = _batch_error(tr, par, dp, schedule)
     _need(error is None, error or "")
-    return dp
+    return _resolve(cfg, dp, schedule)
+
+
+def _resolve(cfg: Config, dp: int, schedule: str) -> Layout:
+    """The layout a valid config launches with dp ranks: settings that do not apply take Layout's defaults, so one
+    launch has one layout (no schedule at pp = 1, no gather mode below ZeRO 3, no ratio without offload)."""
+    par, tr, default = cfg.parallel, cfg.train, Layout()
+    zero3 = par.zero == 3
+    return Layout(
+        dp=dp,
+        tp=par.tp,
+        pp=par.pp,
+        vpp=par.vpp,
+        schedule=schedule if par.pp > 1 else None,
+        zero=par.zero,
+        zero3_gather=par.zero3_gather if zero3 else default.zero3_gather,
+        zero3_prefetch=par.zero3_prefetch if zero3 else default.zero3_prefetch,
+        offload=par.offload.optimizer,
+        offload_ratio=par.offload.ratio if par.offload.optimizer != "none" else default.offload_ratio,
+        sequence_parallel=par.sequence_parallel,
+        activation_checkpointing=tr.activation_checkpointing,
+        micro_batch_size=tr.micro_batch_size,
+        micro_batches=grad_accum_steps(tr, dp),
+        bucket_mb=par.bucket_mb,
+        precision=tr.precision,
+        device=device_type(tr.device),
+        document_mask=cfg.data.document_mask,
+        async_checkpoint=cfg.checkpoint.async_,
+    )

@@ -17,6 +17,11 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def device_type(requested: str) -> str:
+    """``train.device`` resolved to the kind of device the ranks compute on: cuda or cpu (no check of counts)."""
+    return "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def pick_device(requested: str) -> torch.device:
     """Checked before any process group exists, and alike on every rank of a node, so a mismatch fails
     on all of them at once (a check of this rank's index alone would end some ranks and strand the rest).

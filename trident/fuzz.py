@@ -42,8 +42,8 @@ from trident.config import Config, DataConfig, compose_config, validate
 from trident.curves import curve_mismatches
 from trident.data.prepare import resolve_dataset
 from trident.errors import ConfigError
+from trident.layout import PLANNED_KEYS
 from trident.parallel.zero.stage3 import GATHER_MODES
-from trident.plan.auto import LAYOUT_KEYS
 from trident.plan.auto import choose as choose_layout
 from trident.ranks import run_distributed
 
@@ -217,7 +217,7 @@ def draw_case(seed: int, index: int) -> Case:
         data.pop("data.tokenizer", None)
     # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out.
     if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
-        knobs = {k: v for k, v in knobs.items() if k not in LAYOUT_KEYS} | {"parallel.auto": True}
+        knobs = {k: v for k, v in knobs.items() if k not in PLANNED_KEYS} | {"parallel.auto": True}
     return Case(seed, index, world, _overrides({**block, **data, **knobs}))
 
 

@@ -172,7 +172,7 @@ class Trainer:
         only; ``peak_flops`` (all of one rank's device) makes the MFU; ``after_first_step`` runs on every rank
         once the optimizer's state exists (memory accounting). ``eos_id``: the dataset's, which
         ``data.document_mask`` needs. ``prefetch``: read the next step's batches in the background."""
-        train_cfg = cfg.train
+        train_cfg, layout = cfg.train, parts.layout
         self.cfg, self.optim_cfg, self.groups, self.device = train_cfg, cfg.optim, groups, parts.device
         self.model_chunks, self.runner = parts.chunks, parts.runner
         self.loss_fn = parts.chunks[-1].loss_sum  # the loss is computed where the last stage is
@@ -195,16 +195,16 @@ class Trainer:
         }
         self.seq_len = self.train_data.seq_len
         self.tokens_per_step = gbs * self.seq_len
-        if cfg.data.document_mask and eos_id is None:
+        if layout.document_mask and eos_id is None:
             raise ValueError("data.document_mask needs the dataset's eos_id")
         self.loader = BatchLoader(
             self.train_data,
             self.sampler,
             groups.dp_rank,
             groups.dp_size,
-            train_cfg.micro_batch_size,
+            layout.micro_batch_size,
             self.device,
-            eos_id if cfg.data.document_mask else None,
+            eos_id if layout.document_mask else None,
             prefetch,
         )
         self.divergence = DivergencePolicy(train_cfg.max_skipped_steps, train_cfg.max_nonfinite_losses)

@@ -94,15 +94,18 @@ def summary_line(figures: Figures, ranks: int = 1) -> str:
     return f"model states per rank ({scope}): {kinds} = {where or '0 B'}"
 
 
-def log_model_states(grad_step: Any, groups: ProcessGroups, run_dir: Path, extra: dict | None = None) -> Figures:
+def log_model_states(
+    grad_step: Any, groups: ProcessGroups, run_dir: Path, extra: dict | None = None, mine: dict | None = None
+) -> Figures:
     """Measure this rank's model states, gather every rank's; the logging rank prints one line and writes
     ``run_dir / "memory.json"``. Every rank must call it (an all-gather); returns the max over ranks.
 
-    ``extra`` (e.g. the estimator's prediction) is written beside the measured figures.
+    ``extra`` (e.g. the estimator's prediction) is written beside the measured figures, ``mine`` into this rank's
+    row (e.g. ``activation_sets``: measured beside predicted).
     """
-    mine = measure_model_states(grad_step.model_state_tensors())
+    states = measure_model_states(grad_step.model_state_tensors())
     coord = groups.coord
-    row = {"rank": groups.rank, "dp": coord.dp, "tp": coord.tp, "pp": coord.pp, **mine}
+    row = {"rank": groups.rank, "dp": coord.dp, "tp": coord.tp, "pp": coord.pp, **states, **(mine or {})}
     rows: list[dict | None] = [None] * dist.get_world_size(groups.world_group)
     dist.all_gather_object(rows, row, group=groups.world_group)
     per_rank = [r for r in rows if r is not None]

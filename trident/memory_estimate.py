@@ -56,12 +56,15 @@ For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 s
 without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
 vocab-parallel lookup's mask and local ids), the last stage the final norm, the head's whole input and the loss's
 fp32 probabilities over this rank's vocab block, 4 b s V (tied or untied head alike). Micro-batches in flight come
-from walking each stage's forward/backward order (GPipe: all M; 1F1B: min(pp - r, M) on stage r; interleaved:
-Megatron's warm-up of 2 (pp - r - 1) + (vpp - 1) pp chunk forwards, which on the first stage holds Korthikanti's
-L (1 + (pp - 1) / (pp vpp)) layers). On a CPU every term is checked to the byte against a real forward
-(tests/test_memory.py); the CUDA terms (LayerNorm and RMSNorm in fp32 under autocast, fused attention for every
-head layout) are from the kernels' signatures, not measured here. Not counted: the logits the runner holds while
-backward runs, allocator fragmentation, communication buffers, the CUDA context and workspaces.
+from walking the rank's own action list, the one the executor runs (parallel/pipeline/schedules.py
+``build_schedule``, ``activation_peak``): a chunk's bytes are taken at its forward and given back at the action that
+finishes its backward (B; under zb-h1 its W, which keeps the weight path's inputs after I). GPipe holds all M, 1F1B
+min(pp - r, M) on stage r, zb-h1 more (its W passes are delayed), interleaved its warm-up + 1 chunk forwards (on the
+first stage Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers when M is a multiple of pp). On a CPU every term is
+checked to the byte against a real forward (tests/test_memory.py); the CUDA terms (LayerNorm and RMSNorm in fp32
+under autocast, fused attention for every head layout) are from the kernels' signatures, not measured here. Not
+counted: the logits the runner holds while backward runs, allocator fragmentation, communication buffers, the CUDA
+context and workspaces.
 """
 
 from __future__ import annotations
@@ -73,10 +76,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from trident.config import Config, ModelConfig, grad_accum_steps, resolve_schedule
+from trident.config import ModelConfig
+from trident.layout import Layout
 from trident.memory import KINDS, PLACES, Figures
 from trident.models.gpt import count_params, padded_vocab_size
 from trident.parallel.layout import FlatLayout
+from trident.parallel.pipeline.schedules import activation_peak, build_schedule
 from trident.parallel.reducer import bucket_numel
 from trident.parallel.zero.grads import ShardedGradReducer
 from trident.parallel.zero.optimizer import shard_segments
@@ -86,64 +91,6 @@ FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one element each per parameter element
 STEP_COUNTER = 4  # AdamW's per-tensor step: a float32 scalar
 POLICIES = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A launch to predict: the parallel layout, precision, batch shape and where model states live."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    zero: int = 0
-    offload: str = "none"  # none | cpu: the optimizer shard's first ``offload_ratio`` on the host
-    offload_ratio: float = 1.0
-    precision: str = "fp32"
-    micro_batch_size: int = 1
-    micro_batches: int = 1  # per rank per step (gradient accumulation): global / (micro_batch_size * dp)
-    seq_len: int | None = None  # None: the model's
-    activation_checkpointing: str = "none"
-    schedule: str | None = None  # None: 1f1b, or interleaved when vpp > 1
-    sequence_parallel: bool = False
-    bucket_mb: float = 25.0
-    device: str = "cuda"  # cuda | cpu: on a CPU run the "device" is host memory too
-    document_mask: bool = False  # data.document_mask: packed documents (models/documents.py)
-    zero3_gather: str = "micro_batch"  # micro_batch | step: when ZeRO-3 frees a training forward's buckets
-    zero3_prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the running one
-    async_checkpoint: bool = False  # checkpoint.async: a host copy of what the rank saves (checkpoint/background.py)
-
-    @classmethod
-    def from_config(cls, cfg: Config, dp: int, device: str = "cuda") -> Layout:
-        par, tr = cfg.parallel, cfg.train
-        return cls(
-            dp=dp,
-            tp=par.tp,
-            pp=par.pp,
-            vpp=par.vpp,
-            zero=par.zero,
-            offload=par.offload.optimizer,
-            offload_ratio=par.offload.ratio,
-            precision=tr.precision,
-            micro_batch_size=tr.micro_batch_size,
-            micro_batches=grad_accum_steps(tr, dp),
-            seq_len=cfg.model.seq_len,
-            activation_checkpointing=tr.activation_checkpointing,
-            schedule=resolve_schedule(par),
-            sequence_parallel=par.sequence_parallel,
-            bucket_mb=par.bucket_mb,
-            device=device,
-            document_mask=cfg.data.document_mask,
-            zero3_gather=par.zero3_gather,
-            zero3_prefetch=par.zero3_prefetch,
-            async_checkpoint=cfg.checkpoint.async_,
-        )
-
-    @property
-    def resolved_schedule(self) -> str:
-        if self.schedule is not None:
-            return self.schedule
-        return "interleaved" if self.vpp > 1 else "1f1b"
 
 
 # --- parameters -----------------------------------------------------------------------------------------------
@@ -386,7 +333,7 @@ def _gathered(layout: Layout, flat: FlatLayout, units: list[tuple[list[int], lis
     """Stage 3's most full-buffer elements gathered at once (parallel/zero/stage3.py): in step mode every bucket;
     else every chunk's root (held while any micro-batch is in flight) and the running block of one chunk with the
     ``zero3_prefetch`` next ones; under zb-h1 off the first stage every block too (held from I to W)."""
-    if layout.zero3_gather == "step" or (layout.resolved_schedule == "zb-h1" and layout.pp > 1 and not first):
+    if layout.zero3_gather == "step" or (layout.schedule == "zb-h1" and not first):
         return flat.numel
     roots = sum(sum(root) for _, root in units)
     running = max(sum(sorted(blocks, reverse=True)[: 1 + layout.zero3_prefetch]) for blocks, _ in units)
@@ -403,7 +350,7 @@ def _rank_states(
 ) -> ModelStates:
     fig = _figures()
     pb = DTYPE_BYTES[layout.precision]
-    ratio = layout.offload_ratio if layout.offload == "cpu" else 0.0
+    ratio = layout.offloaded_fraction
 
     shards = layout.dp if layout.zero >= 1 else 1
     rank = dp_rank if layout.zero >= 1 else 0
@@ -462,7 +409,7 @@ class _Shape:
         e = DTYPE_BYTES[layout.precision]
         return cls(
             b=layout.micro_batch_size,
-            s=layout.seq_len or m.seq_len,
+            s=m.seq_len,
             h=m.d_model,
             f=m.ffn_dim,
             a=m.n_heads,
@@ -582,43 +529,6 @@ def head_bytes(m: ModelConfig, layout: Layout) -> int:
     return x.layer_norm() + x.s * x.b * x.h * x.e + loss
 
 
-def schedule_order(schedule: str, pp: int, vpp: int, micro_batches: int, stage: int) -> list[tuple[str, int, int]]:
-    """Stage ``stage``'s forward and backward passes in order, as ("F" or "B", local chunk, micro-batch):
-    GPipe all forwards then all backwards; 1F1B (and zb-h1, whose peak memory is 1F1B's) pp - stage - 1 warm-up
-    forwards then one forward and one backward in turn; interleaved as Megatron-LM orders it, micro-batches in
-    groups of pp through chunk after chunk."""
-    m = micro_batches
-    if pp == 1 or schedule == "gpipe":
-        order = [(c, mb) for mb in range(m) for c in range(vpp)]
-        if pp == 1:  # gradient accumulation: one micro-batch's backward before the next forward
-            return [(kind, c, mb) for c, mb in order for kind in ("F", "B")]
-        return [("F", c, mb) for c, mb in order] + [("B", c, mb) for c, mb in reversed(order)]
-    if schedule == "interleaved":
-        total = m * vpp
-
-        def forward(k: int) -> tuple[int, int]:
-            return (k // pp) % vpp, (k // (pp * vpp)) * pp + k % pp
-
-        def backward(k: int) -> tuple[int, int]:
-            c, mb = forward(k)
-            return vpp - 1 - c, mb
-
-        warmup = min((pp - stage - 1) * 2 + (vpp - 1) * pp, total)
-    else:  # 1f1b, zb-h1
-        total = m
-
-        def forward(k: int) -> tuple[int, int]:
-            return 0, k
-
-        backward = forward
-        warmup = min(pp - stage - 1, total)
-    order = [("F", *forward(k)) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [("F", *forward(warmup + k)), ("B", *backward(k))]
-    order += [("B", *backward(k)) for k in range(total - warmup, total)]
-    return order
-
-
 def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> int:
     """Peak activation bytes pipeline stage ``stage`` keeps for backward: walk its schedule, adding a chunk's
     bytes at each forward and releasing them at its backward."""
@@ -634,12 +544,19 @@ def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | N
         + documents_bytes(m, layout, policy, c == 0)
         for c in chunks
     ]
-    held = peak = 0
-    schedule = layout.resolved_schedule
-    for kind, c, _ in schedule_order(schedule, layout.pp, layout.vpp, layout.micro_batches, stage):
-        held += chunk_bytes[c] if kind == "F" else -chunk_bytes[c]
-        peak = max(peak, held)
-    return peak
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c])
+
+
+def stage_actions(layout: Layout, stage: int) -> list:
+    """The actions pipeline stage ``stage`` runs in a training step: the executor's own list (its schedule), or
+    without a pipeline one forward and one backward per micro-batch (gradient accumulation)."""
+    return build_schedule(layout.schedule or "1f1b", layout.pp, layout.vpp, layout.micro_batches)[stage]
+
+
+def activation_sets(layout: Layout, stage: int) -> int:
+    """The most activation sets (micro-batch x model chunk) pipeline stage ``stage`` holds at once; memory.json
+    writes it beside the count the executor measured."""
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp)
 
 
 def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None) -> int:
@@ -667,6 +584,7 @@ class StageEstimate:
     activations: dict[str, int]  # bytes kept for backward at the schedule's peak, per recomputation policy
     recompute: dict[str, int]  # transient bytes while backward recomputes, per policy
     checkpoint_staging: int = 0  # checkpoint.async: host memory holding a copy of what the rank saves, for the run
+    activation_sets: int = 1  # the most micro-batch x chunk activation sets held at once (the schedule's walk)
 
     def peak(self, policy: str) -> dict[str, int]:
         """Model states, transient buffers and activations, by place, at the schedule's peak under ``policy``."""
@@ -710,6 +628,7 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
                 activations={p: activation_bytes(m, layout, stage, p) for p in POLICIES},
                 recompute={p: recompute_bytes(m, layout, p) for p in POLICIES},
                 checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
+                activation_sets=activation_sets(layout, stage),
             )
         )
     return out

@@ -32,6 +32,9 @@ class Runner(Protocol):
 
     def forward_only(self, micro_batches: list[Batch], loss_fn: LossFn) -> torch.Tensor: ...
 
+    # The most activation sets (micro-batch x model chunk) held for backward at once in a training step so far.
+    peak_activation_sets: int
+
 
 class LocalRunner:
     """The whole model on this rank (no pipeline parallelism): one model chunk."""
@@ -40,6 +43,9 @@ class LocalRunner:
         if len(model_chunks) != 1:
             raise ValueError(f"LocalRunner runs one model chunk, got {len(model_chunks)}")
         self.model, self.reducer, self.precision = model_chunks[0], reducer, precision
+        # The most activation sets (micro-batch x chunk) held for backward at once: one, micro-batch after
+        # micro-batch (memory.json's ``activation_sets``, beside the estimator's walk of the same order).
+        self.peak_activation_sets = 0
 
     def forward_backward(self, micro_batches: list[Batch], loss_fn: LossFn, loss_multiplier: float) -> torch.Tensor:
         self.model.train()
@@ -51,6 +57,7 @@ class LocalRunner:
             with autocast(self.precision, x.device), dropout_context(self.model, batch.step, batch.sample_ids):
                 output = self.model(x, documents=batch.documents)
             loss = loss_fn(output, batch.targets)
+            self.peak_activation_sets = max(self.peak_activation_sets, 1)
             (loss * loss_multiplier).backward()
             total += loss.detach()
         self.reducer.finish()

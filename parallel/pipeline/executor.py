@@ -142,6 +142,9 @@ class PipelineRunner:
         self.reducer, self.precision = reducer, precision
         self.d_model, self.seq_divisor = d_model, seq_divisor
         self.timings, self.calls = timings, 0
+        # The most activation sets (micro-batch x chunk) a training step has held for backward at once: counted from
+        # what the step really keeps (memory.json writes it beside the estimator's walk of the same actions).
+        self.peak_activation_sets = 0
         self.lead = receive_lead(dist.get_backend(pp_group))
         self._plans: dict[tuple[int, bool, int], list[Step]] = {}
         first = next(p for c in self.chunks for p in c.parameters())
@@ -230,6 +233,7 @@ class _Step:
                 if chunk is not None:  # the chunk's last weight gradients: its buckets reduce as they fill
                     r.reducer.set_sync(True, chunk)
                 outgoing = self._do(tick.action, received)
+                r.peak_activation_sets = max(r.peak_activation_sets, self.held_sets())
                 if chunk is not None:
                     r.reducer.set_sync(False, chunk)
                     r.reducer.launch_chunk(chunk)
@@ -243,6 +247,11 @@ class _Step:
         self.sends.clear()
         assert not self.saved and not self.kept and not self.received, "the schedule left work undone"
         return self.total
+
+    def held_sets(self) -> int:
+        """Activation sets this step holds for backward: a forward's (input, output) until its backward, then
+        under zb-h1 what I kept for W until W (on stage 0 I keeps nothing: it was the whole backward)."""
+        return len(self.saved) + sum(1 for kept in self.kept.values() if kept)
 
     # -- messages ---------------------------------------------------------------------------------------------
 

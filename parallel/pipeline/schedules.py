@@ -51,6 +51,21 @@ def makes_weight_grads(action: Action, rank: int, pp: int) -> bool:
     return action.kind in (B, W) or (action.kind == I and stage_of(action.chunk, rank, pp) == 0)
 
 
+def activation_peak(actions: Sequence[Action], rank: int, pp: int, size: Callable[[int], int] = lambda _: 1) -> int:
+    """The most a pipeline rank holds for backward at once, walking its ``actions``: each forward takes
+    ``size(chunk)`` (default: one activation set, a micro-batch x model chunk), kept until the action that finishes
+    its backward (``makes_weight_grads``: B, W, or I on stage 0), which gives it back. The executor keeps a forward's
+    tensors exactly that long (parallel/pipeline/executor.py), and the memory estimator walks the same lists."""
+    held = peak = 0
+    for a in actions:
+        if a.kind == F:
+            held += size(a.chunk)
+            peak = max(peak, held)
+        elif makes_weight_grads(a, rank, pp):
+            held -= size(a.chunk)
+    return peak
+
+
 def gpipe(pp: int, micro: int) -> Schedule:
     """Every forward, then every backward: M micro-batches of activations in flight on every rank."""
     return [[Action(F, m) for m in range(micro)] + [Action(B, m) for m in range(micro)] for _ in range(pp)]
@@ -120,6 +135,11 @@ def zb_h1(pp: int, micro: int) -> Schedule:
         ops += [Action(W, m) for m in range(done_w, micro)]
         out.append(ops)
     return out
+
+
+def default_schedule(vpp: int) -> str:
+    """The schedule a pipeline runs when none is named: interleaved over several chunks per rank, else 1F1B."""
+    return "interleaved" if vpp > 1 else "1f1b"
 
 
 def schedule_error(name: str, pp: int, vpp: int, micro: int) -> str | None:

@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 
 from trident.bench.harness import Table, alternate, barrier, number, random_batches, rank_device, ratio, spread
-from trident.build import build_checkpointer, build_parts
-from trident.config import Config, compose_config
-from trident.memory_estimate import Layout, estimate
+from trident.build import build_checkpointer, build_parts, layout_of
+from trident.config import Config, compose_config, validate
+from trident.memory_estimate import estimate
 from trident.models.gpt import count_params
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> list[Table]:
             number(statistics.median(r["cpu"]), ".3f"),
         )
     ck = dataclasses.replace(cfg.checkpoint, async_=True)
-    layout = Layout.from_config(dataclasses.replace(cfg, checkpoint=ck), args.world, "cpu")
+    layout = dataclasses.replace(validate(dataclasses.replace(cfg, checkpoint=ck), args.world), device="cpu")
     predicted = estimate(m, layout).stages[0].checkpoint_staging
     t.notes.append(
         f"Host staging of the async save: {rows['bytes'] / 2**20:.2f} MiB per rank (a copy of what the rank saves: "
@@ -123,7 +123,7 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     cfg = dataclasses.replace(job.cfg, parallel=dataclasses.replace(job.cfg.parallel, dp=world))
     device = rank_device(rank, world)
     groups = build_process_groups(Topology(dp=world, tp=1, pp=1))
-    parts = build_parts(cfg, groups, device)
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, device)
     tokens = world * job.micro_batches * job.micro_batch * job.seq_len
     batches = [
         b.to(device)

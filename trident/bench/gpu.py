@@ -51,11 +51,11 @@ from trident.bench.harness import (
     storage_bytes,
     tokens_per_s,
 )
-from trident.build import build_parts, model_chunks
-from trident.config import Config, compose_config
+from trident.build import build_parts, layout_of, model_chunks
+from trident.config import Config, compose_config, validate
 from trident.device import use_tensor_cores
 from trident.loop import Trainer
-from trident.memory_estimate import Layout, estimate
+from trident.memory_estimate import estimate
 from trident.models.gpt import flops_per_token
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
@@ -226,7 +226,7 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
 
     # Built and warmed up one after another, each measured while the ones before it sit still (``warm_up``).
-    parts = build_parts(cfg, groups, device)
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, device)
     trainer = Trainer(cfg, groups, parts, (data, data), prefetch=False)
     losses: dict[str, list[float]] = {}
     peaks: dict[str, int | None] = {}
@@ -237,7 +237,9 @@ def _rank(rank: int, world: int, job: Job) -> dict:
 
     peaks["trident"], losses["trident"] = warm_up(ours, job.warmup, device, storage_bytes(states))
 
-    (model,) = model_chunks(cfg, groups, device)  # the same initial weights, left fp32: torch's own autocast
+    (model,) = model_chunks(
+        cfg.model, layout_of(cfg, groups), cfg.train, groups, device
+    )  # the same initial weights, left fp32: torch's own autocast
     on_cuda = device.type == "cuda"
     opt = torch.optim.AdamW(**adamw_args(model, cfg, foreach=not on_cuda, fused=on_cuda))
     compiled = torch.compile(model, backend=job.compile_backend)
@@ -261,7 +263,7 @@ def _rank(rank: int, world: int, job: Job) -> dict:
         sync=lambda: barrier(device),
     )
     parts.optimizer.remove_hooks()
-    predicted = estimate(cfg.model, Layout.from_config(cfg, 1, device.type)).worst
+    predicted = estimate(cfg.model, dataclasses.replace(validate(cfg, 1), device=device.type)).worst
     predicted_peak = predicted.peak(cfg.train.activation_checkpointing)
     trident_dtype = str(next(parts.chunks[0].parameters()).dtype).removeprefix("torch.")
     autocast_note = "" if precision == "fp32" else f", {precision} autocast"

@@ -34,7 +34,7 @@ import statistics
 import torch
 
 from trident.bench.harness import Table, barrier, number, rank_device
-from trident.build import build_parts
+from trident.build import build_parts, layout_of
 from trident.config import Config, compose_config
 from trident.data.mixture import open_training_data
 from trident.loop import Trainer
@@ -118,7 +118,7 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     trainers, parts = {}, []
     for name, prefetch in VARIANTS.items():
         own = copy.deepcopy(cfg)  # its own train.steps, raised round by round
-        p = build_parts(own, groups, device)
+        p = build_parts(own, layout_of(own, groups), groups, device)
         parts.append(p)
         trainers[name] = Trainer(own, groups, p, data.pair, eos_id=data.eos_id, prefetch=prefetch)
 

@@ -57,8 +57,8 @@ from trident.bench.harness import (
     ratio,
     spread,
 )
-from trident.build import build_parts, model_chunks
-from trident.config import Config, compose_config, resolve_schedule, validate
+from trident.build import build_parts, layout_of, model_chunks
+from trident.config import Config, compose_config, validate
 from trident.errors import ConfigError
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
@@ -212,7 +212,7 @@ def _exposed_rank(rank: int, world: int, job: Job) -> dict:
     micro = cfg.train.global_batch_size // cfg.train.micro_batch_size // par.dp
     impls = {}
     for name in ("before", "after"):
-        parts = build_parts(cfg, groups, device, timings_dir=job.timings / name)
+        parts = build_parts(cfg, layout_of(cfg, groups), groups, device, timings_dir=job.timings / name)
         parts.runner.reduce_per_chunk = name == "after"
 
         def step(i: int, parts=parts) -> None:
@@ -228,8 +228,8 @@ def _exposed_rank(rank: int, world: int, job: Job) -> dict:
 
 def row(job: Job, res: list[dict], tokens: int) -> list[str]:
     cfg, first = job.cfg, res[0]
-    pp, vpp, micro = cfg.parallel.pp, cfg.parallel.vpp, cfg.train.global_batch_size // cfg.train.micro_batch_size
-    schedule = resolve_schedule(cfg.parallel)
+    layout = validate(cfg, cfg.parallel.pp)
+    pp, vpp, micro, schedule = layout.pp, layout.vpp, layout.micro_batches, layout.schedule
     ours = statistics.median(first["trident"])
     ours_tps, base_tps = tokens / ours, tokens / statistics.median(first["one"])
     per_rank = [
@@ -289,7 +289,8 @@ def _rank(rank: int, pp: int, job: Job) -> dict:
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     result: dict = {}
 
-    parts = build_parts(cfg, groups, device, timings_dir=job.timings)
+    layout = layout_of(cfg, groups)
+    parts = build_parts(cfg, layout, groups, device, timings_dir=job.timings)
     if job.lead is not None:
         parts.runner.lead = job.lead
 
@@ -307,7 +308,7 @@ def _rank(rank: int, pp: int, job: Job) -> dict:
     timings = alternate(impls, warmup=job.warmup, steps=1, rounds=job.steps, sync=lambda: barrier(device))
     result.update({name: timing.wall for name, timing in timings.items()})
     result["cpu"] = {name: statistics.median(timing.cpu) for name, timing in timings.items()}
-    if rank == 0 and resolve_schedule(cfg.parallel) in ("gpipe", "1f1b"):
+    if rank == 0 and layout.schedule in ("gpipe", "1f1b"):
         saved = SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             ours(0)
@@ -322,9 +323,9 @@ def torch_pipeline(cfg: Config, groups, device: torch.device, rank: int):
     """torch.distributed.pipelining's schedule of the same name over this rank's stage modules."""
     import torch.distributed.pipelining as pipelining
 
-    pp, vpp = cfg.parallel.pp, cfg.parallel.vpp
-    schedule = resolve_schedule(cfg.parallel)
-    chunks = model_chunks(cfg, groups, device)
+    layout = layout_of(cfg, groups)
+    pp, vpp, schedule = layout.pp, layout.vpp, layout.schedule
+    chunks = model_chunks(cfg.model, layout, cfg.train, groups, device)
     stages = [
         pipelining.PipelineStage(c, i * pp + rank, pp * vpp, device, group=groups.pp_group)
         for i, c in enumerate(chunks)
@@ -350,7 +351,9 @@ def one_process(one: Config, alone: dist.ProcessGroup, device: torch.device, ran
     """The whole model on rank 0 (the other ranks wait): the pp=1 baseline, timed between the pipelines' steps."""
     if rank != 0:
         return lambda step: None
-    (model,) = model_chunks(one, one_rank_groups(alone), device)
+    (model,) = model_chunks(
+        one.model, layout_of(one, one_rank_groups(alone)), one.train, one_rank_groups(alone), device
+    )
     tokens = one.train.global_batch_size * one.model.seq_len
 
     def step(i: int) -> None:

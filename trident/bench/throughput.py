@@ -51,7 +51,7 @@ from trident.bench.harness import (
     spread,
     tokens_per_s,
 )
-from trident.build import build_parts, model_chunks
+from trident.build import build_parts, layout_of, model_chunks
 from trident.checkpoint.hf import LLAMA, architecture, hf_config, to_hf
 from trident.config import Config, compose_config
 from trident.errors import CheckpointError
@@ -195,10 +195,12 @@ def _rank(rank: int, world: int, job: Job) -> dict:
     groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
     data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
 
-    parts = build_parts(cfg, groups, device)
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, device)
     trainer = Trainer(cfg, groups, parts, (data, data))
 
-    (model,) = model_chunks(cfg, groups, device)  # the same weights, left fp32: torch's own mixed precision
+    (model,) = model_chunks(
+        cfg.model, layout_of(cfg, groups), cfg.train, groups, device
+    )  # the same weights, left fp32: torch's own mixed precision
     on_cuda = device.type == "cuda"  # AdamW decays matrices only, as trident's optimizer steps
     opt = torch.optim.AdamW(**adamw_args(model, cfg, foreach=not on_cuda, fused=on_cuda))
     ddp = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True) if world > 1 else model

@@ -84,7 +84,7 @@ from trident.bench.harness import (
     rank_device,
     spread,
 )
-from trident.build import RunParts, build_parts, model_chunks
+from trident.build import RunParts, build_parts, layout_of, model_chunks
 from trident.config import Config, ModelConfig, compose_config, validate
 from trident.errors import ConfigError
 from trident.loop import Trainer
@@ -459,7 +459,7 @@ class TridentVariant:
     """trident at ``cfg``'s layout on ``groups``, as train.py builds it, stepped by the Trainer."""
 
     def __init__(self, cfg: Config, groups, device: torch.device) -> None:
-        self.parts: RunParts = build_parts(cfg, groups, device)
+        self.parts: RunParts = build_parts(cfg, layout_of(cfg, groups), groups, device)
         data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
         self.trainer = Trainer(cfg, groups, self.parts, (data, data))
         self.sp_numel = sum(p.numel() for p in self.parts.chunks[0].parameters() if "tp" in placement_of(p).grad_sums)
@@ -524,7 +524,7 @@ def _rank(rank: int, tp: int, job: Job) -> dict:
 
     ours, ours_sp = TridentVariant(cfg, groups, device), TridentVariant(sp, groups, device)
     # The tp=1 model's weights, for the DTensor twins to load: built as the one-process run builds them.
-    (plain,) = model_chunks(one, one_rank_groups(None), device)
+    (plain,) = model_chunks(one.model, layout_of(one, one_rank_groups(None)), one.train, one_rank_groups(None), device)
     weights = plain.state_dict()
     variants: dict[str, Callable[[int], float]] = {
         f"tp=1, {n} thread{'s' if n > 1 else ''}": reference(n) for n in job.ref_threads or [threads]

@@ -56,9 +56,9 @@ from trident.bench.harness import (
     spread,
     storage_bytes,
 )
-from trident.build import build_parts, model_chunks
-from trident.config import Config, compose_config
-from trident.memory_estimate import Layout, estimate
+from trident.build import build_parts, layout_of, model_chunks
+from trident.config import Config, compose_config, validate
+from trident.memory_estimate import estimate
 from trident.models.gpt import count_params
 from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups, build_process_groups
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> list[Table]:
             predicted = None
             if name.startswith("zero"):
                 par = dataclasses.replace(cfg.parallel, zero=int(name[-1]))
-                layout = Layout.from_config(dataclasses.replace(cfg, parallel=par), world, "cpu")
+                layout = dataclasses.replace(validate(dataclasses.replace(cfg, parallel=par), world), device="cpu")
                 predicted = sum(estimate(m, layout).stages[0].model_states["total"].values())
             t.add(
                 world,
@@ -190,7 +190,7 @@ class Trident:
     """trident at ``cfg.parallel.zero``, built as train.py builds it."""
 
     def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device) -> None:
-        self.parts = build_parts(cfg, groups, device)
+        self.parts = build_parts(cfg, layout_of(cfg, groups), groups, device)
 
     def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
         loss = self.parts.runner.forward_backward(batches, self.parts.chunks[-1].loss_sum, 1.0 / tokens)
@@ -217,7 +217,7 @@ class TorchDDPZero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        (model,) = model_chunks(cfg, groups, device)
+        (model,) = model_chunks(cfg.model, layout_of(cfg, groups), cfg.train, groups, device)
         self.model = DistributedDataParallel(model, process_group=groups.dp_group, gradient_as_bucket_view=True)
         self.loss_fn, self.clip = model.loss_sum, cfg.optim.grad_clip
         args = adamw_args(model, cfg)
@@ -262,7 +262,7 @@ class TorchFSDP2:
     def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        (model,) = model_chunks(cfg, groups, device)
+        (model,) = model_chunks(cfg.model, layout_of(cfg, groups), cfg.train, groups, device)
         mesh = device_mesh(groups.dp_group, device.type, "dp")
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)

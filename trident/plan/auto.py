@@ -14,27 +14,13 @@ from collections.abc import Iterable
 
 from trident.config import Config
 from trident.errors import ConfigError
+from trident.layout import PLANNED_KEYS, override_value
 from trident.memory import format_bytes
+from trident.parallel.pipeline.schedules import default_schedule
 from trident.plan.machine import local_device, provisional
-from trident.plan.planner import Plan, Prediction, candidate_of, placement_for, plan
+from trident.plan.planner import Plan, Prediction, placement_for, plan
 from trident.plan.profile import DATASHEETS, Profile, load_cached
 from trident.plan.report import launch_overrides
-from trident.plan.space import Candidate
-
-LAYOUT_KEYS = (
-    "parallel.dp",
-    "parallel.tp",
-    "parallel.pp",
-    "parallel.vpp",
-    "parallel.schedule",
-    "parallel.zero",
-    "parallel.offload.optimizer",
-    "parallel.offload.ratio",
-    "parallel.sequence_parallel",
-    "train.micro_batch_size",
-    "train.activation_checkpointing",
-    "parallel.zero3_gather",
-)
 
 
 def auto_profile(cfg: Config, world: int) -> Profile:
@@ -60,19 +46,23 @@ def _given(overrides: Iterable[str]) -> dict[str, str]:
     out = {}
     for o in overrides:
         key, _, value = o.lstrip("+").partition("=")
-        if key in LAYOUT_KEYS:
+        if key in PLANNED_KEYS:
             out[key] = value
     return out
 
 
 def _matches(p: Prediction, given: dict[str, str]) -> bool:
-    mine = dict(o.split("=", 1) for o in p.candidate.overrides())
-    mine["parallel.dp"] = str(p.dp)
+    """Whether the layout has the given keys' values; a null dp or schedule is whatever the launch resolves."""
+    mine = {key: override_value(value) for key, value in p.layout.keys().items()}
     for key, value in given.items():
         want = "null" if value in ("null", "None", "") else value
         have = mine[key]
-        if key == "parallel.schedule" and want != "null":
-            have = p.candidate.canonical().schedule or "null"
+        if want == "null" and key == "parallel.dp":
+            continue
+        if want == "null" and key == "parallel.schedule":
+            if p.layout.schedule in (None, default_schedule(p.layout.vpp)):
+                continue
+            return False
         try:
             same = float(have) == float(want)
         except ValueError:
@@ -104,7 +94,7 @@ def choose(cfg: Config, world: int, given: Iterable[str] = ()) -> tuple[Config, 
             why = f"has{fixed.removeprefix(' with')} ({len(result.ranked)} others fit)"
         raise ConfigError(f"{head} {why}; launch another number of processes or change the batch or the given keys")
     best = options[0]
-    chosen = best.candidate.apply(cfg)
+    chosen = best.layout.apply(cfg)
     launch = " ".join(launch_overrides(best, cfg)) or "the layout as configured"
     line = (
         f"parallel.auto: {best.label}, the best of {len(options)} layouts{fixed} for {world} ranks by the planner on "
@@ -112,8 +102,3 @@ def choose(cfg: Config, world: int, given: Iterable[str] = ()) -> tuple[Config, 
         f"predicted ({launch})"
     )
     return chosen, line
-
-
-def plan_candidate(cfg: Config) -> Candidate:
-    """The layout ``cfg`` runs, written as the planner writes its candidates."""
-    return candidate_of(cfg).canonical()

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trident.config import ModelConfig
-from trident.memory_estimate import Layout, chunk_params, rank_params
+from trident.layout import Layout
+from trident.memory_estimate import chunk_params, rank_params, stage_actions
 from trident.parallel.pipeline.schedules import Action, makes_weight_grads
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops
@@ -249,7 +250,7 @@ def step_time(
     needs: Needs | None = None,
     cache: dict | None = None,
 ) -> StepTime:
-    """Predict one optimizer step of ``layout`` (a memory_estimate.Layout: dp, tp, pp, vpp, schedule, ZeRO, offload,
+    """Predict one optimizer step of ``layout`` (trident/layout.py: dp, tp, pp, vpp, schedule, ZeRO, offload,
     recomputation, micro-batch) for model ``m`` on ``profile`` with ranks placed as ``placement``. ``needs``
     collects the shapes and group sizes it priced (what a calibration measures); ``cache`` keeps simulations for
     layouts that differ only in ZeRO stage and offload."""
@@ -333,9 +334,7 @@ def _pipeline(
     m: ModelConfig, layout: Layout, profile: Profile, placement: Placement, pricer: Pricer
 ) -> tuple[dict, list[simulate.TimedSpan], float]:
     """Per-stage action costs, the simulated schedule's spans and the p2p hop's seconds."""
-    shape = Shape(
-        layout.micro_batch_size, layout.seq_len or m.seq_len, layout.tp, layout.sequence_parallel, layout.precision
-    )
+    shape = Shape(layout.micro_batch_size, m.seq_len, layout.tp, layout.sequence_parallel, layout.precision)
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
     layers = _layers_per_chunk(m, layout)
     stages = pp * vpp
@@ -344,7 +343,7 @@ def _pipeline(
         ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, layout.activation_checkpointing)
         ops.append(_accumulate(m, layout, stage))
         f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
-        if layout.resolved_schedule == "zb-h1" and layout.activation_checkpointing == "full" and stage > 0:
+        if layout.schedule == "zb-h1" and layout.activation_checkpointing == "full" and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
             # I's backward: W's one backward recomputes the block's forward once more (not on the first stage, whose
             # I is its whole backward).
@@ -375,10 +374,9 @@ def _pipeline(
             return placement.share(placement.ranks_per_node)
 
     if pp > 1:
-        spans = simulate.run_schedule(layout.resolved_schedule, pp, vpp, micro, cost, lambda r, a: hop, speed)
+        spans = simulate.run_schedule(layout.schedule, pp, vpp, micro, cost, lambda r, a: hop, speed)
     else:
-        one = [[a for mb in range(micro) for a in (Action("F", mb), Action("B", mb))]]
-        spans = simulate.run(one, 1, cost, speed=speed)
+        spans = simulate.run([stage_actions(layout, 0)], 1, cost, speed=speed)
     return costs, spans, hop
 
 

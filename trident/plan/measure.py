@@ -118,7 +118,7 @@ class Measured:
 
 def _trial(repo: Path, label: str, overrides: list[str], world: int) -> Trial:
     """A trial of ``overrides`` on ``world`` ranks, checked by train.py's validator as a launch of that world
-    (runs.plan would take the world from parallel.dp, which the planner's overrides leave to the world)."""
+    (the planner's overrides name dp; runs.plan would take the world from it)."""
     trial = Trial(label, overrides, world)
     try:
         trial.config = compose_config(repo / "conf", overrides)
@@ -181,7 +181,7 @@ def measure(
         run_dir = run_root / f"{i:02d}-{_slug(p.label)}"
         overrides = [
             *base_overrides,
-            *p.overrides(),
+            *p.layout.overrides(),
             f"train.steps={steps}",
             "train.eval_every=0",
             "wandb.mode=disabled",
@@ -251,7 +251,7 @@ def table(measured: Sequence[Measured]) -> str:
         if cuda:
             peak = None if m.peak_mb is None else m.peak_mb * MIB
             row += [_mib(m.prediction.peak["device"]), _mib(peak), _pct(m.peak_error)]
-        row.append(f"failed: {m.error}" if m.error else " ".join(m.prediction.overrides()))
+        row.append(f"failed: {m.error}" if m.error else " ".join(m.prediction.layout.overrides()))
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     return "\n".join(

@@ -12,19 +12,18 @@ import time
 from dataclasses import dataclass, field
 
 from trident.config import Config, ModelConfig, validate
-from trident.memory_estimate import Estimate, Layout, estimate
+from trident.layout import Layout
+from trident.memory_estimate import Estimate, estimate
 from trident.models.gpt import flops_per_token
 from trident.plan.cost import Placement, StepTime, step_time
 from trident.plan.profile import Needs, Profile, cpu_threads_per_rank
-from trident.plan.space import Candidate, enumerate_layouts
+from trident.plan.space import Keys, enumerate_layouts
 
 
 @dataclass
 class Prediction:
-    candidate: Candidate
-    dp: int
-    config: Config
-    layout: Layout
+    layout: Layout  # the validator's, on the profile's device
+    config: Config  # the config that launches it
     peak: dict[str, int]  # the most loaded stage's peak per rank, by place (device, host)
     states: dict[str, int]  # its model states (parameters, gradients, optimizer), by place
     fits: bool = True
@@ -34,10 +33,11 @@ class Prediction:
 
     @property
     def label(self) -> str:
-        return self.candidate.short(self.dp)
+        return self.layout.short()
 
-    def overrides(self) -> list[str]:
-        return self.candidate.overrides()
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Plan:
     placement: Placement
     ranked: list[Prediction] = field(default_factory=list)  # fits, best first
     unfit: list[Prediction] = field(default_factory=list)
-    refused: list[tuple[Candidate, str]] = field(default_factory=list)
+    refused: list[tuple[Keys, str]] = field(default_factory=list)
     needs: Needs = field(default_factory=Needs)
     seconds: float = 0.0
 
@@ -122,9 +122,8 @@ def fits(peak: dict[str, int], profile: Profile, placement: Placement) -> bool:
 
 
 def _predict(
-    candidate: Candidate,
+    layout: Layout,
     variant: Config,
-    dp: int,
     profile: Profile,
     placement: Placement,
     memory: MemoryModel,
@@ -132,37 +131,19 @@ def _predict(
     cache: dict,
     force: bool = False,
 ) -> Prediction:
-    """A layout's memory and, if it fits (or ``force``), its step time."""
-    layout = Layout.from_config(variant, dp, profile.device)
+    """A layout's memory on the profile's device and, if it fits (or ``force``), its step time."""
+    layout = dataclasses.replace(layout, device=profile.device)
     peak, states = memory.peak(layout)
-    p = Prediction(candidate, dp, variant, layout, peak, states)
+    p = Prediction(layout, variant, peak, states)
     p.fits = fits(peak, profile, placement)
     if not p.fits and not force:
         return p
     p.time = step_time(variant.model, layout, profile, placement, needs, cache)
-    tokens = variant.train.global_batch_size * variant.model.seq_len
+    tokens = layout.global_batch_size * variant.model.seq_len
     p.tokens_per_s = tokens / p.time.step
     if profile.peak_tflops.get(layout.precision):
         p.mfu = p.tokens_per_s * flops_per_token(variant.model) / (profile.peak(layout.precision) * placement.world)
     return p
-
-
-def candidate_of(cfg: Config) -> Candidate:
-    """The layout keys ``cfg`` sets, as a candidate."""
-    par, tr = cfg.parallel, cfg.train
-    return Candidate(
-        tp=par.tp,
-        pp=par.pp,
-        vpp=par.vpp,
-        schedule=par.schedule,
-        zero=par.zero,
-        offload=par.offload.optimizer,
-        ratio=par.offload.ratio,
-        recompute=tr.activation_checkpointing,
-        micro_batch=tr.micro_batch_size,
-        sequence_parallel=par.sequence_parallel,
-        zero3_gather=par.zero3_gather,
-    )
 
 
 def predict(
@@ -170,10 +151,10 @@ def predict(
 ) -> Prediction:
     """The prediction of the one layout ``cfg`` asks for (timed even if it does not fit); raises ConfigError if
     the validator refuses it."""
-    dp = validate(cfg, world)
+    layout = validate(cfg, world)
     placement = placement_for(profile, world, nodes)
     needs = needs if needs is not None else Needs(precisions={cfg.train.precision})
-    return _predict(candidate_of(cfg), cfg, dp, profile, placement, MemoryModel(cfg.model), needs, {}, force=True)
+    return _predict(layout, cfg, profile, placement, MemoryModel(cfg.model), needs, {}, force=True)
 
 
 def plan(cfg: Config, world: int, profile: Profile, nodes: int | None = None, needs: Needs | None = None) -> Plan:
@@ -188,8 +169,8 @@ def plan(cfg: Config, world: int, profile: Profile, nodes: int | None = None, ne
     out.refused = found.refused
     cache: dict = {}
     memory = MemoryModel(cfg.model)
-    for candidate, variant, dp in found.accepted:
-        p = _predict(candidate, variant, dp, profile, placement, memory, out.needs, cache)
+    for layout, variant in found.accepted:
+        p = _predict(layout, variant, profile, placement, memory, out.needs, cache)
         (out.ranked if p.fits else out.unfit).append(p)
     out.ranked.sort(key=lambda p: (-p.tokens_per_s, p.peak["device"] + p.peak["host"]))
     out.seconds = time.perf_counter() - start

@@ -4,15 +4,17 @@ and the overrides that launch each."""
 from __future__ import annotations
 
 from trident.config import Config
+from trident.layout import config_keys, override_value
 from trident.memory import format_bytes
-from trident.plan.planner import Plan, Prediction, candidate_of
+from trident.plan.planner import Plan, Prediction
 
 
 def launch_overrides(p: Prediction, base: Config) -> list[str]:
     """The overrides that turn ``base`` (the config the plan was made for) into this layout: only the keys that
     differ (dp always follows from the world size)."""
-    mine, theirs = p.candidate.overrides(), candidate_of(base).overrides()
-    out = [o for o, t in zip(mine, theirs, strict=True) if o != t and not o.startswith("parallel.dp=")]
+    theirs = config_keys(base)
+    mine = {key: override_value(value) for key, value in p.layout.keys().items()}
+    out = [f"{k}={v}" for k, v in mine.items() if v != theirs[k] and k != "parallel.dp"]
     if base.parallel.dp is not None:
         out.insert(0, "parallel.dp=null")
     return out

@@ -1,0 +1,159 @@
+"""The one description of a launch's layout: what ``validate`` (trident/config.py) resolves a config into.
+
+Every key that decides how a step is split over ranks and micro-batches, and what each rank holds, resolved once:
+dp from the world size, the schedule from vpp, no ZeRO-3 settings below ZeRO 3, no offload ratio without offload,
+the micro-batch count from the global batch. The runtime (train.py, trident/build.py, the loop), the memory
+estimator, the planner (its candidates are layouts) and the fuzzer all read this one frozen object; a new parallel
+dimension is added here first, then in the validator, the topology, the estimator, the planner's space and the
+fuzzer's space.
+
+``PLANNED_KEYS`` are the config keys the planner chooses (and ``parallel.auto`` keeps when given);
+``overrides`` writes a layout back as those keys, ``apply`` into a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trident.parallel.pipeline.schedules import default_schedule
+
+if TYPE_CHECKING:  # config.py imports this module to build layouts
+    from trident.config import Config
+
+# The config keys the planner chooses, in the order its overrides are written, and the Layout field of each.
+_PLANNED = {
+    "parallel.dp": "dp",
+    "parallel.tp": "tp",
+    "parallel.pp": "pp",
+    "parallel.vpp": "vpp",
+    "parallel.schedule": "schedule",
+    "parallel.zero": "zero",
+    "parallel.offload.optimizer": "offload",
+    "parallel.offload.ratio": "offload_ratio",
+    "parallel.sequence_parallel": "sequence_parallel",
+    "train.micro_batch_size": "micro_batch_size",
+    "train.activation_checkpointing": "activation_checkpointing",
+    "parallel.zero3_gather": "zero3_gather",
+}
+PLANNED_KEYS = tuple(_PLANNED)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A resolved launch: how it is split, how a step is batched, and what a rank holds."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    schedule: str | None = None  # the pipeline schedule; None exactly when pp == 1 (gradient accumulation)
+    zero: int = 0
+    zero3_gather: str = "micro_batch"  # ZeRO-3 only: re-gather per micro-batch, or keep for the step
+    zero3_prefetch: int = 1  # ZeRO-3 only: blocks gathered ahead of the running one
+    offload: str = "none"  # none | cpu: the optimizer shard's first ``offload_ratio`` on the host
+    offload_ratio: float = 1.0  # 1.0 without offload
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"  # none | selective | full
+    micro_batch_size: int = 1
+    micro_batches: int = 1  # per rank per step (gradient accumulation): global / (micro_batch_size * dp)
+    bucket_mb: float = 25.0
+    precision: str = "fp32"
+    device: str = "cuda"  # cuda | cpu: where the ranks compute (on a CPU run "device" memory is host memory)
+    document_mask: bool = False  # data.document_mask: attention inside each packed document
+    async_checkpoint: bool = False  # checkpoint.async: a host copy of what the rank saves
+
+    def __post_init__(self) -> None:
+        # A layout written by hand resolves as validate's do: the default schedule of a pipeline, none without one.
+        schedule = (self.schedule or default_schedule(self.vpp)) if self.pp > 1 else None
+        object.__setattr__(self, "schedule", schedule)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks (virtual pipeline stages) in all: pp x vpp."""
+        return self.pp * self.vpp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.micro_batches * self.dp
+
+    @property
+    def offloaded_fraction(self) -> float:
+        """The fraction of the optimizer shard stepped on the host (0 without offload)."""
+        return self.offload_ratio if self.offload == "cpu" else 0.0
+
+    @property
+    def seq_divisor(self) -> int:
+        """What the sequence is split by inside a tensor-parallel region: tp under sequence parallelism, else 1."""
+        return self.tp if self.sequence_parallel else 1
+
+    def keys(self) -> dict[str, object]:
+        """The planned config keys of this layout, as values."""
+        return {key: getattr(self, name) for key, name in _PLANNED.items()}
+
+    def overrides(self) -> list[str]:
+        """The train.py overrides that launch this layout (on ``world`` ranks)."""
+        return [f"{key}={override_value(value)}" for key, value in self.keys().items()]
+
+    def short(self) -> str:
+        """``dp4 tp2 pp2 1f1b zero1 mbs2``, naming only what differs from the defaults."""
+        words = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.vpp > 1:
+            words.append(f"vpp{self.vpp}")
+        if self.schedule is not None:
+            words.append(self.schedule)
+        if self.sequence_parallel:
+            words.append("sp")
+        words.append(f"zero{self.zero}")
+        if self.zero3_gather != "micro_batch":
+            words.append(f"gather={self.zero3_gather}")
+        if self.offload != "none":
+            words.append(f"offload{self.offload_ratio:g}")
+        if self.activation_checkpointing != "none":
+            words.append(f"ac={self.activation_checkpointing}")
+        words.append(f"mbs{self.micro_batch_size}")
+        return " ".join(words)
+
+    def apply(self, cfg: Config) -> Config:
+        """``cfg`` with this layout's planned keys (dp given explicitly)."""
+        return with_keys(cfg, self.keys())
+
+
+def override_value(value: object) -> str:
+    """A value as a Hydra override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def config_keys(cfg: Config) -> dict[str, str]:
+    """The planned keys as ``cfg`` sets them (unresolved: dp and the schedule may be null), written as overrides."""
+    return {key: override_value(read_key(cfg, key)) for key in PLANNED_KEYS}
+
+
+def read_key(cfg: object, key: str) -> object:
+    """The value of a dotted config key (``parallel.offload.ratio``)."""
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def with_keys(cfg: Config, values: dict[str, object]) -> Config:
+    """``cfg`` with dotted keys set (a new config: the sections are frozen in spirit, replaced not mutated)."""
+
+    def replace(node: object, path: list[str], value: object) -> object:
+        head, *rest = path
+        return dataclasses.replace(node, **{head: replace(getattr(node, head), rest, value) if rest else value})
+
+    for key, value in values.items():
+        cfg = replace(cfg, key.split("."), value)
+    return cfg
