@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from trident.fuzz import (
     REFUSALS,
     Case,
     Fuzzer,
+    activation_set_problems,
     curve_problems,
     draw_case,
     launch_limit_s,
@@ -157,6 +159,22 @@ def test_fp32_curves_compare_to_reduction_order_and_16_bit_within_two_percent() 
     assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1 * (1 + REL / 2)})) == []
     assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1 * (1 + 2 * REL)}))
     assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8]))
+
+
+def test_activation_sets_the_estimator_did_not_predict_fail_the_case(tmp_path: Path) -> None:
+    """Every case that trains reads memory.json: a rank whose executor held more activation sets than the
+    estimator's walk of its schedule predicted is a finding, named by rank."""
+    rows = [
+        {"rank": 0, "pp": 0, "activation_sets": {"measured": 6, "predicted": 6}},
+        {"rank": 1, "pp": 1, "activation_sets": {"measured": 4, "predicted": 3}},
+    ]
+    (tmp_path / "memory.json").write_text(json.dumps({"ranks": rows}))
+    assert activation_set_problems(tmp_path) == [
+        "rank 1 (pp 1) held 4 activation sets at once, the estimator predicted 3"
+    ]
+    rows[1]["activation_sets"]["predicted"] = 4
+    (tmp_path / "memory.json").write_text(json.dumps({"ranks": rows}))
+    assert activation_set_problems(tmp_path) == []
 
 
 def test_a_run_past_its_time_limit_fails_its_case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

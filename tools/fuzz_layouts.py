@@ -46,7 +46,7 @@ def main() -> int:
         if result.launch_seconds is not None:
             launches.append(result.launch_seconds)
         results.append(result)
-        verdict = "refused" if result.refused else "trained"
+        verdict = "refused" if result.layout is None else f"trained as {result.layout.short()}"
         status = "ok" if result.passed else "FAIL"
         print(f"case {index}: {status} {verdict} ({result.seconds:.1f} s) {case.describe()}", flush=True)
         for problem in result.problems[:5]:

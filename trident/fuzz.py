@@ -42,7 +42,7 @@ from trident.config import Config, DataConfig, compose_config, validate
 from trident.curves import curve_mismatches
 from trident.data.prepare import resolve_dataset
 from trident.errors import ConfigError
-from trident.layout import PLANNED_KEYS
+from trident.layout import PLANNED_KEYS, Layout
 from trident.parallel.zero.stage3 import GATHER_MODES
 from trident.plan.auto import choose as choose_layout
 from trident.ranks import run_distributed
@@ -325,16 +325,33 @@ def refusal_problem(error: BaseException) -> str | None:
 # --- configs and runs
 
 
-def verdict(cfg: Config, world: int) -> BaseException | None:
-    """The validator's refusal of ``cfg`` on ``world`` processes, or None when it accepts it (with
-    ``parallel.auto``, of the layout the planner chooses, as train.py's ``run`` does)."""
+def resolve(cfg: Config, world: int) -> Layout | BaseException:
+    """The layout the validator resolves ``cfg`` into on ``world`` processes (with ``parallel.auto``, the one the
+    planner chooses, as train.py's ``run`` does), or its refusal."""
     try:
         if cfg.parallel.auto:
             cfg, _ = choose_layout(cfg, world)
-        validate(cfg, world)
+        return validate(cfg, world)
     except Exception as e:  # anything but a ConfigError is itself a finding, reported by refusal_problem
         return e
-    return None
+
+
+def verdict(cfg: Config, world: int) -> BaseException | None:
+    """The validator's refusal of ``cfg`` on ``world`` processes, or None when it accepts it."""
+    outcome = resolve(cfg, world)
+    return outcome if isinstance(outcome, BaseException) else None
+
+
+def activation_set_problems(run_dir: Path) -> list[str]:
+    """memory.json's activation sets: on every rank the most its executor held in a step must be what the
+    estimator's walk of the same schedule predicted."""
+    rows = json.loads((run_dir / "memory.json").read_text())["ranks"]
+    return [
+        f"rank {r['rank']} (pp {r['pp']}) held {r['activation_sets']['measured']} activation sets at once, "
+        f"the estimator predicted {r['activation_sets']['predicted']}"
+        for r in rows
+        if r["activation_sets"]["measured"] != r["activation_sets"]["predicted"]
+    ]
 
 
 def prepare_corpus(cache_dir: str = "~/.cache/trident") -> Path:
@@ -403,6 +420,7 @@ def curve_problems(expected: list[dict], got: list[dict], precision: str, what: 
 class CaseResult:
     case: Case
     refused: bool
+    layout: Layout | None = None  # the validator's, when it accepted the case
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
     launch_seconds: float | None = None  # the real command's time, when it was checked
@@ -501,8 +519,9 @@ class Fuzzer:
 
     def run_case(self, case: Case, check_launch: bool = False) -> CaseResult:
         start = time.monotonic()
-        refusal = verdict(self.config(case.overrides), case.world)
-        result = CaseResult(case, refused=refusal is not None)
+        outcome = resolve(self.config(case.overrides), case.world)
+        refusal = outcome if isinstance(outcome, BaseException) else None
+        result = CaseResult(case, refused=refusal is not None, layout=None if refusal else outcome)
         try:
             if refusal is not None:
                 problem = refusal_problem(refusal)
@@ -528,7 +547,7 @@ class Fuzzer:
             return [f"the one-process reference failed: {_first_line(e)}"]
         save = (f"checkpoint.every={SAVE_AT}",)
         run_dir, histories = self.train(case.world, (*case.overrides, *save))
-        problems = []
+        problems = activation_set_problems(run_dir)
         for rank, history in enumerate(histories):  # every rank knows the loss and the global norm
             problems += curve_problems(reference, history, case.precision, f"rank {rank}")
         if problems:
