@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import trident.ranks
-from trident.data.prepare import collect_text_files, prepare_dataset
+from trident.data.prepare import prepare_dataset
+from trident.data.sources import collect_text_files
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_CORPUS = [str(Path(sysconfig.get_paths()["stdlib"]) / name) for name in ("json", "email", "logging")]

@@ -16,8 +16,9 @@ import pytest
 from tests.corpus import Corpus, make_corpus, texts
 from trident.config import DataConfig
 from trident.data.dataset import TokenDataset
-from trident.data.prepare import collect_text_files, load_meta, prepare_dataset, resolve_dataset
-from trident.data.sources import Piece, Reader
+from trident.data.meta import load_meta
+from trident.data.prepare import prepare_dataset, resolve_dataset
+from trident.data.sources import Piece, Reader, collect_text_files
 from trident.data.tokenizer import load_tokenizer
 from trident.data.units import plan_units
 from trident.errors import DataError

@@ -17,14 +17,10 @@ import torch
 from trident.config import DataConfig
 from trident.data import prepare
 from trident.data.dataset import TokenDataset, eval_batch_count, open_dataset
-from trident.data.prepare import (
-    collect_text_files,
-    default_corpus_files,
-    load_meta,
-    load_tokenizer,
-    prepare_dataset,
-    resolve_dataset,
-)
+from trident.data.meta import load_meta
+from trident.data.prepare import prepare_dataset, resolve_dataset
+from trident.data.sources import collect_text_files, default_corpus_files
+from trident.data.tokenizer import load_tokenizer
 from trident.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
-"""The loop's batch building (trident/loop.py ``BatchLoader``): the batches of a step whoever reads them, read ahead
-in the background without changing them, their document ids when data.document_mask is on, and the loader's figures
-in a real run's metrics."""
+"""The loop's batch building (trident/data/loader.py ``BatchLoader``): the batches of a step whoever reads them,
+read ahead in the background without changing them, their document ids when data.document_mask is on, and the
+loader's figures in a real run's metrics."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from tests.conftest import REPO
 from tests.layouts import tiny, train_in_process
+from trident.data.loader import BatchLoader
 from trident.data.sampler import GlobalBatchSampler
-from trident.loop import BatchLoader
 from trident.parallel.batch import document_ids
 
 EOS = 1

@@ -1,6 +1,7 @@
-"""trident/plan/calibrate.py: a calibration measures exactly what the planner's needs list, with plausible times
-(a larger matmul takes longer, the element-wise rate predicts a size it never measured), caches it so that a second
-calibration measures nothing and a wider one only what is new, and fits collective rates from concurrent ranks."""
+"""trident/plan/calibrate.py and its probes (trident/plan/probes.py): a calibration measures exactly what the
+planner's needs list, with plausible times (a larger matmul takes longer, the element-wise rate predicts a size it
+never measured), caches it so that a second calibration measures nothing and a wider one only what is new, and fits
+collective rates from concurrent ranks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 from trident.config import ModelConfig
 from trident.plan import calibrate as calibration
-from trident.plan.calibrate import calibrate, fit_rate, time_add, time_gelu
+from trident.plan import probes
+from trident.plan.calibrate import calibrate
+from trident.plan.probes import fit_rate, time_add, time_gelu
 from trident.plan.profile import (
     COLLECTIVES,
     Needs,
@@ -54,13 +57,13 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Profile, Path,
 def count_timings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the calls of the timing function every non-collective measurement goes through."""
     calls = [0]
-    timed = calibration.median_seconds
+    timed = probes.median_seconds
 
     def counting(*args: object, **kwargs: object) -> float:
         calls[0] += 1
         return timed(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(calibration, "median_seconds", counting)
+    monkeypatch.setattr(probes, "median_seconds", counting)
     return calls
 
 

@@ -134,7 +134,7 @@ def test_plan_beside_a_runs_measured_timings_on_one_time_scale(tmp_path: Path, t
 
     # Another pipeline's plan is refused beside these timings.
     other, other_panel, _ = TOOL["plan_panel"](TOOL["load_config"](pipeline("train.micro_batch_size=8")), 2, PROFILE)
-    with pytest.raises(SystemExit, match=r"another pipeline: micro-batches 4 \(planned 2\)"):
+    with pytest.raises(ValueError, match=r"another pipeline: micro-batches 4 \(planned 2\)"):
         TOOL["plan_and_measured"](other, other_panel, recorded, timings)
     # The measured timings alone, as before (ms).
     assert plot(tmp_path, capsys, "--measured", str(timings)).startswith("1f1b, pp=2, vpp=1, 4 micro-batches (measured")

@@ -15,7 +15,8 @@ from tests.corpus import make_corpus
 from tests.layouts import tiny, train_in_process
 from trident.config import DataConfig
 from trident.data.dataset import TokenDataset, TokenWindows, open_dataset
-from trident.data.prepare import load_meta, prepare_dataset
+from trident.data.meta import load_meta
+from trident.data.prepare import prepare_dataset
 from trident.data.store import ShardedTokens, ShardWriter
 from trident.errors import DataError
 

@@ -20,7 +20,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from tests.layouts import tiny, train_in_process
 from trident.config import DataConfig
 from trident.data.dataset import TokenDataset, open_dataset
-from trident.data.prepare import collect_text_files, load_meta, prepare_dataset, resolve_dataset, token_dtype
+from trident.data.meta import load_meta
+from trident.data.prepare import prepare_dataset, resolve_dataset, token_dtype
+from trident.data.sources import collect_text_files
 from trident.data.tokenizer import FILE_NAMES, HFTokenizer, SentencePieceTokenizer, load_tokenizer
 from trident.errors import ConfigError, DataError
 

@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.max_bad_fraction < 1:
         p.error(f"--max-bad-fraction {args.max_bad_fraction} must be in [0, 1)")
 
-    from trident.data.prepare import collect_text_files, default_corpus_files, load_meta, prepare_dataset
+    from trident.data.meta import load_meta
+    from trident.data.prepare import prepare_dataset
+    from trident.data.sources import collect_text_files, default_corpus_files
     from trident.data.tokenizer import load_tokenizer
     from trident.errors import DataError
 

@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 
 from trident.bench.harness import Stat, Table, alternate, number, ratio, spread
-from trident.data.prepare import _sample_lines, _train_tokenizer, load_meta, prepare_dataset
+from trident.data.bpe import sample_lines, train_bpe
+from trident.data.meta import load_meta
+from trident.data.prepare import prepare_dataset
 from trident.data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 _FILE_MB = 50
@@ -119,8 +121,8 @@ def run(args: argparse.Namespace) -> list[Table]:
         tokenizer = load_tokenizer(args.tokenizer)
     else:
         t0 = time.perf_counter()
-        lines = _sample_lines(texts, 200_000, args.seed)
-        tokenizer = SentencePieceTokenizer(_train_tokenizer(lines, args.vocab_size, len(lines), args.seed))
+        lines = sample_lines(texts, 200_000, args.seed)
+        tokenizer = SentencePieceTokenizer(train_bpe(lines, args.vocab_size, len(lines), args.seed))
         print(f"trained a {args.vocab_size}-piece BPE on {len(lines):,} lines ({time.perf_counter() - t0:.0f}s)")
     work = root / "out"
     shutil.rmtree(work, ignore_errors=True)

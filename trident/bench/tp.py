@@ -20,13 +20,14 @@ median tokens/s of each:
               stage 0, GradStep with global-norm clipping and the gradient sums placements ask for) through
               ``Trainer.train_step``; model.loss_sum is the vocab-parallel cross-entropy.
   trident+SP  the same with parallel.sequence_parallel=true.
-  DTensor     the same GPT written with nn.Linear / nn.Embedding / nn.LayerNorm (same parameter names and shapes,
-              loaded from the tp=1 model's state dict), parallelized with torch.distributed.tensor.parallel on a
-              DeviceMesh over the same ranks: qkv and fc ColwiseParallel, the projections RowwiseParallel, the token
-              embedding RowwiseParallel (vocab-sharded rows, as VocabParallelEmbedding) and the LM head
-              ColwiseParallel on that same, tied weight with Shard(-1) logits, so the loss is vocab-parallel
-              cross-entropy under loss_parallel(): the full logits are never gathered, as in trident. LayerNorms
-              and wpe are replicated DTensors (distribute_module), so clip_grad_norm_ and AdamW see only DTensors.
+  DTensor     the same GPT written with nn.Linear / nn.Embedding / nn.LayerNorm (trident/bench/dtensor_model.py: same
+              parameter names and shapes, loaded from the tp=1 model's state dict), parallelized with
+              torch.distributed.tensor.parallel on a DeviceMesh over the same ranks: qkv and fc ColwiseParallel, the
+              projections RowwiseParallel, the token embedding RowwiseParallel (vocab-sharded rows, as
+              VocabParallelEmbedding) and the LM head ColwiseParallel on that same, tied weight with Shard(-1) logits,
+              so the loss is vocab-parallel cross-entropy under loss_parallel(): the full logits are never gathered,
+              as in trident. LayerNorms and wpe are replicated DTensors (distribute_module), so clip_grad_norm_ and
+              AdamW see only DTensors.
   DTensor+SP  the same with SequenceParallel LayerNorms, PrepareModuleInput (Shard(1) -> Replicate) on attention
               and MLP, RowwiseParallel(output_layouts=Shard(1)) projections and embedding, and wpe looked up by this
               rank's sequence shard of positions (SequenceParallel on dim 0).
@@ -35,42 +36,26 @@ Every step is one micro-batch of --micro-batch sequences (the global batch), fp3
 divided by the step's tokens, backward, global-norm clipping at optim.grad_clip, AdamW (trident's hyperparameters,
 decay on matrices only) at lr_at(step). The DTensor step is the plain torch loop a user would write:
 clip_grad_norm_, optimizer.step, zero_grad. The first step of each variant is untimed: its loss is shown (all must
-agree; so must the last timed step's, after the same updates) and its collectives are counted on every rank.
-Trident's are counted by wrapping the torch.distributed functions (and the flat all-gather / reduce-scatter aliases
-parallel/comm.py binds at import) and checked against the analytic count; DTensor's, which never pass through those
-functions, by a dispatch mode that sees its functional collectives.
+agree; so must the last timed step's, after the same updates) and its collectives are counted on every rank
+(trident/bench/collectives.py), trident's checked against the analytic count.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import functools
-import inspect
 import os
 import statistics
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from einops import rearrange
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor.parallel import loss_parallel
 
-import trident.parallel.comm as comm
+from trident.bench.collectives import DTensorComms, comm_table, counting_collectives
+from trident.bench.dtensor_model import TorchGPT, parallelize_torch_gpt
 from trident.bench.harness import (
     Table,
     adamw_args,
@@ -95,111 +80,10 @@ from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
 HEADER = ["variant", "tokens/s", "spread", "vs tp=1", "vs DTensor", "step-0 loss", "last loss", "rounds (tokens/s)"]
-COMM_HEADER = ["op", "phase", "group", "elements", "calls", "analytic", "bytes passed", "ring wire", "what"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Counting collectives: one row per (op, in backward, group size, elements).
-
-Key = tuple[str, bool, int, int]
-
-
-class CommLog:
-    def __init__(self) -> None:
-        self.calls: Counter[Key] = Counter()
-        self.element_size = 4
-
-    def add(self, op: str, group_size: int, tensors: list[torch.Tensor]) -> None:
-        # Backward runs inside an autograd node; the forward, the loss and the optimizer step do not.
-        in_backward = torch._C._current_autograd_node() is not None
-        self.calls[(op, in_backward, group_size, sum(t.numel() for t in tensors))] += 1
-        self.element_size = tensors[0].element_size()
-
-
-# torch.distributed function -> (kind, the argument whose bytes count): an all-reduce's tensor, an all-gather's
-# output, a reduce-scatter's input. Each is then b*s*h for an activation, whatever the tp size.
-_DIST_FUNCTIONS = {
-    "all_reduce": ("all_reduce", "tensor"),
-    "all_gather_single": ("all_gather", "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"),
-    "all_gather": ("all_gather", "tensor_list"),
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "reduce_scatter": ("reduce_scatter", "input_list"),
-    "broadcast": ("broadcast", "tensor"),
-}
-
-
-@contextlib.contextmanager
-def counting_collectives() -> Iterator[CommLog]:
-    """Count every torch.distributed collective called inside the block (trident's path to the backend)."""
-    log, depth = CommLog(), [0]
-
-    def counted(fn: Callable, kind: str, arg: str) -> Callable:
-        signature = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if depth[0] == 0:  # a collective implemented by another one counts once
-                bound = signature.bind(*args, **kwargs).arguments
-                tensors = bound[arg]
-                group = bound.get("group")
-                size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-                log.add(kind, size, tensors if isinstance(tensors, list) else [tensors])
-            depth[0] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        return call
-
-    targets = [(dist, name, *spec) for name, spec in _DIST_FUNCTIONS.items() if hasattr(dist, name)]
-    # parallel/comm.py binds the flat all-gather and reduce-scatter once at import: wrap its names too.
-    targets += [(comm, "_all_gather_flat", "all_gather", "output_tensor")]
-    targets += [(comm, "_reduce_scatter_flat", "reduce_scatter", "input")]
-    originals = [(module, name, getattr(module, name)) for module, name, *_ in targets]
-    for module, name, kind, arg in targets:
-        setattr(module, name, counted(getattr(module, name), kind, arg))
-    try:
-        yield log
-    finally:
-        for module, name, fn in originals:
-            setattr(module, name, fn)
-
-
-class DTensorComms(TorchDispatchMode):
-    """Count the functional collectives DTensor issues (it never calls the torch.distributed functions)."""
-
-    def __init__(self, group_size: int) -> None:
-        super().__init__()
-        self.log, self.group_size = CommLog(), group_size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        # Modes run before tensor subclasses: step aside so DTensor desugars into collectives on plain tensors,
-        # which come back through here (torch's CommDebugMode does the same).
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        out = func(*args, **kwargs)
-        if getattr(func, "namespace", None) in ("_c10d_functional", "c10d"):
-            name = func._overloadpacket.__name__.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
-            kind = next((k for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") if k in name), None)
-            if kind is not None:
-                counted = out if kind == "all_gather" else args[0]
-                tensors = counted if isinstance(counted, list | tuple) else [counted]
-                self.log.add(kind, self.group_size, [t for t in tensors if isinstance(t, torch.Tensor)])
-        return out
-
-
-def ring_wire_bytes(op: str, group_size: int, nbytes: int) -> float:
-    """Bytes one rank sends for ``nbytes`` passed, with ring algorithms (what NCCL runs; gloo may send more)."""
-    if group_size == 1:
-        return 0.0
-    share = (group_size - 1) / group_size
-    return 2 * share * nbytes if op == "all_reduce" else share * nbytes
+# What trident's collectives should be, and what DTensor's are (trident/bench/collectives.py counts them).
 
 
 def analytic_comms(cfg: ModelConfig, b: int, s: int, tp: int, sequence_parallel: bool, sp_numel: int) -> dict:
@@ -236,111 +120,6 @@ def dtensor_notes(cfg: ModelConfig, b: int, s: int, tp: int, n_params: int) -> d
         for backward in (False, True):
             notes[(op, backward, tp, act)] = "activations, as trident's"
     return {key: (None, what) for key, what in notes.items()}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The same GPT in plain torch modules, for torch.distributed.tensor.parallel (its styles take nn.Linear/Embedding).
-
-
-class TorchAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        d, self.head_dim = cfg.d_model, cfg.head_dim
-        self.qkv = nn.Linear(d, 3 * d, bias=cfg.bias)
-        self.proj = nn.Linear(d, d, bias=cfg.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # qkv is laid out head by head, (h three d): a colwise block of rows holds whole heads, h = local heads.
-        q, k, v = rearrange(self.qkv(x), "b t (h three d) -> three b h t d", three=3, d=self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(rearrange(y, "b h t d -> b t (h d)"))
-
-
-class TorchMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
-
-
-class TorchBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-        self.attn = TorchAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-        self.mlp = TorchMLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class TorchGPT(nn.Module):
-    """models/gpt.py's GPT with the same parameter names, in plain modules; lm_head shares wte's weight."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): TorchBlock(cfg) for i in range(cfg.n_layers)})
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
-        self.sequence_shard = (0, 1)  # (this rank's shard, shards): which positions the residual stream holds
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        shard, shards = self.sequence_shard
-        n = idx.shape[1] // shards
-        x = self.wte(idx) + self.wpe(torch.arange(shard * n, (shard + 1) * n, device=idx.device))
-        for block in self.layers.values():
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
-
-
-def _local_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-    return output.to_local()
-
-
-def parallelize_torch_gpt(model: TorchGPT, mesh: DeviceMesh, sequence_parallel: bool) -> TorchGPT:
-    """Megatron's layout with torch's styles; the residual stream is Replicate, or Shard(1) with SP."""
-    stream = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
-    }
-    for i in model.layers:
-        p = f"layers.{i}."
-        plan[p + "attn.qkv"] = ColwiseParallel()
-        plan[p + "attn.proj"] = RowwiseParallel(output_layouts=stream)
-        plan[p + "mlp.fc"] = ColwiseParallel()
-        plan[p + "mlp.proj"] = RowwiseParallel(output_layouts=stream)
-        if sequence_parallel:
-            plan[p + "ln_1"] = SequenceParallel()
-            plan[p + "ln_2"] = SequenceParallel()
-            plan[p + "attn"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-            plan[p + "mlp"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-    if sequence_parallel:
-        plan["ln_f"] = SequenceParallel()
-        # wpe takes this rank's shard of the positions, so its output is the residual stream's shard.
-        plan["wpe"] = SequenceParallel(sequence_dim=0, use_local_output=True)
-    parallelize_module(model, mesh, plan)
-    if not sequence_parallel:
-        # Replicated DTensor parameters with local inputs and outputs: clip_grad_norm_ and AdamW's foreach
-        # kernels refuse a mix of plain tensors and DTensors.
-        for name in ["wpe", "ln_f", *(f"layers.{i}.{ln}" for i in model.layers for ln in ("ln_1", "ln_2"))]:
-            distribute_module(model.get_submodule(name), mesh, None, _replicated_input, _local_output)
-    model.lm_head.weight = model.wte.weight  # parallelize_module distributed the tied weight twice: tie it again
-    if sequence_parallel:
-        model.sequence_shard = (mesh.get_local_rank(), mesh.size())
-    return model
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -429,30 +208,6 @@ def run(args: argparse.Namespace) -> list[Table]:
         "(N-1)/N of an all-gather or reduce-scatter; gloo picks its own algorithms."
     )
     return tables
-
-
-def comm_table(title: str, calls: dict[Key, int], element_size: int, analytic: dict) -> Table:
-    """One row per kind of collective; ``analytic`` maps a row to (expected calls or None, what it is)."""
-    expected_keys = {key for key, (n, _) in analytic.items() if n is not None}
-    keys = sorted(set(calls) | expected_keys, key=lambda k: (-k[3], k[0], k[1], k[2]))
-    t = Table(title, COMM_HEADER)
-    total = expected = wire = 0
-    for key in keys:
-        op, backward, group, numel = key
-        n = calls.get(key, 0)
-        want, what = analytic.get(key, (None, ""))
-        nbytes = n * numel * element_size
-        total += nbytes
-        expected += (want or 0) * numel * element_size
-        wire += ring_wire_bytes(op, group, nbytes)
-        flag = "" if want is None or want == n else " (differs)"
-        phase = "bwd" if backward else "fwd"
-        t.add(op, phase, group, f"{numel:,}", n, want, f"{nbytes:,}", number(ring_wire_bytes(op, group, nbytes)),
-              what + flag)  # fmt: skip
-    t.notes.append(f"total bytes passed {total:,} (ring wire {wire:,.0f})")
-    if expected_keys:
-        t.notes[-1] += f"; analytic {expected:,}: {'equal' if total == expected else 'DIFFERENT'}"
-    return t
 
 
 class TridentVariant:

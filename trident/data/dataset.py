@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from trident.config import DataConfig
-from trident.data.prepare import damaged, load_meta, rebuild_hint, resolve_dataset
+from trident.data.meta import damaged, load_meta, rebuild_hint
+from trident.data.prepare import resolve_dataset
 from trident.data.store import INDEX_DTYPE, SHARDS, ShardedTokens, document_ends, open_shards
 from trident.data.tokenizer import TokenizerFileError, tokenizer_from_bytes
 from trident.errors import DataError

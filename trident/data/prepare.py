@@ -3,69 +3,53 @@
 Inputs are text files (one document each), JSON Lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``) and Parquet files
 (many documents each, the text under ``text_field``), streamed (trident/data/sources.py). The corpus is cut into
 work units by the input alone (trident/data/units.py) and unit k becomes shard k, tokenized in this process or in
-``workers`` processes (trident/data/workers.py): the bytes are the same for any number of workers.
+``workers`` processes (trident/data/workers.py): the bytes are the same for any number of workers. Without a
+tokenizer, one is trained on the corpus first (trident/data/bpe.py).
 
-A dataset directory (format 2) holds its tokenizer under the tokenizer's own file name (``tokenizer.model``, a
-sentencepiece model trident trained or was given, or a Hugging Face ``tokenizer.json``), ``shards/`` (tokens,
-document ends and a record per shard) and ``meta.json``: the tokenizer (file name, sha256, vocab_size, eos_id), the
-dtype, the sources (path, bytes, mtime), the counts (documents, tokens, records, bad records) and the shards. It is
-built in the sibling ``DIR.partial`` and renamed into place with ``meta.json`` written last, so a killed preparation
-never leaves something that looks complete; the shards it finished (each renamed into place with its record) are
-reused by the next run of the same command. Format 1 datasets (one ``tokens.bin``) stay readable, and datasets from
-before ``meta.json`` named its tokenizer hold ``tokenizer.model``.
+What the directory holds is trident/data/meta.py's to say. It is built in the sibling ``DIR.partial`` and renamed
+into place with ``meta.json`` written last, so a killed preparation never leaves something that looks complete; the
+shards it finished (each renamed into place with its record) are reused by the next run of the same command.
 
-``resolve_dataset`` is what training calls: it either checks a dataset made by
-``tools/prepare_data.py`` or prepares one from ``data.text`` (or the standard library's source)
+``resolve_dataset`` is what training calls (through trident/data/dataset.py's ``open_dataset``): it either checks a
+dataset made by ``tools/prepare_data.py`` or prepares one from ``data.text`` (or the standard library's source)
 into a cache keyed by the files and the tokenizer (its settings when trained, its sha256 when given
-by ``data.tokenizer``), so only the first run pays for it.
+by ``data.tokenizer``), so only the first run pays for it. Nothing below this module calls back into it.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import io
 import json
 import os
-import random
 import secrets
 import shutil
 import sys
-import sysconfig
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
 import numpy as np
-import sentencepiece as spm
 
 from trident.config import DataConfig
+from trident.data.bpe import MIN_VOCAB, train_bpe
+from trident.data.meta import DATASET_FILES, FORMAT, load_meta, rebuild_hint, tokenizer_sha256
 from trident.data.progress import Progress
-from trident.data.sources import CORPUS_SUFFIXES, BadRecord, Reader, collect_text_files
+from trident.data.sources import BadRecord, Reader, collect_text_files, default_corpus_files
 from trident.data.store import SHARDS, finished_shard, shard_name, write_atomically
 from trident.data.tokenizer import (
-    EOS_TOKENS,
     FILE_NAMES,
-    HF,
     SENTENCEPIECE,
     SentencePieceTokenizer,
     Tokenizer,
+    check_eos,
+    check_vocab_fit,
     load_tokenizer,
 )
 from trident.data.units import UNIT_BYTES, Unit, plan_units
 from trident.data.workers import Job, run_units
-from trident.errors import ConfigError, DataError
+from trident.errors import DataError
 
-__all__ = ["CORPUS_SUFFIXES", "collect_text_files", "load_tokenizer", "prepare_dataset", "resolve_dataset"]
-
-FORMAT = 2
-READABLE_FORMATS = (1, 2)
-# Every file a dataset directory may hold: one of the tokenizer files, besides meta.json and its tokens (format 2:
-# shards/, format 1: tokens.bin).
-DATASET_FILES = ("meta.json", SHARDS, "tokens.bin", *FILE_NAMES)
-# Byte fallback reserves 256 byte pieces; unk and eos come on top, and at least one character.
-MIN_VOCAB = 256 + 2 + 1
-_EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 # The bad-record threshold is also checked on every prefix of units holding at least this many records, so a
 # wrong --text-field stops the preparation after its first units rather than at the end.
 _EARLY_RECORDS = 1000
@@ -73,15 +57,6 @@ _MAX_EXAMPLES = 100
 _LOCK, _TOKENIZER_KEY = ".lock", "tokenizer.key"
 
 Log = Callable[[str], None]
-
-
-def default_corpus_files() -> list[Path]:
-    """The embedded corpus: the standard library's own source (~12 MB), present wherever Python is."""
-    files = []
-    for d, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
-        dirs[:] = [x for x in dirs if x not in _EXCLUDED_DIRS]  # site-packages alone can be gigabytes
-        files += [Path(d, n) for n in names if n.endswith(".py")]
-    return sorted(files)
 
 
 def documents(units: list[Unit], text_field: str) -> Iterator[str]:
@@ -93,98 +68,9 @@ def documents(units: list[Unit], text_field: str) -> Iterator[str]:
                     yield record
 
 
-def _sample_lines(texts: Iterable[str], k: int, seed: int) -> list[str]:
-    """A uniform sample of ``k`` non-empty lines of ``texts`` (reservoir sampling: one pass, memory of ``k`` lines).
-
-    Sampling here rather than in sentencepiece keeps the tokenizer a function of the text and seed
-    alone; sentencepiece's own shuffle differs from run to run, and every node that prepares the
-    same data must get the same tokenizer.
-    """
-    rng = random.Random(seed)
-    sample: list[str] = []
-    seen = 0
-    for text in texts:
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            if seen < k:
-                sample.append(line)
-            else:
-                j = rng.randrange(seen + 1)
-                if j < k:
-                    sample[j] = line
-            seen += 1
-    return sample
-
-
-def _train_tokenizer(texts: Iterable[str], vocab_size: int, tokenizer_lines: int, seed: int) -> bytes:
-    """The serialized model of a BPE tokenizer trained on a sample of the lines of ``texts``."""
-    lines = _sample_lines(texts, tokenizer_lines, seed)
-    if not lines:
-        raise DataError("the text is empty (no document has a non-blank line); add text")
-    model = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type="bpe",
-            byte_fallback=True,
-            # Identity normalization and kept whitespace make decode(encode(text)) == text for code.
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            allow_whitespace_only_pieces=True,
-            split_digits=True,
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            # The merges depend on the thread count; one thread makes them the same on every machine
-            # and costs little (BPE training on the 12 MB stdlib takes about two seconds).
-            num_threads=1,
-            minloglevel=2,
-            max_sentence_length=16384,
-            unk_id=0,
-            bos_id=-1,
-            eos_id=1,
-            pad_id=-1,
-        )
-    except RuntimeError as e:
-        msg = str(e)
-        if "too high" in msg:
-            raise DataError(
-                f"vocab_size {vocab_size} is too large for this text; lower model.vocab_size or add more text"
-            ) from None
-        if "smaller than required_chars" in msg:
-            need = msg.rsplit(" vs ", 1)[-1].split(".")[0]
-            raise DataError(
-                f"vocab_size {vocab_size} is too small for this text: its characters need at least {need}; "
-                "raise model.vocab_size"
-            ) from None
-        raise
-    return model.getvalue()
-
-
 def token_dtype(vocab_size: int) -> type:
     """The narrowest unsigned type holding ids below ``vocab_size``: uint16 up to 65536, else uint32 (Llama 3)."""
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
-
-
-def _check_eos(tokenizer: Tokenizer, where: str) -> None:
-    """A dataset ends every document with eos: a tokenizer without one cannot make it."""
-    if tokenizer.eos_id is None:
-        which = "its eos id is -1" if tokenizer.file_name == SENTENCEPIECE else f"none of {' '.join(EOS_TOKENS)}"
-        raise DataError(
-            f"tokenizer {where} has no end-of-text token ({which}), and a dataset ends every document with one; "
-            "use a tokenizer that has one"
-        )
-
-
-def check_vocab_fit(tokenizer: Tokenizer, where: str, vocab_size: int) -> None:
-    """The model's embedding must have a row for every id of the tokenizer (more rows are fine: unused)."""
-    if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(
-            f"tokenizer {where} has a vocabulary of {tokenizer.vocab_size} but model.vocab_size is {vocab_size}; "
-            f"set model.vocab_size>={tokenizer.vocab_size}"
-        )
 
 
 def _check_out_dir(out_dir: Path) -> None:
@@ -238,7 +124,7 @@ def prepare_dataset(
     if not files:
         raise DataError("no text files to prepare; point data.text at text files or directories")
     if tokenizer is not None:
-        _check_eos(tokenizer, tokenizer.file_name)
+        check_eos(tokenizer, tokenizer.file_name)
     elif vocab_size < MIN_VOCAB:
         raise DataError(
             f"vocab_size {vocab_size} is too small: a byte-fallback tokenizer needs at least {MIN_VOCAB} "
@@ -291,7 +177,7 @@ def _trained_tokenizer(
         log(f"reusing the {vocab_size}-piece tokenizer an earlier run trained")
         return SentencePieceTokenizer(path.read_bytes())
     log(f"training a {vocab_size}-piece BPE tokenizer on up to {lines:,} lines")
-    tokenizer = SentencePieceTokenizer(_train_tokenizer(documents(units, text_field), vocab_size, lines, seed))
+    tokenizer = SentencePieceTokenizer(train_bpe(documents(units, text_field), vocab_size, lines, seed))
     write_atomically(path, tokenizer.data)
     write_atomically(key_path, key.hexdigest().encode())
     return tokenizer
@@ -410,99 +296,6 @@ def _remove_strays(shard_dir: Path, n_units: int) -> None:
             path.unlink(missing_ok=True)
 
 
-# The fields of meta.json that reading a dataset relies on, with their types.
-_META_FIELDS = {"vocab_size": int, "eos_id": int, "n_tokens": int, "dtype": str}
-# The fields that name its tokenizer, with what a dataset from before them means (its tokenizer.model, no sha256).
-_TOKENIZER_FIELDS = {"tokenizer_file": (str, SENTENCEPIECE), "tokenizer_sha256": (str, None)}
-
-
-def rebuild_hint(
-    dataset_dir: Path, vocab_size: int | str = "N", cached: bool = False, tokenizer: str | None = None
-) -> str:
-    """The command that makes a damaged dataset anew: a cached one is simply prepared again on the next run.
-
-    A dataset of a given tokenizer (``tokenizer``: data.tokenizer, or a dataset holding a tokenizer.json) is made
-    again with ``--tokenizer``, a trained one with ``--vocab-size``."""
-    if cached:
-        return f"rm -r {dataset_dir} and run again to prepare it anew"
-    if tokenizer is None and (Path(dataset_dir).expanduser() / HF).is_file():
-        tokenizer = "YOUR_TOKENIZER"
-    how = f"--vocab-size {vocab_size}" if tokenizer is None else f"--tokenizer {tokenizer}"
-    return f"python tools/prepare_data.py --text YOUR_TEXT --out {dataset_dir} {how}"
-
-
-def damaged(path: Path, what: str, rebuild: str) -> DataError:
-    return DataError(f"dataset file {path} is damaged ({what}); rebuild it: {rebuild}")
-
-
-def load_meta(dataset_dir: str | Path, rebuild: str | None = None) -> dict:
-    """Read and check a dataset's ``meta.json``; a directory that is not a complete dataset is a DataError.
-
-    ``rebuild`` is the command the error suggests (default: tools/prepare_data.py into the same directory).
-    """
-    d = Path(dataset_dir).expanduser()
-    missing = [name for name in ("meta.json",) if not (d / name).is_file()]
-    if not any((d / name).is_file() for name in FILE_NAMES):
-        missing.append(SENTENCEPIECE)  # the tokenizer of any dataset from before tokenizer_file
-    if missing:
-        raise _not_a_dataset(d, missing)
-    rebuild = rebuild or rebuild_hint(d)
-    path = d / "meta.json"
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise damaged(path, f"not JSON: {' '.join(str(e).split())}", rebuild) from None
-    if not isinstance(meta, dict):
-        raise damaged(path, "not a JSON object", rebuild)
-    if meta.get("format") not in READABLE_FORMATS:
-        raise DataError(
-            f"dataset {d} has format {meta.get('format')}, this version reads formats "
-            f"{', '.join(map(str, READABLE_FORMATS))}; prepare it again: {rebuild}"
-        )
-    for key, kind in _META_FIELDS.items():
-        if not isinstance(meta.get(key), kind):
-            raise damaged(path, f"no {kind.__name__} {key}", rebuild)
-    try:
-        np.dtype(meta["dtype"])
-    except TypeError:
-        raise damaged(path, f"unknown dtype {meta['dtype']!r}", rebuild) from None
-    for key, (kind, default) in _TOKENIZER_FIELDS.items():
-        meta.setdefault(key, default)
-        if meta[key] is not None and not isinstance(meta[key], kind):
-            raise damaged(path, f"no {kind.__name__} {key}", rebuild)
-    if meta["tokenizer_file"] not in FILE_NAMES:
-        raise damaged(path, f"tokenizer_file {meta['tokenizer_file']!r} is none of {', '.join(FILE_NAMES)}", rebuild)
-    if not (d / meta["tokenizer_file"]).is_file():
-        raise _not_a_dataset(d, [meta["tokenizer_file"]])
-    if meta["format"] == 1:
-        if not (d / "tokens.bin").is_file():
-            raise _not_a_dataset(d, ["tokens.bin"])
-        return meta
-    shards = meta.get("shards")
-    fields = {"name": str, "n_tokens": int, "n_documents": int}
-    if not isinstance(shards, list) or not all(
-        isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in fields.items()) for r in shards
-    ):
-        raise damaged(path, "no list of shards with name, n_tokens and n_documents", rebuild)
-    if sum(r["n_tokens"] for r in shards) != meta["n_tokens"]:
-        raise damaged(path, f"its shards hold {sum(r['n_tokens'] for r in shards):,} tokens, not n_tokens", rebuild)
-    return meta
-
-
-def _not_a_dataset(d: Path, missing: list[str]) -> DataError:
-    return DataError(
-        f"data.dataset_dir {str(d)!r} is not a prepared dataset (missing {', '.join(missing)}); "
-        "run tools/prepare_data.py --out DIR to make one"
-    )
-
-
-def tokenizer_sha256(dataset_dir: Path, meta: dict) -> str:
-    """The sha256 of a dataset's tokenizer: as recorded, or (a dataset from before the record) of its file."""
-    if meta["tokenizer_sha256"] is not None:
-        return meta["tokenizer_sha256"]
-    return hashlib.sha256((dataset_dir / meta["tokenizer_file"]).read_bytes()).hexdigest()
-
-
 def _cache_key(
     files: list[Path], vocab_size: int, tokenizer_lines: int, tokenizer: Tokenizer | None = None, text_field="text"
 ) -> str:
@@ -527,7 +320,7 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print, progres
         where = f"data.tokenizer={data.tokenizer}"
         tokenizer = load_tokenizer(data.tokenizer)
         check_vocab_fit(tokenizer, where, vocab_size)
-        _check_eos(tokenizer, where)
+        check_eos(tokenizer, where)
     if data.dataset_dir is not None:
         d = Path(data.dataset_dir).expanduser()
         meta = load_meta(d, rebuild_hint(d, vocab_size, tokenizer=data.tokenizer))

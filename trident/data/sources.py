@@ -14,6 +14,7 @@ import gzip
 import io
 import json
 import os
+import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ TEXT, JSONL, JSONL_GZ, JSONL_ZST, PARQUET = "text", ".jsonl", ".jsonl.gz", ".jso
 # Corpus files: picked up in directories whatever data.suffixes says.
 CORPUS_SUFFIXES = (JSONL, JSONL_GZ, JSONL_ZST, PARQUET)
 _PARQUET_BATCH_ROWS = 1024
+_EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
 def kind_of(path: str | Path) -> str:
@@ -61,6 +63,15 @@ def collect_text_files(paths: list[str], suffixes: list[str]) -> list[Path]:
     if not found:
         raise DataError("data.text names no files; point it at text files or directories")
     return sorted(found)
+
+
+def default_corpus_files() -> list[Path]:
+    """The embedded corpus: the standard library's own source (~12 MB), present wherever Python is."""
+    files = []
+    for d, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = [x for x in dirs if x not in _EXCLUDED_DIRS]  # site-packages alone can be gigabytes
+        files += [Path(d, n) for n in names if n.endswith(".py")]
+    return sorted(files)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from trident.errors import DataError
+from trident.errors import ConfigError, DataError
 
 SENTENCEPIECE, HF = "tokenizer.model", "tokenizer.json"
 FILE_NAMES = (SENTENCEPIECE, HF)
@@ -149,3 +149,22 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except OSError as e:
         raise DataError(f"cannot read tokenizer {path}: {e.strerror or e}") from None
     return tokenizer_from_bytes(name, data, str(path))
+
+
+def check_eos(tokenizer: Tokenizer, where: str) -> None:
+    """A dataset ends every document with eos: a tokenizer without one cannot make it."""
+    if tokenizer.eos_id is None:
+        which = "its eos id is -1" if tokenizer.file_name == SENTENCEPIECE else f"none of {' '.join(EOS_TOKENS)}"
+        raise DataError(
+            f"tokenizer {where} has no end-of-text token ({which}), and a dataset ends every document with one; "
+            "use a tokenizer that has one"
+        )
+
+
+def check_vocab_fit(tokenizer: Tokenizer, where: str, vocab_size: int) -> None:
+    """The model's embedding must have a row for every id of the tokenizer (more rows are fine: unused)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"tokenizer {where} has a vocabulary of {tokenizer.vocab_size} but model.vocab_size is {vocab_size}; "
+            f"set model.vocab_size>={tokenizer.vocab_size}"
+        )
