@@ -1,4 +1,4 @@
-"""The one description of a launch's layout: what ``validate`` (trident/config.py) resolves a config into.
+"""The one description of a launch's layout: what ``validate`` (trident/config/validate.py) resolves a config into.
 
 Every key that decides how a step is split over ranks and micro-batches, and what each rank holds, resolved once:
 dp from the world size, the schedule from vpp, no ZeRO-3 settings below ZeRO 3, no offload ratio without offload,
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from trident.parallel.pipeline.schedules import default_schedule
 
-if TYPE_CHECKING:  # config.py imports this module to build layouts
+if TYPE_CHECKING:  # trident/config/validate.py imports this module to build layouts
     from trident.config import Config
 
 # The config keys the planner chooses, in the order its overrides are written, and the Layout field of each.

@@ -1,5 +1,5 @@
 """The layouts a launch could use: every combination of the planned keys (trident/layout.py ``PLANNED_KEYS``), kept
-or refused by train.py's own validator (trident/config.py ``validate``), never by rules of the planner's.
+or refused by train.py's own validator (trident/config/validate.py ``validate``), never by rules of the planner's.
 
 The planner's candidates are layouts: the validator resolves each combination of keys into the one ``Layout`` the
 launch would run. ``grid`` is the keys' full product over each key's domain; ``key_sets`` skips the combinations

@@ -1,0 +1,225 @@
+"""The config schema: one dataclass per concern (model, parallel, train, optim, data, checkpoint, logging, wandb).
+
+The YAML under ``conf/`` fills these in (trident/config/compose.py registers them with Hydra); ``validate``
+(trident/config/validate.py) checks them and resolves the layout. Defaults here are what a key left out means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-mini"
+    n_layers: int = 4
+    d_model: int = 256
+    n_heads: int = 4
+    seq_len: int = 256
+    vocab_size: int = 8192
+    # Feed-forward width; None means 4 * d_model as in GPT-2.
+    d_ff: int | None = None  # with mlp=swiglu, the SwiGLU hidden size
+    bias: bool = True  # biases in every linear layer (and LayerNorm)
+    init_std: float = 0.02
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu (GPT-2's tanh approximation) | swiglu (silu(gate) * up)
+    position: str = "learned"  # learned (a position table) | rope (rotary, on q and k)
+    rope_theta: float = 10000.0
+    # RoPE frequency scaling for long contexts: None, or llama3 (Llama 3.1 / 3.2: frequencies with wavelengths past
+    # rope_original_seq_len / rope_low_freq_factor divided by rope_factor, those below rope_original_seq_len /
+    # rope_high_freq_factor kept, a smooth blend between).
+    rope_scaling: str | None = None
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_seq_len: int = 8192
+    # Key/value heads: n_heads (default, None) is multi-head attention; fewer is grouped-query, 1 multi-query.
+    n_kv_heads: int | None = None
+    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2), or a matrix of its own (Llama 3 8B)
+    # The embedding table is padded to a multiple of this times tp (Megatron's
+    # make-vocab-size-divisible-by); padded logits are masked, so the loss never changes.
+    vocab_multiple: int = 64
+    # Dropout on attention probabilities, residual branches and embeddings (0 = none, as in modern pretraining).
+    dropout: float = 0.0
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+
+# The model keys that fix parameter shapes: a checkpoint loads only into a model with the same ones.
+SHAPE_KEYS = (
+    "n_layers",
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "seq_len",
+    "vocab_size",
+    "d_ff",
+    "bias",
+    "norm",
+    "mlp",
+    "position",
+    "tie_embeddings",
+)
+
+# Keys a saved config may hold under an older name.
+_RENAMED_MODEL_KEYS = {"ln_eps": "norm_eps"}
+
+
+def model_config_from_dict(saved: dict) -> ModelConfig:
+    """The ModelConfig a checkpoint's saved ``model`` section describes: keys saved before a key existed take the
+    default (GPT-2's block), renamed keys their new name. Raises TypeError on a key ModelConfig does not have."""
+    return ModelConfig(**{_RENAMED_MODEL_KEYS.get(key, key): value for key, value in saved.items()})
+
+
+@dataclass
+class OffloadConfig:
+    optimizer: str = "none"  # none | cpu
+    ratio: float = 1.0  # fraction of optimizer state stepped on the CPU
+
+
+@dataclass
+class ParallelConfig:
+    dp: int | None = None  # None: world_size / (tp * pp)
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    schedule: str | None = None  # gpipe | 1f1b | interleaved | zb-h1; None: 1f1b, or interleaved when vpp > 1
+    zero: int = 0
+    # ZeRO-3: re-gather a block's parameters for each micro-batch's forward and backward ("micro_batch": least
+    # memory), or keep every bucket gathered from its first use to the step's last backward ("step": one gather).
+    zero3_gather: str = "micro_batch"
+    zero3_prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the running one (0: none)
+    sequence_parallel: bool = False
+    backend: str = "auto"  # auto | nccl | gloo
+    bucket_mb: float = 25.0  # gradient all-reduce bucket size
+    timeout_s: int = 600  # collective timeout: a stuck rank fails instead of hanging forever
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    # Launch the layout planner's best layout for the world size (tools/plan.py; trident/plan/auto.py): it chooses
+    # dp, tp, pp, vpp, schedule, ZeRO, offload, sequence parallelism, micro-batch size and recomputation, keeping
+    # those given on the command line, and says which in one line before training.
+    auto: bool = False
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 32
+    steps: int = 60  # a first try: minutes on a CPU; train.steps=1000 is the full-length run (README)
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    activation_checkpointing: str = "none"  # none | full | selective
+    compile: bool = False  # each transformer block compiled with torch.compile (models/compile.py)
+    eval_every: int = 20  # 0 disables periodic validation
+    # Global batches of validation data per evaluation, at most what the validation set holds; None: up to 4.
+    eval_batches: int | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    # Divergence: stop (exit code 3) after this many steps in a row skipped for non-finite gradients (with fp16,
+    # loss-scale overflows; a skip at the scale's floor stops at once), or this many non-finite losses in a row.
+    max_skipped_steps: int = 10
+    max_nonfinite_losses: int = 3
+    # After SIGTERM / SIGINT: how long finishing the step and saving may take before the rank gives up (a
+    # collective that cannot finish). Keep it under the launcher's own grace (torchrun --shutdown-timeout: 30).
+    stop_grace_s: float = 25.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class DataConfig:
+    # Text files, directories (searched for data.suffixes) or globs. None: the embedded corpus,
+    # the Python standard library's own source (tests excluded).
+    text: list[str] | None = None
+    suffixes: list[str] = field(default_factory=lambda: [".txt", ".md", ".py", ".rst"])
+    # A directory written by tools/prepare_data.py; when set, data.text is not used.
+    dataset_dir: str | None = None
+    # Where prepared datasets of data.text (or the embedded corpus) are cached.
+    cache_dir: str = "~/.cache/trident"
+    val_fraction: float = 0.01
+    # Lines sampled to train the tokenizer (the whole text is tokenized either way).
+    tokenizer_lines: int = 200_000
+    # An existing tokenizer to tokenize data.text with instead of training one: a sentencepiece .model, a Hugging
+    # Face tokenizer.json, or a directory holding one (an imported model's). None: train a sentencepiece model.
+    tokenizer: str | None = None
+    # JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) and Parquet inputs: the field holding each document's text.
+    text_field: str = "text"
+    # Processes that tokenize data.text when it is prepared (the dataset's bytes are the same for any count).
+    workers: int = 1
+    # Malformed records (bad JSON, no text field, not UTF-8) tolerated, as a fraction of all records, before the
+    # preparation stops.
+    max_bad_fraction: float = 0.01
+    # Several prepared datasets drawn in proportion, ["DIR:WEIGHT", ...] (weights are normalised); when set, data.text
+    # and data.dataset_dir are not used.
+    mix: list[str] | None = None
+    # Attention stays inside each document of a packed window, and positions restart at each (the eos that ends a
+    # document opens the next).
+    document_mask: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <run dir>/checkpoints
+    every: int = 0  # save every N steps (0: only at the end); always saved after the last step
+    resume: str = "auto"  # auto | none | <path to a checkpoint directory>
+    keep_last: int = 0  # 0 keeps every checkpoint
+    # Start from the weights (only: a fresh optimizer, step 0) of a trident checkpoint or a local Hugging Face
+    # GPT-2 / Llama directory; the model shape is taken from it.
+    init_from: str | None = None
+    # ``checkpoint.async`` to users: write each checkpoint in the background while training goes on. ``async`` is a
+    # Python keyword, so the field is ``async_``; the schema Hydra sees has ``async`` (typed bool) and ``to_config``
+    # maps it here, so YAML and the command line say ``checkpoint.async`` like every other key.
+    async_: bool = False
+
+
+# The config keys whose Python field has another name: (section, what users type, the dataclass field).
+RENAMED = (("checkpoint", "async", "async_"),)
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10  # console line every N steps
+    # Peak dense TFLOP/s of one device for MFU; None: measured on a CPU, the datasheet's for a known GPU.
+    peak_tflops: float | None = None
+    # With pp > 1: append each step's action start/end times per pipeline rank (one pipeline: dp 0, tp 0) to
+    # <run dir>/pipeline_timings/rank<r>.jsonl, for tools/plot_schedule.py --measured.
+    pipeline_timings: bool = False
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "trident"
+    name: str | None = None
+    entity: str | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
