@@ -6,7 +6,8 @@
     model.n_kv_heads                    n_heads (MHA, default), fewer (grouped-query), 1 (multi-query)
     model.bias, model.tie_embeddings    biases in linear layers; the LM head tied to the token embedding
 
-Attention is causal, through scaled_dot_product_attention.
+Attention is causal, through scaled_dot_product_attention. The model is one file read top to bottom (norm,
+attention, MLP, block, GPT, then its FLOPs and parameter count), as nanoGPT's is, so it stays whole past ~400 lines.
 
 Dropout (``model.dropout``) sits where GPT-2's does: on the embeddings, the attention probabilities and each
 residual branch. Its masks are derived from (seed, step, sample, site) by the RNG tracker the model is given

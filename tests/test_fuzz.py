@@ -1,4 +1,4 @@
-"""The layout fuzzer (trident/fuzz.py, tools/fuzz_layouts.py): its drawing, its refusal check and its comparisons
+"""The layout fuzzer (trident/fuzz/, tools/fuzz_layouts.py): its drawing, its refusal check and its comparisons
 (pure), and the CI sample: a fixed, seeded set of cases run as a sweep would run them."""
 
 from __future__ import annotations

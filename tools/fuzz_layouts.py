@@ -1,5 +1,5 @@
 """Random layouts against one process: every case a random configuration, refused as the README says or training
-to the one-process curve and resuming under another layout (trident/fuzz.py says what is checked).
+to the one-process curve and resuming under another layout (trident/fuzz/ says what is checked).
 
     python tools/fuzz_layouts.py --cases 200 --seed 1     # a sweep; ends with `fuzz: P/N cases passed ...`
     python tools/fuzz_layouts.py --seed 1 --case 17       # one case again, as a failing case's line says

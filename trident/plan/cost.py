@@ -17,6 +17,8 @@
                  gradient and parameter copies between them
 
 No term is fitted to a layout: every rate is a measurement of the machine (``--calibrate``) or a datasheet figure.
+The file is one idea read top to bottom (one step of one layout, term by term, as the list above orders them),
+so it stays whole past ~400 lines.
 """
 
 from __future__ import annotations

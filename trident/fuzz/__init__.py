@@ -1,0 +1,69 @@
+"""Random layouts against one process: the layout fuzzer behind ``tools/fuzz_layouts.py``.
+
+Each case draws a configuration from the whole space (world size, dp, tp, pp, vpp, schedule, ZeRO stage, CPU
+offload, sequence parallelism, recomputation, micro-batch and bucket sizes, layer count, a vocabulary tp may not
+divide, dropout, precision, and the block: norm, MLP, positions, kv heads, biases, a tied or untied head), valid or
+not: the validator is under test as much as the training. Then:
+
+- refused: the refusal is a one-line ``ConfigError`` naming a combination the README lists as unsupported
+  (``REFUSALS`` is that list; anything else is a finding), and, for some cases, the real command
+  (``python train.py`` or ``torchrun``) exits 2 with that line within seconds;
+- accepted: the run gives the one-process curve (fp32: trident/curves.py's comparison, every step, every rank;
+  bf16 / fp16: no skipped step and losses within 2% of fp32), and its mid-run checkpoint resumes under another
+  random valid layout with the uninterrupted run's next losses; for a third of them a run started from that
+  checkpoint's weights (``checkpoint.init_from``) under that layout gives one process's curve from the same
+  weights. Every run has a time limit: nothing may hang.
+
+Cases are deterministic per (seed, case index), so one failing case is reproduced alone. Training runs
+in-process on warm rank pools (``trident.ranks``) through ``run(cfg, run_dir)`` of the checkout's ``train.py``,
+and each one-process reference is computed once per sweep and shared by every case with the same model and batch.
+
+The package: ``space.py`` draws the cases, ``refusals.py`` lists what may be refused, ``runner.py`` runs a case.
+"""
+
+from trident.fuzz.refusals import REFUSALS, Unsupported, refusal_problem, unsupported_entry
+from trident.fuzz.runner import (
+    CaseResult,
+    Fuzzer,
+    activation_set_problems,
+    base_overrides,
+    curve_problems,
+    prepare_corpus,
+    resolve,
+    verdict,
+)
+from trident.fuzz.space import (
+    LOW_PRECISION_REL,
+    MAX_WORLD,
+    SAVE_AT,
+    STEPS,
+    Case,
+    draw_case,
+    draw_resume_layout,
+    launch_limit_s,
+    starts_from_weights,
+)
+
+__all__ = [
+    "LOW_PRECISION_REL",
+    "MAX_WORLD",
+    "REFUSALS",
+    "SAVE_AT",
+    "STEPS",
+    "Case",
+    "CaseResult",
+    "Fuzzer",
+    "Unsupported",
+    "activation_set_problems",
+    "base_overrides",
+    "curve_problems",
+    "draw_case",
+    "draw_resume_layout",
+    "launch_limit_s",
+    "prepare_corpus",
+    "refusal_problem",
+    "resolve",
+    "starts_from_weights",
+    "unsupported_entry",
+    "verdict",
+]

@@ -1,0 +1,211 @@
+"""The fuzzer's space: each case a world size and train.py's knobs, drawn from the whole layout space, valid or
+not (each rule broken on purpose in a share of the cases), deterministic per (seed, case index).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trident.layout import PLANNED_KEYS
+from trident.parallel.zero.stage3 import GATHER_MODES
+
+STEPS = 6
+SAVE_AT = 3  # the resumed run takes steps 4..6
+MAX_WORLD = 8
+LOW_PRECISION_REL = 2e-2  # bf16 / fp16 against the fp32 one-process losses
+
+# The embedded test corpus: a few standard-library packages, tokenized to gpt-tiny's 512 pieces.
+CORPUS_PACKAGES = ("json", "email", "logging")
+CORPUS_VOCAB = 512
+# What a resumed run keeps of the case (with the model.* knobs): the math of the run, not its layout.
+KEPT_ON_RESUME = ("train.global_batch_size", "train.precision", "data.document_mask", "data.mix")
+
+
+def launch_limit_s(world: int) -> float:
+    """How long a refused launch may take: what starting ``world`` Python processes that import torch costs on a
+    busy 2-core machine (torchrun at 8 ranks: 13 s median, 29 s at worst in a 200-case sweep under load 20), with
+    room to spare; a refusal that came after a collective would hang for parallel.timeout_s (600 s) instead."""
+    return 15.0 + 5.0 * world
+
+
+# --- the space
+
+
+def _weighted(rng: random.Random, choices: dict[Any, float]) -> Any:
+    return rng.choices(list(choices), weights=list(choices.values()))[0]
+
+
+# Each rule the validator enforces is broken on purpose in about this share of the cases that could break it:
+# drawn fully at random, nearly every case would break several and few would train.
+MISTAKE = 0.1
+
+
+def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """A world size and train.py's knobs. ``fixed`` (a resumed case's model, batch and precision) is kept as is.
+
+    Each knob is drawn among the values that suit the ones drawn before it, except with probability ``mistake``,
+    when it is drawn from all of them: so every refusal happens, alone or with others, and about two thirds of the
+    cases train. The model and batch knobs take few values, so that cases share their one-process references.
+    """
+
+    def wrong() -> bool:  # a fresh draw for each rule
+        return rng.random() < mistake
+
+    tp = _weighted(rng, {1: 0.4, 2: 0.4, 4: 0.15, 3: 0.05})  # 3 divides neither the 4 heads nor the sequence
+    pp = _weighted(rng, {1: 0.4, 2: 0.4, 4: 0.15, 3: 0.05})
+    dp = rng.randint(1, max(1, MAX_WORLD // (tp * pp)))
+    world = dp * tp * pp
+    if world > MAX_WORLD or wrong():  # a launch that does not fit the layout
+        world = rng.randint(1, MAX_WORLD)
+    knobs: dict[str, Any] = {"parallel.tp": tp, "parallel.pp": pp}
+    if rng.random() < 0.3:  # otherwise dp is what the world leaves
+        knobs["parallel.dp"] = dp
+    vpp = _weighted(rng, {1: 0.6, 2: 0.35, 3: 0.05}) if pp > 1 or wrong() else 1
+    knobs["parallel.vpp"] = vpp
+    if rng.random() < 0.6:  # otherwise the default: 1f1b, or interleaved when vpp > 1
+        fits = ["interleaved"] if vpp > 1 else ["gpipe", "1f1b", "zb-h1"]
+        knobs["parallel.schedule"] = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"] if wrong() else fits)
+    knobs["parallel.zero"] = rng.randint(0, 3) if pp == 1 or wrong() else rng.randint(0, 2)
+    if rng.random() < 0.3:
+        if knobs["parallel.zero"] >= 1 or wrong():
+            knobs["parallel.offload.optimizer"] = "cpu"
+            knobs["parallel.offload.ratio"] = rng.choice([1.0, 0.5, round(rng.uniform(0.05, 1.0), 2)])
+    knobs["parallel.sequence_parallel"] = rng.random() < 0.25 and (tp > 1 or wrong())
+    knobs["train.activation_checkpointing"] = rng.choice(["none", "selective", "full"])
+    # gpt-tiny's gradients are ~0.5 MB: the small sizes give tens to hundreds of buckets.
+    knobs["parallel.bucket_mb"] = rng.choice([25.0, 1.0, 0.05, 0.001])
+
+    model = dict(fixed or {})
+    if not fixed:
+        layers = [n for n in (2, 3, 4, 8) if n % (pp * vpp) == 0]
+        model["model.n_layers"] = rng.choice(layers if layers and not wrong() else [2, 3, 4, 8])
+        model["model.vocab_size"] = rng.choice([512, 515])  # 515: no tp divides it, the padded vocab is exercised
+        model["model.dropout"] = _weighted(rng, {0.0: 0.75, 0.1: 0.25})
+        batches = [b for b in (8, 16, 24) if b % dp == 0]
+        model["train.global_batch_size"] = rng.choice(batches if batches and not wrong() else [8, 16, 24])
+        model["train.precision"] = _weighted(rng, {"fp32": 0.6, "bf16": 0.2, "fp16": 0.2})
+    batch = int(model["train.global_batch_size"])
+    micro = [m for m in (1, 2, 4, 8) if batch % (m * dp) == 0]
+    knobs["train.micro_batch_size"] = rng.choice(micro if micro and not wrong() else [1, 2, 4, 8])
+    # ZeRO-3 with pipelines and its gather knobs (issue 21), drawn last so that every earlier knob of a case stays.
+    if pp > 1 and knobs["parallel.zero"] == 2 and rng.random() < 0.5:
+        knobs["parallel.zero"] = 3
+    if knobs["parallel.zero"] == 3 and rng.random() < 0.6:
+        knobs["parallel.zero3_gather"] = rng.choice(GATHER_MODES)
+        knobs["parallel.zero3_prefetch"] = rng.choice([0, 1, 2])
+    # The mid-run checkpoint and the resumed run's written in the background (drawn last: earlier draws keep theirs).
+    knobs["checkpoint.async"] = rng.random() < 0.5
+    return world, {**model, **knobs}
+
+
+def _overrides(knobs: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in knobs.items())
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn configuration: the overrides of train.py's command line and the world size it is launched on."""
+
+    seed: int
+    index: int
+    world: int
+    overrides: tuple[str, ...]
+
+    @property
+    def knobs(self) -> dict[str, str]:
+        return dict(o.split("=", 1) for o in self.overrides)
+
+    @property
+    def precision(self) -> str:
+        return self.knobs["train.precision"]
+
+    def describe(self) -> str:
+        return f"world {self.world}: {' '.join(self.overrides)}"
+
+
+def _draw_block(rng: random.Random, mistake: float) -> dict[str, Any]:
+    """The transformer block's knobs (issue 18): GPT-2's (the defaults, no knob at all), Llama's, or each option
+    drawn on its own, since every mix trains. With probability ``mistake`` a kv head count that does not divide the
+    4 heads. From a stream of its own, so adding the block left every other knob of a case as it was."""
+    family = _weighted(rng, {"gpt2": 0.35, "llama": 0.35, "mix": 0.3})
+    if family == "gpt2":
+        block: dict[str, Any] = {}
+    elif family == "llama":
+        block = {"model.norm": "rmsnorm", "model.mlp": "swiglu", "model.position": "rope", "model.bias": False}
+        block |= {"model.tie_embeddings": False, "model.n_kv_heads": _weighted(rng, {2: 0.7, 1: 0.3})}
+    else:
+        block = {
+            "model.norm": rng.choice(["layernorm", "rmsnorm"]),
+            "model.norm_eps": rng.choice([1e-5, 1e-6]),
+            "model.mlp": rng.choice(["gelu", "swiglu"]),
+            "model.position": rng.choice(["learned", "rope"]),
+            "model.rope_theta": rng.choice([10000.0, 500000.0]),
+            "model.n_kv_heads": rng.choice([4, 2, 1]),
+            "model.bias": rng.choice([True, False]),
+            "model.tie_embeddings": rng.choice([True, False]),
+        }
+        # Llama 3's long-context frequencies, with an original context below the 64 tokens so that they matter.
+        if block["model.position"] == "rope" and rng.random() < 0.5 or rng.random() < mistake:
+            block["model.rope_scaling"] = "llama3"
+            block["model.rope_factor"] = rng.choice([8.0, 32.0])
+            block["model.rope_low_freq_factor"] = rng.choice([1.0, 2.0])
+            block["model.rope_high_freq_factor"] = 4.0
+            block["model.rope_original_seq_len"] = rng.choice([16, 32])
+    if rng.random() < mistake:
+        block["model.n_kv_heads"] = 3
+    return block
+
+
+# data.tokenizer set to the tokenizer the sweep's dataset was prepared with (the path is the sweep's, filled in by
+# ``Fuzzer.config``): the dataset must recognise it as its own and train exactly as without it.
+DATASET_TOKENIZER = "DATASET_TOKENIZER"
+# data.mix of the sweep's dataset and a second one prepared with its tokenizer (paths filled in likewise).
+MIX_FIRST, MIX_SECOND = "MIX_FIRST", "MIX_SECOND"
+SECOND_PACKAGES = ("unittest", "http")
+
+
+def draw_case(seed: int, index: int) -> Case:
+    """The case ``index`` of sweep ``seed``: the same on every machine and Python run (string seeds hash alike).
+    The block and the data knobs come from streams of their own, so adding them changed no other knob."""
+    world, knobs = _draw_knobs(random.Random(f"fuzz:{seed}:{index}"), MISTAKE)
+    block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
+    data_rng = random.Random(f"fuzz-data:{seed}:{index}")
+    data: dict[str, Any] = {"data.tokenizer": DATASET_TOKENIZER} if data_rng.random() < 0.2 else {}
+    if data_rng.random() < 0.25:  # packed documents: it changes the math, so the reference and a resume keep it
+        data["data.document_mask"] = True
+    if data_rng.random() < 0.15:  # a two-source mixture instead of the one dataset (data.tokenizer is then unused)
+        weight = data_rng.choice([0.5, 0.7, 0.9])
+        data = {**data, "data.mix": f"[{MIX_FIRST}:{weight},{MIX_SECOND}:{round(1 - weight, 1)}]"}
+        data.pop("data.tokenizer", None)
+    # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out.
+    if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
+        knobs = {k: v for k, v in knobs.items() if k not in PLANNED_KEYS} | {"parallel.auto": True}
+    return Case(seed, index, world, _overrides({**block, **data, **knobs}))
+
+
+def starts_from_weights(case: Case) -> bool:
+    """Whether an accepted case also checks ``checkpoint.init_from`` (about a third of them: two more runs each)."""
+    return random.Random(f"fuzz-init:{case.seed}:{case.index}").random() < 1 / 3
+
+
+def draw_resume_layout(case: Case, accepts: Callable[[int, tuple[str, ...]], bool]) -> tuple[int, tuple[str, ...]]:
+    """Another layout for resuming ``case``'s checkpoint: same model, batch and precision, drawn until ``accepts``
+    (the validator) takes it. Deterministic per case, like the case itself."""
+    rng = random.Random(f"fuzz-resume:{case.seed}:{case.index}")
+    kept = {k: v for k, v in case.knobs.items() if k.startswith("model.") or k in KEPT_ON_RESUME}
+    for _ in range(100):
+        world, knobs = _draw_knobs(rng, 0.0, kept)
+        overrides = _overrides(knobs)
+        # A parallel.auto case names no layout: any resume layout moves it (the planner's may be the same).
+        moved = (world, knobs["parallel.tp"], knobs["parallel.pp"], knobs["parallel.zero"]) != (
+            case.world,
+            int(case.knobs.get("parallel.tp", 0)),
+            int(case.knobs.get("parallel.pp", 0)),
+            int(case.knobs.get("parallel.zero", 0)),
+        )
+        if world <= MAX_WORLD and moved and accepts(world, overrides):
+            return world, overrides
+    raise RuntimeError(f"no valid resume layout in 100 draws for case {case.index}")
