@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trident.parallel.pipeline.schedules import default_schedule
+from trident.parallel.pipeline.schedules import resolve_schedule
 
 if TYPE_CHECKING:  # trident/config/validate.py imports this module to build layouts
     from trident.config import Config
@@ -66,7 +66,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         # A layout written by hand resolves as validate's do: the default schedule of a pipeline, none without one.
-        schedule = (self.schedule or default_schedule(self.vpp)) if self.pp > 1 else None
+        schedule = resolve_schedule(self.schedule, self.vpp) if self.pp > 1 else None
         object.__setattr__(self, "schedule", schedule)
 
     @property

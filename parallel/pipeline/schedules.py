@@ -137,9 +137,9 @@ def zb_h1(pp: int, micro: int) -> Schedule:
     return out
 
 
-def default_schedule(vpp: int) -> str:
-    """The schedule a pipeline runs when none is named: interleaved over several chunks per rank, else 1F1B."""
-    return "interleaved" if vpp > 1 else "1f1b"
+def resolve_schedule(name: str | None, vpp: int) -> str:
+    """The schedule a pipeline runs: the one named, else interleaved over several chunks per rank, else 1F1B."""
+    return name or ("interleaved" if vpp > 1 else "1f1b")
 
 
 def schedule_error(name: str, pp: int, vpp: int, micro: int) -> str | None:

@@ -11,7 +11,7 @@ from trident.config.schema import Config, ParallelConfig, TrainConfig
 from trident.device import device_type
 from trident.errors import ConfigError
 from trident.layout import Layout
-from trident.parallel.pipeline.schedules import SCHEDULES, default_schedule, schedule_error
+from trident.parallel.pipeline.schedules import SCHEDULES, resolve_schedule, schedule_error
 from trident.parallel.tensor import kv_heads_error, tp_split_error
 from trident.parallel.zero.stage3 import GATHER_MODES
 
@@ -131,7 +131,7 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _one_of("parallel.zero", par.zero, (0, 1, 2, 3))
     _need(par.vpp >= 1, f"parallel.vpp={par.vpp} must be >= 1")
     _need(par.vpp == 1 or par.pp > 1, f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")
-    schedule = par.schedule or default_schedule(par.vpp)
+    schedule = resolve_schedule(par.schedule, par.vpp)
     _one_of("parallel.schedule", schedule, SCHEDULES)
     _need(
         schedule != "interleaved" or par.vpp > 1,

@@ -16,7 +16,7 @@ from trident.config import Config
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, override_value
 from trident.memory import format_bytes
-from trident.parallel.pipeline.schedules import default_schedule
+from trident.parallel.pipeline.schedules import resolve_schedule
 from trident.plan.machine import local_device, provisional
 from trident.plan.planner import Plan, Prediction, placement_for, plan
 from trident.plan.profile import DATASHEETS, Profile, load_cached
@@ -60,7 +60,7 @@ def _matches(p: Prediction, given: dict[str, str]) -> bool:
         if want == "null" and key == "parallel.dp":
             continue
         if want == "null" and key == "parallel.schedule":
-            if p.layout.schedule in (None, default_schedule(p.layout.vpp)):
+            if p.layout.schedule in (None, resolve_schedule(None, p.layout.vpp)):
                 continue
             return False
         try:
