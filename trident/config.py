@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.nodes import BooleanNode
 
 from trident.errors import ConfigError
+from trident.launcher import launcher
 from trident.parallel.pipeline.schedules import SCHEDULES, schedule_error
 from trident.parallel.tensor import kv_heads_error, tp_split_error
 from trident.parallel.zero.stage3 import GATHER_MODES
@@ -242,28 +241,13 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-def _launcher() -> tuple[int, float]:
-    """The pid and start time of the process that launched this job: torchrun's agent for its workers (every
-    local rank is its child), else this process."""
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        try:
-            with open(f"/proc/{os.getppid()}/stat") as f:
-                start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-            with open("/proc/stat") as f:
-                boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-            return os.getppid(), boot + start_ticks / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError, StopIteration):
-            pass
-    return os.getpid(), time.time()
-
-
 def launch_id() -> str:
     """The default run directory's name, ``YYYY-MM-DD/HH-MM-SS-<launcher pid>``.
 
     Every local rank of one torchrun job computes the same name (the same launcher), and train.py hands rank 0's
     to the other nodes. Two jobs started in the same second have different launchers, so different names.
     """
-    pid, stamp = _launcher()
+    pid, stamp = launcher()
     return datetime.datetime.fromtimestamp(stamp).strftime(f"%Y-%m-%d/%H-%M-%S-{pid}")
 
 
