@@ -32,17 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
-from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, compose_config, resolve_schedule, validate
-from trident.errors import ConfigError, one_line
+from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve_schedule, validate
+from trident.errors import ConfigError
 from trident.parallel.pipeline.schedules import (
     SCHEDULES,
     UNIT_COSTS,
@@ -54,9 +49,10 @@ from trident.parallel.pipeline.schedules import (
     simulate,
 )
 from trident.plan import planner
-from trident.plan.calibrate import calibrate
+from trident.plan.machine import profile_for
 from trident.plan.planner import Prediction
-from trident.plan.profile import DATASHEETS, Needs, Profile, host_memory_bytes
+from trident.plan.profile import Profile
+from trident.tool_config import default_world, load_config
 
 COLORS = {"F": "#4c78a8", "B": "#54a24b", "I": "#88d27a", "W": "#f58518"}
 LANE, PAD, LEFT, TOP = 34, 6, 70, 40
@@ -184,44 +180,6 @@ def measured(directory: Path, call: int | None) -> tuple[list[Span], str]:
 
 
 # --- the layout planner's costs (--plan) ------------------------------------------------------------------------
-
-
-def load_config(overrides: list[str]) -> Config:
-    """train.py's config of ``overrides``; a key or value it refuses ends the tool with the line."""
-    try:
-        return compose_config(CONF, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-    except (HydraException, OmegaConfBaseException) as e:
-        raise SystemExit(f"error: {one_line(str(e))}") from None
-
-
-def default_world(cfg: Config) -> int:
-    return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
-
-
-def profile_for(device: str, cfg: Config, world: int, log: Callable[[str], None] = print) -> Profile:
-    """The planner's profile of ``device``: a datasheet, or (``cpu``) this machine calibrated for what this
-    layout needs: a first prediction on a placeholder lists the shapes and groups it prices, then those are
-    measured (or read from the calibration's cache)."""
-    if device != "cpu":
-        return DATASHEETS[device]
-    precision = cfg.train.precision
-    placeholder = Profile(
-        name="placeholder",
-        device="cpu",
-        source="collects what a calibration measures",
-        memory_bytes=host_memory_bytes(),
-        units_per_node=os.cpu_count() or 1,
-        peak_tflops={precision: 1.0},
-    )
-    needs = Needs(precisions={precision})
-    try:
-        planner.predict(cfg, world, placeholder, needs=needs)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-    ranks_per_node = planner.placement_for(placeholder, world).ranks_per_node
-    return calibrate(needs, ranks_per_node, log=log)
 
 
 def plan_panel(cfg: Config, world: int, profile: Profile) -> tuple[Prediction, Panel, str]:
@@ -412,9 +370,12 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(
                 f"error: --plan takes the layout as train.py overrides (parallel.pp=4 ...), not {unit_flags[0]}"
             )
-        cfg = load_config(args.overrides)
-        world = args.world or default_world(cfg)
-        profile = profile_for(args.device, cfg, world)
+        try:
+            cfg = load_config(CONF, args.overrides)
+            world = args.world or default_world(cfg)
+            profile = profile_for(cfg, world, args.device, one_layout=True)
+        except ConfigError as e:
+            raise SystemExit(f"error: {e}") from None
         prediction, panel, title = plan_panel(cfg, world, profile)
         panels = [panel]
         if args.measured is not None:

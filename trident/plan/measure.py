@@ -29,14 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
 from trident.bench.runs import Trial, run_trial
-from trident.config import compose_config, validate
-from trident.errors import ConfigError, one_line
+from trident.config import validate
+from trident.errors import ConfigError
 from trident.memory_estimate import estimate
 from trident.plan.planner import Plan, Prediction
+from trident.tool_config import load_config
 
 MIB = 2**20
 
@@ -121,12 +119,10 @@ def _trial(repo: Path, label: str, overrides: list[str], world: int) -> Trial:
     (runs.plan would take the world from parallel.dp, which the planner's overrides leave to the world)."""
     trial = Trial(label, overrides, world)
     try:
-        trial.config = compose_config(repo / "conf", overrides)
+        trial.config = load_config(repo / "conf", overrides)
         validate(trial.config, world)
     except ConfigError as e:
         trial.refused = str(e)
-    except (HydraException, OmegaConfBaseException) as e:
-        trial.refused = one_line(str(e))
     return trial
 
 
