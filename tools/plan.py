@@ -25,7 +25,7 @@ from pathlib import Path
 from trident.errors import ConfigError
 from trident.plan.machine import DEVICES, profile_for
 from trident.plan.planner import plan
-from trident.plan.report import table
+from trident.plan.report import plan_table
 from trident.tool_config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(table(result, cfg, args.top))
+    print(plan_table(result, cfg, args.top))
     if args.measure:
         from trident.plan import measure  # noqa: PLC0415
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             picked = measure.pick(result, args.measure)
             measured = measure.measure(picked, args.overrides, args.world, REPO, Path(runs), steps=args.steps)
         print()
-        print(measure.table(measured))
+        print(measure.measured_table(measured))
         print(measure.summary(measured))
     return 0
 

@@ -78,7 +78,7 @@ class Trial:
         return self.refused is None and self.error is None
 
 
-def plan(repo: Path, layout: str, base: list[str]) -> Trial:
+def checked_trial(repo: Path, layout: str, base: list[str]) -> Trial:
     """The trial of ``layout`` on top of ``base`` overrides, checked by the validator (not run)."""
     overrides = [*base, *expand(layout)]
     trial = Trial(layout, overrides)

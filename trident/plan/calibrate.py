@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trident.config import ModelConfig
-from trident.peak import PRECISION_DTYPES, cpu_peak_tflops, gpu_peak_bf16_tflops
+from trident.peak import PRECISION_DTYPES, cpu_model, cpu_peak_tflops, gpu_peak_bf16_tflops
 from trident.plan.ops import Shape, chunk_ops
 from trident.plan.profile import (
     DEFAULT_CACHE,
@@ -56,7 +56,6 @@ from trident.plan.profile import (
     Rate,
     attention_key,
     collective_key,
-    cpu_model,
     cpu_threads_per_rank,
     host_memory_bytes,
     load_cached,
@@ -455,7 +454,7 @@ def rank_collective_times(
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     times: dict[str, list[tuple[int, float]]] = {}
-    barrier(device)
+    wait_for_ranks(device)
     busy = 0.0
     if device_type == "cpu":
         busy = block_rate(block, threads) if block is not None else matmul_rate(threads)
@@ -506,12 +505,12 @@ def block_rate(block: dict, threads: int, seconds: float = BUSY_S) -> float:
 def measure_framework(profile: Profile, block: dict, threads: int, log: Callable[[str], None]) -> None:
     """``profile.framework``: a real one-layer model's forward and backward, alone on ``threads`` threads, over the
     sum of its ops as the profile prices their kernels (its shapes are among those just measured)."""
-    from trident.plan.cost import Placement, Pricer  # noqa: PLC0415 (cost imports this module's profile)
+    from trident.plan.cost import Pricer, RankPlacement  # noqa: PLC0415 (cost imports this module's profile)
 
     with cpu_threads(threads):
         step, m, shape = _block(block)
         measured = median_seconds(step, torch.device("cpu"), BUSY_S)
-    pricer = Pricer(profile, shape.precision, Placement(1, 1, threads, threads))
+    pricer = Pricer(profile, shape.precision, RankPlacement(1, 1, threads, threads))
     priced = sum(pricer.kernels(o) for o in chunk_ops(m, shape, 1, True, True, "none") if o.kind != "collective")
     profile.framework, profile.block = measured / priced, block
     log(f"calibrating: a {m.name} block runs at {profile.framework:.2f} x its kernels' time (the framework's share)")
@@ -572,13 +571,13 @@ def exchange(nbytes: int, peer: int, device: torch.device) -> Callable[[], None]
 def time_collective(run: Callable[[], None], reps: int, device: torch.device) -> float:
     """Median seconds of ``reps`` back-to-back runs after a warm-up, every rank starting together. A fixed
     count, not a time budget: every rank of a group has to make the same calls."""
-    barrier(device)
+    wait_for_ranks(device)
     run()
     times = [seconds_once(run, device) for _ in range(reps)]
     return statistics.median(times)
 
 
-def barrier(device: torch.device) -> None:
+def wait_for_ranks(device: torch.device) -> None:
     """Every rank of the launch here (a tiny all-reduce: NCCL's barrier wants to be told the device)."""
     flag = torch.zeros(1, device=device)
     dist.all_reduce(flag)

@@ -116,7 +116,7 @@ class Measured:
 
 def _trial(repo: Path, label: str, overrides: list[str], world: int) -> Trial:
     """A trial of ``overrides`` on ``world`` ranks, checked by train.py's validator as a launch of that world
-    (runs.plan would take the world from parallel.dp, which the planner's overrides leave to the world)."""
+    (runs.checked_trial would take the world from parallel.dp, which the planner's overrides leave to the world)."""
     trial = Trial(label, overrides, world)
     try:
         trial.config = load_config(repo / "conf", overrides)
@@ -225,7 +225,7 @@ def line(m: Measured) -> str:
     return text
 
 
-def table(measured: Sequence[Measured]) -> str:
+def measured_table(measured: Sequence[Measured]) -> str:
     """One row per layout: predicted and measured step time and model-state memory with their errors (and on CUDA
     the device peak), then the launch overrides, or the error line of a run that failed."""
     cuda = any(m.peak_mb is not None for m in measured)
