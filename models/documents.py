@@ -2,7 +2,7 @@
 restart at each.
 
 A window of the token store holds documents back to back, each followed by eos; ``document_ids``
-(trident/parallel/batch.py) numbers them, the eos that ends one opening the next. From those ids:
+(parallel/batch.py) numbers them, the eos that ends one opening the next. From those ids:
 
 - ``positions`` ``[B, T]``: each token's position within its document (the learned position table and RoPE read
   these instead of 0..T-1);

@@ -11,11 +11,11 @@ attention, MLP, block, GPT, then its FLOPs and parameter count), as nanoGPT's is
 
 Dropout (``model.dropout``) sits where GPT-2's does: on the embeddings, the attention probabilities and each
 residual branch. Its masks are derived from (seed, step, sample, site) by the RNG tracker the model is given
-(trident/parallel/random.py), so every layout drops what one process drops. Training with dropout therefore
+(parallel/random.py), so every layout drops what one process drops. Training with dropout therefore
 computes attention explicitly (SDPA's own dropout draws from the global generator); dropout 0 and evaluation
 keep SDPA.
 
-Built from tensor-parallel layers (trident/parallel/tensor.py): attention splits its heads over the tp group
+Built from tensor-parallel layers (parallel/tensor.py): attention splits its heads over the tp group
 (``CausalSelfAttention`` says how the kv heads follow), the MLP is column- then row-parallel, and the token
 embedding is vocab-parallel, its weight doubling as the LM head when tied. With no tp group, or a group of one,
 every layer is the plain torch one. With sequence parallelism the residual stream, norms and dropout work on
@@ -23,10 +23,10 @@ every layer is the plain torch one. With sequence parallelism the residual strea
 
 Layers live in a ModuleDict keyed by their global index ("0", "1", ...), so a parameter's name is the
 same whichever pipeline stage holds it, and the same at every tp: checkpoints and the name-seeded
-initialisation rely on that. Every parameter carries its ``Placement`` (trident/parallel/placement.py).
+initialisation rely on that. Every parameter carries its ``Placement`` (parallel/placement.py).
 
 A pipeline stage is a GPT built for some of the layers (``layers``), with the embedding if it is the first
-stage and the final norm and LM head if it is the last (trident/parallel/pipeline/stages.py). An untied head is
+stage and the final norm and LM head if it is the last (parallel/pipeline/stages.py). An untied head is
 ``lm_head``; a tied one is ``wte`` itself, or on a last stage that is not also the first ``lm_head``, a copy of
 ``wte`` tied to it (``Placement.tied_to``).
 """
@@ -359,7 +359,7 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Token ids on the first stage, else the residual stream from the stage before. ``cache`` (generation,
         one process): the keys and values of the tokens before ``x``, which this call extends. ``documents``
-        ``[B, T]``: the document ids of packed windows (trident/parallel/batch.py ``document_ids``), which keep
+        ``[B, T]``: the document ids of packed windows (parallel/batch.py ``document_ids``), which keep
         attention inside each document and restart positions at each; every stage takes the micro-batch's."""
         docs = None
         if documents is not None:  # a dense mask when dropout needs the probabilities spelled out

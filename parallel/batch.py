@@ -1,5 +1,5 @@
 """A micro-batch: its tokens and targets, and where they come from. Dropout derives its masks from the latter
-(trident/parallel/random.py), so a micro-batch carries them to whichever runner and pipeline stage computes it."""
+(parallel/random.py), so a micro-batch carries them to whichever runner and pipeline stage computes it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class Batch(NamedTuple):
     sample_ids: torch.Tensor  # [B] global sample indices (step * global batch + position in it), on the CPU
     step: int  # the optimizer step (for validation: the batch's index in the evaluation)
     # Document ids [B, T] of a packed window (data.document_mask): attention stays inside each one, and positions
-    # restart at each (trident/models/documents.py). None: the window is one sequence.
+    # restart at each (models/documents.py). None: the window is one sequence.
     documents: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:

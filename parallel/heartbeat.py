@@ -141,6 +141,6 @@ def watch_peers() -> contextlib.AbstractContextManager:
     or in a one-process run."""
     if dist.get_world_size() == 1 or not uses_agent_store():
         return contextlib.nullcontext()
-    # The default group's store holds this restart round's keys alone (trident/parallel/attempt.py).
+    # The default group's store holds this restart round's keys alone (parallel/attempt.py).
     store, host = dist.distributed_c10d._get_default_store(), f"torchrun's agent at {agent_store_address()}"
     return Heartbeat(store, dist.get_rank(), dist.get_world_size(), store_host=host)

@@ -60,7 +60,7 @@ class Piece:
 
 
 @dataclass(eq=False)
-class Span:
+class BucketSpan:
     """One bucket of the layout: its parameters back to back from ``offset``, ``numel`` padded to dp."""
 
     index: int
@@ -81,12 +81,14 @@ class FlatLayout:
 
     def __init__(self, buckets: list[list[nn.Parameter]], dp_size: int) -> None:
         self.dp_size = dp_size
-        self.spans: list[Span] = []
+        self.spans: list[BucketSpan] = []
         self.offset: dict[nn.Parameter, int] = {}
-        self.span_of: dict[nn.Parameter, Span] = {}
+        self.span_of: dict[nn.Parameter, BucketSpan] = {}
         offset = 0
         for params in buckets:
-            span = Span(len(self.spans), offset, padded_numel(sum(p.numel() for p in params), dp_size), list(params))
+            span = BucketSpan(
+                len(self.spans), offset, padded_numel(sum(p.numel() for p in params), dp_size), list(params)
+            )
             start = offset
             for p in params:
                 if p in self.offset:
@@ -141,7 +143,7 @@ class FlatLayout:
     def params(self) -> list[nn.Parameter]:
         return [p for span in self.spans for p in span.params]
 
-    def pieces(self, span: Span, start: int, stop: int) -> list[Piece]:
+    def pieces(self, span: BucketSpan, start: int, stop: int) -> list[Piece]:
         """The parameters of ``span`` that overlap the flat range [start, stop), cut to it (padding has none)."""
         out = []
         for p in span.params:

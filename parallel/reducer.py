@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.parallel.layout import FlatLayout, Span
+from trident.parallel.layout import BucketSpan, FlatLayout
 
 
 @dataclass(eq=False)
@@ -39,7 +39,7 @@ class Bucket:
     offset: int  # start in the flat buffer
     numel: int  # padded to a multiple of dp_size
     grads: torch.Tensor  # the bucket's slice of the flat buffer
-    span: Span  # the bucket in the layout
+    span: BucketSpan  # the bucket in the layout
     chunk: int = 0  # the model chunk whose parameters the bucket holds
     ready: int = 0
     work: dist.Work | None = field(default=None, repr=False)
@@ -97,7 +97,7 @@ class GradReducer:
         """The parameter's gradient: its slice of the buffer, in reduce_dtype."""
         return self._grad[param]
 
-    def reduced_grad(self, span: Span) -> torch.Tensor:
+    def reduced_grad(self, span: BucketSpan) -> torch.Tensor:
         """What this rank holds reduced of a bucket's gradient after ``finish``: all of it (an all-reduce)."""
         return self.buckets[span.index].grads
 

@@ -64,7 +64,7 @@ def test_zero_with_pipeline_gives_the_one_process_curve(tiny_dataset, tmp_path, 
         assert_same_curve(short_reference, history)
 
 
-# ZeRO-3 under every pipeline schedule, in both gather modes (trident/parallel/zero/stage3.py): the tied embedding
+# ZeRO-3 under every pipeline schedule, in both gather modes (parallel/zero/stage3.py): the tied embedding
 # and its copy on the two ends, interleaved chunks, zb-h1's split backward, recomputation and tensor parallelism.
 ZERO3 = ["train.steps=4", "parallel.zero=3", "parallel.pp=2"]
 ZERO3_LAYOUTS = {

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO
 from trident.bench.harness import Stat, Table, alternate
-from trident.bench.runs import expand, plan
+from trident.bench.runs import checked_trial, expand
 from trident.curves import REL
 
 TOOL = runpy.run_path(str(REPO / "tools" / "bench.py"))
@@ -74,11 +74,11 @@ def test_short_forms_expand_to_train_overrides() -> None:
 
 
 def test_a_layout_is_planned_with_its_world_size_and_refused_with_the_validators_line() -> None:
-    ok = plan(REPO, "dp=2 tp=2 sp", ["model=gpt-tiny"])
+    ok = checked_trial(REPO, "dp=2 tp=2 sp", ["model=gpt-tiny"])
     assert ok.refused is None and ok.world == 4 and ok.config.parallel.sequence_parallel
-    bad = plan(REPO, "dp=2 tp=3", ["model=gpt-tiny"])
+    bad = checked_trial(REPO, "dp=2 tp=3", ["model=gpt-tiny"])
     assert bad.world == 6 and bad.refused.startswith("model.n_heads=4 is not divisible by parallel.tp=3; use ")
-    unknown = plan(REPO, "parallel.widths=3", ["model=gpt-tiny"])
+    unknown = checked_trial(REPO, "parallel.widths=3", ["model=gpt-tiny"])
     assert unknown.refused.startswith("Could not override 'parallel.widths'")
 
 

@@ -18,7 +18,7 @@ from trident.config import DataConfig
 from trident.data.dataset import TokenDataset
 from trident.data.meta import load_meta
 from trident.data.prepare import prepare_dataset, resolve_dataset
-from trident.data.sources import Piece, Reader, collect_text_files
+from trident.data.sources import FilePiece, Reader, collect_text_files
 from trident.data.tokenizer import load_tokenizer
 from trident.data.units import plan_units
 from trident.errors import DataError
@@ -71,7 +71,7 @@ def test_units_cut_large_jsonl_at_line_boundaries_and_parquet_by_row_groups(corp
         and all(x.stop == y.start for x, y in zip(parquet, parquet[1:], strict=False))
     )
     # Every record is read exactly once across the byte ranges: the ranges' documents are the file's.
-    whole = Piece(str(corpus.root / "a.jsonl"), ".jsonl", 0, a[0].file_size, a[0].mtime_ns)
+    whole = FilePiece(str(corpus.root / "a.jsonl"), ".jsonl", 0, a[0].file_size, a[0].mtime_ns)
     assert [r for p in a for r in Reader(p, "text").records()] == list(Reader(whole, "text").records())
     assert [u.index for u in units] == list(range(len(units))) and len(units) == len(plan_units(corpus.files, UNIT))
 

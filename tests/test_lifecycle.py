@@ -154,7 +154,7 @@ def _launch_id_of_two_children() -> str:
     child = "from trident.config import launch_id; print(launch_id())"
     return (
         "import os, subprocess, sys\n"
-        "env = dict(os.environ, LOCAL_WORLD_SIZE='2')\n"
+        "env = dict(os.environ, TORCHELASTIC_RUN_ID='test')\n"
         f"procs = [subprocess.Popen([sys.executable, '-c', {child!r}], env=env, stdout=subprocess.PIPE, text=True)"
         " for _ in range(2)]\n"
         "print(' '.join(p.communicate()[0].strip() for p in procs))\n"

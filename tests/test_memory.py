@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tests.layouts import make_config, tiny, train_in_process
 from trident.build import build_parts, layout_of
 from trident.config import Config, ModelConfig, OffloadConfig, validate
-from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
+from trident.memory import held_by_forward, log_model_states, measure_model_states, model_states_line
 from trident.memory_estimate import (
     POLICIES,
     Layout,
@@ -92,7 +92,7 @@ def test_measure_counts_each_storage_once_and_whole() -> None:
     assert figures["grads"] == {"device": 0, "host": 80}
     assert figures["optimizer"] == {"device": 0, "host": 12}
     assert figures["total"] == {"device": 0, "host": 492}
-    assert "params 400 B" in summary_line(figures)
+    assert "params 400 B" in model_states_line(figures)
     with pytest.raises(ValueError, match="unknown model-state kinds"):
         measure_model_states({"activations": []})
 

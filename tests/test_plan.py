@@ -16,10 +16,10 @@ from trident.layout import PLANNED_KEYS, Layout, with_keys
 from trident.memory_estimate import estimate
 from trident.parallel.pipeline.schedules import UNIT_COSTS, bubble_formula
 from trident.plan import simulate
-from trident.plan.cost import Placement, _chunk_reduce_end, collective_time
+from trident.plan.cost import RankPlacement, _chunk_reduce_end, collective_time
 from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
 from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
-from trident.plan.report import launch_overrides, table
+from trident.plan.report import launch_overrides, plan_table
 from trident.plan.space import enumerate_layouts, grid
 
 REPO = Path(__file__).resolve().parent.parent
@@ -190,7 +190,7 @@ def test_layouts_on_datasheet_gpus_do_not_share_compute() -> None:
     assert all(placement.share(k) == 1.0 for k in range(1, 9))
     cpu = placement_for(cpu_profile(cores=2), 8)
     assert (cpu.nodes, cpu.threads) == (1, 1) and cpu.share(2) == 1.0 and cpu.share(8) == pytest.approx(0.25)
-    measured = Placement(8, 8, 1, 2, capacity=1.6)  # all eight together get 1.6 lone ranks' worth
+    measured = RankPlacement(8, 8, 1, 2, capacity=1.6)  # all eight together get 1.6 lone ranks' worth
     assert measured.share(2) == 1.0 and measured.share(8) == pytest.approx(0.2)
 
 
@@ -200,7 +200,7 @@ def test_table_launch_overrides_reproduce_each_layout() -> None:
     base = TINY + ["parallel.zero=1"]
     cfg = compose_config(REPO / "conf", base)
     result = plan(cfg, 4, DATASHEETS["a100"])
-    text = table(result, cfg, 5)
+    text = plan_table(result, cfg, 5)
     assert text.count("\n") >= 2 + 2 * 5 and "tokens/s" in text
     for p in result.ranked[:5]:
         launched = compose_config(REPO / "conf", base + launch_overrides(p, cfg))

@@ -101,7 +101,7 @@ def test_summary_gives_the_median_and_largest_errors_and_the_predicted_bests_mea
         "plan: 0 layouts measured; step time error median n/a, max n/a; memory error max n/a; "
         "predicted best is measured rank n/a of 0"
     )
-    table = measure.table(runs).splitlines()
+    table = measure.measured_table(runs).splitlines()
     assert table[0].split("  ")[0] == "layout" and len(table) == 5
     assert "+80.0%" in table[1] and "parallel.tp=1" in table[1]
     assert table[4].endswith("failed: error: out of memory")
@@ -114,7 +114,7 @@ def test_on_cuda_the_memory_error_is_the_larger_of_model_states_and_the_peak() -
     assert m.states_error == pytest.approx(0.01) and m.peak_error == pytest.approx(-0.25)
     assert m.memory_error == pytest.approx(-0.25)
     assert "memory error max 25.0%" in measure.summary([m])
-    assert "peak pred (MiB)" in measure.table([m])
+    assert "peak pred (MiB)" in measure.measured_table([m])
 
 
 # --- a real measurement (multi-process) --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from xml.sax.saxutils import escape
 import pytest
 
 from tests.conftest import REPO
-from tests.layouts import tiny, train_in_process
+from tests.layouts import make_config, tiny, train_in_process
 from tests.plan_profiles import hand_built_cpu
 
 TOOL = runpy.run_path(str(REPO / "tools" / "plot_schedule.py"))
@@ -78,7 +78,7 @@ def pipeline(*extra: str) -> list[str]:
 def test_plan_mode_draws_one_box_per_action_of_each_rank_in_seconds(
     extra: tuple[str, ...], world: int, per_rank: int, hatched: bool
 ) -> None:
-    cfg = TOOL["load_config"](pipeline(*extra))
+    cfg = make_config(*pipeline(*extra))
     prediction, panel, title = TOOL["plan_panel"](cfg, world, PROFILE)
     assert len(panel.boxes) == len(prediction.time.spans) == 2 * per_rank
     assert all(b.start <= b.compute_end <= b.end <= prediction.time.pipeline for b in panel.boxes)
@@ -121,7 +121,7 @@ def test_plan_beside_a_runs_measured_timings_on_one_time_scale(tmp_path: Path, t
     train_in_process(tmp_path / "run", tiny(tiny_dataset, "train.steps=2", *overrides), world=2)
     timings = tmp_path / "run" / "pipeline_timings"
 
-    prediction, panel, _ = TOOL["plan_panel"](TOOL["load_config"](overrides), 2, PROFILE)
+    prediction, panel, _ = TOOL["plan_panel"](make_config(*overrides), 2, PROFILE)
     recorded = TOOL["read_timings"](timings, None)
     panels, title = TOOL["plan_and_measured"](prediction, panel, recorded, timings)
     svg = TOOL["draw"](panels, title, "s")
@@ -133,7 +133,7 @@ def test_plan_beside_a_runs_measured_timings_on_one_time_scale(tmp_path: Path, t
     assert "planned: test cpu, hand-built" in svg and f"measured: {escape(str(timings))}" in svg
 
     # Another pipeline's plan is refused beside these timings.
-    other, other_panel, _ = TOOL["plan_panel"](TOOL["load_config"](pipeline("train.micro_batch_size=8")), 2, PROFILE)
+    other, other_panel, _ = TOOL["plan_panel"](make_config(*pipeline("train.micro_batch_size=8")), 2, PROFILE)
     with pytest.raises(ValueError, match=r"another pipeline: micro-batches 4 \(planned 2\)"):
         TOOL["plan_and_measured"](other, other_panel, recorded, timings)
     # The measured timings alone, as before (ms).

@@ -22,24 +22,14 @@ import json
 import sys
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
-from trident.config import Config, compose_config, validate
+from trident.config import Config, validate
 from trident.errors import ConfigError
 from trident.layout import Layout
 from trident.memory import format_bytes
 from trident.memory_estimate import POLICIES, Estimate, estimate
+from trident.tool_config import default_world, load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-
-
-def load_config(overrides: list[str]) -> Config:
-    return compose_config(CONF, overrides)
-
-
-def default_world(cfg: Config) -> int:
-    return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
 
 
 def option_rows(cfg: Config, world: int, device: str) -> list[tuple[str, Estimate | str, bool]]:
@@ -145,13 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the prediction of the layout as JSON")
     args = p.parse_intermixed_args(argv)
     try:
-        cfg = load_config(args.overrides)
+        cfg = load_config(CONF, args.overrides)
         world = args.world or default_world(cfg)
         if args.json:
             print(json.dumps(estimate(cfg.model, layout_on(cfg, world, args.device)).to_dict(), indent=1))
         else:
             print(report(cfg, world, args.device))
-    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+    except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0

@@ -22,14 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
-from trident.config import compose_config
 from trident.errors import ConfigError
 from trident.plan.machine import DEVICES, profile_for
 from trident.plan.planner import plan
-from trident.plan.report import table
+from trident.plan.report import plan_table
+from trident.tool_config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world < 1 or (args.nodes is not None and not 1 <= args.nodes <= args.world):
             raise ConfigError("--world must be >= 1 and --nodes between 1 and --world")
-        cfg = compose_config(REPO / "conf", args.overrides)
+        cfg = load_config(REPO / "conf", args.overrides)
         profile = profile_for(cfg, args.world, args.device, args.nodes, args.calibrate, log=print)
         result = plan(cfg, args.world, profile, args.nodes)
-    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+    except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(table(result, cfg, args.top))
+    print(plan_table(result, cfg, args.top))
     if args.measure:
         from trident.plan import measure  # noqa: PLC0415
 
@@ -64,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             picked = measure.pick(result, args.measure)
             measured = measure.measure(picked, args.overrides, args.world, REPO, Path(runs), steps=args.steps)
         print()
-        print(measure.table(measured))
+        print(measure.measured_table(measured))
         print(measure.summary(measured))
     return 0
 

@@ -31,19 +31,12 @@ timelines and their drawing are trident/schedule_plot.py's; this is its command 
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
-from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, compose_config, validate
-from trident.errors import ConfigError, one_line
+from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
+from trident.errors import ConfigError
 from trident.parallel.pipeline.schedules import SCHEDULES, UNIT_COSTS
-from trident.plan import planner
-from trident.plan.calibrate import calibrate
-from trident.plan.profile import DATASHEETS, Needs, Profile, host_memory_bytes
+from trident.plan.machine import profile_for
 from trident.schedule_plot import (
     Panel,
     boxes_of,
@@ -55,6 +48,7 @@ from trident.schedule_plot import (
     read_timings,
     to_png,
 )
+from trident.tool_config import default_world, load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 DEVICES = ("h100", "h200", "a100", "cpu")
@@ -89,44 +83,6 @@ def decide(schedule: str | None, pp: int, vpp: int, micro: int) -> str:
 # --- the layout planner's costs (--plan) ------------------------------------------------------------------------
 
 
-def load_config(overrides: list[str]) -> Config:
-    """train.py's config of ``overrides``; a key or value it refuses ends the tool with the line."""
-    try:
-        return compose_config(CONF, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-    except (HydraException, OmegaConfBaseException) as e:
-        raise SystemExit(f"error: {one_line(str(e))}") from None
-
-
-def default_world(cfg: Config) -> int:
-    return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
-
-
-def profile_for(device: str, cfg: Config, world: int, log: Callable[[str], None] = print) -> Profile:
-    """The planner's profile of ``device``: a datasheet, or (``cpu``) this machine calibrated for what this
-    layout needs: a first prediction on a placeholder lists the shapes and groups it prices, then those are
-    measured (or read from the calibration's cache)."""
-    if device != "cpu":
-        return DATASHEETS[device]
-    precision = cfg.train.precision
-    placeholder = Profile(
-        name="placeholder",
-        device="cpu",
-        source="collects what a calibration measures",
-        memory_bytes=host_memory_bytes(),
-        units_per_node=os.cpu_count() or 1,
-        peak_tflops={precision: 1.0},
-    )
-    needs = Needs(precisions={precision})
-    try:
-        planner.predict(cfg, world, placeholder, needs=needs)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-    ranks_per_node = planner.placement_for(placeholder, world).ranks_per_node
-    return calibrate(needs, ranks_per_node, log=log)
-
-
 def timelines(args: argparse.Namespace) -> tuple[list[Panel], str, str | None]:
     """The panels the flags ask for, their title, and their time unit (None: the unit-cost simulation's)."""
     unit_flags = [f"--{k}" for k in ("schedule", "pp", "vpp", "micro", "costs") if getattr(args, k) is not None]
@@ -135,9 +91,9 @@ def timelines(args: argparse.Namespace) -> tuple[list[Panel], str, str | None]:
             raise SystemExit(
                 f"error: --plan takes the layout as train.py overrides (parallel.pp=4 ...), not {unit_flags[0]}"
             )
-        cfg = load_config(args.overrides)
+        cfg = load_config(CONF, args.overrides)
         world = args.world or default_world(cfg)
-        profile = profile_for(args.device, cfg, world)
+        profile = profile_for(cfg, world, args.device, one_layout=True)
         prediction, panel, title = plan_panel(cfg, world, profile)
         panels = [panel]
         if args.measured is not None:

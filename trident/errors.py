@@ -1,6 +1,6 @@
 """Errors a user can fix. ``train.py`` turns them into one line on stderr and an exit code (2 unless said).
 
-The base class, the config error and the lost-peer test are the parallel layer's (trident/parallel/errors.py),
+The base class, the config error and the lost-peer test are the parallel layer's (parallel/errors.py),
 which sits below the product; the rest are the product's own.
 """
 

@@ -1,4 +1,6 @@
-"""A worker whose torchrun agent is gone stops: nothing would restart it, end it, or report its exit.
+"""Who launched this process: whether torchrun did (``launcher_pid``, the one test of it) and the launcher's
+pid and start time (``launcher``, which names the default run directory). And a worker whose torchrun agent is
+gone stops: nothing would restart it, end it, or report its exit.
 
 When a node's agent dies (killed, its node's job step cancelled) and its workers do not, they would train on
 orphaned, holding the run directory and the devices. A worker sees its launcher go when its parent pid changes
@@ -15,15 +17,42 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 INTERVAL_S = 0.5
 
 
 def launcher_pid() -> int | None:
-    """The pid of this rank's torchrun agent, or None when no torchrun agent started this process."""
+    """The pid of this rank's torchrun agent, or None when no torchrun agent started this process.
+
+    The one test of "under torchrun" (the run directory's name and the orphan watch both read it):
+    ``TORCHELASTIC_RUN_ID``, which torchrun's agent alone sets. ``LOCAL_WORLD_SIZE``, ``RANK`` and the rest are
+    also set by other launchers and by tests that start ranks by hand, whose parent is no torchrun agent.
+    """
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     return os.getppid()  # torchrun starts its workers itself
+
+
+def launcher() -> tuple[int, float]:
+    """The pid and start time (seconds since the epoch) of the process that launched this job: torchrun's agent
+    for its workers (every local rank is its child), else this process."""
+    pid = launcher_pid()
+    if pid is not None:
+        try:
+            return pid, _start_time(pid)
+        except (OSError, ValueError, IndexError, StopIteration):
+            pass
+    return os.getpid(), time.time()
+
+
+def _start_time(pid: int) -> float:
+    """When process ``pid`` started, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def gone_line(launcher: int, rank: int) -> str:

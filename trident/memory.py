@@ -85,7 +85,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} {unit}" if abs(n) < 10 else f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
 
 
-def summary_line(figures: Figures, ranks: int = 1) -> str:
+def model_states_line(figures: Figures, ranks: int = 1) -> str:
     """One line: each kind's bytes, their total, and where they live."""
     total = {place: figures["total"][place] for place in PLACES}
     kinds = ", ".join(f"{kind} {format_bytes(sum(figures[kind].values()))}" for kind in KINDS)
@@ -111,7 +111,7 @@ def log_model_states(
     per_rank = [r for r in rows if r is not None]
     worst = max_over_ranks(per_rank)
     if groups.is_logging_rank:
-        print(f"memory: {summary_line(worst, len(per_rank))}; {run_dir / 'memory.json'}", flush=True)
+        print(f"memory: {model_states_line(worst, len(per_rank))}; {run_dir / 'memory.json'}", flush=True)
         report = {"ranks": per_rank, "max": worst, **(extra or {})}
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "memory.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -6,7 +6,7 @@ and row-parallel biases, grouped-query attention's kv weight split over tp or, w
 held whole by every rank, SwiGLU's gate and up beside each other, a position table only with learned positions, the
 layers of each pipeline stage, the LM head on the last stage: an untied head of its own, or with pp > 1 the tied
 copy of the embedding), laid out in the flat buffers with the reducer's buckets and their padding to a multiple of
-dp (trident/parallel/layout.py; a tied embedding and its copy isolated in buckets of their own under pp > 1), then
+dp (parallel/layout.py; a tied embedding and its copy isolated in buckets of their own under pp > 1), then
 held as each ZeRO stage holds them (``model_states``). With Psi parameters and N dp ranks this is the ZeRO paper's
 accounting (Rajbhandari et al., 2020: 16 Psi in 16-bit training, 4 Psi + 12 Psi / N at stage 1, 2 Psi + 14 Psi / N
 at stage 2, 16 Psi / N at stage 3) made exact: padding, the gradient buffer's fp32 even for 16-bit parameters,

@@ -26,6 +26,8 @@ from types import FrameType, TracebackType
 import torch
 import torch.distributed as dist
 
+from trident.parallel.groups import launch_rank
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A launcher that forwards a signal its workers also got straight from the terminal (ranks left in the shell's
 # process group, srun) delivers one key press twice within milliseconds: a repeat this soon is the same one.
@@ -174,4 +176,4 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 def _is_rank_zero() -> bool:
     if dist.is_initialized():
         return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
+    return launch_rank() == 0

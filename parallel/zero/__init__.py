@@ -5,7 +5,7 @@
     params.py    FlatParams (stages 0-2: views of one flat buffer, all-gathered in place), ShardedParams (stage 3)
     optimizer.py ZeroOptimizer: fp32 masters and AdamW over this rank's shard, CPU offload of a fraction of it
     stage3.py    gather / free hooks around each block's forward and backward, with prefetch
-    checkpoint.py  masters and AdamW state as boxes of the logical tensors (layout-independent checkpoints)
+    checkpoints  trident/checkpoint/zero_state.py  masters and AdamW state as boxes of the logical tensors
 
 Bytes of model state per rank. Psi: this rank's parameter count (its tp slices; all of the model at tp=1, pp=1);
 Psi': the flat layout's numel, Psi plus bucket padding (each bucket rounded up to a multiple of dp: fewer than dp

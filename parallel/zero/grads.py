@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.parallel.layout import FlatLayout, Span
+from trident.parallel.layout import BucketSpan, FlatLayout
 from trident.parallel.reducer import Bucket, GradReducer
 
 
@@ -61,7 +61,7 @@ class ScatterReducer(GradReducer):
             self._shards[bucket.span.index], bucket.grads, group=self.dp_group, async_op=True
         )
 
-    def reduced_grad(self, span: Span) -> torch.Tensor:
+    def reduced_grad(self, span: BucketSpan) -> torch.Tensor:
         """This rank's shard of the bucket: the only part that holds the sum over dp."""
         return self._shards[span.index]
 
@@ -81,7 +81,7 @@ class ShardedGradReducer:
         dp_group: dist.ProcessGroup,
         reduce_dtype: torch.dtype,
         device: torch.device,
-        on_reduced: Callable[[Span], None] | None = None,
+        on_reduced: Callable[[BucketSpan], None] | None = None,
         chains: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.layout, self.params = layout, layout.params
@@ -121,7 +121,7 @@ class ShardedGradReducer:
         """Nothing left to start: a bucket is reduce-scattered the moment it is complete (``finish`` starts the
         ones a pass left incomplete)."""
 
-    def reduced_grad(self, span: Span) -> torch.Tensor:
+    def reduced_grad(self, span: BucketSpan) -> torch.Tensor:
         """This rank's shard of the bucket's gradient, summed over dp and over the step's micro-batches."""
         return self._shards[span.index]
 

@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.parallel.layout import FlatLayout, Piece, Span
+from trident.parallel.layout import BucketSpan, FlatLayout, Piece
 from trident.parallel.placement import Placement, placement_of
 
 
 class Store(Protocol):
     dtype: torch.dtype
 
-    def shard(self, span: Span) -> torch.Tensor: ...
+    def shard(self, span: BucketSpan) -> torch.Tensor: ...
 
     def publish(self) -> None: ...
 
@@ -45,7 +45,7 @@ class Store(Protocol):
 class ShardReducer(Protocol):
     params: list[nn.Parameter]
 
-    def reduced_grad(self, span: Span) -> torch.Tensor: ...
+    def reduced_grad(self, span: BucketSpan) -> torch.Tensor: ...
 
     def grad_tensors(self) -> list[torch.Tensor]: ...
 
@@ -56,7 +56,7 @@ class ShardReducer(Protocol):
 class Segment:
     """A contiguous run [start, stop) of the flat layout that this rank steps, all on one side of the offload cut."""
 
-    span: Span
+    span: BucketSpan
     start: int
     stop: int
     on_host: bool
@@ -75,7 +75,9 @@ class Segment:
         return t[piece.flat - self.start : piece.flat - self.start + piece.numel]
 
 
-def shard_segments(layout: FlatLayout, rank: int, shards: int, host_numel: int) -> list[tuple[Span, int, int, bool]]:
+def shard_segments(
+    layout: FlatLayout, rank: int, shards: int, host_numel: int
+) -> list[tuple[BucketSpan, int, int, bool]]:
     """This rank's share of every bucket as (span, start, stop, on_host) runs, the first ``host_numel`` elements
     (in bucket order) on the host: a bucket's shard is cut in two where that count runs out."""
     out, seen = [], 0

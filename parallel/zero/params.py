@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.parallel.layout import FlatLayout, Span
+from trident.parallel.layout import BucketSpan, FlatLayout
 
 
 def _fill(buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> None:
@@ -49,7 +49,7 @@ class FlatParams:
     def dtype(self) -> torch.dtype:
         return self.flat.dtype
 
-    def shard(self, span: Span) -> torch.Tensor:
+    def shard(self, span: BucketSpan) -> torch.Tensor:
         return self._shards[span.index]
 
     def publish(self) -> None:
@@ -97,7 +97,7 @@ class ShardedParams:
     def dtype(self) -> torch.dtype:
         return self._shards[0].dtype
 
-    def shard(self, span: Span) -> torch.Tensor:
+    def shard(self, span: BucketSpan) -> torch.Tensor:
         return self._shards[span.index]
 
     def publish(self) -> None:
@@ -108,10 +108,10 @@ class ShardedParams:
                 self.free(span)
                 self.gather(span)
 
-    def is_gathered(self, span: Span) -> bool:
+    def is_gathered(self, span: BucketSpan) -> bool:
         return self._gathered[span.index]
 
-    def gather(self, span: Span, wait: bool = True) -> None:
+    def gather(self, span: BucketSpan, wait: bool = True) -> None:
         """Allocate the bucket's full buffer and all-gather it (``wait=False``: a prefetch, waited later)."""
         i = span.index
         if not self._gathered[i]:
@@ -127,7 +127,7 @@ class ShardedParams:
             self._work[i].wait()
             self._in_flight[i] = False
 
-    def free(self, span: Span) -> None:
+    def free(self, span: BucketSpan) -> None:
         """Release the bucket's full buffer; its parameters keep their shapes and point at no memory."""
         i = span.index
         if not self._gathered[i]:

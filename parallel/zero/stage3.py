@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from trident.parallel.layout import FlatLayout, Span
+from trident.parallel.layout import BucketSpan, FlatLayout
 from trident.parallel.zero.params import ShardedParams
 
 GATHER_MODES = ("micro_batch", "step")
@@ -48,8 +48,8 @@ GATHER_MODES = ("micro_batch", "step")
 class ChunkUnits:
     """One model chunk's buckets: ``blocks[i]`` its i-th block's (forward order), ``root`` the rest (0-2)."""
 
-    blocks: list[Span]
-    root: list[Span]
+    blocks: list[BucketSpan]
+    root: list[BucketSpan]
 
 
 def unit_layout(
@@ -107,14 +107,14 @@ class ParameterSharding:
                 post = lambda m, a, out, u=unit, i=i: self._after_block(u, i, out)  # noqa: E731
                 self._handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
 
-    def _hold(self, span: Span) -> None:
+    def _hold(self, span: BucketSpan) -> None:
         self._holds[span.index] += 1
         if self.mode == "step" and torch.is_grad_enabled() and span.index not in self._kept:
             self._kept.add(span.index)
             self._holds[span.index] += 1
         self.store.gather(span)
 
-    def released(self, span: Span) -> None:
+    def released(self, span: BucketSpan) -> None:
         """One holder of ``span`` is done with it; the last one frees it."""
         self._holds[span.index] -= 1
         if self._holds[span.index] <= 0:

@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 
 from trident.bench import throughput
-from trident.bench.harness import Table, format_bytes, number, spread
-from trident.bench.runs import Trial, plan, run_trial
+from trident.bench.harness import Table, format_bytes, number, ratio, spread
+from trident.bench.runs import Trial, checked_trial, run_trial
 
 BASE = ["train.eval_every=0", "wandb.mode=disabled", "logging.interval=1000"]
 HEADER = ["layout", "ranks", "tokens/s", "spread", "x first", "compile x", "MFU", "peak mem (MB)"]
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, help="also draw tokens/s as a bar chart (needs matplotlib)")
 
 
-def tokens_per_s(rows: list[dict]) -> float:
+def mean_tokens_per_s(rows: list[dict]) -> float:
     time = sum(r["step_time_s"] for r in rows)
     return sum(r["tokens_per_s"] * r["step_time_s"] for r in rows) / time
 
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> list[Table]:
     base = [f"model={args.model}", *BASE, *args.base, f"train.steps={args.steps}"]
     variants = {"off": [""], "on": [" compile"], "both": ["", " compile"]}[args.compile]
     try:
-        trials = [plan(args.repo, (layout + v).strip(), base) for layout in args.layouts for v in variants]
+        trials = [checked_trial(args.repo, (layout + v).strip(), base) for layout in args.layouts for v in variants]
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -101,10 +101,6 @@ def run(args: argparse.Namespace) -> list[Table]:
     return [table]
 
 
-def ratio(a: float, b: float | None) -> str:
-    return f"{a / b:.2f}" if b else "-"
-
-
 def row(trial: Trial, warmup: int, steps: int, rates: dict[str, float]) -> list[str]:
     """One layout's cells; its tokens/s goes into ``rates`` (by layout) when it ran."""
     if trial.refused is not None:
@@ -112,7 +108,7 @@ def row(trial: Trial, warmup: int, steps: int, rates: dict[str, float]) -> list[
     if trial.error is not None or len(trial.rows) != steps:
         return [trial.layout, str(trial.world), f"failed: {trial.error or 'missing steps'}"]
     measured = trial.rows[warmup:]
-    rate = tokens_per_s(measured)
+    rate = mean_tokens_per_s(measured)
     first = next(iter(rates.values()), rate)
     twin = trial.layout.removesuffix("compile").strip()  # the eager run of a compiled layout
     eager = rates.get(twin) if twin != trial.layout else None

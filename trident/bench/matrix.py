@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from trident.bench.harness import Table
-from trident.bench.runs import Trial, plan, run_trial
+from trident.bench.runs import Trial, checked_trial, run_trial
 from trident.curves import REL, curve_mismatches
 
 LAYOUTS = [
@@ -89,8 +89,8 @@ def row(trial: Trial, reference: list[dict], steps: int, rel: float) -> tuple[li
 def run(args: argparse.Namespace) -> list[Table]:
     base = [*args.base, f"train.steps={args.steps}"]
     try:
-        trials = [plan(args.repo, layout, base) for layout in args.layouts]
-        reference = plan(args.repo, "1", base)
+        trials = [checked_trial(args.repo, layout, base) for layout in args.layouts]
+        reference = checked_trial(args.repo, "1", base)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     title = f"{' '.join(args.base)}, {args.steps} steps, against one process (fp32 tolerance {args.rel:g})"

@@ -25,11 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
-from trident.config import Config, compose_config, validate
-from trident.errors import ConfigError, one_line
+from trident.config import Config, validate
+from trident.errors import ConfigError
+from trident.tool_config import default_world, load_config
 
 SHORT = {
     "dp": "parallel.dp",
@@ -63,10 +61,6 @@ def expand(layout: str) -> list[str]:
     return out
 
 
-def world_size(cfg: Config) -> int:
-    return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
-
-
 @dataclass
 class Trial:
     layout: str
@@ -84,18 +78,16 @@ class Trial:
         return self.refused is None and self.error is None
 
 
-def plan(repo: Path, layout: str, base: list[str]) -> Trial:
+def checked_trial(repo: Path, layout: str, base: list[str]) -> Trial:
     """The trial of ``layout`` on top of ``base`` overrides, checked by the validator (not run)."""
     overrides = [*base, *expand(layout)]
     trial = Trial(layout, overrides)
     try:
-        trial.config = compose_config(repo / "conf", overrides)
-        trial.world = world_size(trial.config)
+        trial.config = load_config(repo / "conf", overrides)  # an unknown key or a wrong type: a ConfigError too
+        trial.world = default_world(trial.config)
         validate(trial.config, trial.world)
     except ConfigError as e:
         trial.refused = str(e)
-    except (HydraException, OmegaConfBaseException) as e:  # an unknown key or a value of the wrong type
-        trial.refused = one_line(str(e))
     return trial
 
 

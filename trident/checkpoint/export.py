@@ -41,7 +41,7 @@ def model_config(weights: ModelWeights) -> ModelConfig:
     return saved_model_config(weights.config, weights.source)
 
 
-def hf_config(cfg: ModelConfig, weights: ModelWeights | None = None) -> dict:
+def config_json(cfg: ModelConfig, weights: ModelWeights | None = None) -> dict:
     """The config.json for a model of shape ``cfg``, with the bos/eos ids of the weights' tokenizer, if any."""
     bos = eos = None
     if weights is not None and weights.tokenizer is not None:
@@ -69,7 +69,7 @@ def write_hf(weights: ModelWeights, out: Path) -> list[str]:
     cfg = model_config(weights)
     hf.architecture(cfg)  # a block mix Hugging Face has no class for is refused before anything is written
     state = hf_state_dict(weights.tensors, cfg)
-    config = hf_config(cfg, weights)
+    config = config_json(cfg, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

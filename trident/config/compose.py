@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,21 +16,7 @@ from omegaconf.nodes import BooleanNode
 
 from trident.config.schema import RENAMED, Config
 from trident.errors import ConfigError
-
-
-def _launcher() -> tuple[int, float]:
-    """The pid and start time of the process that launched this job: torchrun's agent for its workers (every
-    local rank is its child), else this process."""
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        try:
-            with open(f"/proc/{os.getppid()}/stat") as f:
-                start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-            with open("/proc/stat") as f:
-                boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-            return os.getppid(), boot + start_ticks / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError, StopIteration):
-            pass
-    return os.getpid(), time.time()
+from trident.launcher import launcher
 
 
 def launch_id() -> str:
@@ -41,7 +25,7 @@ def launch_id() -> str:
     Every local rank of one torchrun job computes the same name (the same launcher), and train.py hands rank 0's
     to the other nodes. Two jobs started in the same second have different launchers, so different names.
     """
-    pid, stamp = _launcher()
+    pid, stamp = launcher()
     return datetime.datetime.fromtimestamp(stamp).strftime(f"%Y-%m-%d/%H-%M-%S-{pid}")
 
 

@@ -47,7 +47,7 @@ from trident.data.tokenizer import (
     load_tokenizer,
 )
 from trident.data.units import UNIT_BYTES, Unit, plan_units
-from trident.data.workers import Job, run_units
+from trident.data.workers import EncodeJob, run_units
 from trident.errors import DataError
 
 # The bad-record threshold is also checked on every prefix of units holding at least this many records, so a
@@ -200,7 +200,7 @@ def _tokenize(
     dtype = np.dtype(token_dtype(tokenizer.vocab_size))
     shard_dir = partial / SHARDS
     salt = f"{FORMAT}\0{tokenizer.file_name}\0{tokenizer.sha256}\0{text_field}\0{dtype.name}"
-    jobs = [Job(u, u.key(salt), str(shard_dir), text_field, dtype.name) for u in units]
+    jobs = [EncodeJob(u, u.key(salt), str(shard_dir), text_field, dtype.name) for u in units]
     records: dict[int, dict] = {}
     for job in jobs:
         if (record := finished_shard(shard_dir, job.unit.index, job.key, dtype)) is not None:

@@ -1,7 +1,7 @@
 """Where documents come from: text files (one document each) and corpus files of many documents each, JSON Lines
 (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``) and Parquet, the text under a field (``data.text_field``).
 
-A ``Piece`` is a part of one file: a whole file, a byte range of a plain ``.jsonl`` (lines starting inside it), or
+A ``FilePiece`` is a part of one file: a whole file, a byte range of a plain ``.jsonl`` (lines starting inside it), or
 a range of a Parquet file's row groups. ``read_piece`` streams its records: a document's text, or a ``BadRecord``
 (malformed JSON, no text field, a field that is not a string, bytes that are not UTF-8) naming its file and line
 (row for Parquet). Nothing is read whole: lines one by one, Parquet a batch of rows at a time.
@@ -75,7 +75,7 @@ def default_corpus_files() -> list[Path]:
 
 
 @dataclass(frozen=True)
-class Piece:
+class FilePiece:
     """Part of one file: ``[start, stop)`` bytes of a plain .jsonl or row groups of a .parquet; None: all of it.
     ``size`` is the input bytes it covers (progress and unit sizes); ``mtime_ns`` and ``file_size`` identify the
     file's version."""
@@ -104,7 +104,7 @@ class BadRecord:
         return f"{self.path} {unit} {self.line}: {self.what}"
 
 
-def pieces_of(path: Path, unit_bytes: int) -> list[Piece]:
+def pieces_of(path: Path, unit_bytes: int) -> list[FilePiece]:
     """``path`` cut at about ``unit_bytes``: plain .jsonl by byte ranges (at line boundaries when read), Parquet by
     row groups; every other file is one piece (a compressed stream cannot be entered in the middle)."""
     st = path.stat()
@@ -112,7 +112,7 @@ def pieces_of(path: Path, unit_bytes: int) -> list[Piece]:
     base = {"path": str(path), "kind": kind, "file_size": st.st_size, "mtime_ns": st.st_mtime_ns}
     if kind == JSONL and st.st_size > unit_bytes:
         cuts = list(range(0, st.st_size, unit_bytes)) + [st.st_size]
-        return [Piece(size=b - a, start=a, stop=b, **base) for a, b in zip(cuts, cuts[1:], strict=False)]
+        return [FilePiece(size=b - a, start=a, stop=b, **base) for a, b in zip(cuts, cuts[1:], strict=False)]
     if kind == PARQUET:
         meta = _parquet_file(path).metadata
         sizes = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
@@ -122,16 +122,16 @@ def pieces_of(path: Path, unit_bytes: int) -> list[Piece]:
             if acc >= unit_bytes or i == len(sizes) - 1:
                 # The file's bytes shared out by the groups' share of the uncompressed size.
                 share = st.st_size * acc // max(1, sum(sizes))
-                pieces.append(Piece(size=share, start=first, stop=i + 1, **base))
+                pieces.append(FilePiece(size=share, start=first, stop=i + 1, **base))
                 first, acc = i + 1, 0
-        return pieces or [Piece(size=st.st_size, start=0, stop=0, **base)]
-    return [Piece(size=st.st_size, **base)]
+        return pieces or [FilePiece(size=st.st_size, start=0, stop=0, **base)]
+    return [FilePiece(size=st.st_size, **base)]
 
 
 class Reader:
     """Streams one piece's records; ``done`` is the input bytes consumed so far (for the progress bar)."""
 
-    def __init__(self, piece: Piece, text_field: str):
+    def __init__(self, piece: FilePiece, text_field: str):
         self.piece, self.field, self.done = piece, text_field, 0
 
     def records(self) -> Iterator[str | BadRecord]:

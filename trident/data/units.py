@@ -14,7 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from trident.data.sources import Piece, pieces_of
+from trident.data.sources import FilePiece, pieces_of
 
 UNIT_BYTES = 32 << 20
 
@@ -22,7 +22,7 @@ UNIT_BYTES = 32 << 20
 @dataclass(frozen=True)
 class Unit:
     index: int
-    pieces: tuple[Piece, ...]
+    pieces: tuple[FilePiece, ...]
 
     @property
     def size(self) -> int:
@@ -37,7 +37,7 @@ class Unit:
 
 def plan_units(files: list[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     units: list[Unit] = []
-    group: list[Piece] = []
+    group: list[FilePiece] = []
     size = 0
     for path in files:
         for piece in pieces_of(path, unit_bytes):

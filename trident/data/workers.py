@@ -34,7 +34,9 @@ Report = Callable[[int, int, int], None]  # documents, tokens, input bytes just 
 
 
 @dataclass(frozen=True)
-class Job:
+class EncodeJob:
+    """One unit of the corpus to encode into its shard: what a worker process is handed."""
+
     unit: Unit
     key: str
     shard_dir: str
@@ -42,7 +44,7 @@ class Job:
     dtype: str
 
 
-def encode_unit(job: Job, tokenizer: Tokenizer, report: Report = lambda d, t, b: None) -> dict:
+def encode_unit(job: EncodeJob, tokenizer: Tokenizer, report: Report = lambda d, t, b: None) -> dict:
     """Write the shard of ``job.unit``; return its record."""
     writer = ShardWriter(Path(job.shard_dir), job.unit.index, np.dtype(job.dtype))
     eos, vocab = tokenizer.eos_id, tokenizer.vocab_size
@@ -105,7 +107,7 @@ def encode_unit(job: Job, tokenizer: Tokenizer, report: Report = lambda d, t, b:
         raise
 
 
-def run_units(jobs: list[Job], tokenizer: Tokenizer, workers: int, report: Report) -> Iterator[dict]:
+def run_units(jobs: list[EncodeJob], tokenizer: Tokenizer, workers: int, report: Report) -> Iterator[dict]:
     """Each job's shard record, in the order they finish. One worker (or one job): in this process."""
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
@@ -154,7 +156,7 @@ def _init_worker(file_name: str, data: bytes, counters) -> None:
     _worker.update(tokenizer=tokenizer, counters=counters)
 
 
-def _run_job(job: Job) -> dict:
+def _run_job(job: EncodeJob) -> dict:
     counters = _worker["counters"]
 
     def report(documents: int, tokens: int, done_bytes: int) -> None:

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from trident.peak import cpu_model
 from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
     BUSY_KEY,
@@ -70,7 +71,6 @@ from trident.plan.profile import (
     Rate,
     attention_key,
     collective_key,
-    cpu_model,
     cpu_threads_per_rank,
     host_memory_bytes,
     load_cached,
@@ -269,10 +269,10 @@ def measure_collectives(
 def measure_framework(profile: Profile, block: dict, threads: int, log: Callable[[str], None]) -> None:
     """``profile.framework``: a real one-layer model's forward and backward, alone on ``threads`` threads, over the
     sum of its ops as the profile prices their kernels (its shapes are among those just measured)."""
-    from trident.plan.cost import Placement, Pricer  # noqa: PLC0415 (cost imports this module's profile)
+    from trident.plan.cost import Pricer, RankPlacement  # noqa: PLC0415 (cost imports this module's profile)
 
     measured, m, shape = time_block(block, threads)
-    pricer = Pricer(profile, shape.precision, Placement(1, 1, threads, threads))
+    pricer = Pricer(profile, shape.precision, RankPlacement(1, 1, threads, threads))
     priced = sum(pricer.kernels(o) for o in chunk_ops(m, shape, 1, True, True, "none") if o.kind != "collective")
     profile.framework, profile.block = measured / priced, block
     log(f"calibrating: a {m.name} block runs at {profile.framework:.2f} x its kernels' time (the framework's share)")

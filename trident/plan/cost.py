@@ -40,7 +40,7 @@ from trident.plan.profile import Needs, Profile, attention_key, collective_key, 
 
 
 @dataclass(frozen=True)
-class Placement:
+class RankPlacement:
     """Where a launch's ranks sit: how many per node, and the threads and cores they share there."""
 
     world: int
@@ -105,7 +105,7 @@ class Pricer:
 
     profile: Profile
     precision: str
-    placement: Placement
+    placement: RankPlacement
     tp_across_nodes: bool = False
     needs: Needs = field(default_factory=Needs)
 
@@ -248,7 +248,7 @@ def step_time(
     m: ModelConfig,
     layout: Layout,
     profile: Profile,
-    placement: Placement,
+    placement: RankPlacement,
     needs: Needs | None = None,
     cache: dict | None = None,
 ) -> StepTime:
@@ -333,7 +333,7 @@ def step_time(
 
 
 def _pipeline(
-    m: ModelConfig, layout: Layout, profile: Profile, placement: Placement, pricer: Pricer
+    m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, pricer: Pricer
 ) -> tuple[dict, list[simulate.TimedSpan], float]:
     """Per-stage action costs, the simulated schedule's spans and the p2p hop's seconds."""
     shape = Shape(layout.micro_batch_size, m.seq_len, layout.tp, layout.sequence_parallel, layout.precision)
@@ -378,7 +378,7 @@ def _pipeline(
     if pp > 1:
         spans = simulate.run_schedule(layout.schedule, pp, vpp, micro, cost, lambda r, a: hop, speed)
     else:
-        spans = simulate.run([stage_actions(layout, 0)], 1, cost, speed=speed)
+        spans = simulate.run_actions([stage_actions(layout, 0)], 1, cost, speed=speed)
     return costs, spans, hop
 
 
@@ -390,7 +390,7 @@ def _accumulate(m: ModelConfig, layout: Layout, stage: int) -> Op:
     return Op("elementwise", "W", (), (BYTES[layout.precision] + 12) * numel, len(params))
 
 
-def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: Placement, costs: dict) -> float:
+def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: RankPlacement, costs: dict) -> float:
     """ZeRO 3's parameter all-gathers left exposed, on the pipeline rank that has the most (parallel/zero/stage3.py).
     A chunk's blocks are gathered in order with ``zero3_prefetch`` (d) of them ahead: the first gather of a pass is
     exposed, each later one only where it outlasts the d passes of the blocks before it (d = 0: all exposed).
@@ -422,7 +422,13 @@ def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: Placem
 
 
 def _optimizer_time(
-    m: ModelConfig, layout: Layout, p: Profile, placement: Placement, dp_across: bool, speed: float, cache: dict | None
+    m: ModelConfig,
+    layout: Layout,
+    p: Profile,
+    placement: RankPlacement,
+    dp_across: bool,
+    speed: float,
+    cache: dict | None,
 ) -> float:
     """AdamW over the rank's shard (the whole flat buffer at ZeRO 0), its offloaded ratio on the host with the
     gradient copied down and the parameters up; the clip's norm; 16-bit parameters cast back from the masters; the

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from trident.config import Config
 from trident.errors import ConfigError
-from trident.plan.profile import DATASHEETS, DEFAULT_CACHE, Profile, host_memory_bytes, save_cached
+from trident.plan.profile import DATASHEETS, DEFAULT_CACHE, Needs, Profile, host_memory_bytes, save_cached
 
 DEVICES = ("cpu", *DATASHEETS)
 
@@ -51,9 +51,12 @@ def profile_for(
     nodes: int | None = None,
     fresh: bool = False,
     log: Callable[[str], None] = print,
+    one_layout: bool = False,
 ) -> Profile:
-    """The profile to plan ``cfg`` on ``world`` ranks of ``device`` with (module docstring)."""
-    from trident.plan.planner import placement_for, plan  # noqa: PLC0415 (the planner imports this module's users)
+    """The profile to plan ``cfg`` on ``world`` ranks of ``device`` with (module docstring). A calibration measures
+    what the planner needs for every layout of ``cfg``, or with ``one_layout`` (tools/plot_schedule.py --plan) only
+    what the prediction of ``cfg``'s own layout needs; that layout refused by train.py raises its ConfigError."""
+    from trident.plan.planner import placement_for, plan, predict  # noqa: PLC0415 (the planner imports this module's users)
 
     device = device or local_device()
     if device not in (*DEVICES, "cuda"):
@@ -64,7 +67,11 @@ def profile_for(
         raise ConfigError(f"--calibrate measures this machine, which has no {device.upper()}; plan with its datasheet")
     guess = provisional(device)
     placement = placement_for(guess, world, nodes)
-    needs = plan(cfg, world, guess, nodes).needs
+    if one_layout:
+        needs = Needs(precisions={cfg.train.precision})
+        predict(cfg, world, guess, nodes, needs=needs)  # lists what the prediction prices into ``needs``
+    else:
+        needs = plan(cfg, world, guess, nodes).needs
     from trident.plan.calibrate import calibrate  # noqa: PLC0415 (torch.distributed, only when measuring)
 
     if fresh:

@@ -29,14 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
 from trident.bench.runs import Trial, run_trial
-from trident.config import compose_config, validate
-from trident.errors import ConfigError, one_line
+from trident.config import validate
+from trident.errors import ConfigError
 from trident.memory_estimate import estimate
 from trident.plan.planner import Plan, Prediction
+from trident.tool_config import load_config
 
 MIB = 2**20
 
@@ -118,15 +116,13 @@ class Measured:
 
 def _trial(repo: Path, label: str, overrides: list[str], world: int) -> Trial:
     """A trial of ``overrides`` on ``world`` ranks, checked by train.py's validator as a launch of that world
-    (the planner's overrides name dp; runs.plan would take the world from it)."""
+    (the planner's overrides name dp; runs.checked_trial would take the world from it)."""
     trial = Trial(label, overrides, world)
     try:
-        trial.config = compose_config(repo / "conf", overrides)
+        trial.config = load_config(repo / "conf", overrides)
         validate(trial.config, world)
     except ConfigError as e:
         trial.refused = str(e)
-    except (HydraException, OmegaConfBaseException) as e:
-        trial.refused = one_line(str(e))
     return trial
 
 
@@ -229,7 +225,7 @@ def line(m: Measured) -> str:
     return text
 
 
-def table(measured: Sequence[Measured]) -> str:
+def measured_table(measured: Sequence[Measured]) -> str:
     """One row per layout: predicted and measured step time and model-state memory with their errors (and on CUDA
     the device peak), then the launch overrides, or the error line of a run that failed."""
     cuda = any(m.peak_mb is not None for m in measured)

@@ -15,7 +15,7 @@ from trident.config import Config, ModelConfig, validate
 from trident.layout import Layout
 from trident.memory_estimate import Estimate, estimate
 from trident.models.gpt import flops_per_token
-from trident.plan.cost import Placement, StepTime, step_time
+from trident.plan.cost import RankPlacement, StepTime, step_time
 from trident.plan.profile import Needs, Profile, cpu_threads_per_rank
 from trident.plan.space import Keys, enumerate_layouts
 
@@ -44,7 +44,7 @@ class Prediction:
 class Plan:
     world: int
     profile: Profile
-    placement: Placement
+    placement: RankPlacement
     ranked: list[Prediction] = field(default_factory=list)  # fits, best first
     unfit: list[Prediction] = field(default_factory=list)
     refused: list[tuple[Keys, str]] = field(default_factory=list)
@@ -101,7 +101,7 @@ class MemoryModel:
         return best[1], best[2]
 
 
-def placement_for(profile: Profile, world: int, nodes: int | None = None) -> Placement:
+def placement_for(profile: Profile, world: int, nodes: int | None = None) -> RankPlacement:
     """Where ``world`` ranks go: ``nodes`` nodes (default: as many as the world needs at the profile's devices per
     node; one for a CPU), the same count on each."""
     if nodes is None:
@@ -110,10 +110,10 @@ def placement_for(profile: Profile, world: int, nodes: int | None = None) -> Pla
     threads = cpu_threads_per_rank(per_node, profile.units_per_node) if profile.device == "cpu" else 1
     # A calibration's measured sharing holds for the ranks per node it was measured with.
     capacity = profile.shared_capacity if profile.ranks_per_node == per_node else 0.0
-    return Placement(world, per_node, threads, profile.units_per_node, capacity)
+    return RankPlacement(world, per_node, threads, profile.units_per_node, capacity)
 
 
-def fits(peak: dict[str, int], profile: Profile, placement: Placement) -> bool:
+def fits(peak: dict[str, int], profile: Profile, placement: RankPlacement) -> bool:
     """A GPU's peak within its usable memory; on a CPU every rank of the node within the node's memory."""
     budget = profile.usable_fraction * profile.memory_bytes
     if profile.device == "cpu":
@@ -125,7 +125,7 @@ def _predict(
     layout: Layout,
     variant: Config,
     profile: Profile,
-    placement: Placement,
+    placement: RankPlacement,
     memory: MemoryModel,
     needs: Needs,
     cache: dict,

@@ -284,7 +284,7 @@ def rank_collective_times(
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     times: dict[str, list[tuple[int, float]]] = {}
-    barrier(device)
+    wait_for_ranks(device)
     busy = 0.0
     if device_type == "cpu":
         busy = block_rate(block, threads) if block is not None else matmul_rate(threads)
@@ -347,13 +347,13 @@ def exchange(nbytes: int, peer: int, device: torch.device) -> Callable[[], None]
 def time_collective(run: Callable[[], None], reps: int, device: torch.device) -> float:
     """Median seconds of ``reps`` back-to-back runs after a warm-up, every rank starting together. A fixed
     count, not a time budget: every rank of a group has to make the same calls."""
-    barrier(device)
+    wait_for_ranks(device)
     run()
     times = [seconds_once(run, device) for _ in range(reps)]
     return statistics.median(times)
 
 
-def barrier(device: torch.device) -> None:
+def wait_for_ranks(device: torch.device) -> None:
     """Every rank of the launch here (a tiny all-reduce: NCCL's barrier wants to be told the device)."""
     flag = torch.zeros(1, device=device)
     dist.all_reduce(flag)

@@ -154,16 +154,12 @@ DATASHEETS = {
 }
 
 
-def cpu_model() -> str:
-    from trident.peak import cpu_model as model  # noqa: PLC0415 (peak imports torch; the planner need not)
-
-    return model()
-
-
 def cache_key(device: str, ranks_per_node: int, threads: int) -> str:
     """A calibration's identity: the machine (the GPU's name, or the CPU's model and cores), the ranks per node it
     was measured under (collectives and shared cores depend on them), the threads per rank, torch's version."""
     import torch  # noqa: PLC0415
+
+    from trident.peak import cpu_model  # noqa: PLC0415 (peak imports torch, which only this function needs)
 
     if device == "cuda":
         machine = torch.cuda.get_device_name()

@@ -37,7 +37,7 @@ def header(plan: Plan, cfg: Config) -> list[str]:
     ]
 
 
-def table(plan: Plan, cfg: Config, top: int) -> str:
+def plan_table(plan: Plan, cfg: Config, top: int) -> str:
     """The ``top`` best layouts, one row each: predicted tokens/s, MFU, step time, peak memory per rank, pipeline
     bubble, exposed communication (tensor-parallel collectives, pipeline messages, dp/ZeRO not hidden), overrides."""
     lines = header(plan, cfg)

@@ -63,10 +63,10 @@ def run_schedule(
 ) -> list[TimedSpan]:
     """``run`` of schedule ``name`` for P ranks, V chunks and M micro-batches (its structure built once)."""
     schedule, deps = structure(name, pp, vpp, micro)
-    return run(schedule, vpp, cost, transfer, speed or full_speed, deps)
+    return run_actions(schedule, vpp, cost, transfer, speed or full_speed, deps)
 
 
-def run(
+def run_actions(
     schedule: Schedule,
     vpp: int,
     cost: Cost,

@@ -1,0 +1,31 @@
+"""train.py's config as the tools take it: a command line's overrides composed from conf/ and checked the way
+train.py checks them, and the world size a launch of it has when the tool is not told one.
+
+The tools (tools/estimate_memory.py, plot_schedule.py, plan.py) and the benchmark and planner trials read their
+configs here, so a key or value train.py refuses is refused by each of them with the same one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from trident.config import Config, compose_config
+from trident.errors import ConfigError, one_line
+
+
+def load_config(conf_dir: Path | str, overrides: Iterable[str] = ()) -> Config:
+    """train.py's config of ``overrides``; raises ConfigError with one line for a value train.py refuses and for
+    a key or value Hydra refuses (an unknown key, a value of the wrong type, an unknown config group option)."""
+    try:
+        return compose_config(conf_dir, overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(one_line(str(e))) from None
+
+
+def default_world(cfg: Config) -> int:
+    """The world size ``cfg`` asks for: parallel.dp x tp x pp, dp 1 when left out (to the world)."""
+    return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
