@@ -36,7 +36,7 @@ from pathlib import Path
 from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from trident.errors import ConfigError
 from trident.parallel.pipeline.schedules import SCHEDULES, UNIT_COSTS
-from trident.plan.machine import profile_for
+from trident.plan.machine import DEVICES, profile_for
 from trident.schedule_plot import (
     Panel,
     boxes_of,
@@ -51,7 +51,6 @@ from trident.schedule_plot import (
 from trident.tool_config import default_world, load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-DEVICES = ("h100", "h200", "a100", "cpu")
 
 
 # train.py's keys for this tool's flags, so the validator's line names what to change here.
