@@ -1,4 +1,4 @@
-"""trident/memory.py and trident/memory_estimate.py: measured bytes count each storage once; the prediction's
+"""trident/memory/: measured bytes count each storage once; the prediction's
 parameter structure is the model's own; predicted model states and activations match what real ranks hold."""
 
 from __future__ import annotations
@@ -14,19 +14,11 @@ import torch.distributed as dist
 from tests.layouts import make_config, tiny, train_in_process
 from trident.build import build_parts, layout_of
 from trident.config import Config, ModelConfig, OffloadConfig, validate
-from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line
-from trident.memory_estimate import (
-    POLICIES,
-    Layout,
-    activation_bytes,
-    activation_sets,
-    chunk_params,
-    flat_layout,
-    isolated,
-    model_states,
-    rank_params,
-    stage_actions,
-)
+from trident.layout import Layout
+from trident.memory.activations import POLICIES, activation_bytes, activation_sets, stage_actions
+from trident.memory.measure import held_by_forward, log_model_states, measure_model_states, summary_line
+from trident.memory.params import chunk_params, isolated, rank_params
+from trident.memory.states import flat_layout, model_states
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
 from trident.parallel.batch import Batch, document_ids

@@ -30,7 +30,8 @@ import numpy as np
 
 from trident.config import ModelConfig
 from trident.layout import Layout
-from trident.memory_estimate import chunk_params, rank_params, stage_actions
+from trident.memory.activations import stage_actions
+from trident.memory.params import chunk_params, rank_params
 from trident.parallel.pipeline.schedules import Action, makes_weight_grads
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops

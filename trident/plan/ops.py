@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trident.config import ModelConfig
-from trident.memory_estimate import kv_heads_local
+from trident.memory.params import kv_heads_local
 from trident.models.gpt import padded_vocab_size
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
