@@ -3,7 +3,7 @@ modules listed above it.
 
     measure      what a rank really holds: model states by kind and place, each storage once (memory.json), and the
                  activations a forward keeps for backward (``held_by_forward``)
-    params       the parameters each rank holds: the model chunks of its pipeline stage at its tp size
+    params       the parameters each rank holds: its model chunks, built as the runtime builds them on the meta device
     states       model states predicted: the flat layout, its ZeRO sharding, offload, staging and gathered buffers
     activations  activations predicted: per layer (Korthikanti et al.), embedding and head, the schedule's walk
     estimate     the whole prediction of every pipeline stage (``estimate``), what tools/estimate_memory.py prints

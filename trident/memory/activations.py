@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 from trident.config import ModelConfig
 from trident.layout import Layout
-from trident.memory.params import kv_heads_local, rank_chunks
+from trident.memory.params import local_heads, rank_chunks
 from trident.models.gpt import padded_vocab_size
 from trident.parallel.pipeline.schedules import activation_peak, build_schedule
 from trident.parallel.precision import precision_policy
@@ -92,6 +92,7 @@ class _Shape:
     @classmethod
     def of(cls, m: ModelConfig, layout: Layout) -> _Shape:
         e = precision_policy(layout.precision).compute_dtype.itemsize
+        heads, kv_heads = local_heads(m, layout.tp)
         return cls(
             b=layout.micro_batch_size,
             s=m.seq_len,
@@ -104,8 +105,8 @@ class _Shape:
             e_norm=FP32 if layout.device != "cpu" else e,
             device=layout.device,
             norm=m.norm,
-            q=m.n_heads * m.head_dim // layout.tp,
-            kv=kv_heads_local(m, layout.tp) * m.head_dim,
+            q=heads * m.head_dim,
+            kv=kv_heads * m.head_dim,
             fused_qkv=m.kv_heads == m.n_heads,
             rope=m.position == "rope",
             head_dim=m.head_dim,

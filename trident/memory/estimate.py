@@ -13,7 +13,7 @@ from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.activations import POLICIES, activation_bytes, activation_sets, recompute_bytes
 from trident.memory.measure import Figures
-from trident.memory.params import isolated, rank_params
+from trident.memory.params import stage_params
 from trident.memory.states import model_states
 from trident.models.gpt import count_params
 
@@ -62,13 +62,13 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
     """Predicted per-rank bytes of every pipeline stage: model states, transient buffers and activations."""
     out = Estimate(model=m.name, layout=layout, total_params=count_params(m))
     for stage in range(layout.pp):
-        params = rank_params(m, layout, stage)
-        states = model_states(params, layout, isolate=isolated(m, layout))
+        params = stage_params(m, layout, stage)
+        states = model_states(params, layout)
         out.stages.append(
             StageEstimate(
                 stage=stage,
                 compute_place="host" if layout.device == "cpu" else "device",
-                params=sum(n for _, n in params),
+                params=params.numel,
                 model_states=states.figures,
                 staging=states.staging,
                 gathered=states.gathered,

@@ -1,94 +1,39 @@
-"""The parameters a rank holds, for a model shape and a parallel layout.
+"""The parameters a rank holds, read from the model itself.
 
-Counted from the model's structure, parameter by parameter (``rank_params``): the padded vocabulary's share of the
-embedding, the tp split of every matrix and column-parallel bias, the replicated norms and row-parallel biases,
-grouped-query attention's kv weight split over tp or, with fewer kv heads than tp ranks, held whole by every rank,
-SwiGLU's gate and up beside each other, a position table only with learned positions, the layers of each pipeline
-stage, the LM head on the last stage: an untied head of its own, or with pp > 1 the tied copy of the embedding.
+A rank of pipeline stage r holds the model chunks of virtual stages r, r + pp, ... (parallel/pipeline/stages.py).
+Each is built as trident/build.py builds it (``chunk_model``: the GPT of the stage's layers, the embedding on the
+first, the final norm and LM head on the last) but on the meta device, with a ``GroupShape`` (parallel/comm.py) in
+place of the tp group: every layer shapes its parameters as on a real tp rank, and nothing is allocated or
+communicated. Every tp rank holds the same local shapes (the vocabulary is padded to split evenly, and grouped-query
+kv weights that tp does not divide are held whole by every rank), so tp rank 0 stands for all of them;
+tests/test_memory.py builds every rank, and compares the meta chunks with real ones.
+
+From the chunks come the parameters' names and sizes in registration order (``StageParams.named``), each chunk's,
+and the flat layout the runtime lays them out in (``StageParams.flat``: trident/build.py ``flat_layout`` itself,
+on the meta parameters: the reducer's buckets, or ZeRO-3's one per block, and the parameters isolated in buckets of
+their own by their placements, a tied embedding and its copy under pp > 1). The model's whole count stays
+``count_params``'s formula (models/gpt.py), which the tests check against the meta model.
+
+Building a stage costs a few milliseconds per layer and the planner prices thousands of layouts, so a stage is built
+once per (model, tp, pp, vpp, sequence parallelism) and its flat layouts once per (ZeRO 3 or not, dp, buckets).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from trident.build import chunk_model, flat_layout
 from trident.config import ModelConfig
 from trident.layout import Layout
-from trident.models.gpt import padded_vocab_size
-
-
-def _norm(prefix: str, m: ModelConfig) -> list[tuple[str, int]]:
-    """LayerNorm: a gain, and a bias when the model has biases; RMSNorm: a gain only."""
-    bias = m.bias and m.norm == "layernorm"
-    return [(f"{prefix}.weight", m.d_model)] + ([(f"{prefix}.bias", m.d_model)] if bias else [])
-
-
-def _linear(prefix: str, out_local: int, in_local: int, bias_local: int, m: ModelConfig) -> list[tuple[str, int]]:
-    return [(f"{prefix}.weight", out_local * in_local)] + ([(f"{prefix}.bias", bias_local)] if m.bias else [])
-
-
-def kv_heads_local(m: ModelConfig, tp: int) -> int:
-    """Key/value heads a tp rank computes: its 1/tp of them when tp divides them, else the one its query heads read."""
-    return m.kv_heads // tp if m.kv_heads % tp == 0 else 1
-
-
-def block_params(m: ModelConfig, tp: int, prefix: str = "") -> list[tuple[str, int]]:
-    """(name, local numel) of one transformer block at tp, in registration order (models/gpt.py): the norms whole;
-    multi-head attention's fused qkv, or grouped-query attention's q and kv, split by output rows with their
-    biases, except a kv that tp does not divide, which every rank holds whole; the MLP's fc (SwiGLU: its gate and
-    up) split by output rows; the two projections split by input columns, their biases whole."""
-    d, f, dh, heads, kv_heads = m.d_model, m.ffn_dim, m.head_dim, m.n_heads, m.kv_heads
-    if kv_heads == heads:
-        attention = _linear(f"{prefix}attn.qkv", 3 * d // tp, d, 3 * d // tp, m)
-    else:
-        kv = 2 * kv_heads * dh // (tp if kv_heads % tp == 0 else 1)
-        attention = [
-            *_linear(f"{prefix}attn.q", heads * dh // tp, d, heads * dh // tp, m),
-            *_linear(f"{prefix}attn.kv", kv, d, kv, m),
-        ]
-    if m.mlp == "swiglu":
-        mlp = [
-            *_linear(f"{prefix}mlp.gate", f // tp, d, f // tp, m),
-            *_linear(f"{prefix}mlp.up", f // tp, d, f // tp, m),
-        ]
-    else:
-        mlp = _linear(f"{prefix}mlp.fc", f // tp, d, f // tp, m)
-    return [
-        *_norm(f"{prefix}ln_1", m),
-        *attention,
-        *_linear(f"{prefix}attn.proj", d, heads * dh // tp, d, m),
-        *_norm(f"{prefix}ln_2", m),
-        *mlp,
-        *_linear(f"{prefix}mlp.proj", d, f // tp, d, m),
-    ]
-
-
-def chunk_params(m: ModelConfig, tp: int, pp: int, vpp: int, chunk: int) -> list[tuple[str, int]]:
-    """(name, local numel) of model chunk ``chunk`` of pp * vpp (global order), in registration order.
-
-    Chunk 0 holds the token embedding and, with learned positions, the position table (RoPE has none); the last
-    chunk the final norm and the LM head: an ``lm_head`` of its own when untied, and when tied, a copy of the token
-    embedding if the embedding is on another chunk (pp > 1), else nothing (the head is ``wte``). The layers split
-    evenly over the chunks.
-    """
-    chunks = pp * vpp
-    per = m.n_layers // chunks
-    vocab_rows = padded_vocab_size(m.vocab_size, m.vocab_multiple, tp) // tp * m.d_model
-    out: list[tuple[str, int]] = []
-    if chunk == 0:
-        out.append(("wte.weight", vocab_rows))
-        if m.position == "learned":
-            out.append(("wpe.weight", m.seq_len * m.d_model))
-    for i in range(chunk * per, (chunk + 1) * per):
-        out += block_params(m, tp, f"layers.{i}.")
-    if chunk == chunks - 1:
-        out += _norm("ln_f", m)
-        if not (chunks == 1 and m.tie_embeddings):
-            out.append(("lm_head.weight", vocab_rows))
-    return out
-
-
-def isolated(m: ModelConfig, layout: Layout) -> frozenset[str]:
-    """Parameters trident/build.py gives a bucket of their own: the tied embedding and its copy on the last
-    stage, whose gradients are summed across those stages (pp > 1); an untied head has no such sum."""
-    return frozenset({"wte.weight", "lm_head.weight"}) if m.tie_embeddings and layout.pp > 1 else frozenset()
+from trident.models.gpt import GPT, CausalSelfAttention
+from trident.parallel.comm import GroupShape
+from trident.parallel.layout import FlatLayout
+from trident.parallel.zero.stage3 import ChunkUnits
 
 
 def rank_chunks(layout: Layout, stage: int) -> list[int]:
@@ -96,6 +41,75 @@ def rank_chunks(layout: Layout, stage: int) -> list[int]:
     return [stage + v * layout.pp for v in range(layout.vpp)]
 
 
-def rank_params(m: ModelConfig, layout: Layout, stage: int) -> list[tuple[str, int]]:
-    """(name, local numel) of every parameter a rank of pipeline stage ``stage`` holds, chunk after chunk."""
-    return [p for c in rank_chunks(layout, stage) for p in chunk_params(m, layout.tp, layout.pp, layout.vpp, c)]
+def chunk_models(m: ModelConfig, layout: Layout, stage: int, tp_rank: int = 0) -> list[GPT]:
+    """The model chunks tp rank ``tp_rank`` of pipeline stage ``stage`` holds, built on the meta device."""
+    group = GroupShape(tp_rank, layout.tp)
+    with torch.device("meta"):
+        return [chunk_model(m, layout, c, group) for c in rank_chunks(layout, stage)]
+
+
+@dataclass(eq=False)
+class StageParams:
+    """The parameters a rank of pipeline stage ``stage`` holds: its model chunks on the meta device."""
+
+    stage: int
+    chunks: list[GPT]
+    _flat: dict[tuple, tuple[FlatLayout, list[ChunkUnits]]] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def per_chunk(self) -> list[list[tuple[str, int]]]:
+        """(name, local numel) of each chunk's parameters, in registration order."""
+        return [[(name, p.numel()) for name, p in chunk.named_parameters()] for chunk in self.chunks]
+
+    @functools.cached_property
+    def named(self) -> list[tuple[str, int]]:
+        """(name, local numel) of every parameter, chunk after chunk."""
+        return [p for chunk in self.per_chunk for p in chunk]
+
+    @functools.cached_property
+    def numel(self) -> int:
+        """Parameter elements the rank holds (local, unpadded)."""
+        return sum(n for _, n in self.named)
+
+    def flat(self, layout: Layout) -> tuple[FlatLayout, list[ChunkUnits]]:
+        """The flat layout of these parameters at ``layout``'s ZeRO stage, dp and buckets, as trident/build.py lays
+        them out, and at stage 3 each chunk's buckets."""
+        key = (layout.dp, True) if layout.zero == 3 else (layout.dp, False, layout.bucket_mb, layout.precision)
+        if key not in self._flat:
+            self._flat[key] = flat_layout(self.chunks, layout, layout.dp)
+        return self._flat[key]
+
+
+def stage_params(m: ModelConfig, layout: Layout, stage: int) -> StageParams:
+    """The parameters a rank of pipeline stage ``stage`` holds under ``layout`` (built once per model, tp, pp, vpp
+    and sequence parallelism)."""
+    return _stage_params(_key(m), layout.tp, layout.pp, layout.vpp, layout.sequence_parallel and layout.tp > 1, stage)
+
+
+def chunk_params(m: ModelConfig, layout: Layout, chunk: int) -> list[tuple[str, int]]:
+    """(name, local numel) of model chunk ``chunk`` of pp * vpp (its virtual stage), in registration order."""
+    return stage_params(m, layout, chunk % layout.pp).per_chunk[chunk // layout.pp]
+
+
+def local_heads(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """The query heads and the key/value heads a tp rank computes, as the model's attention has them: its 1/tp of
+    the kv heads when tp divides them, else the one its query heads read."""
+    return _local_heads(_key(m), tp)
+
+
+# A model config as a hashable value (the config is a mutable dataclass): its fields in order, so that
+# ``ModelConfig(*key)`` rebuilds it. An attrgetter: the planner makes a key for every layout it prices.
+_key = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig)))
+
+
+@functools.lru_cache(maxsize=512)
+def _stage_params(model: tuple, tp: int, pp: int, vpp: int, sp: bool, stage: int) -> StageParams:
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp)
+    return StageParams(stage, chunk_models(ModelConfig(*model), layout, stage))
+
+
+@functools.lru_cache(maxsize=512)
+def _local_heads(model: tuple, tp: int) -> tuple[int, int]:
+    with torch.device("meta"):
+        attention = CausalSelfAttention(ModelConfig(*model), GroupShape(0, tp), False, None, 0)
+    return attention.n_heads, attention.n_kv_heads

@@ -1,112 +1,29 @@
 """Model states predicted: parameters, gradients and optimizer states, and the transient buffers above them.
 
-A rank's parameters (trident/memory/params.py) are laid out in the flat buffers with the reducer's buckets and their
-padding to a multiple of dp (trident/parallel/layout.py; a tied embedding and its copy isolated in buckets of their
-own under pp > 1), then held as each ZeRO stage holds them (``model_states``). With Psi parameters and N dp ranks
-this is the ZeRO paper's accounting (Rajbhandari et al., 2020: 16 Psi in 16-bit training, 4 Psi + 12 Psi / N at
-stage 1, 2 Psi + 14 Psi / N at stage 2, 16 Psi / N at stage 3) made exact: padding, the gradient buffer's fp32 even
-for 16-bit parameters, Adam's per-tensor step counters, buffers a stage keeps whole. tests/test_memory.py checks it
-to the byte against real ranks (memory.json).
+A rank's parameters (trident/memory/params.py) are laid out in the flat buffers as the runtime lays them out, with
+the reducer's buckets and their padding to a multiple of dp (trident/build.py ``flat_layout``, parallel/layout.py; a
+tied embedding and its copy isolated in buckets of their own under pp > 1), then held as each ZeRO stage holds them
+(``model_states``). With Psi parameters and N dp ranks this is the ZeRO paper's accounting (Rajbhandari et al.,
+2020: 16 Psi in 16-bit training, 4 Psi + 12 Psi / N at stage 1, 2 Psi + 14 Psi / N at stage 2, 16 Psi / N at stage
+3) made exact: padding, the gradient buffer's fp32 even for 16-bit parameters, Adam's per-tensor step counters,
+buffers a stage keeps whole. tests/test_memory.py checks it to the byte against real ranks (memory.json).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass
-
-import torch
-from torch import nn
 
 from trident.layout import Layout
 from trident.memory.measure import KINDS, PLACES, Figures
+from trident.memory.params import StageParams
 from trident.parallel.layout import FlatLayout
 from trident.parallel.precision import precision_policy
-from trident.parallel.reducer import bucket_numel
 from trident.parallel.zero.grads import ShardedGradReducer
 from trident.parallel.zero.optimizer import shard_segments
 
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one element each per parameter element
 STEP_COUNTER = 4  # AdamW's per-tensor step: a float32 scalar
-
-
-# --- the flat layout ------------------------------------------------------------------------------------------
-
-
-def _meta(numel: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(numel, device="meta"))
-
-
-def _chunk_indices(names: list[str]) -> list[int]:
-    """Which of the rank's model chunks each parameter of ``rank_params`` is in: they come chunk after chunk, each
-    chunk's layers contiguous, the next chunk's starting further on (the other ranks' chunks lie between)."""
-    chunk, last, out = 0, None, []
-    for name in names:
-        if name.startswith("layers."):
-            layer = int(name.split(".")[1])
-            if last is not None and layer not in (last, last + 1):
-                chunk += 1
-            last = layer
-        out.append(chunk)
-    return out
-
-
-def flat_layout(params: list[tuple[str, int]], layout: Layout, isolate: Collection[str] = ()) -> FlatLayout:
-    """The flat layout trident builds over these parameters (trident/build.py), from stand-in
-    parameters on the meta device: at stages 0-2 the reducer's buckets of about ``bucket_mb`` of fp32 in reverse
-    registration order, the parameters named in ``isolate`` (``isolated``: a tied embedding and its copy under
-    pipeline parallelism) each in a bucket of its own; at stage 3 (parallel/zero/stage3.py ``unit_layout``), per
-    model chunk, one bucket per transformer block, last block first, then the rest (the root: none on a chunk with
-    no embedding or head), an isolated parameter in a bucket of its own; every bucket padded to a multiple of dp."""
-    metas = [(name, _meta(n)) for name, n in params]
-    if layout.zero < 3:
-        alone = [p for name, p in metas if name in isolate]
-        numel = bucket_numel(layout.bucket_mb, torch.float32)
-        chunks: list[list[nn.Parameter]] = []  # no bucket spans two of the rank's model chunks
-        for (_, p), c in zip(metas, _chunk_indices([name for name, _ in metas]), strict=True):
-            chunks += [[] for _ in range(c + 1 - len(chunks))]
-            chunks[c].append(p)
-        return FlatLayout.by_size([p for _, p in metas], numel, layout.dp, isolate=alone, chunks=chunks)
-    buckets = []
-    for blocks, roots in _stage3_chunks(metas, isolate):
-        buckets += [list(reversed(u)) for u in [*reversed(blocks), *roots]]
-    return FlatLayout(buckets, layout.dp)
-
-
-def _stage3_chunks(
-    metas: list[tuple[str, nn.Parameter]], isolate: Collection[str]
-) -> list[tuple[list[list[nn.Parameter]], list[list[nn.Parameter]]]]:
-    """Stage 3's buckets of each model chunk, unpadded (parallel/zero/stage3.py ``unit_layout``): each block's
-    parameters in forward order, and the root's buckets: the chunk's other parameters, then each one in ``isolate``
-    alone; an empty root has no bucket."""
-    out = []
-    for blocks, root in _chunk_units(metas):
-        roots = [[p for name, p in root if name not in isolate]] + [[p] for name, p in root if name in isolate]
-        out.append((blocks, [r for r in roots if r]))
-    return out
-
-
-def _chunk_units(metas: list[tuple[str, nn.Parameter]]) -> list[tuple[list[list[nn.Parameter]], list]]:
-    """(each block's parameters in forward order, the root's (name, parameter)s) of each model chunk among
-    ``metas`` (a rank's, chunk after chunk, as ``rank_params`` lists them; chunks as ``_chunk_indices`` finds
-    them): the embedding opens the first chunk, the final norm and head close the last."""
-    chunks: list[tuple[list[list[nn.Parameter]], list]] = []
-    previous = None
-    for (name, p), c in zip(metas, _chunk_indices([name for name, _ in metas]), strict=True):
-        chunks += [([], []) for _ in range(c + 1 - len(chunks))]
-        blocks, root = chunks[c]
-        if not name.startswith("layers."):
-            root.append((name, p))
-            continue
-        layer = int(name.split(".")[1])
-        if layer != previous:
-            blocks.append([])
-        blocks[-1].append(p)
-        previous = layer
-    return chunks
-
-
-# --- model states ---------------------------------------------------------------------------------------------
 
 
 def _figures() -> Figures:
@@ -135,14 +52,12 @@ class ModelStates:
     checkpoint: int  # what the rank's checkpoint holds: fp32 masters and moments of its shard, a step per piece
 
 
-def model_states(
-    params: list[tuple[str, int]], layout: Layout, dp_rank: int | None = None, isolate: Collection[str] = ()
-) -> ModelStates:
-    """Bytes of parameters, gradients and optimizer states that dp rank ``dp_rank`` (None: the largest) holds
-    for ``params`` (``rank_params``; ``isolate``: ``isolated``), held as trident/build.py's optimizer holds
-    them. B is the flat layout's numel (parameters plus bucket padding), S the shards (dp at stages 1-3, else 1), p
-    the parameter dtype's bytes. Every stage, 0 included, is ZeRO's optimizer over this rank's 1/S of every bucket,
-    cut into pieces per parameter:
+def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None) -> ModelStates:
+    """Bytes of parameters, gradients and optimizer states that dp rank ``dp_rank`` (None: the largest) holds for
+    a stage's ``params`` in the flat layout trident/build.py lays them out in (``StageParams.flat``), held as its
+    optimizer holds them. B is the flat layout's numel (parameters plus bucket padding), S the shards (dp at stages
+    1-3, else 1), p the parameter dtype's bytes. Every stage, 0 included, is ZeRO's optimizer over this rank's 1/S
+    of every bucket, cut into pieces per parameter:
 
                           parameters  p B (stages 0-2: one flat buffer), p B / S (stage 3: the shards)
                           gradients   4 B (stages 0-1: the reducer's buffer), 4 B / S (stages 2-3: the shard)
@@ -159,24 +74,13 @@ def model_states(
     (``gathered``: the roots and 1 + ``zero3_prefetch`` blocks, the running and the prefetched; every bucket with
     ``zero3_gather=step``).
     """
-    flat = flat_layout(params, layout, isolate)
+    flat, chunk_units = params.flat(layout)
     ranks = range(layout.dp if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
-    units = _stage3_units(params, flat, isolate) if layout.zero == 3 else []
-    first = any(name == "wte.weight" for name, _ in params)
-    states = (_rank_states(params, flat, layout, r, units, first) for r in ranks)
+    # Stage 3: each chunk's (its blocks' bucket numels, its root buckets' numels).
+    units = [([s.numel for s in u.blocks], [s.numel for s in u.root]) for u in chunk_units]
+    first = params.chunks[0].is_first
+    states = (_rank_states(flat, layout, r, units, first) for r in ranks)
     return max(states, key=lambda s: sum(s.figures["total"].values()))
-
-
-def _stage3_units(
-    params: list[tuple[str, int]], flat: FlatLayout, isolate: Collection[str]
-) -> list[tuple[list[int], list[int]]]:
-    """(its blocks' bucket numels, its root buckets' numels) of each model chunk, as ``flat_layout`` laid them."""
-    out, at = [], 0
-    for blocks, roots in _stage3_chunks([(name, _meta(n)) for name, n in params], isolate):
-        spans = [s.numel for s in flat.spans[at : at + len(blocks) + len(roots)]]
-        out.append((spans[: len(blocks)], spans[len(blocks) :]))
-        at += len(blocks) + len(roots)
-    return out
 
 
 def _gathered(layout: Layout, flat: FlatLayout, units: list[tuple[list[int], list[int]]], first: bool) -> int:
@@ -191,7 +95,6 @@ def _gathered(layout: Layout, flat: FlatLayout, units: list[tuple[list[int], lis
 
 
 def _rank_states(
-    params: list[tuple[str, int]],
     flat: FlatLayout,
     layout: Layout,
     dp_rank: int,
