@@ -30,8 +30,8 @@ from trident.data.mixture import open_training_data
 from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores
 from trident.launcher import launcher_pid, stop_when_orphaned
 from trident.loop import Trainer
-from trident.memory import log_model_states
-from trident.memory_estimate import estimate
+from trident.memory.estimate import estimate
+from trident.memory.measure import log_model_states
 from trident.metrics import MetricsLogger, announce_run
 from trident.parallel.groups import (
     build_process_groups,

@@ -18,6 +18,8 @@ to several consumers (an add's backward gives the same tensor to both operands).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -28,10 +30,22 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+@dataclass(frozen=True)
+class GroupShape:
+    """A group's rank and size with no processes behind it: what a layer reads to shape its parameters when a model
+    is built on the meta device to be counted (the memory estimator, trident/memory/params.py). Never a group to
+    communicate over: a collective given one fails."""
+
+    rank: int
+    size: int
+
+
+def rank_and_size(group: dist.ProcessGroup | GroupShape | None) -> tuple[int, int]:
     """This rank's index in ``group`` and the group's size; no group is a group of one."""
     if group is None:
         return 0, 1
+    if isinstance(group, GroupShape):
+        return group.rank, group.size
     return dist.get_rank(group), dist.get_world_size(group)
 
 

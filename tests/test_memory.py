@@ -1,39 +1,33 @@
-"""trident/memory.py and trident/memory_estimate.py: measured bytes count each storage once; the prediction's
+"""trident/memory/: measured bytes count each storage once; the prediction's
 parameter structure is the model's own; predicted model states and activations match what real ranks hold."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tests.layouts import make_config, tiny, train_in_process
 from trident.build import build_parts, layout_of
 from trident.config import Config, ModelConfig, OffloadConfig, validate
-from trident.memory import held_by_forward, log_model_states, measure_model_states, model_states_line
-from trident.memory_estimate import (
-    POLICIES,
-    Layout,
-    activation_bytes,
-    activation_sets,
-    chunk_params,
-    flat_layout,
-    isolated,
-    model_states,
-    rank_params,
-    stage_actions,
-)
+from trident.layout import Layout
+from trident.memory.activations import POLICIES, activation_bytes, activation_sets, stage_actions
+from trident.memory.measure import held_by_forward, log_model_states, measure_model_states, model_states_line
+from trident.memory.params import chunk_models, chunk_params, stage_params
+from trident.memory.states import model_states
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
 from trident.parallel.batch import Batch, document_ids
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.pipeline.schedules import build_schedule
 from trident.parallel.pipeline.stages import stage_layers
-from trident.parallel.placement import placement_of
+from trident.parallel.placement import Placement, placement_of
 from trident.parallel.precision import autocast
 from trident.parallel.random import model_parallel_rng
 from trident.parallel.topology import Topology
@@ -112,14 +106,25 @@ def test_held_by_forward_sees_saved_tensors_not_temporaries_or_parameters() -> N
 # --- parameter structure --------------------------------------------------------------------------------------
 
 
+def _described(model: nn.Module) -> list[tuple[str, tuple[int, ...], Placement]]:
+    """Each parameter's name, local shape and placement, in registration order."""
+    return [(n, tuple(p.shape), placement_of(p)) for n, p in model.named_parameters()]
+
+
 @pytest.mark.parametrize("cfg", SHAPES + LLAMAS, ids=[c.name for c in SHAPES + LLAMAS])
-def test_rank_params_are_the_models_own(cfg: ModelConfig) -> None:
-    """Names, order and local sizes equal GPT's named_parameters at tp=1; the sum is count_params plus padding
-    (of both tables when the head is untied)."""
+def test_the_estimators_parameters_are_the_models_own(cfg: ModelConfig) -> None:
+    """The estimator's model is GPT built on the meta device: names, order, local shapes and placements equal a real
+    (CPU) GPT's at tp=1, and nothing is allocated; the sum is count_params plus padding (of both tables when the head
+    is untied). One build serves every layout of the same model, tp, pp, vpp and sequence parallelism."""
     model = GPT(cfg)
-    assert rank_params(cfg, Layout(), 0) == [(n, p.numel()) for n, p in model.named_parameters()]
+    params = stage_params(cfg, Layout(), 0)
+    (chunk,) = params.chunks
+    assert all(p.is_meta for p in chunk.parameters())
+    assert _described(chunk) == _described(model)
+    assert params.named == [(n, p.numel()) for n, p in model.named_parameters()]
     padding = (model.padded_vocab - cfg.vocab_size) * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-    assert sum(n for _, n in rank_params(cfg, Layout(), 0)) == count_params(cfg) + padding
+    assert params.numel == count_params(cfg) + padding
+    assert stage_params(cfg, Layout(dp=4, zero=3, micro_batch_size=8), 0) is params
 
 
 @pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 1)])
@@ -127,37 +132,65 @@ def test_rank_params_are_the_models_own(cfg: ModelConfig) -> None:
 def test_pipeline_chunks_are_the_stage_models_own(cfg: ModelConfig, pp: int, vpp: int) -> None:
     """Each chunk's parameters are those of the GPT a pipeline stage builds for it (first: the embedding, and a
     position table only with learned positions; last: the final norm and an lm_head, a tied copy or an untied
-    head), and the isolated buckets are the parameters whose gradients build.py sums across stages: a tied
-    embedding's two copies, nothing for an untied head."""
+    head), and the parameters the flat layout isolates in buckets of their own are those whose gradients build.py
+    sums across stages: a tied embedding's two copies, nothing for an untied head."""
     cfg = dataclasses.replace(cfg, n_layers=4)
     chunks = pp * vpp
-    layout = Layout(pp=pp, vpp=vpp, schedule="interleaved" if vpp > 1 else None)
+    layout = Layout(dp=2, pp=pp, vpp=vpp, bucket_mb=1000.0)  # one bucket per chunk, but for the isolated
     for c in range(chunks):
         model = GPT(cfg, layers=stage_layers(cfg.n_layers, pp, vpp, c), first=c == 0, last=c == chunks - 1)
-        assert chunk_params(cfg, 1, pp, vpp, c) == [(n, p.numel()) for n, p in model.named_parameters()]
+        assert chunk_params(cfg, layout, c) == [(n, p.numel()) for n, p in model.named_parameters()]
+        params = stage_params(cfg, layout, c % pp)
+        assert _described(params.chunks[c // pp]) == _described(model)
         summed = {n for n, p in model.named_parameters() if "embedding" in placement_of(p).grad_sums}
-        assert summed == {n for n, _ in chunk_params(cfg, 1, pp, vpp, c)} & isolated(cfg, layout)
+        names = {p: n for n, p in params.chunks[c // pp].named_parameters()}
+        alone = {names.get(s.params[0]) for s in params.flat(layout)[0].spans if len(s.params) == 1}
+        assert summed == alone - {None}
         if c in (0, chunks - 1):
             assert bool(summed) == cfg.tie_embeddings
 
 
+# (model, tp): a vocab of 515 padded over tp (the last rank's block partly padding); llama-tiny's 2 kv heads split
+# over tp=2, held whole by every rank at tp=4; multi-query attention's one kv head held whole at tp=4.
+TP_SHAPES = [(SHAPES[1], 2), (LLAMA, 2), (LLAMA, 4), (LLAMAS[3], 4)]
+
+
+@pytest.mark.parametrize("cfg,tp", TP_SHAPES, ids=["gpt-odd-tp2", "llama-tp2", "llama-tp4", "llama-mqa-tp4"])
+def test_every_tp_rank_holds_the_same_shapes(cfg: ModelConfig, tp: int) -> None:
+    """The estimator counts tp rank 0 for all: every rank's chunks (built on the meta device with a GroupShape for
+    the tp group) have the same names and local shapes, and the same placements but for the rank; kv weights that
+    tp does not divide are whole on every rank."""
+    cfg = dataclasses.replace(cfg, n_layers=2)
+    layout = Layout(tp=tp, pp=2)
+    for stage in range(2):
+        ranks = [chunk_models(cfg, layout, stage, tp_rank=r) for r in range(tp)]
+        described = [[(n, s, dataclasses.replace(p, tp_rank=0)) for n, s, p in _described(c)] for (c,) in ranks]
+        assert all(d == described[0] for d in described)
+        assert [(n, math.prod(s)) for n, s, _ in described[0]] == stage_params(cfg, layout, stage).named
+    (first,) = chunk_models(cfg, layout, 0)
+    for block in first.layers.values():
+        if hasattr(block.attn, "kv"):
+            assert placement_of(block.attn.kv.weight).split_dim == (0 if cfg.kv_heads % tp == 0 else None)
+
+
 def test_pipeline_split_holds_every_layer_once_and_a_tied_copy() -> None:
     cfg = SHAPES[1]  # 3 layers
-    layout = Layout(pp=3)
-    stages = [rank_params(cfg, layout, s) for s in range(3)]
+    layout = Layout(pp=3, dp=2)
+    stages = [stage_params(cfg, layout, s).named for s in range(3)]
     names = [n for stage in stages for n, _ in stage]
     assert names.count("wte.weight") == 1 and names.count("lm_head.weight") == 1  # the last stage's copy of it
     assert [n for n in names if n != "lm_head.weight"] == [n for n, _ in GPT(cfg).named_parameters()]
-    assert stages[1] == chunk_params(cfg, 1, 3, 1, 1) and all(n.startswith("layers.1.") for n, _ in stages[1])
+    assert stages[1] == chunk_params(cfg, layout, 1) and all(n.startswith("layers.1.") for n, _ in stages[1])
     # Both copies of the tied embedding get a bucket of their own, as train.py isolates them.
     wte = dict(stages[0])["wte.weight"]
     for stage in (0, 2):
-        spans = flat_layout(stages[stage], Layout(pp=3, dp=2), isolated(cfg, Layout(pp=3))).spans
+        spans = stage_params(cfg, layout, stage).flat(layout)[0].spans
         assert [s.numel for s in spans if s.params[0].numel() == wte] == [wte + wte % 2]
         assert sum(len(s.params) for s in spans) == len(stages[stage])
     inter = Layout(pp=2, vpp=2, schedule="interleaved")
     cfg4 = ModelConfig(name="4", n_layers=4, d_model=32, n_heads=2, seq_len=16, vocab_size=100)
-    assert {n.split(".")[1] for n, _ in rank_params(cfg4, inter, 0) if n.startswith("layers.")} == {"0", "2"}
+    named = stage_params(cfg4, inter, 0).named
+    assert {n.split(".")[1] for n, _ in named if n.startswith("layers.")} == {"0", "2"}
 
 
 # --- the pipeline schedules' micro-batches in flight ----------------------------------------------------------
@@ -337,25 +370,20 @@ def _predicted(cfg: ModelConfig, case: tuple, dp: int, tp: int, dp_rank: int) ->
         bucket_mb=bucket_mb,
         device="cpu",
     )
-    return model_states(rank_params(cfg, layout, 0), layout, dp_rank)
+    return model_states(stage_params(cfg, layout, 0), layout, dp_rank)
 
 
 def _check_states(ranks: list[list[dict]], cfg: ModelConfig, cases: list, dp: int, tp: int) -> None:
     """Each rank's parameters are the predicted ones and its measured model states the prediction to the byte."""
     for r in ranks:
         for case, got in zip(cases, r, strict=True):
-            assert got["params"] == rank_params(cfg, Layout(tp=tp), 0), case
+            assert got["params"] == stage_params(cfg, Layout(tp=tp), 0).named, case
             predicted = _predicted(cfg, case, dp, tp, got["dp_rank"])
             for kind in ("params", "grads", "optimizer", "total"):
                 measured, expected = got["states"][kind], predicted.figures[kind]
                 assert measured == expected, (case, kind, measured, expected)
-            largest = max(
-                s.numel
-                for s in flat_layout(
-                    rank_params(cfg, Layout(dp=dp, tp=tp, zero=case[0]), 0),
-                    Layout(dp=dp, tp=tp, zero=case[0], bucket_mb=case[3]),
-                ).spans
-            )
+            layout = Layout(dp=dp, tp=tp, zero=case[0], bucket_mb=case[3])
+            largest = max(s.numel for s in stage_params(cfg, layout, 0).flat(layout)[0].spans)
             if case[0] >= 2:  # at least the largest bucket, at most it and the MAX_IN_FLIGHT largest in flight
                 assert 4 * largest <= got["staging"] <= predicted.staging, (case, got["staging"], predicted.staging)
 
@@ -423,7 +451,7 @@ def test_tp_parameters_and_activations_match_the_prediction(cfg: ModelConfig, tp
     ranks = run_distributed(_tp, tp, cfg, documents)
     layout = Layout(tp=tp, micro_batch_size=2, device="cpu")
     for r in ranks:
-        assert r["params"] == rank_params(cfg, layout, 0)
+        assert r["params"] == stage_params(cfg, layout, 0).named
     for sp in (False, True):
         lay = Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, device="cpu", document_mask=documents)
         for p in POLICIES:
@@ -506,7 +534,7 @@ def test_a_llama_pipeline_run_logs_the_predicted_model_states(
     m = config.model
     assert {(r["pp"], r["dp"]) for r in report["ranks"]} == {(s, d) for s in range(2) for d in range(2)}
     for r in report["ranks"]:
-        predicted = model_states(rank_params(m, layout, r["pp"]), layout, r["dp"], isolated(m, layout)).figures
+        predicted = model_states(stage_params(m, layout, r["pp"]), layout, r["dp"]).figures
         assert {kind: r[kind] for kind in predicted} == predicted, r
     for stage in report["estimate"]["stages"]:
         rows = [r for r in report["ranks"] if r["pp"] == stage["stage"]]
@@ -583,7 +611,7 @@ def test_zero3_pipeline_model_states_and_gathered_parameters_match_the_predictio
             config = _zero3_pp_config(case)
             m = config.model
             layout = dataclasses.replace(validate(config, 4), device="cpu", micro_batches=4)
-            predicted = model_states(rank_params(m, layout, got["pp"]), layout, got["dp"], isolated(m, layout))
+            predicted = model_states(stage_params(m, layout, got["pp"]), layout, got["dp"])
             assert got["states"] == predicted.figures, case
             assert got["peak_gathered"] == predicted.gathered, (case, got["pp"], got["peak_gathered"])
             assert got["after_step"] == 0, case

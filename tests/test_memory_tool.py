@@ -12,8 +12,9 @@ import pytest
 from tests.conftest import REPO
 from tests.layouts import make_config
 from trident.config import validate
-from trident.memory import format_bytes
-from trident.memory_estimate import Layout, estimate
+from trident.layout import Layout
+from trident.memory.estimate import estimate
+from trident.memory.measure import format_bytes
 
 TOOL = REPO / "tools" / "estimate_memory.py"
 

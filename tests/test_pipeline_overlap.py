@@ -14,7 +14,8 @@ import torch
 from trident.bench.harness import random_batches
 from trident.build import build_optimizer, layout_of, model_chunks
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from trident.memory_estimate import Layout, flat_layout, isolated, rank_params
+from trident.layout import Layout
+from trident.memory.params import stage_params
 from trident.parallel.groups import build_process_groups
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
@@ -94,8 +95,8 @@ def test_each_chunks_buckets_launch_during_its_last_backward(tmp_path, schedule,
     new = run_distributed(_launches, 4, schedule, vpp, True, tmp_path / "new")
     old = run_distributed(_launches, 4, schedule, vpp, False, tmp_path / "old")
     layout = Layout(dp=2, pp=2, vpp=vpp, bucket_mb=0.01)
-    for r in new:  # the memory estimator's layout (trident/memory_estimate.py) is the reducer's, chunk cuts included
-        predicted = flat_layout(rank_params(MODEL, layout, r["pp_rank"]), layout, isolated(MODEL, layout))
+    for r in new:  # the memory estimator's layout (trident/memory/params.py) is the reducer's, chunk cuts included
+        predicted, _ = stage_params(MODEL, layout, r["pp_rank"]).flat(layout)
         assert [s.numel for s in predicted.spans] == r["numels"]
     for per_chunk, results in ((True, new), (False, old)):
         for r in results:

@@ -13,7 +13,7 @@ import pytest
 from trident.config import compose_config, validate
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, Layout, with_keys
-from trident.memory_estimate import estimate
+from trident.memory.estimate import estimate
 from trident.parallel.pipeline.schedules import UNIT_COSTS, bubble_formula
 from trident.plan import simulate
 from trident.plan.cost import RankPlacement, _chunk_reduce_end, collective_time

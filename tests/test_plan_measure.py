@@ -13,7 +13,8 @@ from tests.conftest import REPO
 from tests.plan_profiles import hand_built_cpu
 from trident.bench.runs import Trial
 from trident.config import Config, compose_config
-from trident.memory_estimate import Layout, estimate
+from trident.layout import Layout
+from trident.memory.estimate import estimate
 from trident.plan import measure, planner
 from trident.plan.cost import StepTime
 from trident.plan.planner import Plan, Prediction

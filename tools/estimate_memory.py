@@ -11,7 +11,7 @@ per device and per host of every ZeRO stage and offload option at this layout, t
 asked for on its most loaded pipeline stage: model states, transient buffers, and activations under each
 recomputation policy with the micro-batches the schedule keeps in flight. ``--device cpu`` predicts a CPU run,
 where everything lives in host memory; ``--json`` prints the prediction as JSON. The formulas and their
-sources are in trident/memory_estimate.py; trident/memory.py measures the same figures in a run (memory.json).
+sources are in trident/memory/; trident/memory/measure.py measures the same figures in a run (memory.json).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from pathlib import Path
 from trident.config import Config, validate
 from trident.errors import ConfigError
 from trident.layout import Layout
-from trident.memory import format_bytes
-from trident.memory_estimate import POLICIES, Estimate, estimate
+from trident.memory.activations import POLICIES
+from trident.memory.estimate import Estimate, estimate
+from trident.memory.measure import format_bytes
 from trident.tool_config import default_world, load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

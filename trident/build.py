@@ -2,7 +2,9 @@
 tools and benches build through, so none of them copies the wiring.
 
     model_chunks     this rank's GPT chunks: its virtual stages, initialised, on the device, compiled, recomputed
+                     (``chunk_model``: one of them as constructed)
     build_optimizer  the gradient reducer, the ZeRO optimizer (every stage, 0 included) and the step around it
+                     (``flat_layout``: the flat layout of the chunks' parameters at the ZeRO stage)
     build_runner     how a step's micro-batches go through the chunks: the local runner or a pipeline schedule
     build_parts      the three above, as one ``RunParts``
     build_checkpointer  the checkpointer of those parts
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from trident.checkpoint.manager import Checkpointer
 from trident.config import Config, ModelConfig, OptimConfig, TrainConfig, validate
@@ -36,18 +39,19 @@ from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.compile import compile_blocks
 from trident.models.gpt import GPT, init_weights
 from trident.optim import GradStep
+from trident.parallel.comm import GroupShape
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.placement import placement_of
 from trident.parallel.precision import LossScaler, precision_policy
-from trident.parallel.random import model_parallel_rng
+from trident.parallel.random import RNGTracker, model_parallel_rng
 from trident.parallel.reducer import GradReducer, bucket_numel
 from trident.parallel.zero.grads import ScatterReducer, ShardedGradReducer
 from trident.parallel.zero.optimizer import ZeroOptimizer
 from trident.parallel.zero.params import FlatParams, ShardedParams
-from trident.parallel.zero.stage3 import ParameterSharding, unit_layout
+from trident.parallel.zero.stage3 import ChunkUnits, ParameterSharding, unit_layout
 from trident.runner import LocalRunner, Runner
 
 
@@ -60,9 +64,7 @@ def model_chunks(
     rng = model_parallel_rng(train.seed)
     chunks = []
     for c in range(layout.vpp):
-        stage = c * layout.pp + groups.pp_rank
-        layers = stage_layers(m.n_layers, layout.pp, layout.vpp, stage)
-        chunk = GPT(m, groups.tp_group, layout.sequence_parallel, rng, layers, stage == 0, stage == layout.chunks - 1)
+        chunk = chunk_model(m, layout, c * layout.pp + groups.pp_rank, groups.tp_group, rng)
         init_weights(chunk, m, train.seed)
         chunk.to(device)
         if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
@@ -70,6 +72,20 @@ def model_chunks(
         apply_activation_checkpointing(chunk, layout.activation_checkpointing)
         chunks.append(chunk)
     return chunks
+
+
+def chunk_model(
+    m: ModelConfig,
+    layout: Layout,
+    stage: int,
+    tp_group: ProcessGroup | GroupShape | None,
+    rng: RNGTracker | None = None,
+) -> GPT:
+    """The GPT of virtual stage ``stage``, as constructed (parameters zero): its layers (parallel/pipeline/stages.py),
+    the embedding on stage 0, the final norm and LM head on the last. The memory estimator (trident/memory/params.py)
+    builds it on the meta device, a ``GroupShape`` standing for the tp group."""
+    layers = stage_layers(m.n_layers, layout.pp, layout.vpp, stage)
+    return GPT(m, tp_group, layout.sequence_parallel, rng, layers, stage == 0, stage == layout.chunks - 1)
 
 
 @dataclass
@@ -95,9 +111,8 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     model chunks, so the pipeline reduces each chunk's buckets after its last backward."""
     zero = layout.zero
     policy = precision_policy(layout.precision)
-    per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+    per_chunk, isolate = _trainable(chunks)
     params = [p for ps in per_chunk for p in ps]
-    isolate = [p for p in params if "embedding" in placement_of(p).grad_sums]
     dp_group, device = groups.dp_group, params[0].device
 
     sharding: ParameterSharding | None = None
@@ -106,12 +121,11 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
         reducer = kind(params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
         flat = reducer.layout
     elif zero == 2:
-        numel = bucket_numel(layout.bucket_mb, policy.reduce_dtype)
-        flat = FlatLayout.by_size(params, numel, groups.dp_size, isolate, per_chunk)
+        flat, _ = flat_layout(chunks, layout, groups.dp_size)
         reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device)
     else:
         units_of = [(chunk, list(chunk.layers.values())) for chunk in chunks]
-        flat, units = unit_layout(units_of, groups.dp_size, set(isolate))
+        flat, units = flat_layout(chunks, layout, groups.dp_size)
         # One launch order per chunk: a pipeline rank runs its chunks' backward passes interleaved.
         chains = [[s.index for s in [*reversed(u.blocks), *u.root]] for u in units]
         reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device, chains=chains)
@@ -130,6 +144,27 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     scaler = LossScaler() if policy.loss_scaling else None
     step = GradStep(optimizer, groups, opt.grad_clip, scaler)
     return Optimizer(reducer, optimizer, step, sharding)
+
+
+def _trainable(chunks: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+    """Each chunk's trainable parameters, and those whose gradients are summed across pipeline stages after the dp
+    reduction (the tied embedding's two copies, placement ``grad_sums`` "embedding"): each gets a bucket of its own,
+    so its shards line up on the ranks that sum them."""
+    per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+    return per_chunk, [p for ps in per_chunk for p in ps if "embedding" in placement_of(p).grad_sums]
+
+
+def flat_layout(chunks: list[GPT], layout: Layout, dp_size: int) -> tuple[FlatLayout, list[ChunkUnits]]:
+    """The flat layout of the chunks' trainable parameters at the layout's ZeRO stage, and at stage 3 each chunk's
+    buckets (else none). Stages 0-2: buckets of about ``bucket_mb`` of the reduce dtype in reverse registration
+    order, none spanning two chunks, an isolated parameter in a bucket of its own (``FlatLayout.by_size``; the
+    reducer of stages 0-1 builds it from the same arguments); stage 3: one bucket per block (``unit_layout``).
+    No process group: the memory estimator (trident/memory/params.py) calls it on chunks built on the meta device."""
+    per_chunk, isolate = _trainable(chunks)
+    if layout.zero < 3:
+        numel = bucket_numel(layout.bucket_mb, precision_policy(layout.precision).reduce_dtype)
+        return FlatLayout.by_size([p for ps in per_chunk for p in ps], numel, dp_size, isolate, per_chunk), []
+    return unit_layout([(chunk, list(chunk.layers.values())) for chunk in chunks], dp_size, set(isolate))
 
 
 def build_runner(

@@ -27,7 +27,7 @@ being filled by backward plus at most two whose reduce-scatter is in flight, eac
 (``ShardedGradReducer.grad_tensors`` lists them). Stage 3 gathers full buckets in the parameter dtype: each model
 chunk's root buckets (embeddings, final norm, head) from its forward to the end of its backward, plus the running
 block and the ``parallel.zero3_prefetch`` next ones; with ``parallel.zero3_gather=step`` every bucket for the whole
-step (``ShardedParams.full_bytes``, ``peak_full_bytes``; memory_estimate's ``gathered``).
+step (``ShardedParams.full_bytes``, ``peak_full_bytes``; the memory estimator's ``gathered``).
 
 Offload (parallel.offload.optimizer=cpu, ratio r): the first r of the shard's S elements (S = Psi'/N, or Psi' at
 stage 0) move to host memory, pinned when CUDA exists: masters 4 rS, moments 8 rS and a host copy of their

@@ -91,7 +91,7 @@ class ShardedParams:
         self._gathered = [True] * len(layout.spans)
         for span in layout.spans:
             self.free(span)
-        self.peak_full_bytes = 0  # the most full-buffer memory gathered at once (memory_estimate's ``gathered``)
+        self.peak_full_bytes = 0  # the most full-buffer memory gathered at once (the estimator's ``gathered``)
 
     @property
     def dtype(self) -> torch.dtype:

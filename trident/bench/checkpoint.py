@@ -35,7 +35,7 @@ from pathlib import Path
 from trident.bench.harness import Table, alternate, barrier, number, random_batches, rank_device, ratio, spread
 from trident.build import build_checkpointer, build_parts, layout_of
 from trident.config import Config, compose_config, validate
-from trident.memory_estimate import estimate
+from trident.memory.estimate import estimate
 from trident.models.gpt import count_params
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> list[Table]:
     predicted = estimate(m, layout).stages[0].checkpoint_staging
     t.notes.append(
         f"Host staging of the async save: {rows['bytes'] / 2**20:.2f} MiB per rank (a copy of what the rank saves: "
-        f"fp32 masters, AdamW moments), kept for the run; trident/memory_estimate.py predicts {predicted / 2**20:.2f} "
+        f"fp32 masters, AdamW moments), kept for the run; trident/memory/estimate.py predicts {predicted / 2**20:.2f} "
         "MiB. s/step: a block's mean, median over rounds. Timings on a shared CPU are noisy."
     )
     return [t]

@@ -20,7 +20,7 @@ Figures, per row: tokens/s (median over rounds, and the spread of its rounds), o
 trident/peak.py's figure for the device (the 6N + attention FLOPs of models/gpt.py's ``flops_per_token``, as a run's
 metrics); peak memory, on a GPU ``torch.cuda.max_memory_allocated`` of the variant's own warm-up steps (see
 ``warm_up``); and beside trident's peak the memory estimator's prediction for the same layout and batch
-(trident/memory_estimate.py). On a CPU there is no allocator peak to read, so peak memory is n/a there.
+(trident/memory/estimate.py). On a CPU there is no allocator peak to read, so peak memory is n/a there.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from trident.build import build_parts, layout_of, model_chunks
 from trident.config import Config, compose_config, validate
 from trident.device import use_tensor_cores
 from trident.loop import Trainer
-from trident.memory_estimate import estimate
+from trident.memory.estimate import estimate
 from trident.models.gpt import flops_per_token
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
@@ -180,11 +180,11 @@ def table(job: Job) -> Table:
     t.notes.append(
         "peak mem: torch.cuda.max_memory_allocated over the variant's warm-up steps, above what was allocated before "
         "them, plus the storages it held then (its parameters, gradient buffers and optimizer states); torch.compile "
-        "shares the plain loop's weights and AdamW state. n/a on a CPU. estimate: trident/memory_estimate.py's "
+        "shares the plain loop's weights and AdamW state. n/a on a CPU. estimate: trident/memory/estimate.py's "
         "prediction of trident's peak for this layout and batch."
         if result["device_type"] == "cuda"
         else "peak mem: n/a on a CPU (no allocator peak; a run's peak resident set is in `tools/bench.py layouts`). "
-        "estimate: trident/memory_estimate.py's prediction of trident's host bytes for this layout and batch."
+        "estimate: trident/memory/estimate.py's prediction of trident's host bytes for this layout and batch."
     )
     if not all(math.isfinite(r["last_loss"]) for r in result["variants"].values()):
         t.notes.append("a variant's loss is not finite: its figures time a broken run")

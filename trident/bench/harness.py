@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trident.config import Config
 from trident.data.dataset import TokenWindows
-from trident.memory import format_bytes
+from trident.memory.measure import format_bytes
 from trident.optim import lr_at
 from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups

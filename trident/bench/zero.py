@@ -26,7 +26,7 @@ they must agree.
 Model-state bytes per rank are measured on the live tensors after the steps (each storage once: parameters,
 gradients, optimizer states; the torch variants' .grad and optimizer state, DTensors by their local shards), the
 largest rank's, and set against the formula of parallel/zero/__init__.py (Psi the parameter count, N the dp
-size) and, for trident's stages, against trident/memory_estimate.py's prediction (what tools/estimate_memory.py
+size) and, for trident's stages, against trident/memory/estimate.py's prediction (what tools/estimate_memory.py
 prints). --state-only steps once and measures each variant in a run of its own (no tokens/s): gpt-small at dp=4 is
 ``--state-only --worlds 4 --layers 12 --d-model 768 --seq-len 1024 --vocab 50257 --batch-seq 64 --micro-batch 1
 --micro-batches 1`` (--batch-seq: shorter sequences than the model's seq_len, so activations stay small).
@@ -58,7 +58,7 @@ from trident.bench.harness import (
 )
 from trident.build import build_parts, layout_of, model_chunks
 from trident.config import Config, compose_config, validate
-from trident.memory_estimate import estimate
+from trident.memory.estimate import estimate
 from trident.models.gpt import count_params
 from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups, build_process_groups
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> list[Table]:
             )
     t.notes.append(
         f"Psi = {psi:,} parameters, N = dp. state: the largest rank's measured parameters, gradients and optimizer "
-        "states; formula: parallel/zero/__init__.py's table; estimate: trident/memory_estimate.py (padding included)."
+        "states; formula: parallel/zero/__init__.py's table; estimate: trident/memory/estimate.py (padding included)."
     )
     return [t]
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from trident.config import Config
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, override_value
-from trident.memory import format_bytes
+from trident.memory.measure import format_bytes
 from trident.parallel.pipeline.schedules import resolve_schedule
 from trident.plan.machine import local_device, provisional
 from trident.plan.planner import Plan, Prediction, placement_for, plan

@@ -32,7 +32,8 @@ import numpy as np
 
 from trident.config import ModelConfig
 from trident.layout import Layout
-from trident.memory_estimate import chunk_params, rank_params, stage_actions
+from trident.memory.activations import stage_actions
+from trident.memory.params import chunk_params, stage_params
 from trident.parallel.pipeline.schedules import Action, makes_weight_grads
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops
@@ -188,7 +189,7 @@ def _stage_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict | None)
     """Parameter elements a rank of ``stage`` holds (its gradient buffer's, before bucket padding)."""
     key = ("numel", layout.tp, layout.pp, layout.vpp, stage)
     if cache is None or key not in cache:
-        numel = sum(n for _, n in rank_params(m, layout, stage))
+        numel = stage_params(m, layout, stage).numel
         if cache is None:
             return numel
         cache[key] = numel
@@ -289,7 +290,7 @@ def step_time(
         else:
             weights = _weight_spans(spans, r, pp)
             chunks = [
-                (sum(n for _, n in chunk_params(m, layout.tp, pp, vpp, c * pp + r)), s.start, s.compute_end)
+                (sum(n for _, n in chunk_params(m, layout, c * pp + r)), s.start, s.compute_end)
                 for c, s in weights.items()
             ]
             tail = max(0.0, _chunk_reduce_end(profile, layout, chunks, dp_across) - ends[r])
@@ -385,7 +386,7 @@ def _pipeline(
 def _accumulate(m: ModelConfig, layout: Layout, stage: int) -> Op:
     """A micro-batch's weight gradients into the reducer's fp32 buffer: each parameter's ``.grad`` written, then
     added to its slice of the buffer by a hook (read both, write one), one kernel per parameter."""
-    params = chunk_params(m, layout.tp, layout.pp, layout.vpp, stage)
+    params = chunk_params(m, layout, stage)
     numel = sum(n for _, n in params)
     return Op("elementwise", "W", (), (BYTES[layout.precision] + 12) * numel, len(params))
 
@@ -407,7 +408,7 @@ def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: RankPl
         exposed = 0.0
         for c in range(vpp):
             stage = c * pp + r
-            numel = sum(n for _, n in chunk_params(m, layout.tp, pp, vpp, stage)) / blocks
+            numel = sum(n for _, n in chunk_params(m, layout, stage)) / blocks
             gather = collective_time(p, "all_gather", layout.dp, numel * e, across)
             scatter = collective_time(p, "reduce_scatter", layout.dp, numel * 4, across)
             f, b = costs[(stage, "F")][0] / blocks, costs[(stage, "B")][0] / blocks

@@ -7,7 +7,7 @@ overrides, one run at a time, a run directory each) and reads back what the run 
 - step time: the median ``step_time_s`` of metrics.jsonl after the first ``warmup`` steps (start-up, the
   allocator's growth), against the prediction's ``time.step``;
 - model states: memory.json's max over ranks of the bytes a rank holds for parameters, gradients and optimizer
-  states (trident/memory.py, measured to the byte), device + host, against the same figure of the estimator: its
+  states (trident/memory/measure.py, measured to the byte), device + host, against the same figure of the estimator: its
   max over pipeline stages (``expected_states``). The estimator counts these exactly, so the error is ~0 unless a
   layout's buffers changed without the estimator. (``prediction.states`` is not that figure: it is the states of
   the stage with the largest peak, which under pipelines need not be the stage with the most model states.)
@@ -32,7 +32,7 @@ from pathlib import Path
 from trident.bench.runs import Trial, run_trial
 from trident.config import validate
 from trident.errors import ConfigError
-from trident.memory_estimate import estimate
+from trident.memory.estimate import estimate
 from trident.plan.planner import Plan, Prediction
 from trident.tool_config import load_config
 
@@ -132,7 +132,7 @@ def _slug(label: str) -> str:
 
 def expected_states(prediction: Prediction) -> dict[str, int]:
     """The estimator's model-state bytes by place, each place's max over the layout's pipeline stages: what
-    memory.json's ``max`` holds (trident/memory.py ``max_over_ranks``)."""
+    memory.json's ``max`` holds (trident/memory/measure.py ``max_over_ranks``)."""
     stages = estimate(prediction.config.model, prediction.layout).stages
     return {place: max(s.model_states["total"][place] for s in stages) for place in ("device", "host")}
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trident.config import ModelConfig
-from trident.memory_estimate import kv_heads_local
+from trident.memory.params import local_heads
 from trident.models.gpt import padded_vocab_size
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -107,7 +107,7 @@ def _tp_collectives(m: ModelConfig, s: Shape, count: int) -> list[Op]:
 def layer_ops(m: ModelConfig, s: Shape) -> list[Op]:
     """One transformer layer, forward and backward, without recomputation."""
     d, f, dh, tp, e = m.d_model, m.ffn_dim // s.tp, m.head_dim, s.tp, s.e
-    heads, kv = m.n_heads // tp, kv_heads_local(m, tp)
+    heads, kv = local_heads(m, tp)
     t, t_sp = s.tokens, s.tokens // (tp if s.sequence_parallel else 1)
     ops: list[Op] = []
     # Two norms and two residual adds on the (sequence-sharded) stream: a norm reads and writes [T, d], an add reads

@@ -1,5 +1,5 @@
 """The layout planner: every layout the validator accepts for a model, world and batch, its memory from the
-estimator (trident/memory_estimate.py), its step time from the step-time model (trident/plan/cost.py), ranked.
+estimator (trident/memory/estimate.py), its step time from the step-time model (trident/plan/cost.py), ranked.
 
 Memory is predicted first, and a layout that does not fit the device is not timed: ``Plan.unfit`` lists it with
 its peak. The rest are ranked by predicted tokens per second (ties: less memory first).
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from trident.config import Config, ModelConfig, validate
 from trident.layout import Layout
-from trident.memory_estimate import Estimate, estimate
+from trident.memory.estimate import Estimate, estimate
 from trident.models.gpt import flops_per_token
 from trident.plan.cost import RankPlacement, StepTime, step_time
 from trident.plan.profile import Needs, Profile, cpu_threads_per_rank

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trident.config import Config
 from trident.layout import config_keys, override_value
-from trident.memory import format_bytes
+from trident.memory.measure import format_bytes
 from trident.plan.planner import Plan, Prediction
 
 

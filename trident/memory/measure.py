@@ -9,7 +9,7 @@ The object a run hands the Trainer as ``grad_step`` names its tensors (``model_s
 [...], "grads": [...], "optimizer": [...]}``); ``log_model_states`` measures them once, after the first step
 (Adam allocates its moments lazily, in the first ``step``), gathers every rank's figures, prints one line on the
 logging rank and writes ``<run dir>/memory.json``: each rank's bytes by kind and place, and the max over ranks.
-The prediction of the same figures before launch is trident/memory_estimate.py.
+The prediction of the same figures before launch is trident/memory/estimate.py.
 
 ``held_by_forward`` measures activations: the bytes of every storage created while a function runs that is still
 alive when it returns, which for a forward pass is what autograd (or activation checkpointing) keeps for backward.

@@ -1,0 +1,254 @@
+"""Activations predicted, per rank: kept for backward at the schedule's peak.
+
+They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"): count, per
+transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the micro-batches
+in flight on a pipeline stage. Counted for this model's operators rather than Megatron's: attention runs a fused
+kernel (flash / memory-efficient, taking grouped-query k and v as they are) that saves q, k, v, its output and an
+fp32 logsumexp, never the s x s scores, so Korthikanti's 5as/h term is absent, and selective recomputation of the
+attention core saves only the logsumexp. With s tokens, b sequences, h the model width, f the MLP width, a
+heads, t = tp, t_sp = t under sequence parallelism (else 1), e the activation dtype's bytes, e_n a LayerNorm's
+(fp32 under 16-bit autocast on CUDA, where layer_norm is an fp32 op; the activation dtype on CPU, where it is not),
+q = h / t this rank's query width and k its key width (its kv heads x head_dim):
+
+    per layer, no recomputation   LayerNorm inputs, mean, rstd    2 sb (h + 2) e_n / t_sp
+                                  RMSNorm instead                 2 sb (h + 1) 4 / t_sp on CUDA (the fused kernel's
+                                                                  input and rstd, fp32 under autocast), 2 sb (2h + 1)
+                                                                  4 / t_sp on a CPU (the composite's fp32 input, its
+                                                                  normalised copy and rstd)
+                                  qkv and fc inputs               2 sbh e    (whole: all-gathered under SP)
+                                  q, k, v, attention output       multi-head: 4 sbq e (the fused qkv output, which
+                                                                  the q, k, v views keep, and the output), 6 sbq e
+                                                                  with RoPE (the rotated q and k besides);
+                                                                  grouped-query: sb (2q + 2k) e, sb (2q + 3k) e with
+                                                                  RoPE (the kv output and the rotated q and k)
+                                  RoPE's cos and sin tables       2 s (h / a) 4 (fp32; two 16-bit casts each in 16 bits)
+                                  attention logsumexp             4 abs / t
+                                  fc output, GELU output          2 sbf e / t
+                                  SwiGLU instead                  4 sbf e / t (gate and up outputs, silu(gate), product)
+                                  dropout masks (p > 0)           2 sbh / t_sp  (bool)
+                                  with dropout (p > 0), training runs attention explicitly (SDPA's dropout draws from
+                                  the global generator): instead of the logsumexp, the probabilities and their
+                                  dropped copy 2 a b s^2 e / t, the keep mask a b s^2 / t and the causal mask s^2;
+                                  its matmuls keep q, k and v at the query heads' width, 4 sbq e in all with the
+                                  output (k and v repeated, views copied contiguous), instead of the projections'
+    selective recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
+    full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
+    packed documents (CPU)        per layer: SDPA's float copy of the dense mask b s^2 e (the explicit core's inverted
+                                  mask b s^2 instead of the causal s^2), RoPE's tables per sample (b x); per chunk
+                                  under recomputation: the bool mask b s^2 and the int64 positions 8 b s its
+                                  arguments keep; the learned position ids are per sample (b x). On CUDA flex
+                                  attention's block mask, whose few block indices are not counted.
+
+For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
+without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
+vocab-parallel lookup's mask and local ids), the last stage the final norm, the head's whole input and the loss's
+fp32 probabilities over this rank's vocab block, 4 b s V (tied or untied head alike). Micro-batches in flight come
+from walking the rank's own action list, the one the executor runs (parallel/pipeline/schedules.py
+``build_schedule``, ``activation_peak``): a chunk's bytes are taken at its forward and given back at the action that
+finishes its backward (B; under zb-h1 its W, which keeps the weight path's inputs after I). GPipe holds all M, 1F1B
+min(pp - r, M) on stage r, zb-h1 more (its W passes are delayed), interleaved its warm-up + 1 chunk forwards (on the
+first stage Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers when M is a multiple of pp). On a CPU every term is
+checked to the byte against a real forward (tests/test_memory.py); the CUDA terms (LayerNorm and RMSNorm in fp32
+under autocast, fused attention for every head layout) are from the kernels' signatures, not measured here. Not
+counted: the logits the runner holds while backward runs, allocator fragmentation, communication buffers, the CUDA
+context and workspaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trident.config import ModelConfig
+from trident.layout import Layout
+from trident.memory.params import local_heads, rank_chunks
+from trident.models.gpt import padded_vocab_size
+from trident.parallel.pipeline.schedules import activation_peak, build_schedule
+from trident.parallel.precision import precision_policy
+
+FP32 = 4
+POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    b: int  # sequences per micro-batch
+    s: int  # tokens per sequence
+    h: int
+    f: int
+    a: int
+    t: int  # tp
+    t_sp: int  # tp with sequence parallelism, else 1
+    e: int  # bytes of an activation element (the compute dtype)
+    e_norm: int  # bytes of a LayerNorm's saved input, mean and rstd: fp32 under 16-bit autocast on CUDA
+    device: str  # cuda | cpu
+    norm: str  # layernorm | rmsnorm
+    q: int  # this rank's query width: its heads x head_dim (h / t)
+    kv: int  # this rank's key (or value) width: the kv heads it computes x head_dim
+    fused_qkv: bool  # multi-head attention's one qkv projection (else grouped-query q and kv)
+    rope: bool
+    head_dim: int
+    documents: bool  # packed documents: a mask and positions per sample
+
+    @classmethod
+    def of(cls, m: ModelConfig, layout: Layout) -> _Shape:
+        e = precision_policy(layout.precision).compute_dtype.itemsize
+        heads, kv_heads = local_heads(m, layout.tp)
+        return cls(
+            b=layout.micro_batch_size,
+            s=m.seq_len,
+            h=m.d_model,
+            f=m.ffn_dim,
+            a=m.n_heads,
+            t=layout.tp,
+            t_sp=layout.tp if layout.sequence_parallel and layout.tp > 1 else 1,
+            e=e,
+            e_norm=FP32 if layout.device != "cpu" else e,
+            device=layout.device,
+            norm=m.norm,
+            q=heads * m.head_dim,
+            kv=kv_heads * m.head_dim,
+            fused_qkv=m.kv_heads == m.n_heads,
+            rope=m.position == "rope",
+            head_dim=m.head_dim,
+            documents=layout.document_mask,
+        )
+
+    def layer_norm(self) -> int:
+        """A norm's saved tensors, on this rank's share of the sequence. LayerNorm: its input, mean and rstd.
+        RMSNorm: on CUDA the fused kernel's input and fp32 rstd (in fp32 under 16-bit autocast, which casts it up);
+        on a CPU the composite's fp32 input (upcast under 16-bit), its normalised fp32 copy and the fp32 rstd."""
+        tokens = self.s * self.b // self.t_sp
+        if self.norm == "layernorm":
+            return tokens * (self.h + 2) * self.e_norm
+        return tokens * ((self.h if self.device != "cpu" else 2 * self.h) + 1) * FP32
+
+    def attention(self, explicit: bool) -> int:
+        """q, k and v as attention keeps them, and its output (the projection's input), per rank. Multi-head: the
+        fused qkv output, which the q, k and v views keep whole, and with RoPE the rotated q and k besides.
+        Grouped-query: q (rotated, with RoPE), the kv output (v is a view of it) and with RoPE the rotated k. The
+        explicit core (``explicit``: dropout in training) keeps instead q, k and v at every query head's width,
+        as its matmuls save them (k and v repeated to the query heads; views of the fused qkv copied contiguous),
+        and none of the projections' outputs."""
+        sb = self.s * self.b
+        if explicit:
+            return sb * 4 * self.q * self.e
+        if self.fused_qkv:
+            return sb * self.q * (6 if self.rope else 4) * self.e
+        return sb * (2 * self.q + (3 if self.rope else 2) * self.kv) * self.e
+
+    def rope_tables(self) -> int:
+        """RoPE's cos and sin, fp32 [s, head_dim], kept by the rotations' multiplies; in a 16-bit model each of q
+        and k gets its own 16-bit cast of them: the same bytes. Packed documents: one pair per sample [b, s, hd]."""
+        per_sample = self.b if self.documents else 1
+        return 2 * per_sample * self.s * self.head_dim * FP32 if self.rope else 0
+
+    def document_mask(self) -> int:
+        """Packed documents on a CPU: the dense bool mask [b, 1, s, s], whole on every tp rank (attention sees
+        the whole sequence). On CUDA flex attention's block mask, whose few block indices are left out."""
+        return self.b * self.s * self.s if self.documents and self.device == "cpu" else 0
+
+
+def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
+    """Activation bytes one transformer layer keeps for backward per micro-batch (see the module docstring)."""
+    x = _Shape.of(m, layout)
+    sbh, sbf = x.s * x.b * x.h, x.s * x.b * x.f
+    if policy == "full":
+        return sbh * x.e // x.t_sp
+    masks = 2 * sbh // x.t_sp if m.dropout > 0 else 0
+    core = 0  # what the attention core keeps beyond q, k, v and its output; nothing when it is recomputed
+    explicit = policy == "none" and m.dropout > 0
+    if policy == "none":
+        if explicit:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
+            core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1)
+            # + the inverted mask masked_fill keeps: the causal one, or with packed documents the samples' own
+            core += x.document_mask() or x.s * x.s
+        else:  # the fused kernel's fp32 logsumexp, and with packed documents its own copy of the mask as a float
+            core = FP32 * x.a * x.b * x.s // x.t + x.document_mask() * x.e
+    # GELU: fc output, GELU output. SwiGLU: gate and up outputs, silu(gate), their product.
+    mlp = (4 if m.mlp == "swiglu" else 2) * sbf * x.e // x.t
+    return (
+        2 * x.layer_norm()
+        + 2 * sbh * x.e  # qkv (or q and kv) and fc (or gate and up) inputs
+        + x.attention(explicit)
+        + x.rope_tables()
+        + mlp
+        + core
+        + masks
+    )
+
+
+def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) -> int:
+    """What packed documents add per chunk and micro-batch under recomputation: its arguments keep the chunk's
+    mask and int64 positions [b, s] (on the first stage, with learned positions and no sequence parallelism,
+    those positions are the embedding's own, counted there). Without recomputation the mask is freed once
+    attention has taken its copy."""
+    x = _Shape.of(m, layout)
+    if not x.documents or policy == "none":
+        return 0
+    shared = first and m.position == "learned" and x.t_sp == 1
+    return x.document_mask() + (0 if shared else 8 * x.b * x.s)
+
+
+def embed_bytes(m: ModelConfig, layout: Layout) -> int:
+    """What the first stage's embedding keeps per micro-batch: with learned positions the int64 position ids (this
+    rank's share of them under sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64
+    local ids; the embedding dropout's mask."""
+    x = _Shape.of(m, layout)
+    out = 8 * x.s // x.t_sp * (x.b if x.documents else 1) if m.position == "learned" else 0
+    if x.t > 1:
+        out += x.b * x.s * (1 + 8)
+    if m.dropout > 0:
+        out += x.b * x.s * x.h // x.t_sp
+    return out
+
+
+def head_bytes(m: ModelConfig, layout: Layout) -> int:
+    """What the last stage's head keeps per micro-batch: the final norm, the head matmul's (whole) input and the
+    loss's fp32 probabilities over this rank's vocab block (at tp > 1 with a bool and an int64 per token); the
+    same for a tied head and an untied ``lm_head``."""
+    x = _Shape.of(m, layout)
+    if x.t == 1:  # log-probabilities, and nll_loss's output and total weight
+        loss = FP32 * x.b * x.s * m.vocab_size + 2 * FP32
+    else:  # the vocab-parallel loss's probabilities, owner mask and local ids, and the loss
+        block = padded_vocab_size(m.vocab_size, m.vocab_multiple, x.t) // x.t
+        loss = FP32 * x.b * x.s * min(block, m.vocab_size) + x.b * x.s * (1 + 8) + FP32
+    return x.layer_norm() + x.s * x.b * x.h * x.e + loss
+
+
+def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> int:
+    """Peak activation bytes pipeline stage ``stage`` keeps for backward: walk its schedule, adding a chunk's
+    bytes at each forward and releasing them at its backward."""
+    policy = policy or layout.activation_checkpointing
+    chunks = rank_chunks(layout, stage)
+    per_layer = layer_bytes(m, layout, policy)
+    layers = m.n_layers // (layout.pp * layout.vpp)
+    last = layout.pp * layout.vpp - 1
+    chunk_bytes = [
+        layers * per_layer
+        + (embed_bytes(m, layout) if c == 0 else 0)
+        + (head_bytes(m, layout) if c == last else 0)
+        + documents_bytes(m, layout, policy, c == 0)
+        for c in chunks
+    ]
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c])
+
+
+def stage_actions(layout: Layout, stage: int) -> list:
+    """The actions pipeline stage ``stage`` runs in a training step: the executor's own list (its schedule), or
+    without a pipeline one forward and one backward per micro-batch (gradient accumulation)."""
+    return build_schedule(layout.schedule or "1f1b", layout.pp, layout.vpp, layout.micro_batches)[stage]
+
+
+def activation_sets(layout: Layout, stage: int) -> int:
+    """The most activation sets (micro-batch x model chunk) pipeline stage ``stage`` holds at once; memory.json
+    writes it beside the count the executor measured."""
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp)
+
+
+def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None) -> int:
+    """Transient bytes above the held activations while backward recomputes: one whole layer under full
+    recomputation, one attention core's logsumexp under selective."""
+    policy = policy or layout.activation_checkpointing
+    if policy == "none":
+        return 0
+    return layer_bytes(m, layout, "none") - (0 if policy == "full" else layer_bytes(m, layout, "selective"))

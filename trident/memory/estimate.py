@@ -1,0 +1,81 @@
+"""The whole prediction: for every pipeline stage of a layout, the model states a rank holds (the largest dp
+shard), the transient buffers above them, and the activations at the schedule's peak under each recomputation
+policy (``estimate``). tools/estimate_memory.py prints it, train.py writes it into memory.json beside what the ranks
+measured, and the planner (trident/plan/planner.py) ranks layouts by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from trident.config import ModelConfig
+from trident.layout import Layout
+from trident.memory.activations import POLICIES, activation_bytes, activation_sets, recompute_bytes
+from trident.memory.measure import Figures
+from trident.memory.params import stage_params
+from trident.memory.states import model_states
+from trident.models.gpt import count_params
+
+
+@dataclass
+class StageEstimate:
+    """A rank of one pipeline stage (every tp rank of it holds the same; the largest dp shard)."""
+
+    stage: int
+    compute_place: str  # where activations and transient buffers live: "device", or "host" on a CPU run
+    params: int  # parameter elements this rank holds (local, unpadded)
+    model_states: Figures  # kind -> place -> bytes
+    staging: int  # transient gradient buffers (stages 2-3)
+    gathered: int  # transient gathered parameters (stage 3)
+    activations: dict[str, int]  # bytes kept for backward at the schedule's peak, per recomputation policy
+    recompute: dict[str, int]  # transient bytes while backward recomputes, per policy
+    checkpoint_staging: int = 0  # checkpoint.async: host memory holding a copy of what the rank saves, for the run
+    activation_sets: int = 1  # the most micro-batch x chunk activation sets held at once (the schedule's walk)
+
+    def peak(self, policy: str) -> dict[str, int]:
+        """Model states, transient buffers and activations, by place, at the schedule's peak under ``policy``."""
+        out = dict(self.model_states["total"])
+        out[self.compute_place] += self.staging + self.gathered + self.activations[policy] + self.recompute[policy]
+        out["host"] += self.checkpoint_staging
+        return out
+
+
+@dataclass
+class Estimate:
+    model: str
+    layout: Layout
+    total_params: int  # the model's, unpadded, tied embedding once
+    stages: list[StageEstimate] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StageEstimate:
+        """The pipeline stage needing the most memory at its peak under the layout's checkpointing policy."""
+        policy = self.layout.activation_checkpointing
+        return max(self.stages, key=lambda s: (s.peak(policy)["device"], s.peak(policy)["host"]))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def estimate(m: ModelConfig, layout: Layout) -> Estimate:
+    """Predicted per-rank bytes of every pipeline stage: model states, transient buffers and activations."""
+    out = Estimate(model=m.name, layout=layout, total_params=count_params(m))
+    for stage in range(layout.pp):
+        params = stage_params(m, layout, stage)
+        states = model_states(params, layout)
+        out.stages.append(
+            StageEstimate(
+                stage=stage,
+                compute_place="host" if layout.device == "cpu" else "device",
+                params=params.numel,
+                model_states=states.figures,
+                staging=states.staging,
+                gathered=states.gathered,
+                activations={p: activation_bytes(m, layout, stage, p) for p in POLICIES},
+                recompute={p: recompute_bytes(m, layout, p) for p in POLICIES},
+                checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
+                activation_sets=activation_sets(layout, stage),
+            )
+        )
+    return out

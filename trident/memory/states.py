@@ -1,0 +1,134 @@
+"""Model states predicted: parameters, gradients and optimizer states, and the transient buffers above them.
+
+A rank's parameters (trident/memory/params.py) are laid out in the flat buffers as the runtime lays them out, with
+the reducer's buckets and their padding to a multiple of dp (trident/build.py ``flat_layout``, parallel/layout.py; a
+tied embedding and its copy isolated in buckets of their own under pp > 1), then held as each ZeRO stage holds them
+(``model_states``). With Psi parameters and N dp ranks this is the ZeRO paper's accounting (Rajbhandari et al.,
+2020: 16 Psi in 16-bit training, 4 Psi + 12 Psi / N at stage 1, 2 Psi + 14 Psi / N at stage 2, 16 Psi / N at stage
+3) made exact: padding, the gradient buffer's fp32 even for 16-bit parameters, Adam's per-tensor step counters,
+buffers a stage keeps whole. tests/test_memory.py checks it to the byte against real ranks (memory.json).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trident.layout import Layout
+from trident.memory.measure import KINDS, PLACES, Figures
+from trident.memory.params import StageParams
+from trident.parallel.layout import FlatLayout
+from trident.parallel.precision import precision_policy
+from trident.parallel.zero.grads import ShardedGradReducer
+from trident.parallel.zero.optimizer import shard_segments
+
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one element each per parameter element
+STEP_COUNTER = 4  # AdamW's per-tensor step: a float32 scalar
+
+
+def _figures() -> Figures:
+    return {kind: dict.fromkeys(PLACES, 0) for kind in KINDS}
+
+
+def _total(figures: Figures) -> Figures:
+    figures["total"] = {place: sum(figures[kind][place] for kind in KINDS) for place in PLACES}
+    return figures
+
+
+def _place(figures: Figures, layout: Layout) -> Figures:
+    """On a CPU run the "device" is host memory: fold it in."""
+    if layout.device != "cpu":
+        return figures
+    return {kind: {"device": 0, "host": v["device"] + v["host"]} for kind, v in figures.items()}
+
+
+@dataclass
+class ModelStates:
+    """One rank's predicted model-state bytes, and the transient buffers above them."""
+
+    figures: Figures  # kind -> place -> bytes, as ``measure.measure_model_states`` measures them
+    staging: int  # stages 2-3: fp32 staging of the bucket filling and those in flight (the largest ones)
+    gathered: int  # stage 3: the most full buffers gathered at once, in the parameter dtype (``_gathered``)
+    checkpoint: int  # what the rank's checkpoint holds: fp32 masters and moments of its shard, a step per piece
+
+
+def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None) -> ModelStates:
+    """Bytes of parameters, gradients and optimizer states that dp rank ``dp_rank`` (None: the largest) holds for
+    a stage's ``params`` in the flat layout trident/build.py lays them out in (``StageParams.flat``), held as its
+    optimizer holds them. B is the flat layout's numel (parameters plus bucket padding), S the shards (dp at stages
+    1-3, else 1), p the parameter dtype's bytes. Every stage, 0 included, is ZeRO's optimizer over this rank's 1/S
+    of every bucket, cut into pieces per parameter:
+
+                          parameters  p B (stages 0-2: one flat buffer), p B / S (stage 3: the shards)
+                          gradients   4 B (stages 0-1: the reducer's buffer), 4 B / S (stages 2-3: the shard)
+                          masters     4 B / S in fp32 (none where fp32 parameters are their own masters)
+                          moments     2 x 4 per parameter element of the shard (padding has none), a step per piece
+        offload ratio r   the shard's first round(r B / S) elements keep masters and moments on the host, and a
+                          host copy of their gradients (4 bytes each)
+
+    Transient, above these: stages 2-3 stage each bucket's fp32 gradients while it fills and until its
+    reduce-scatter is waited for; ``staging`` bounds it by the largest buckets that can be held at once: those
+    filling (at stage 2 two, where one bucket ends and the next begins; at stage 3 a block and the root, which fills
+    from backward's first gradient to its last) and MAX_IN_FLIGHT = 2 in flight (under gradient accumulation, maybe
+    another micro-batch's copies of those filling). Stage 3 gathers a block's parameters while it runs
+    (``gathered``: the roots and 1 + ``zero3_prefetch`` blocks, the running and the prefetched; every bucket with
+    ``zero3_gather=step``).
+    """
+    flat, chunk_units = params.flat(layout)
+    ranks = range(layout.dp if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
+    # Stage 3: each chunk's (its blocks' bucket numels, its root buckets' numels).
+    units = [([s.numel for s in u.blocks], [s.numel for s in u.root]) for u in chunk_units]
+    first = params.chunks[0].is_first
+    states = (_rank_states(flat, layout, r, units, first) for r in ranks)
+    return max(states, key=lambda s: sum(s.figures["total"].values()))
+
+
+def _gathered(layout: Layout, flat: FlatLayout, units: list[tuple[list[int], list[int]]], first: bool) -> int:
+    """Stage 3's most full-buffer elements gathered at once (parallel/zero/stage3.py): in step mode every bucket;
+    else every chunk's root (held while any micro-batch is in flight) and the running block of one chunk with the
+    ``zero3_prefetch`` next ones; under zb-h1 off the first stage every block too (held from I to W)."""
+    if layout.zero3_gather == "step" or (layout.schedule == "zb-h1" and not first):
+        return flat.numel
+    roots = sum(sum(root) for _, root in units)
+    running = max(sum(sorted(blocks, reverse=True)[: 1 + layout.zero3_prefetch]) for blocks, _ in units)
+    return roots + running
+
+
+def _rank_states(
+    flat: FlatLayout,
+    layout: Layout,
+    dp_rank: int,
+    units: list[tuple[list[int], list[int]]],
+    first: bool,
+) -> ModelStates:
+    fig = _figures()
+    pb = precision_policy(layout.precision).param_dtype.itemsize
+    ratio = layout.offloaded_fraction
+
+    shards = layout.dp if layout.zero >= 1 else 1
+    rank = dp_rank if layout.zero >= 1 else 0
+    shard = flat.numel // shards
+    host_numel = round(ratio * flat.numel / shards)
+    fig["params"]["device"] = (shard if layout.zero == 3 else flat.numel) * pb
+    fig["grads"]["device"] = (shard if layout.zero >= 2 else flat.numel) * FP32
+    fig["grads"]["host"] = host_numel * FP32
+    fig["optimizer"]["host"] = host_numel * FP32
+    if pb != FP32:
+        fig["optimizer"]["device"] = (shard - host_numel) * FP32
+    checkpoint = 0
+    for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel):
+        pieces = flat.pieces(span, start, stop)
+        place = "host" if on_host else "device"
+        fig["optimizer"][place] += sum(p.numel for p in pieces) * ADAM_MOMENTS * FP32 + len(pieces) * STEP_COUNTER
+        checkpoint += sum(p.numel for p in pieces) * (1 + ADAM_MOMENTS) * FP32 + len(pieces) * STEP_COUNTER
+    staging = gathered = 0
+    if layout.zero >= 2:
+        largest = sorted((s.numel for s in flat.spans), reverse=True)
+        in_flight = sum(largest[: ShardedGradReducer.MAX_IN_FLIGHT])
+        if layout.zero == 2:  # filling: two buckets at most, where one ends and the next begins
+            staging = (sum(largest[:2]) + in_flight) * FP32
+        else:  # filling: a chunk's block, and its root from backward's first gradient (final norm) to its last
+            filling = max(sum(root) + max(blocks, default=0) for blocks, root in units)
+            staging = (filling + in_flight) * FP32
+            gathered = _gathered(layout, flat, units, first) * pb
+    return ModelStates(_place(_total(fig), layout), staging, gathered, checkpoint)
