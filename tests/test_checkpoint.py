@@ -17,7 +17,6 @@ import io
 import json
 import os
 import pickle
-import runpy
 import shutil
 import subprocess
 import sys
@@ -33,7 +32,8 @@ import trident.checkpoint.consolidated as consolidated_mod
 import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
 import trident.checkpoint.manager as manager_mod
-from tests.conftest import REPO
+from tests.helpers import REPO
+from tests.helpers.tools import run_tool
 from trident.build import RunParts, build_checkpointer, build_parts
 from trident.checkpoint.consolidated import (
     ModelWeights,
@@ -798,20 +798,6 @@ def test_dp2_writes_each_box_once_and_resumes_at_dp1(one_process, tmp_path: Path
 
 
 # --- the consolidated file and the tools ---------------------------------------------------------------------
-
-
-def run_tool(name: str, *args: str, monkeypatch, capsys) -> tuple[int, str, str]:
-    """``python tools/<name>.py args`` in this process (torch is imported already): exit code, stdout, stderr."""
-    path = REPO / "tools" / f"{name}.py"
-    monkeypatch.setattr(sys, "argv", [str(path), *args])
-    capsys.readouterr()
-    try:
-        runpy.run_path(str(path), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.multiprocess

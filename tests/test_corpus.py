@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.corpus import Corpus, make_corpus, texts
+from tests.helpers import REPO
+from tests.helpers.corpus import Corpus, make_corpus, texts
 from trident.config import DataConfig
 from trident.data.dataset import TokenDataset
 from trident.data.prepare import collect_text_files, load_meta, prepare_dataset, resolve_dataset
@@ -22,7 +23,6 @@ from trident.data.tokenizer import load_tokenizer
 from trident.data.units import plan_units
 from trident.errors import DataError
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 UNIT = 16 << 10  # small work units: the corpus makes many shards, a.jsonl several byte ranges
 

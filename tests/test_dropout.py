@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights
 from trident.parallel.random import ATTENTION, ATTENTION_RESIDUAL, MLP_RESIDUAL, Dropout, RNGTracker

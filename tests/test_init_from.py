@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.conftest import REPO
-from tests.layouts import _train, make_config, train_in_process
+from tests.helpers import REPO
+from tests.helpers.layouts import make_config, train_in_process, train_rank
 from trident.checkpoint.consolidated import load_weights, read_model_tensors, write_checkpoint
 from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_init_weights, open_source
 from trident.config import Config, ModelConfig
@@ -96,7 +96,7 @@ def test_a_hugging_face_model_starts_a_tp2_pp2_run_at_its_own_loss_and_trains(ki
     )  # fmt: skip
     assert m.tie_embeddings == (kind == "gpt2") and m.norm == ("layernorm" if kind == "gpt2" else "rmsnorm")
 
-    histories = run_distributed(_train, 4, cfg, tmp_path / "run", timeout_s=300)
+    histories = run_distributed(train_rank, 4, cfg, tmp_path / "run", timeout_s=300)
     losses = [row["loss"] for row in histories[0]]
     assert [row["step"] for row in histories[0]] == [1, 2, 3, 4]  # step 0: a fresh start
     x, y = first_batch(cfg)
@@ -115,7 +115,7 @@ def test_a_checkpoint_saved_at_tp2_starts_a_pp2_run_at_its_weights_and_a_restart
     overrides = run_args(tiny_dataset, "parallel.pp=2", "train.steps=1", f"checkpoint.init_from={saved}")
     cfg = adopted(tmp_path / "b", overrides)
     assert cfg.model.name == "llama-tiny" and cfg.model.kv_heads == 2 and not cfg.model.tie_embeddings
-    (history, _) = run_distributed(_train, 2, cfg, tmp_path / "b", timeout_s=300)
+    (history, _) = run_distributed(train_rank, 2, cfg, tmp_path / "b", timeout_s=300)
     assert [row["step"] for row in history] == [1]
 
     # The one-process model of the saved weights, on the same first batch.
@@ -132,7 +132,7 @@ def test_a_checkpoint_saved_at_tp2_starts_a_pp2_run_at_its_weights_and_a_restart
     # Rerun the same command for more steps: it resumes from its own checkpoint, even with the source gone.
     shutil.move(saved, tmp_path / "moved")
     overrides = [*overrides[:-2], "train.steps=2", overrides[-1]]
-    (history, _) = run_distributed(_train, 2, adopted(tmp_path / "b", overrides), tmp_path / "b", timeout_s=300)
+    (history, _) = run_distributed(train_rank, 2, adopted(tmp_path / "b", overrides), tmp_path / "b", timeout_s=300)
     assert [row["step"] for row in history] == [2]
 
 

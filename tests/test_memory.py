@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.layouts import make_config, tiny, train_in_process
+from tests.helpers.layouts import make_config, tiny, train_in_process
 from trident.build import build_parts
 from trident.config import Config, ModelConfig, OffloadConfig
 from trident.memory import held_by_forward, log_model_states, measure_model_states, summary_line

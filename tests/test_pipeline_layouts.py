@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
 
 pytestmark = pytest.mark.multiprocess
 

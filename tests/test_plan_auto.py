@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
+from tests.helpers import REPO
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
+from tests.helpers.processes import torchrun, train_command
 from trident.errors import ConfigError
 from trident.plan import auto
 from trident.plan.planner import plan
@@ -78,10 +78,8 @@ def test_auto_trains_the_one_process_curve(tiny_dataset: Path, tmp_path: Path) -
 
 @pytest.mark.multiprocess
 def test_torchrun_says_which_layout_once(tiny_dataset: Path, tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(REPO / "train.py"),
-        f"hydra.run.dir={tmp_path}", *tiny(tiny_dataset, "train.steps=2"), "parallel.auto=true", "parallel.tp=2",
-    ]  # fmt: skip
+    overrides = [*tiny(tiny_dataset, "train.steps=2"), "parallel.auto=true", "parallel.tp=2"]
+    cmd = train_command(tmp_path, overrides, launcher=torchrun(2))
     env = dict(os.environ, HOME=str(tmp_path))  # no calibration cached: the nominal CPU profile
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]

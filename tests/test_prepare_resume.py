@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.corpus import make_corpus
+from tests.helpers import REPO
+from tests.helpers.corpus import make_corpus
 from trident.data.prepare import prepare_dataset
 from trident.errors import DataError
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 UNIT = 16 << 10
 KW = {"max_bad_fraction": 0.05, "unit_bytes": UNIT}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.build import build_parts
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
