@@ -203,13 +203,11 @@ def assert_same_sources(expected: list[dict], got: list[dict]) -> None:
             assert math.isclose(have[k], want[k], rel_tol=REL), (want["step"], k, have[k], want[k])
 
 
-@pytest.fixture(scope="module")
-def mix_reference(tiny_dataset, second_dataset, tmp_path_factory) -> tuple[Path, list[dict]]:
+@pytest.fixture
+def mix_reference(tiny_dataset, second_dataset, references) -> tuple[Path, list[dict]]:
     """The one-process mixture run: 8 steps, one micro-batch of 16, validation at steps 4 and 8."""
-    run_dir = tmp_path_factory.mktemp("mix-one")
     overrides = _mix(tiny_dataset, second_dataset, "train.steps=8", "train.micro_batch_size=16")
-    (history,) = train_in_process(run_dir, overrides)
-    return run_dir, history
+    return references.run_dir(overrides), references.history(overrides)
 
 
 @pytest.mark.multiprocess

@@ -52,19 +52,21 @@ def train_in_process(run_dir: Path, overrides: list[str], world: int = 1) -> lis
 
 
 class References:
-    """One-process runs by their overrides, each trained once: a module comparing layouts with one process, and
-    another comparing others with the same one, share the run. Callers must not write into a reference's
+    """One-process runs, each trained once: a module comparing layouts with one process, and another comparing
+    others with the same one, share the run. A run is known by its resolved config, so two override lists that
+    say the same (in another order, or a key given twice) are one run. Callers must not write into a reference's
     directory (a checkpoint of it is read, and resumed into another directory)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._runs: dict[tuple[str, ...], tuple[Path, list[dict]]] = {}
+        self._runs: dict[str, tuple[Path, list[dict]]] = {}
 
     def _run(self, overrides: list[str]) -> tuple[Path, list[dict]]:
-        key = tuple(overrides)
+        cfg = make_config(*overrides)
+        key = repr(cfg)
         if key not in self._runs:
             run_dir = self.root / f"one-{len(self._runs)}"
-            (history,) = train_in_process(run_dir, list(overrides))
+            (history,) = run_distributed(train_rank, 1, cfg, run_dir, timeout_s=300)
             self._runs[key] = (run_dir, history)
         return self._runs[key]
 
