@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tests.helpers.warm
 import trident.ranks
 from tests.helpers import SMALL_CORPUS
 from tests.helpers.layouts import References
@@ -44,6 +45,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(no_gpu)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With multiprocess tests to run, start the fork server that ranks and warm processes are forked from, with
+    torch, train.py and the helpers imported once (tests/helpers/warm.py)."""
+    if any(item.get_closest_marker("multiprocess") is not None for item in session.items):
+        tests.helpers.warm.start_fork_server()
+
+
 @pytest.fixture(autouse=True)
 def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep the tiers honest: a test not marked multiprocess may not start ranks or subprocesses."""
@@ -55,3 +63,4 @@ def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(trident.ranks, "_pool", refuse)
     monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(tests.helpers.warm.WarmProcess, "__init__", refuse)

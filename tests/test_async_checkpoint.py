@@ -13,8 +13,6 @@ import os
 import re
 import runpy
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.layouts import assert_same_curve, four_layers, make_config, train_in_process
-from tests.helpers.processes import child_env, read_metrics
+from tests.helpers.processes import read_metrics, start_train
 from train import run
 from trident.checkpoint import dcp
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
@@ -119,25 +117,13 @@ def test_sigterm_during_a_background_write_waits_for_it_and_saves_the_step(tiny_
     assert json.loads((root / checkpoint_name(4) / "trainer.json").read_text())["step"] == 4
 
 
-_DRIVER = """
-import runpy, sys
-sys.path.insert(0, {repo!r})
-from tests.test_async_checkpoint import _hold_write_of
-_hold_write_of(4, 600.0)
-sys.argv = ["train.py", *sys.argv[1:]]
-runpy.run_path({train!r}, run_name="__main__")
-"""
-
-
 @pytest.mark.multiprocess
 def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tiny_dataset, tmp_path):
     """``python train.py`` with step 4's write held back: training goes on past step 4 while it is written, and
     SIGKILL then leaves step 2 complete, nothing named step_4, and a resume from step 2 with the same losses."""
     run_dir = tmp_path / "run"
     overrides = four_layers(tiny_dataset, 8, "train.eval_every=0", "checkpoint.every=2", "checkpoint.async=true")
-    driver = _DRIVER.format(repo=str(REPO), train=str(REPO / "train.py"))
-    cmd = [sys.executable, "-c", driver, f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    proc = start_train(run_dir, overrides, before=(_hold_write_of, (4, 600.0)))
     root = run_dir / "checkpoints"
     try:
         deadline = time.monotonic() + 120

@@ -18,8 +18,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ import trident.checkpoint.consolidated as consolidated_mod
 import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
 import trident.checkpoint.manager as manager_mod
-from tests.helpers import REPO
+from tests.helpers.processes import tool_process
 from tests.helpers.tools import run_tool
 from trident.build import RunParts, build_checkpointer, build_parts
 from trident.checkpoint.consolidated import (
@@ -817,8 +815,7 @@ def test_consolidate_then_generate_gives_the_checkpoints_text(
     dist.destroy_process_group()  # the tools run without one
 
     # As a user runs it: its own process, no torchrun.
-    cmd = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), str(root), "--out", str(out)]
-    converted = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    converted = tool_process("convert_checkpoint", str(root), "--out", str(out))
     assert converted.returncode == 0, converted.stderr
     assert converted.stderr == f"wrote {out}: {len(weights_of(model))} tensors from {root / 'step_00000003'} (step 3)\n"
     weights = read_consolidated(out)

@@ -351,9 +351,8 @@ def test_real_dataset_windows(dataset):
 def test_cli(corpus, tmp_path):
     # Run from elsewhere: the script must find the package without it being installed.
     out = tmp_path / "ds"
-    r = tool_process(
-        "prepare_data", "--text", str(corpus / "json"), "--out", str(out), "--vocab-size", "512", cwd=tmp_path
-    )
+    args = ["--text", str(corpus / "json"), "--out", str(out), "--vocab-size", "512"]
+    r = tool_process("prepare_data", *args, cwd=tmp_path, fresh=True)
     assert r.returncode == 0, r.stderr
     assert "5 files" in r.stdout and "bytes/token" in r.stdout
     assert TokenDataset(out).vocab_size == 512

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,24 +12,16 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.layouts import tiny, train_in_process
-from tests.helpers.processes import (
-    child_env,
-    read_metrics,
-    start_ranks,
-    tool_process,
-    torchrun,
-    train_command,
-)
+from tests.helpers.processes import child_env, read_metrics, run_train, start_ranks, tool_process
 
 pytestmark = pytest.mark.multiprocess
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"}
 
 
-def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = train_command(run_dir, list(overrides), launcher=torchrun(nproc) if nproc > 1 else None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=run_dir.parent)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+def train(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = run_train(run_dir, list(overrides), cwd=run_dir.parent, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(proc.args)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     return proc
 
 
@@ -121,27 +112,14 @@ def test_bad_input_fails_fast_on_every_rank(tiny_dataset, tmp_path, overrides, m
 
 @pytest.mark.parametrize("override", ["parallel.foo=1", "+parallel.foo=1", "+foo=1"])
 def test_unknown_key_is_rejected_before_training(tmp_path, override):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path}", override],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
+    proc = run_train(tmp_path, [override], timeout=60)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "foo" in lines[0], lines
 
 
 def test_unwritable_run_dir_is_one_line(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "hydra.run.dir=/proc/trident-run"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-        cwd=tmp_path,
-    )
+    proc = run_train(Path("/proc/trident-run"), [], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: cannot create the run directory: [Errno 2] No such file or directory: '/proc/trident-run'; "

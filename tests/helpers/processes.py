@@ -1,7 +1,9 @@
 """The command line as a user starts it: ``python train.py``, ``torchrun`` and the tools as processes of their own,
 their environment, their output, the metrics file a live run writes, and a launcher's worker processes. Only the
 tests of the launcher's and the command line's own behaviour start processes; training math runs in-process
-(tests/helpers/layouts.py)."""
+(tests/helpers/layouts.py). ``python train.py`` and the tools run as warm processes (tests/helpers/warm.py: forks
+of a server that imported them once), which is what the tests of their behaviour need; ``torchrun`` and its workers
+are real interpreters."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.helpers import REPO
+from tests.helpers.warm import WarmProcess, run
 from trident.ranks import free_port
 
 
@@ -34,31 +39,59 @@ def train_command(run_dir: Path, overrides: list[str], launcher: list[str] | Non
     return [*(launcher or [sys.executable]), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
 
 
-def start_train(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    """``python train.py`` in the background, its output captured."""
-    return subprocess.Popen(
-        train_command(run_dir, overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env()
-    )
+def start_train(
+    run_dir: Path,
+    overrides: list[str],
+    env: dict[str, str] | None = None,
+    before: tuple[Callable[..., Any], tuple[Any, ...]] | None = None,
+) -> WarmProcess:
+    """``python train.py`` in the background (warm), its output captured; ``before``: a function (importable by
+    name) and its arguments, called in the process first (to hold back a write, say)."""
+    args = [f"hydra.run.dir={run_dir}", *overrides]
+    return WarmProcess(REPO / "train.py", args, env or child_env(), before=before)
 
 
-def start_ranks(run_dir: Path, overrides: list[str], world: int) -> list[subprocess.Popen]:
-    """``world`` ranks of ``python train.py`` started by hand, as torchrun would set their environment but with no
-    launcher to end the others when one exits; their output captured."""
+def run_train(
+    run_dir: Path,
+    overrides: list[str],
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``python train.py hydra.run.dir=run_dir overrides`` to its end (warm), its output captured."""
+    return run(REPO / "train.py", [f"hydra.run.dir={run_dir}", *overrides], env or child_env(), cwd, timeout)
+
+
+def start_ranks(
+    run_dir: Path, overrides: list[str], world: int, env: dict[str, str] | None = None
+) -> list[WarmProcess]:
+    """``world`` ranks of ``python train.py`` started by hand (warm), with the environment torchrun would give
+    them (on top of ``env``, else ``child_env()``) but no launcher to end the others when one exits; their output
+    captured."""
     port = str(free_port())
     procs = []
     for rank in range(world):
-        rank_env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        rank_env = dict(env or child_env())
+        rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
         rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = train_command(run_dir, overrides)
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env))
+        procs.append(start_train(run_dir, overrides, rank_env))
     return procs
 
 
 def tool_process(
-    name: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120
+    name: str,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """``python tools/<name>.py args`` as a process of its own (as a user runs it), its output captured."""
-    cmd = [sys.executable, str(REPO / "tools" / f"{name}.py"), *args]
+    """``python tools/<name>.py args`` to its end, its output captured: warm, or ``fresh``, a new interpreter (for
+    what only one shows: that the script finds the package by itself)."""
+    script = REPO / "tools" / f"{name}.py"
+    if not fresh:
+        return run(script, args, env, cwd, timeout)
+    cmd = [sys.executable, str(script), *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
