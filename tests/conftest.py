@@ -1,23 +1,23 @@
-"""Shared fixtures: a small real dataset (a few standard-library packages, 512-piece BPE tokenizer); and the two
-test tiers: every test is ``pure`` unless marked ``multiprocess``, and a pure test that starts a process fails.
+"""Shared fixtures: a small real dataset (a few standard-library packages, 512-piece BPE tokenizer) and the
+one-process reference runs (each trained once per session); and the two test tiers: every test is ``pure``
+unless marked ``multiprocess``, and a pure test that starts a process fails.
 A test marked ``gpu`` (the GPU check kit, tests/test_gpu.py) needs CUDA and is skipped without it; it is pure or
 multiprocess like any other, so ``-m gpu`` runs the kit on a GPU machine and CI only sees the skips."""
 
 from __future__ import annotations
 
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 
+import tests.helpers.warm
 import trident.ranks
+from tests.helpers import SMALL_CORPUS
+from tests.helpers.layouts import References
 from trident.data.prepare import prepare_dataset
 from trident.data.sources import collect_text_files
-
-REPO = Path(__file__).resolve().parent.parent
-SMALL_CORPUS = [str(Path(sysconfig.get_paths()["stdlib"]) / name) for name in ("json", "email", "logging")]
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +25,12 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared dataset directory for gpt-tiny (vocab 512): ~300k tokens of real Python source."""
     files = collect_text_files(SMALL_CORPUS, [".py"])
     return prepare_dataset(files, tmp_path_factory.mktemp("data") / "tiny", vocab_size=512, log=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> References:
+    """The one-process runs the layouts are compared with, by their overrides: each trained once per session."""
+    return References(tmp_path_factory.mktemp("references"))
 
 
 class TierViolation(BaseException):
@@ -40,6 +46,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(no_gpu)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With multiprocess tests to run, start the fork server that ranks and warm processes are forked from, with
+    torch, train.py and the helpers imported once (tests/helpers/warm.py)."""
+    if any(item.get_closest_marker("multiprocess") is not None for item in session.items):
+        tests.helpers.warm.start_fork_server()
+
+
 @pytest.fixture(autouse=True)
 def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep the tiers honest: a test not marked multiprocess may not start ranks or subprocesses."""
@@ -51,3 +64,4 @@ def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(trident.ranks, "_pool", refuse)
     monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(tests.helpers.warm.WarmProcess, "__init__", refuse)

@@ -13,15 +13,14 @@ import os
 import re
 import runpy
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import assert_same_curve, four_layers, make_config, train_in_process
+from tests.helpers import REPO
+from tests.helpers.layouts import assert_same_curve, four_layers, make_config, train_in_process
+from tests.helpers.processes import read_metrics, start_train
 from train import run
 from trident.checkpoint import dcp
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
@@ -118,36 +117,18 @@ def test_sigterm_during_a_background_write_waits_for_it_and_saves_the_step(tiny_
     assert json.loads((root / checkpoint_name(4) / "trainer.json").read_text())["step"] == 4
 
 
-_DRIVER = """
-import runpy, sys
-sys.path.insert(0, {repo!r})
-from tests.test_async_checkpoint import _hold_write_of
-_hold_write_of(4, 600.0)
-sys.argv = ["train.py", *sys.argv[1:]]
-runpy.run_path({train!r}, run_name="__main__")
-"""
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
-
-
 @pytest.mark.multiprocess
 def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tiny_dataset, tmp_path):
     """``python train.py`` with step 4's write held back: training goes on past step 4 while it is written, and
     SIGKILL then leaves step 2 complete, nothing named step_4, and a resume from step 2 with the same losses."""
     run_dir = tmp_path / "run"
     overrides = four_layers(tiny_dataset, 8, "train.eval_every=0", "checkpoint.every=2", "checkpoint.async=true")
-    driver = _DRIVER.format(repo=str(REPO), train=str(REPO / "train.py"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
-    cmd = [sys.executable, "-c", driver, f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = start_train(run_dir, overrides, before=(_hold_write_of, (4, 600.0)))
     root = run_dir / "checkpoints"
     try:
         deadline = time.monotonic() + 120
         # Step 6's save waits for step 4's write: training reached step 6 while step 4 was being written.
-        while not ((run_dir / "writing").exists() and len(_rows(run_dir)) >= 6):
+        while not ((run_dir / "writing").exists() and len(read_metrics(run_dir, partial=True)) >= 6):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the run did not reach step 6"
             time.sleep(0.02)
@@ -158,7 +139,7 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tiny_da
     assert [p.name for p in list_checkpoints(root)] == [checkpoint_name(2)]
     assert sorted(p.name for p in root.glob("step_*")) == [checkpoint_name(2)]
     assert list(root.glob(f".{checkpoint_name(4)}.tmp-*")), "the write in flight was not where it should be"
-    killed = _rows(run_dir)
+    killed = read_metrics(run_dir, partial=True)
 
     (resumed,) = train_in_process(run_dir, overrides)
     assert [r["step"] for r in resumed] == [3, 4, 5, 6, 7, 8]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from trident.bench.harness import Stat, Table, alternate
 from trident.bench.runs import checked_trial, expand
 from trident.curves import REL

@@ -17,10 +17,7 @@ import io
 import json
 import os
 import pickle
-import runpy
 import shutil
-import subprocess
-import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +30,8 @@ import trident.checkpoint.consolidated as consolidated_mod
 import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
 import trident.checkpoint.manager as manager_mod
-from tests.conftest import REPO
+from tests.helpers.processes import tool_process
+from tests.helpers.tools import run_tool
 from trident.build import RunParts, build_checkpointer, build_parts, layout_of
 from trident.checkpoint.consolidated import (
     ModelWeights,
@@ -800,20 +798,6 @@ def test_dp2_writes_each_box_once_and_resumes_at_dp1(one_process, tmp_path: Path
 # --- the consolidated file and the tools ---------------------------------------------------------------------
 
 
-def run_tool(name: str, *args: str, monkeypatch, capsys) -> tuple[int, str, str]:
-    """``python tools/<name>.py args`` in this process (torch is imported already): exit code, stdout, stderr."""
-    path = REPO / "tools" / f"{name}.py"
-    monkeypatch.setattr(sys, "argv", [str(path), *args])
-    capsys.readouterr()
-    try:
-        runpy.run_path(str(path), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.mark.multiprocess
 def test_consolidate_then_generate_gives_the_checkpoints_text(
     one_process, tiny_dataset: Path, tmp_path: Path, monkeypatch, capsys
@@ -831,8 +815,7 @@ def test_consolidate_then_generate_gives_the_checkpoints_text(
     dist.destroy_process_group()  # the tools run without one
 
     # As a user runs it: its own process, no torchrun.
-    cmd = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), str(root), "--out", str(out)]
-    converted = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    converted = tool_process("convert_checkpoint", str(root), "--out", str(out))
     assert converted.returncode == 0, converted.stderr
     assert converted.stderr == f"wrote {out}: {len(weights_of(model))} tensors from {root / 'step_00000003'} (step 3)\n"
     weights = read_consolidated(out)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
 from trident.errors import ConfigError
 from trident.models.compile import check_toolchain
 

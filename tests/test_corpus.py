@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.corpus import Corpus, make_corpus, texts
+from tests.helpers.corpus import Corpus, make_corpus, texts
+from tests.helpers.processes import tool_process
 from trident.config import DataConfig
 from trident.data.dataset import TokenDataset
 from trident.data.meta import load_meta
@@ -23,7 +22,6 @@ from trident.data.tokenizer import load_tokenizer
 from trident.data.units import plan_units
 from trident.errors import DataError
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 UNIT = 16 << 10  # small work units: the corpus makes many shards, a.jsonl several byte ranges
 
@@ -176,11 +174,11 @@ def test_training_prepares_data_text_with_its_text_field(tmp_path):
 
 @pytest.mark.multiprocess
 def test_the_command_shows_progress_and_counts(corpus, prepared, tmp_path):
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--text", str(corpus.root), "--out"]
-    cmd += [str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--workers", "2", "--shard-mb", str(UNIT / 2**20)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    args = ["--text", str(corpus.root), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--workers", "2"]
+    args += ["--shard-mb", str(UNIT / 2**20)]
+    r = tool_process("prepare_data", *args, timeout=300)
     assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(f"error: {len(corpus.bad)} of ")
-    r = subprocess.run([*cmd, "--max-bad-fraction", "0.05"], capture_output=True, text=True, timeout=300)
+    r = tool_process("prepare_data", *args, "--max-bad-fraction", "0.05", timeout=300)
     assert r.returncode == 0, r.stderr
     progress = [line for line in r.stderr.splitlines() if line.startswith("tokenizing 100% |####################| ")]
     assert len(progress) == 1 and f"{len(corpus.documents):,} docs, " in progress[0] and " MB/s, in " in progress[0]

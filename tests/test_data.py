@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import shutil
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -14,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import REPO
+from tests.helpers.processes import tool_process
 from trident.config import DataConfig
 from trident.data import prepare
 from trident.data.dataset import TokenDataset, eval_batch_count, open_dataset
@@ -23,7 +23,6 @@ from trident.data.sources import collect_text_files, default_corpus_files
 from trident.data.tokenizer import load_tokenizer
 from trident.errors import DataError
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 
 
@@ -344,16 +343,12 @@ def test_real_dataset_windows(dataset):
     assert int(x.max()) < VOCAB and torch.equal(x[:, 1:], y[:, :-1])
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.multiprocess
 def test_cli(corpus, tmp_path):
     # Run from elsewhere: the script must find the package without it being installed.
     out = tmp_path / "ds"
-    r = _cli("--text", str(corpus / "json"), "--out", str(out), "--vocab-size", "512", cwd=tmp_path)
+    args = ["--text", str(corpus / "json"), "--out", str(out), "--vocab-size", "512"]
+    r = tool_process("prepare_data", *args, cwd=tmp_path, fresh=True)
     assert r.returncode == 0, r.stderr
     assert "5 files" in r.stdout and "bytes/token" in r.stdout
     assert TokenDataset(out).vocab_size == 512
@@ -361,7 +356,9 @@ def test_cli(corpus, tmp_path):
 
 @pytest.mark.multiprocess
 def test_cli_error(tmp_path):
-    r = _cli("--text", str(tmp_path / "nope"), "--out", str(tmp_path / "ds"), "--vocab-size", "512", cwd=REPO)
+    r = tool_process(
+        "prepare_data", "--text", str(tmp_path / "nope"), "--out", str(tmp_path / "ds"), "--vocab-size", "512", cwd=REPO
+    )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: data.text:")
     assert not (tmp_path / "ds").exists()
@@ -369,6 +366,8 @@ def test_cli_error(tmp_path):
 
 @pytest.mark.multiprocess
 def test_cli_unwritable_out(corpus, tmp_path):
-    r = _cli("--text", str(corpus / "json"), "--out", "/proc/trident-ds", "--vocab-size", "512", cwd=tmp_path)
+    r = tool_process(
+        "prepare_data", "--text", str(corpus / "json"), "--out", "/proc/trident-ds", "--vocab-size", "512", cwd=tmp_path
+    )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: cannot write /proc/trident-ds: ")

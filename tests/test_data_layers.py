@@ -7,7 +7,7 @@ import ast
 import re
 
 import trident.data
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 DATA = REPO / "trident" / "data"
 

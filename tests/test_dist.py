@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
+from tests.helpers import REPO
 from trident.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _whoami(rank: int, world_size: int) -> tuple[int, int, int]:

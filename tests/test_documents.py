@@ -97,7 +97,7 @@ FULL = "train.activation_checkpointing=full"
 
 
 def _run(dataset, model: str, *extra: str) -> list[str]:
-    from tests.layouts import tiny
+    from tests.helpers.layouts import tiny
 
     steps = ("train.steps=3", "train.micro_batch_size=4", "optim.lr=1e-2")
     return tiny(dataset, f"model={model}", "data.document_mask=true", *steps, *extra)
@@ -114,7 +114,7 @@ def _run(dataset, model: str, *extra: str) -> list[str]:
     ids=["llama-tp2-pp2", "gpt-tp2-pp2-sp", "llama-interleaved-full-recompute"],
 )
 def test_document_masking_under_tp_and_pp_gives_the_one_process_curve(tiny_dataset, tmp_path, model, world, extra):
-    from tests.layouts import assert_same_curve, train_in_process
+    from tests.helpers.layouts import assert_same_curve, train_in_process
 
     shape = [e for e in extra if e.startswith("model.")]
     (one,) = train_in_process(tmp_path / "one", _run(tiny_dataset, model, *shape))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights
 from trident.parallel.random import ATTENTION, ATTENTION_RESIDUAL, MLP_RESIDUAL, Dropout, RNGTracker
@@ -133,12 +133,11 @@ def _run(dataset, *extra: str) -> list[str]:
     return tiny(dataset, "model.dropout=0.1", "train.steps=6", "train.micro_batch_size=4", *extra)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dataset, tmp_path_factory) -> tuple[list[dict], object]:
+@pytest.fixture
+def reference(tiny_dataset, references) -> tuple[list[dict], object]:
     """The one-process run with dropout 0.1, saving at step 3: its curve and that checkpoint."""
-    run_dir = tmp_path_factory.mktemp("one")
-    (history,) = train_in_process(run_dir, _run(tiny_dataset, "checkpoint.every=3"))
-    return history, run_dir / "checkpoints" / "step_00000003"
+    overrides = _run(tiny_dataset, "checkpoint.every=3")
+    return references.history(overrides), references.run_dir(overrides) / "checkpoints" / "step_00000003"
 
 
 LAYOUTS = [

@@ -14,9 +14,17 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import assert_same_curve, tiny, train_in_process
-from tests.test_lifecycle import _env, _lines, _rows, _torchrun, _wait_for_rows
+from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.processes import (
+    child_env,
+    is_alive,
+    output_lines,
+    read_metrics,
+    torchrun,
+    train_command,
+    wait_for_rows,
+    worker_pids,
+)
 from trident.checkpoint.files import checkpoint_name
 
 pytestmark = pytest.mark.multiprocess
@@ -28,38 +36,14 @@ LAYOUT = ["parallel.tp=2", "train.micro_batch_size=2", "train.eval_every=0", "lo
 LAYOUT_3D = [*LAYOUT, "parallel.pp=2"]
 
 
-def _workers(launcher: int) -> dict[int, int]:
-    """rank -> pid of the launcher's worker processes (from their environment, as torchrun set it)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher:
-                    continue
-            with open(f"/proc/{pid}/environ") as f:
-                env = dict(kv.split("=", 1) for kv in f.read().split("\0") if "=" in kv)
-            found[int(env["RANK"])] = int(pid)
-        except (OSError, KeyError, ValueError, IndexError):
-            continue  # a process that ended while being read
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_killed_rank_ends_every_rank_and_the_run_resumes_with_the_uninterrupted_losses(tiny_dataset, tmp_path):
     overrides = tiny(tiny_dataset, f"train.steps={STEPS}", *LAYOUT_3D, "checkpoint.every=2", "parallel.timeout_s=30")
     run_dir = tmp_path / "run"
-    cmd = [*_torchrun(8), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    cmd = train_command(run_dir, overrides, launcher=torchrun(8))
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
-        _wait_for_rows(run_dir, 3, launcher)
-        workers = _workers(launcher.pid)
+        wait_for_rows(run_dir, 3, launcher)
+        workers = worker_pids(launcher.pid)
         assert sorted(workers) == list(range(8))
         os.kill(workers[5], signal.SIGKILL)  # dp 0, pp 1, tp 1: a last-stage rank holding a tied copy
         killed = time.monotonic()
@@ -68,14 +52,14 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_with_the_uninterrupte
     finally:
         launcher.kill()
     assert launcher.returncode != 0 and took < 30, (launcher.returncode, took)
-    assert not any(_alive(pid) for pid in workers.values())
+    assert not any(is_alive(pid) for pid in workers.values())
     # torchrun's agent names the dead rank; the survivors, SIGTERMed by it as their collectives fail, say a peer
     # is gone (or, if their collective failed first, name it too) and leave their step unsaved.
     root_cause = err.split("Root Cause")[1]
     assert "rank      : 5 (local_rank: 5)" in root_cause and "Signal 9 (SIGKILL)" in root_cause, err
-    k = _rows(run_dir)[-1]["step"]
+    k = read_metrics(run_dir, partial=True)[-1]["step"]
     assert k < STEPS, "the run ended before the kill: make its steps longer"
-    survivors = [line for line in _lines(err) if line.startswith(("stopped by", "error:"))]
+    survivors = [line for line in output_lines(err) if line.startswith(("stopped by", "error:"))]
     assert survivors and all("another rank is gone" in s or "lost contact with rank 5" in s for s in survivors), err
 
     # The run resumes from its last checkpoint (step k or the one before) with the losses of a run never
@@ -94,14 +78,14 @@ def test_a_frozen_rank_is_named_and_every_other_rank_exits_within_the_collective
     timeout_s = 6
     overrides = tiny(tiny_dataset, "train.steps=100000", *LAYOUT, f"parallel.timeout_s={timeout_s}")
     run_dir = tmp_path / "run"
-    cmd = [*_torchrun(4), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    cmd = train_command(run_dir, overrides, launcher=torchrun(4))
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
-        _wait_for_rows(run_dir, 2, launcher)
-        workers = _workers(launcher.pid)
+        wait_for_rows(run_dir, 2, launcher)
+        workers = worker_pids(launcher.pid)
         os.kill(workers[3], signal.SIGSTOP)
         stopped = time.monotonic()
-        while any(_alive(workers[r]) for r in range(3)) and time.monotonic() - stopped < timeout_s + 30:
+        while any(is_alive(workers[r]) for r in range(3)) and time.monotonic() - stopped < timeout_s + 30:
             time.sleep(0.05)
         took = time.monotonic() - stopped
         # torchrun would SIGKILL the frozen worker 30 s after the others ended (it ignores --shutdown-timeout
@@ -110,10 +94,10 @@ def test_a_frozen_rank_is_named_and_every_other_rank_exits_within_the_collective
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
-    assert not any(_alive(workers[r]) for r in range(3)) and took < timeout_s + 15, took
+    assert not any(is_alive(workers[r]) for r in range(3)) and took < timeout_s + 15, took
     assert launcher.returncode != 0
     # Each survivor names rank 3 once its own collective timed out; one that torchrun's SIGTERM (sent when the
     # first survivor exited) reached while it still waited leaves the stop line instead.
-    survivors = [line for line in _lines(err) if line.startswith(("stopped by", "error:"))]
+    survivors = [line for line in output_lines(err) if line.startswith(("stopped by", "error:"))]
     named = [s for s in survivors if s.startswith("error: lost contact with rank 3 (silent for 3 s: dead or stuck) (")]
     assert named and all(s in named or "another rank is gone" in s for s in survivors), err

@@ -23,7 +23,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.layouts import make_config
+from tests.helpers.layouts import make_config
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, flops_per_token, init_weights
 

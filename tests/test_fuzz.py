@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from trident.config import compose_config
 from trident.curves import REL, curve_mismatches
 from trident.errors import ConfigError
@@ -138,27 +138,27 @@ def test_a_made_up_refusal_is_a_finding() -> None:
 # --- comparisons
 
 
-def _rows(losses: list[float], norms: list[float] | None = None, **extra: object) -> list[dict]:
+def _curve(losses: list[float], norms: list[float] | None = None, **extra: object) -> list[dict]:
     norms = norms or [1.0] * len(losses)
     pairs = enumerate(zip(losses, norms, strict=True))
     return [{"step": i + 1, "loss": x, "grad_norm": n, **extra} for i, (x, n) in pairs]
 
 
 def test_fp32_curves_compare_to_reduction_order_and_16_bit_within_two_percent() -> None:
-    ref = _rows([6.0, 5.5], [1.0, 0.8])
-    assert curve_problems(ref, _rows([6.0 * (1 + REL / 2), 5.5], [1.0, 0.8 * (1 + REL / 2)]), "fp32", "r") == []
-    assert curve_problems(ref, _rows([6.0 * (1 + 2 * REL), 5.5], [1.0, 0.8]), "fp32", "r")
-    assert curve_problems(ref, _rows([6.0, 5.5], [1.0, 0.801]), "fp32", "r")  # the gradient norm off by 1.25e-3
-    assert curve_problems(ref, _rows([6.0 * (1 + LOW_PRECISION_REL / 2), 5.5], [9.0, 9.0]), "bf16", "r") == []
-    assert curve_problems(ref, _rows([6.0 * (1 + 2 * LOW_PRECISION_REL), 5.5]), "fp16", "r")
-    assert curve_problems(ref, _rows([6.0, 5.5], [1.0, 0.8], skipped=True), "fp16", "r")
-    assert curve_problems(ref, _rows([6.0]), "fp32", "r")  # a step missing
-    assert curve_problems(ref, _rows([6.0, float("nan")], [1.0, 0.8]), "fp32", "r")
+    ref = _curve([6.0, 5.5], [1.0, 0.8])
+    assert curve_problems(ref, _curve([6.0 * (1 + REL / 2), 5.5], [1.0, 0.8 * (1 + REL / 2)]), "fp32", "r") == []
+    assert curve_problems(ref, _curve([6.0 * (1 + 2 * REL), 5.5], [1.0, 0.8]), "fp32", "r")
+    assert curve_problems(ref, _curve([6.0, 5.5], [1.0, 0.801]), "fp32", "r")  # the gradient norm off by 1.25e-3
+    assert curve_problems(ref, _curve([6.0 * (1 + LOW_PRECISION_REL / 2), 5.5], [9.0, 9.0]), "bf16", "r") == []
+    assert curve_problems(ref, _curve([6.0 * (1 + 2 * LOW_PRECISION_REL), 5.5]), "fp16", "r")
+    assert curve_problems(ref, _curve([6.0, 5.5], [1.0, 0.8], skipped=True), "fp16", "r")
+    assert curve_problems(ref, _curve([6.0]), "fp32", "r")  # a step missing
+    assert curve_problems(ref, _curve([6.0, float("nan")], [1.0, 0.8]), "fp32", "r")
     # A mixture's per-source validation losses are compared too, and must be present in both.
-    mixed = _rows([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1})
-    assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1 * (1 + REL / 2)})) == []
-    assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1 * (1 + 2 * REL)}))
-    assert curve_mismatches(mixed, _rows([6.0, 5.5], [1.0, 0.8]))
+    mixed = _curve([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1})
+    assert curve_mismatches(mixed, _curve([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1 * (1 + REL / 2)})) == []
+    assert curve_mismatches(mixed, _curve([6.0, 5.5], [1.0, 0.8], **{"val_loss/web": 6.1 * (1 + 2 * REL)}))
+    assert curve_mismatches(mixed, _curve([6.0, 5.5], [1.0, 0.8]))
 
 
 def test_activation_sets_the_estimator_did_not_predict_fail_the_case(tmp_path: Path) -> None:

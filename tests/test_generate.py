@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights
 
@@ -58,7 +58,7 @@ def test_a_hugging_face_llama_directory_generates_transformers_greedy_text(tmp_p
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    from tests.test_checkpoint import run_tool
+    from tests.helpers.tools import run_tool
 
     words = ["<|endoftext|>", *[f"w{i}" for i in range(47)]]
     tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))

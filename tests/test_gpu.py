@@ -18,10 +18,7 @@ train.py turns TF32 on for speed, and its 10-bit mantissa would be the differenc
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +26,9 @@ import torch
 
 import train
 import trident.build
-from tests.conftest import REPO
-from tests.layouts import assert_same_curve, make_config, tiny
+from tests.helpers import REPO
+from tests.helpers.layouts import assert_same_curve, make_config, tiny
+from tests.helpers.processes import child_env, read_metrics, torchrun, train_command
 from trident.build import build_optimizer, layout_of, model_chunks
 from trident.models.gpt import CausalSelfAttention, causal_attention_probs
 from trident.parallel.groups import build_process_groups
@@ -87,15 +85,14 @@ def test_one_gpu_in_an_nccl_group_trains_the_cpu_curve_with_mfu_from_the_peak_ta
         assert all(0 < r["mfu"] < 1 for r in gpu), [r["mfu"] for r in gpu]
 
 
-def _torchrun(run_dir: Path, overrides: list[str], nproc: int) -> list[dict]:
+def _train_under_torchrun(run_dir: Path, overrides: list[str], nproc: int) -> list[dict]:
     """train.py under torchrun on ``nproc`` GPUs (one process each, nccl), TF32 off; the logged rows."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NVIDIA_TF32_OVERRIDE": "0", "HYDRA_FULL_ERROR": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", "parallel.backend=nccl", *overrides]
+    cmd = train_command(run_dir, ["parallel.backend=nccl", *overrides], launcher=torchrun(nproc))
+    env = child_env(NVIDIA_TF32_OVERRIDE="0")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     assert "nccl on cuda" in proc.stdout, proc.stdout
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 @pytest.mark.multiprocess
@@ -111,8 +108,8 @@ def _torchrun(run_dir: Path, overrides: list[str], nproc: int) -> list[dict]:
 )
 def test_two_gpus_train_each_layout_like_one_gpu(tiny_dataset, tmp_path, layout):
     overrides = [*tiny(tiny_dataset, *SHORT), "model.n_layers=4"]
-    one = _torchrun(tmp_path / "one", overrides, 1)
-    two = _torchrun(tmp_path / "two", [*overrides, *layout.split()], 2)
+    one = _train_under_torchrun(tmp_path / "one", overrides, 1)
+    two = _train_under_torchrun(tmp_path / "two", [*overrides, *layout.split()], 2)
     assert_same_curve(one, two)
 
 

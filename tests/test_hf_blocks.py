@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from tests.test_checkpoint import run_tool
+from tests.helpers.tools import run_tool
 from trident.checkpoint.consolidated import ModelWeights, load_weights, write_consolidated
 from trident.checkpoint.export import write_hf
 from trident.checkpoint.hf import read_box, sources, to_hf

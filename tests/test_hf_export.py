@@ -11,8 +11,8 @@ import sentencepiece as spm
 import torch
 import transformers
 
-from tests.layouts import tiny, train_in_process
-from tests.test_checkpoint import run_tool
+from tests.helpers.layouts import tiny, train_in_process
+from tests.helpers.tools import run_tool
 from trident.checkpoint.consolidated import ModelWeights, from_checkpoint, read_model_tensors
 from trident.checkpoint.export import model_config, write_hf
 from trident.config import ModelConfig

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import shutil
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -17,8 +16,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.conftest import REPO
-from tests.layouts import _train, make_config, train_in_process
+from tests.helpers import REPO
+from tests.helpers.layouts import make_config, train_in_process, train_rank
+from tests.helpers.processes import run_train
 from trident.checkpoint.consolidated import load_weights, read_model_tensors, write_checkpoint
 from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_init_weights, open_source
 from trident.config import Config, ModelConfig
@@ -96,7 +96,7 @@ def test_a_hugging_face_model_starts_a_tp2_pp2_run_at_its_own_loss_and_trains(ki
     )  # fmt: skip
     assert m.tie_embeddings == (kind == "gpt2") and m.norm == ("layernorm" if kind == "gpt2" else "rmsnorm")
 
-    histories = run_distributed(_train, 4, cfg, tmp_path / "run", timeout_s=300)
+    histories = run_distributed(train_rank, 4, cfg, tmp_path / "run", timeout_s=300)
     losses = [row["loss"] for row in histories[0]]
     assert [row["step"] for row in histories[0]] == [1, 2, 3, 4]  # step 0: a fresh start
     x, y = first_batch(cfg)
@@ -115,7 +115,7 @@ def test_a_checkpoint_saved_at_tp2_starts_a_pp2_run_at_its_weights_and_a_restart
     overrides = run_args(tiny_dataset, "parallel.pp=2", "train.steps=1", f"checkpoint.init_from={saved}")
     cfg = adopted(tmp_path / "b", overrides)
     assert cfg.model.name == "llama-tiny" and cfg.model.kv_heads == 2 and not cfg.model.tie_embeddings
-    (history, _) = run_distributed(_train, 2, cfg, tmp_path / "b", timeout_s=300)
+    (history, _) = run_distributed(train_rank, 2, cfg, tmp_path / "b", timeout_s=300)
     assert [row["step"] for row in history] == [1]
 
     # The one-process model of the saved weights, on the same first batch.
@@ -132,7 +132,7 @@ def test_a_checkpoint_saved_at_tp2_starts_a_pp2_run_at_its_weights_and_a_restart
     # Rerun the same command for more steps: it resumes from its own checkpoint, even with the source gone.
     shutil.move(saved, tmp_path / "moved")
     overrides = [*overrides[:-2], "train.steps=2", overrides[-1]]
-    (history, _) = run_distributed(_train, 2, adopted(tmp_path / "b", overrides), tmp_path / "b", timeout_s=300)
+    (history, _) = run_distributed(train_rank, 2, adopted(tmp_path / "b", overrides), tmp_path / "b", timeout_s=300)
     assert [row["step"] for row in history] == [2]
 
 
@@ -164,11 +164,8 @@ def test_a_model_key_that_contradicts_the_source_is_refused_in_one_line(tmp_path
 @pytest.mark.multiprocess
 def test_train_py_exits_2_with_one_line_on_a_contradicting_key(tmp_path):
     source = hf_model("gpt2", tmp_path / "src")
-    cmd = [
-        sys.executable, str(REPO / "train.py"), f"checkpoint.init_from={source}", "model=gpt-tiny", "model.n_layers=4",
-        f"hydra.run.dir={tmp_path / 'run'}", "wandb.mode=disabled",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    args = [f"checkpoint.init_from={source}", "model=gpt-tiny", "model.n_layers=4", "wandb.mode=disabled"]
+    done = run_train(tmp_path / "run", args, env=dict(os.environ), timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr == (
         f"error: checkpoint.init_from={source} is a Hugging Face model with model.n_layers=2; the command line sets "
@@ -219,13 +216,13 @@ def test_the_readme_command_continues_pretraining_a_hugging_face_llama_with_its_
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(source)
     tokenizer.save(str(source / "tokenizer.json"))
     run = tmp_path / "run"
-    cmd = [
-        sys.executable, str(REPO / "train.py"), f"checkpoint.init_from={source}", "model.seq_len=128",
+    args = [
+        f"checkpoint.init_from={source}", "model.seq_len=128",
         f"data.tokenizer={source}", f"data.text=[{text[0].parent}]", f"data.cache_dir={tmp_path / 'cache'}",
         "train.steps=3", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0",
-        "wandb.mode=disabled", "logging.peak_tflops=1", f"hydra.run.dir={run}",
+        "wandb.mode=disabled", "logging.peak_tflops=1",
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = run_train(run, args, env=dict(os.environ), cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"initialised from the Hugging Face model {source} (step 0, fresh optimizer)" in done.stdout
     first = float(done.stdout.split("step 1/3 | loss ")[1].split()[0])

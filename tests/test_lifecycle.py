@@ -1,5 +1,5 @@
 """How a run starts, stops and ends: errors from every rank, the run directory's owner, divergence, signals,
-the summary line. In-process (tests/layouts.py) where it can be; the launcher's own behaviour (torchrun's
+the summary line. In-process (tests/helpers/layouts.py) where it can be; the launcher's own behaviour (torchrun's
 signals, a second process fighting for the directory) with real processes."""
 
 from __future__ import annotations
@@ -15,52 +15,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
+from tests.helpers import REPO
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
+from tests.helpers.processes import (
+    child_env,
+    output_lines,
+    read_metrics,
+    start_ranks,
+    start_train,
+    torchrun,
+    train_command,
+    wait_for_rows,
+)
 from train import run
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.config import Config
 from trident.divergence import DivergencePolicy
 from trident.errors import RunDirError
-from trident.ranks import free_port, run_distributed
+from trident.ranks import run_distributed
 from trident.rundir import LOCK_FILE, RunDirLock, remove_partial_saves
 from trident.signals import SAME_KEY_PRESS_S, Stopped
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", WANDB_SILENT="true")
-    return env
-
-
-def _torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def _start_train(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    """``python train.py`` in the background, its output captured."""
-    cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-
-
-def _wait_for_rows(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while len(_rows(run_dir)) < n:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"no {n} steps after {timeout} s"
-        time.sleep(0.02)
-
-
-def _lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
-
 
 # --- 1. Errors reach the user from every rank.
 
@@ -68,11 +42,11 @@ def _lines(text: str) -> list[str]:
 @pytest.mark.multiprocess
 def test_under_torchrun_the_first_line_is_the_error_and_nothing_aborts(tiny_dataset, tmp_path):
     """The launcher kills the other ranks as soon as one exits: the first rank out must have printed already."""
-    cmd = [*_torchrun(2), str(REPO / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *tiny(tiny_dataset)]
+    cmd = train_command(tmp_path / "run", tiny(tiny_dataset), launcher=torchrun(2))
     bad_layout = ["parallel.pp=2", "parallel.vpp=2"]  # gpt-tiny's 2 layers do not split over 4 virtual stages
-    proc = subprocess.run([*cmd, *bad_layout], capture_output=True, text=True, timeout=120, env=_env())
+    proc = subprocess.run([*cmd, *bad_layout], capture_output=True, text=True, timeout=120, env=child_env())
     assert proc.returncode != 0
-    lines = _lines(proc.stderr)
+    lines = output_lines(proc.stderr)
     error = (
         "error: model.n_layers=2 is not divisible by pp 2 x vpp 2 = 4; change the layer count or the pipeline layout"
     )
@@ -84,24 +58,18 @@ def test_under_torchrun_the_first_line_is_the_error_and_nothing_aborts(tiny_data
 def test_a_rank_that_loses_its_peer_says_so_in_one_line(tiny_dataset, tmp_path):
     """kill -9 of one rank (started by hand: no launcher to end the other): the survivor's collective fails, and
     it ends at once with one line and exit code 1, not a traceback or an abort in teardown."""
-    run_dir, port = tmp_path / "run", str(free_port())
+    run_dir = tmp_path / "run"
     overrides = tiny(tiny_dataset, "train.steps=2000", "train.eval_every=0", "logging.interval=1000")
-    ranks = []
-    for rank in range(2):
-        env = _env()
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-        ranks.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    ranks = start_ranks(run_dir, overrides, 2)
     try:
-        _wait_for_rows(run_dir, 2, ranks[0])
+        wait_for_rows(run_dir, 2, ranks[0])
         ranks[1].kill()
         _, err = ranks[0].communicate(timeout=30)
     finally:
         for proc in ranks:
             proc.kill()
     assert ranks[0].returncode == 1
-    (line,) = _lines(err)
+    (line,) = output_lines(err)
     assert line.startswith("error: lost contact with another rank (") and line.endswith("says why it stopped"), line
 
 
@@ -179,9 +147,9 @@ def test_a_second_run_in_the_directory_is_refused_until_the_first_is_gone(tiny_d
     checkpoint; B then owns the directory, removes the partial saves a killed run left, and resumes."""
     run_dir = tmp_path / "run"
     overrides = tiny(tiny_dataset, "train.steps=400", "train.eval_every=0", "logging.interval=1000")
-    a = _start_train(run_dir, overrides)
+    a = start_train(run_dir, overrides)
     try:
-        _wait_for_rows(run_dir, 2, a)
+        wait_for_rows(run_dir, 2, a)
         with pytest.raises(RuntimeError) as refused:
             train_in_process(run_dir, overrides)
         assert f"RunDirError: run directory {run_dir} is in use by another run (pid {a.pid} on " in str(refused.value)
@@ -190,11 +158,12 @@ def test_a_second_run_in_the_directory_is_refused_until_the_first_is_gone(tiny_d
     finally:
         a.kill()
     assert a.returncode == 128 + signal.SIGTERM, err
-    stopped = [r["step"] for r in _rows(run_dir)]
+    stopped = [r["step"] for r in read_metrics(run_dir, partial=True)]
     k = stopped[-1]
     assert stopped == list(range(1, k + 1)) and k < 400  # one writer: no interleaved rows
     checkpoint = run_dir / "checkpoints" / checkpoint_name(k)
-    assert _lines(err) == [f"stopped by SIGTERM at step {k}; checkpoint {checkpoint}; rerun the same command to resume"]
+    stop = f"stopped by SIGTERM at step {k}; checkpoint {checkpoint}; rerun the same command to resume"
+    assert output_lines(err) == [stop]
     assert list_checkpoints(run_dir / "checkpoints") == [checkpoint]
 
     leftovers = [run_dir / "checkpoints" / f".{checkpoint_name(k + 1)}.tmp-{i}" for i in range(2)]
@@ -246,7 +215,7 @@ def test_fp16_divergence_stops_every_rank_naming_step_scale_and_last_good_checkp
         "(or a longer optim.warmup_steps, or train.precision=bf16)"
     )
     assert list_checkpoints(tmp_path / "checkpoints") == [good]  # due at every step, saved only when finite
-    assert [r["loss"] for r in _rows(tmp_path)][1:] == [None, None, None]
+    assert [r["loss"] for r in read_metrics(tmp_path, partial=True)][1:] == [None, None, None]
 
 
 @pytest.mark.multiprocess
@@ -266,7 +235,7 @@ def _signal_one_rank(rank: int, world: int, cfg: Config, run_dir: Path) -> tuple
     if rank == 1:
 
         def interrupt() -> None:
-            while len(_rows(run_dir)) < 2:
+            while len(read_metrics(run_dir, partial=True)) < 2:
                 time.sleep(0.005)
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -297,31 +266,31 @@ def test_sigterm_to_torchrun_saves_the_step_and_resuming_gives_the_uninterrupted
     (reference,) = train_in_process(tmp_path / "reference", [*overrides, "wandb.mode=disabled"])
 
     run_dir = tmp_path / "run"
-    cmd = [*_torchrun(2), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    cmd = train_command(run_dir, overrides, launcher=torchrun(2))
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
-        _wait_for_rows(run_dir, 3, launcher)
+        wait_for_rows(run_dir, 3, launcher)
         launcher.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
-    k = _rows(run_dir)[-1]["step"]
+    k = read_metrics(run_dir, partial=True)[-1]["step"]
     assert k < 100, "the run ended before the signal: make its steps longer"
     checkpoint = run_dir / "checkpoints" / checkpoint_name(k)
     stop = f"stopped by SIGTERM at step {k}; checkpoint {checkpoint}; rerun the same command to resume"
     # One line from the logging rank, before anything the launcher itself prints about its signal.
-    assert [line for line in _lines(err) if "stopped" in line or "rror" in line][0] == stop, err
+    assert [line for line in output_lines(err) if "stopped" in line or "rror" in line][0] == stop, err
     assert err.count("stopped by") == 1
     assert list_checkpoints(run_dir / "checkpoints") == [checkpoint]
     run_id = (run_dir / "wandb_run_id").read_text().strip()
 
-    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.count("resumed from") == 1 and f"resumed from {checkpoint} at step {k}" in resumed.stdout
-    rows = _rows(run_dir)
+    rows = read_metrics(run_dir, partial=True)
     assert_same_curve(reference, rows, rel=1e-6)
     final = run_dir / "checkpoints" / checkpoint_name(100)
-    summary = _lines(resumed.stdout)[-1]
+    summary = output_lines(resumed.stdout)[-1]
     assert summary.startswith(f"done: steps {k + 1}-100 in ") and " tok/s | loss " in summary, summary
     assert summary.endswith(f" | val {rows[-1]['val_loss']:.4f} | checkpoint {final}"), summary
     assert (run_dir / "wandb_run_id").read_text().strip() == run_id
@@ -352,9 +321,9 @@ def test_a_stop_that_cannot_wait_ends_at_once_naming_the_last_checkpoint(tiny_da
         "train.eval_every=0",
     ]
     overrides = tiny(tiny_dataset, *slow, "train.steps=100", f"train.stop_grace_s={grace}")
-    proc = _start_train(run_dir, overrides)
+    proc = start_train(run_dir, overrides)
     try:
-        _wait_for_rows(run_dir, 1, proc)
+        wait_for_rows(run_dir, 1, proc)
         for i, signum in enumerate(signals):
             if i:
                 time.sleep(SAME_KEY_PRESS_S + 0.2)  # a second key press, not one delivered twice
@@ -365,8 +334,8 @@ def test_a_stop_that_cannot_wait_ends_at_once_naming_the_last_checkpoint(tiny_da
     finally:
         proc.kill()
     assert proc.returncode == 128 + signals[0]
-    k = _rows(run_dir)[-1]["step"]
-    assert _lines(err) == [
+    k = read_metrics(run_dir, partial=True)[-1]["step"]
+    assert output_lines(err) == [
         f"stopped by {signals[0].name} at step {k} (step {k + 1} abandoned{why}); no checkpoint yet; "
         "rerun the same command to resume"
     ]

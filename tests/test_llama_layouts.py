@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.layouts import assert_same_curve, four_layers, train_in_process
+from tests.helpers.layouts import assert_same_curve, four_layers, train_in_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,16 +21,15 @@ def _base(dataset, *extra: str) -> list[str]:
     return four_layers(dataset, STEPS, "model=llama-tiny", *extra)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dataset, tmp_path_factory) -> list[dict]:
-    (history,) = train_in_process(tmp_path_factory.mktemp("one"), _base(tiny_dataset))
-    return history
+@pytest.fixture
+def reference(tiny_dataset, references) -> list[dict]:
+    return references.history(_base(tiny_dataset))
 
 
 LAYOUTS = {
     "dp2": (2, ["parallel.dp=2"]),
     "tp2-kv-split": (2, ["parallel.tp=2"]),
-    "tp4-kv-replicated": (4, ["parallel.tp=4"]),
+    # tp=4 alone (kv heads replicated) is a saving run of the reshard test below.
     "tp4-kv-replicated-sp": (4, ["parallel.tp=4", "parallel.sequence_parallel=true"]),
     "tp2-sp-full-recompute": (
         2,
@@ -77,10 +76,8 @@ def test_llama_layouts_give_the_one_process_curve(tiny_dataset, tmp_path, refere
     ],
     ids=["mqa-tp2", "mha-rope-pp2", "tied-bias-pp2"],
 )
-def test_llama_variants_give_the_one_process_curve(tiny_dataset, tmp_path, world, extra):
-    (one,) = train_in_process(
-        tmp_path / "one", _base(tiny_dataset, "train.steps=3", *[e for e in extra if "model." in e])
-    )
+def test_llama_variants_give_the_one_process_curve(tiny_dataset, tmp_path, references, world, extra):
+    one = references.history(_base(tiny_dataset, "train.steps=3", *[e for e in extra if "model." in e]))
     for history in train_in_process(tmp_path / "many", _base(tiny_dataset, "train.steps=3", *extra), world=world):
         assert_same_curve(one, history)
 
@@ -91,13 +88,15 @@ B = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1"]  # kv
 
 def test_llama_checkpoints_reshard_with_the_uninterrupted_losses(tiny_dataset, tmp_path, reference):
     """Save at tp=4 (kv replicated), resume at dp2 x tp2 x pp2 (kv split) and the reverse: the next losses, norms
-    and validation losses are the uninterrupted run's."""
+    and validation losses are the uninterrupted run's. Both saving runs give the one-process curve on every rank."""
     saved = {}
     for name, world, layout in (("A", 4, A), ("B", 8, B)):
         histories = train_in_process(
             tmp_path / name, _base(tiny_dataset, f"checkpoint.every={SAVED_AT}", *layout), world
         )
-        assert_same_curve(reference, histories[0])
+        assert len(histories) == world
+        for history in histories:
+            assert_same_curve(reference, history)
         saved[name] = tmp_path / name / "checkpoints" / f"step_{SAVED_AT:08d}"
     for source, world, target in (("A", 8, B), ("B", 4, A)):
         resumed = train_in_process(

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import REPO
-from tests.layouts import tiny, train_in_process
+from tests.helpers import REPO
+from tests.helpers.layouts import tiny, train_in_process
 from trident.data.loader import BatchLoader
 from trident.data.sampler import GlobalBatchSampler
 from trident.parallel.batch import document_ids

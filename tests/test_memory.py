@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.layouts import make_config, tiny, train_in_process
+from tests.helpers.layouts import make_config, tiny, train_in_process
 from trident.build import build_parts, layout_of
 from trident.config import Config, ModelConfig, OffloadConfig, validate
 from trident.layout import Layout

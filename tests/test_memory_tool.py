@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import runpy
-import sys
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import make_config
+from tests.helpers.layouts import make_config
+from tests.helpers.tools import run_tool
 from trident.config import validate
 from trident.layout import Layout
 from trident.memory.estimate import estimate
 from trident.memory.measure import format_bytes
-
-TOOL = REPO / "tools" / "estimate_memory.py"
-
-
-def run_tool(*args: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", [str(TOOL), *args])
-    capsys.readouterr()
-    try:
-        runpy.run_path(str(TOOL), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("model", ["gpt-small", "llama-150m"])
@@ -53,7 +37,7 @@ def test_table_lists_every_option_and_marks_the_asked_one(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     overrides = ["model=gpt-small", "parallel.dp=4", "parallel.zero=2", "train.precision=bf16"]
-    code, out, err = run_tool(*overrides, monkeypatch=monkeypatch, capsys=capsys)
+    code, out, err = run_tool("estimate_memory", *overrides, monkeypatch=monkeypatch, capsys=capsys)
     assert code == 0, err
     rows = [line for line in out.splitlines() if "| zero=" in line]
     assert len(rows) == 8
@@ -70,12 +54,14 @@ def test_pipeline_layout_json_and_errors(monkeypatch: pytest.MonkeyPatch, capsys
     """A pp layout is predicted per stage (the first stage holds the most with 1F1B); a bad config is one line
     and exit code 2."""
     args = ["model=gpt-tiny", "parallel.pp=2", "parallel.tp=2", "--world", "8", "--json", "train.micro_batch_size=2"]
-    code, out, err = run_tool(*args, monkeypatch=monkeypatch, capsys=capsys)
+    code, out, err = run_tool("estimate_memory", *args, monkeypatch=monkeypatch, capsys=capsys)
     assert code == 0, err
     stages = json.loads(out)["stages"]
     assert [s["stage"] for s in stages] == [0, 1]
     assert stages[0]["activations"]["none"] > stages[1]["activations"]["none"] > stages[1]["activations"]["full"]
-    code, out, err = run_tool("model=gpt-tiny", "parallel.zero=5", monkeypatch=monkeypatch, capsys=capsys)
+    code, out, err = run_tool(
+        "estimate_memory", "model=gpt-tiny", "parallel.zero=5", monkeypatch=monkeypatch, capsys=capsys
+    )
     assert code == 2
     assert err.strip() == "error: parallel.zero=5 is not valid; use one of 0, 1, 2, 3"
 
@@ -87,7 +73,9 @@ def test_llama_8b_per_rank_parameters(
     """model=llama-8b: the Llama 3 8B count (8,030,261,248 with its untied 128256-piece head), and each tp rank's
     parameters by hand: q, o, gate/up and down split over tp, the 8 kv heads split at tp=8 and held whole by every
     rank at tp=16 (fewer kv heads than ranks), the norms whole, both vocabulary tables padded to 64 tp rows."""
-    code, out, err = run_tool("model=llama-8b", f"parallel.tp={tp}", "--json", monkeypatch=monkeypatch, capsys=capsys)
+    code, out, err = run_tool(
+        "estimate_memory", "model=llama-8b", f"parallel.tp={tp}", "--json", monkeypatch=monkeypatch, capsys=capsys
+    )
     assert code == 0, err
     report = json.loads(out)
     assert report["total_params"] == 8_030_261_248

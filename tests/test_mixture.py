@@ -5,15 +5,15 @@ run gives the one-process curve under any layout and resumes under another one w
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import SMALL_CORPUS
-from tests.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers import SMALL_CORPUS
+from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.processes import read_metrics
 from trident.config import DataConfig
 from trident.curves import REL
 from trident.data.mixture import MixedWindows, MixtureSampler, integer_weights, open_training_data, source_names
@@ -204,23 +204,17 @@ def assert_same_sources(expected: list[dict], got: list[dict]) -> None:
             assert math.isclose(have[k], want[k], rel_tol=REL), (want["step"], k, have[k], want[k])
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def mix_reference(tiny_dataset, second_dataset, tmp_path_factory) -> tuple[Path, list[dict]]:
+@pytest.fixture
+def mix_reference(tiny_dataset, second_dataset, references) -> tuple[Path, list[dict]]:
     """The one-process mixture run: 8 steps, one micro-batch of 16, validation at steps 4 and 8."""
-    run_dir = tmp_path_factory.mktemp("mix-one")
     overrides = _mix(tiny_dataset, second_dataset, "train.steps=8", "train.micro_batch_size=16")
-    (history,) = train_in_process(run_dir, overrides)
-    return run_dir, history
+    return references.run_dir(overrides), references.history(overrides)
 
 
 @pytest.mark.multiprocess
 def test_metrics_carry_tokens_and_validation_loss_per_source(tiny_dataset, second_dataset, mix_reference):
     run_dir, history = mix_reference
-    rows = _rows(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 9))
     one = open_training_data(DataConfig(dataset_dir=str(tiny_dataset)), 512, 64, 16, 1)
     # What the sampler really drew, counted window by window, against the closed form the metrics carry.
@@ -260,7 +254,7 @@ def test_a_dp2_mixture_checkpoint_resumes_at_tp2_and_pp2(tiny_dataset, second_da
         resumed = train_in_process(tmp_path / layout, [*base, layout, f"checkpoint.resume={checkpoint}"], world=2)
         for rows in resumed:
             assert_same_sources(mix_reference[1][4:], rows)
-        assert [r["step"] for r in _rows(tmp_path / layout)] == [5, 6, 7, 8]
+        assert [r["step"] for r in read_metrics(tmp_path / layout)] == [5, 6, 7, 8]
 
 
 @pytest.mark.multiprocess

@@ -12,16 +12,23 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SMALL_CORPUS
-from tests.layouts import assert_same_curve, tiny, train_in_process
-from tests.test_failures import _alive, _workers
-from tests.test_lifecycle import _env, _lines, _rows, _wait_for_rows
+from tests.helpers import SMALL_CORPUS
+from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.processes import (
+    child_env,
+    is_alive,
+    output_lines,
+    read_metrics,
+    torchrun,
+    train_command,
+    wait_for_rows,
+    worker_pids,
+)
 from trident.ranks import free_port
 
 pytestmark = pytest.mark.multiprocess
@@ -31,12 +38,11 @@ def _agent(
     port: int, node: int, nproc: int, run_dir: Path, overrides: list[str], restarts: int = 0
 ) -> subprocess.Popen:
     """One node's torchrun agent, in a process group of its own (a node's processes, to kill at once)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"]
-    cmd += [f"--max-restarts={restarts}"] if restarts else []
-    cmd += [f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test"]
-    cmd += [str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    agent = ["--nnodes=2", f"--node-rank={node}", *([f"--max-restarts={restarts}"] if restarts else [])]
+    agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test"]
+    cmd = train_command(run_dir, overrides, launcher=torchrun(nproc, *agent, standalone=False))
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True
     )
 
 
@@ -77,17 +83,17 @@ def test_two_agents_train_a_3d_layout_with_the_one_process_curve_and_prepare_the
     (out0, err0), (out1, err1) = _end(agents, timeout=240)
     assert [a.returncode for a in agents] == [0, 0], err0 + err1
     # Every rank of both nodes asked for the dataset; the first prepared it, the rest waited on its lock.
-    prepared = [line for line in _lines(out0 + out1) if line.startswith("preparing dataset")]
+    prepared = [line for line in output_lines(out0 + out1) if line.startswith("preparing dataset")]
     assert len(prepared) == 1, out0 + out1
     assert "world 8 (dp 2 x tp 2 x pp 2)" in out0 + out1
 
     (reference,) = train_in_process(tmp_path / "reference", common)
-    assert_same_curve(reference, _rows(run_dir))
+    assert_same_curve(reference, read_metrics(run_dir, partial=True))
 
 
 def _node_of_rank_0(agents: list[subprocess.Popen]) -> int:
     for node, agent in enumerate(agents):
-        if 0 in _workers(agent.pid):
+        if 0 in worker_pids(agent.pid):
             return node
     raise AssertionError("no agent runs rank 0")
 
@@ -100,18 +106,18 @@ def test_a_node_killed_mid_run_ends_the_other_nodes_ranks_within_60_s_naming_wha
     run_dir = tmp_path / "run"
     agents = _two_nodes(2, run_dir, overrides)
     try:
-        _wait_for_rows(run_dir, 3, agents[0])
+        wait_for_rows(run_dir, 3, agents[0])
         rank0_node = _node_of_rank_0(agents)
         dead = rank0_node if lost == "the node of rank 0" else 1 - rank0_node
         survivor = agents[1 - dead]
-        workers = _workers(survivor.pid)
-        dead_workers = _workers(agents[dead].pid)
+        workers = worker_pids(survivor.pid)
+        dead_workers = worker_pids(agents[dead].pid)
         # The node's agent and its workers at once (torchrun starts each worker in a session of its own).
         for pid in [agents[dead].pid, *dead_workers.values()]:
             os.kill(pid, signal.SIGKILL)
         dead_ranks = sorted(dead_workers)
         killed = time.monotonic()
-        while any(_alive(pid) for pid in workers.values()) and time.monotonic() - killed < 90:
+        while any(is_alive(pid) for pid in workers.values()) and time.monotonic() - killed < 90:
             time.sleep(0.05)
         took = time.monotonic() - killed
     finally:
@@ -120,7 +126,7 @@ def test_a_node_killed_mid_run_ends_the_other_nodes_ranks_within_60_s_naming_wha
     # Each surviving rank whose collective failed first names what was lost; one that its agent's SIGTERM reached
     # first (sent when the first survivor exited) leaves nothing or the stop line.
     err = results[1 - dead][1]
-    lines = [line for line in _lines(err) if line.startswith(("error:", "stopped by"))]
+    lines = [line for line in output_lines(err) if line.startswith(("error:", "stopped by"))]
     if lost == "the other node":
         ranks = ", ".join(map(str, dead_ranks))
         named = f"error: lost contact with ranks {ranks} (silent for 3 s: dead or stuck; all of node "
@@ -139,15 +145,15 @@ def test_a_rank_killed_on_one_node_under_max_restarts_resumes_on_both_with_the_u
     run_dir = tmp_path / "run"
     agents = _two_nodes(2, run_dir, [*overrides, "parallel.tp=2"], restarts=1)  # dp=2 x tp=2
     try:
-        _wait_for_rows(run_dir, 5, agents[0])
+        wait_for_rows(run_dir, 5, agents[0])
         node = 1 - _node_of_rank_0(agents)  # the node of ranks 2 and 3
-        os.kill(_workers(agents[node].pid)[3], signal.SIGKILL)
-        killed_at = _rows(run_dir)[-1]["step"]
+        os.kill(worker_pids(agents[node].pid)[3], signal.SIGKILL)
+        killed_at = read_metrics(run_dir, partial=True)[-1]["step"]
     finally:
         results = _end(agents, timeout=240)
     assert killed_at < steps, "the run ended before the kill: make its steps longer"
     assert [a.returncode for a in agents] == [0, 0], results
     out = results[0][0] + results[1][0]
-    assert sum(line.startswith("resumed from ") for line in _lines(out)) == 1, out  # rank 0 says it
+    assert sum(line.startswith("resumed from ") for line in output_lines(out)) == 1, out  # rank 0 says it
     (reference,) = train_in_process(tmp_path / "reference", overrides)
-    assert_same_curve(reference, _rows(run_dir))
+    assert_same_curve(reference, read_metrics(run_dir, partial=True))

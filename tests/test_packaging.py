@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.corpus import texts
+from tests.helpers import REPO
+from tests.helpers.corpus import texts
 
 # Where each source folder of the checkout lands in the installed package.
 ROOTS = {"trident": "trident", "parallel": "trident/parallel", "models": "trident/models"}

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO
 from trident.config import compose_config, validate
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, Layout, with_keys
@@ -22,7 +22,6 @@ from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matm
 from trident.plan.report import launch_overrides, plan_table
 from trident.plan.space import enumerate_layouts, grid
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
 
 

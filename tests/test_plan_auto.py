@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
+from tests.helpers.processes import start_ranks
 from trident.config import validate
 from trident.errors import ConfigError
 from trident.plan import auto
@@ -70,24 +68,28 @@ def test_auto_refuses_in_one_line(profile: Profile) -> None:
 
 
 @pytest.mark.multiprocess
-def test_auto_trains_the_one_process_curve(tiny_dataset: Path, tmp_path: Path) -> None:
+def test_auto_trains_the_one_process_curve(tiny_dataset: Path, tmp_path: Path, references) -> None:
     base = tiny(tiny_dataset, "train.steps=4", "model.n_layers=4")
-    (reference,) = train_in_process(tmp_path / "one", [*base, "train.micro_batch_size=16"])
+    reference = references.history([*base, "train.micro_batch_size=16"])
     histories = train_in_process(tmp_path / "auto", [*base, "parallel.auto=true"], world=4)
     for history in histories:
         assert_same_curve(reference, history)
 
 
 @pytest.mark.multiprocess
-def test_torchrun_says_which_layout_once(tiny_dataset: Path, tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(REPO / "train.py"),
-        f"hydra.run.dir={tmp_path}", *tiny(tiny_dataset, "train.steps=2"), "parallel.auto=true", "parallel.tp=2",
-    ]  # fmt: skip
+def test_a_launch_of_two_ranks_says_which_layout_once(tiny_dataset: Path, tmp_path: Path) -> None:
+    """Two ranks of ``python train.py`` with torchrun's environment: one line between them says the layout."""
+    overrides = [*tiny(tiny_dataset, "train.steps=2"), "parallel.auto=true", "parallel.tp=2"]
     env = dict(os.environ, HOME=str(tmp_path))  # no calibration cached: the nominal CPU profile
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = [line for line in r.stdout.splitlines() if line.startswith("parallel.auto:")]
+    ranks = start_ranks(tmp_path, overrides, 2, env=env)
+    try:
+        outputs = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    stdout = "".join(out for out, _ in outputs)
+    lines = [line for line in stdout.splitlines() if line.startswith("parallel.auto:")]
     assert len(lines) == 1 and "dp1 tp2 pp1" in lines[0] and "with parallel.tp=2" in lines[0]
     assert "cpu (nominal)" in lines[0]
-    assert "world 2 (dp 1 x tp 2 x pp 1)" in r.stdout
+    assert "world 2 (dp 1 x tp 2 x pp 1)" in stdout

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.plan_profiles import hand_built_cpu
+from tests.helpers import REPO
+from tests.helpers.plan_profiles import hand_built_cpu
 from trident.bench.runs import Trial
 from trident.config import Config, compose_config
 from trident.layout import Layout

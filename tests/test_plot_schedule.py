@@ -12,9 +12,9 @@ from xml.sax.saxutils import escape
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import make_config, tiny, train_in_process
-from tests.plan_profiles import hand_built_cpu
+from tests.helpers import REPO
+from tests.helpers.layouts import make_config, tiny, train_in_process
+from tests.helpers.plan_profiles import hand_built_cpu
 
 TOOL = runpy.run_path(str(REPO / "tools" / "plot_schedule.py"))
 

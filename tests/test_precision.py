@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import trident.build
-from tests.layouts import make_config, tiny, train_in_process
+from tests.helpers.layouts import make_config, tiny, train_in_process
 from train import run
 from trident.build import build_optimizer, layout_of, model_chunks
 from trident.errors import DivergenceError

@@ -6,19 +6,19 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.corpus import make_corpus
+from tests.helpers import REPO
+from tests.helpers.corpus import make_corpus
+from tests.helpers.processes import tool_process
+from tests.helpers.warm import WarmProcess
 from trident.data.prepare import prepare_dataset
 from trident.errors import DataError
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 UNIT = 16 << 10
 KW = {"max_bad_fraction": 0.05, "unit_bytes": UNIT}
@@ -93,9 +93,9 @@ def test_a_killed_worker_stops_it_and_the_rerun_reuses_the_finished_shards(corpu
 @pytest.mark.multiprocess
 def test_a_killed_command_leaves_no_dataset_and_the_rerun_finishes_it(corpus, clean, tmp_path):
     out, partial = tmp_path / "ds", tmp_path / "ds.partial"
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--text", str(corpus.root), "--out", str(out)]
-    cmd += ["--vocab-size", str(VOCAB), "--workers", "2", "--max-bad-fraction", "0.05", "--shard-mb", str(UNIT / 2**20)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    args = ["--text", str(corpus.root), "--out", str(out), "--vocab-size", str(VOCAB), "--workers", "2"]
+    args += ["--max-bad-fraction", "0.05", "--shard-mb", str(UNIT / 2**20)]
+    proc = WarmProcess(REPO / "tools" / "prepare_data.py", args, new_session=True)
     try:
         _wait_for_shards(partial, 3)
     finally:
@@ -108,7 +108,7 @@ def test_a_killed_command_leaves_no_dataset_and_the_rerun_finishes_it(corpus, cl
     finished = len(_finished(partial))
     assert 3 <= finished < len(_finished(clean))
 
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    again = tool_process("prepare_data", *args, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"reusing {finished} of {len(_finished(clean))} shards an earlier run finished" in again.stderr
     assert _stamps([out / "shards" / p.name for p in kept]) == before

@@ -10,15 +10,21 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import assert_same_curve, tiny, train_in_process
-from tests.test_failures import _alive, _workers
-from tests.test_lifecycle import _env, _lines, _rows, _wait_for_rows
+from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.processes import (
+    child_env,
+    is_alive,
+    output_lines,
+    read_metrics,
+    torchrun,
+    train_command,
+    wait_for_rows,
+    worker_pids,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,20 +33,16 @@ STEPS = 20
 LAYOUT = ["train.micro_batch_size=1", "train.eval_every=0", "logging.interval=1000", "checkpoint.every=4"]
 
 
-def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
-
-
 def test_a_rank_killed_under_max_restarts_is_restarted_and_resumes_with_the_unbroken_losses(tiny_dataset, tmp_path):
     overrides = tiny(tiny_dataset, f"train.steps={STEPS}", *LAYOUT)
     run_dir = tmp_path / "run"
-    cmd = [*_torchrun("--max-restarts=1"), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    cmd = train_command(run_dir, overrides, launcher=torchrun(2, "--max-restarts=1"))
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
-        _wait_for_rows(run_dir, 9, launcher)
-        workers = _workers(launcher.pid)
+        wait_for_rows(run_dir, 9, launcher)
+        workers = worker_pids(launcher.pid)
         os.kill(workers[1], signal.SIGKILL)
-        killed_at = _rows(run_dir)[-1]["step"]
+        killed_at = read_metrics(run_dir, partial=True)[-1]["step"]
         out, err = launcher.communicate(timeout=240)
     finally:
         launcher.kill()
@@ -48,17 +50,17 @@ def test_a_rank_killed_under_max_restarts_is_restarted_and_resumes_with_the_unbr
     # torchrun saw rank 1 die, restarted both workers once, and the new ones resumed by themselves.
     assert launcher.returncode == 0, err
     assert "local_rank: 1" in err and "exitcode: -9" in err, err
-    assert not any(_alive(pid) for pid in workers.values())
-    resumed = [line for line in _lines(out) if line.startswith("resumed from ")]
+    assert not any(is_alive(pid) for pid in workers.values())
+    resumed = [line for line in output_lines(out) if line.startswith("resumed from ")]
     assert len(resumed) == 1, out
     start = int(resumed[0].rsplit(" ", 1)[1])  # its newest complete checkpoint: a multiple of checkpoint.every
     assert start % 4 == 0 and 0 < start <= killed_at, (resumed, killed_at)
-    assert _lines(out)[-1].startswith(f"done: steps {start + 1}-{STEPS} "), out
+    assert output_lines(out)[-1].startswith(f"done: steps {start + 1}-{STEPS} "), out
 
     # metrics.jsonl holds each step once (the restarted run replaced the rows past its checkpoint), and the
     # curve is the one-process curve of the same seed.
     (reference,) = train_in_process(tmp_path / "reference", tiny(tiny_dataset, f"train.steps={STEPS}", *LAYOUT))
-    assert_same_curve(reference, _rows(run_dir))
+    assert_same_curve(reference, read_metrics(run_dir, partial=True))
 
 
 def test_a_worker_whose_launcher_dies_stops_with_a_line_and_a_checkpoint(tiny_dataset, tmp_path):
@@ -66,25 +68,25 @@ def test_a_worker_whose_launcher_dies_stops_with_a_line_and_a_checkpoint(tiny_da
     its step with a checkpoint (exit 143), within a few seconds, instead of training on, orphaned."""
     overrides = tiny(tiny_dataset, "train.steps=100000", *LAYOUT)
     run_dir = tmp_path / "run"
-    cmd = [*_torchrun(), str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    cmd = train_command(run_dir, overrides, launcher=torchrun(2))
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
-        _wait_for_rows(run_dir, 3, launcher)
-        workers = _workers(launcher.pid)
+        wait_for_rows(run_dir, 3, launcher)
+        workers = worker_pids(launcher.pid)
         assert sorted(workers) == [0, 1]
         launcher.kill()
         killed = time.monotonic()
-        while any(_alive(pid) for pid in workers.values()) and time.monotonic() - killed < 60:
+        while any(is_alive(pid) for pid in workers.values()) and time.monotonic() - killed < 60:
             time.sleep(0.05)
         took = time.monotonic() - killed
         out, err = launcher.communicate(timeout=30)  # the pipes close when the orphans have gone
     finally:
         launcher.kill()
         for pid in workers.values():
-            if _alive(pid):
+            if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert took < 2 * 0.5 + 25, took  # the watch's interval, and train.stop_grace_s at most
-    gone = [line for line in _lines(err) if line.startswith("error: rank")]
+    gone = [line for line in output_lines(err) if line.startswith("error: rank")]
     # Each rank that saw it first says so (one that the agreed stop ended before its next look stays silent).
     said = [
         f"error: rank {r}'s launcher (torchrun agent, pid {launcher.pid}) is gone: stopping, since nothing would "
@@ -92,6 +94,6 @@ def test_a_worker_whose_launcher_dies_stops_with_a_line_and_a_checkpoint(tiny_da
         for r in (0, 1)
     ]
     assert gone and len(set(gone)) == len(gone) and set(gone) <= set(said), err
-    (stopped,) = [line for line in _lines(err) if line.startswith("stopped by")]
-    step = _rows(run_dir)[-1]["step"]
+    (stopped,) = [line for line in output_lines(err) if line.startswith("stopped by")]
+    step = read_metrics(run_dir, partial=True)[-1]["step"]
     assert stopped.startswith(f"stopped by SIGTERM at step {step}; checkpoint {run_dir / 'checkpoints'}"), stopped

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.corpus import make_corpus
-from tests.layouts import tiny, train_in_process
+from tests.helpers.corpus import make_corpus
+from tests.helpers.layouts import tiny, train_in_process
 from trident.config import DataConfig
 from trident.data.dataset import TokenDataset, TokenWindows, open_dataset
 from trident.data.meta import load_meta

@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -17,7 +15,8 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tests.layouts import tiny, train_in_process
+from tests.helpers.layouts import tiny, train_in_process
+from tests.helpers.processes import tool_process
 from trident.config import DataConfig
 from trident.data.dataset import TokenDataset, open_dataset
 from trident.data.meta import load_meta
@@ -26,7 +25,6 @@ from trident.data.sources import collect_text_files
 from trident.data.tokenizer import FILE_NAMES, HFTokenizer, SentencePieceTokenizer, load_tokenizer
 from trident.errors import ConfigError, DataError
 
-REPO = Path(__file__).resolve().parents[1]
 HF_VOCAB = 600  # the trained tokenizer.json: 599 BPE pieces and <|endoftext|>
 SP_VOCAB = 512
 TRICKY = "def f():\n\tif x:\n        return 'héllo ☃'\n\n\n  \r\n"
@@ -292,24 +290,30 @@ def test_a_damaged_or_swapped_tokenizer_json_is_refused(files, hf_json, tmp_path
     )
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.multiprocess
 def test_prepare_data_cli_takes_a_tokenizer(corpus, hf_json, tmp_path):
     out = tmp_path / "ds"
-    r = _cli("--text", str(corpus), "--out", str(out), "--tokenizer", str(hf_json), cwd=tmp_path)
+    r = tool_process(
+        "prepare_data", "--text", str(corpus), "--out", str(out), "--tokenizer", str(hf_json), cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     assert f"vocab {HF_VOCAB}, tokenizer.json" in r.stdout
     assert load_meta(out)["tokenizer_sha256"] == hashlib.sha256(hf_json.read_bytes()).hexdigest()
-    both = _cli("--out", str(tmp_path / "x"), "--tokenizer", str(hf_json), "--vocab-size", "512", cwd=tmp_path)
+    both = tool_process(
+        "prepare_data", "--out", str(tmp_path / "x"), "--tokenizer", str(hf_json), "--vocab-size", "512", cwd=tmp_path
+    )
     assert both.returncode == 2 and "argument --vocab-size: not allowed with argument --tokenizer" in both.stderr
-    neither = _cli("--out", str(tmp_path / "x"), cwd=tmp_path)
+    neither = tool_process("prepare_data", "--out", str(tmp_path / "x"), cwd=tmp_path)
     assert neither.returncode == 2 and "one of the arguments --vocab-size --tokenizer is required" in neither.stderr
-    missing = _cli(
-        "--text", str(corpus), "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "no.json"), cwd=tmp_path
+    missing = tool_process(
+        "prepare_data",
+        "--text",
+        str(corpus),
+        "--out",
+        str(tmp_path / "x"),
+        "--tokenizer",
+        str(tmp_path / "no.json"),
+        cwd=tmp_path,
     )
     assert missing.returncode == 2 and missing.stderr.startswith(f"error: cannot read tokenizer {tmp_path / 'no.json'}")
     assert missing.stderr.count("\n") == 1 and not (tmp_path / "x").exists()

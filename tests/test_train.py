@@ -3,62 +3,37 @@ its files, its one-line errors. Training math under every layout is tested in-pr
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.layouts import tiny, train_in_process
-from trident.ranks import free_port
+from tests.helpers import REPO
+from tests.helpers.layouts import tiny, train_in_process
+from tests.helpers.processes import child_env, read_metrics, run_train, start_ranks, tool_process
 
 pytestmark = pytest.mark.multiprocess
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb"}
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
-    return env
-
-
-def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, str(REPO / "train.py")]
-    if nproc > 1:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-        ]
-        launcher.append(str(REPO / "train.py"))
-    cmd = [*launcher, f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=run_dir.parent)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+def train(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = run_train(run_dir, list(overrides), cwd=run_dir.parent, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(proc.args)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     return proc
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _generate(checkpoint: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "tools" / "generate.py"), str(checkpoint), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    return tool_process("generate", str(checkpoint), *args, env=child_env())
 
 
 def test_default_corpus_run_logs_every_key_and_learns(tmp_path):
     """The issue's acceptance command, on the embedded corpus, with wandb in its default offline mode."""
     run_dir = tmp_path / "run"
     proc = train(run_dir, "model=gpt-tiny", "train.steps=40", f"data.cache_dir={tmp_path / 'cache'}")
-    metrics = rows(run_dir)
+    metrics = read_metrics(run_dir)
     assert [r["step"] for r in metrics] == list(range(1, 41))
     for r in metrics:
         assert KEYS <= set(r), set(KEYS) - set(r)
@@ -86,20 +61,7 @@ def test_a_resume_that_would_train_on_other_samples_is_refused(tiny_dataset, tmp
 
 def _launch_ranks(run_dir: Path, overrides: list[str], world: int = 2, timeout: float = 90) -> list[tuple[int, str]]:
     """Start every rank by hand (no torchrun to kill the others): each must exit on its own."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = _env()
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    procs = start_ranks(run_dir, overrides, world)
     deadline = time.monotonic() + timeout
     results = []
     try:
@@ -150,27 +112,14 @@ def test_bad_input_fails_fast_on_every_rank(tiny_dataset, tmp_path, overrides, m
 
 @pytest.mark.parametrize("override", ["parallel.foo=1", "+parallel.foo=1", "+foo=1"])
 def test_unknown_key_is_rejected_before_training(tmp_path, override):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path}", override],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=_env(),
-    )
+    proc = run_train(tmp_path, [override], timeout=60)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "foo" in lines[0], lines
 
 
 def test_unwritable_run_dir_is_one_line(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "hydra.run.dir=/proc/trident-run"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=_env(),
-        cwd=tmp_path,
-    )
+    proc = run_train(Path("/proc/trident-run"), [], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: cannot create the run directory: [Errno 2] No such file or directory: '/proc/trident-run'; "

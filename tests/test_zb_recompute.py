@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.layouts import make_config, tiny
+from tests.helpers.layouts import make_config, tiny
 from trident.ranks import run_distributed
 
 STEPS, MICRO, LAYERS = 2, 4, 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.layouts import assert_same_curve, make_config, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.build import build_parts, layout_of
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
@@ -19,12 +19,11 @@ pytestmark = pytest.mark.multiprocess
 BASE = ("train.steps=6", "parallel.bucket_mb=0.05")
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dataset, tmp_path_factory) -> tuple[list[dict], object]:
+@pytest.fixture
+def reference(tiny_dataset, references) -> tuple[list[dict], object]:
     """The one-process zero-0 run (4 micro-batches a step), and its checkpoint of step 3."""
-    run_dir = tmp_path_factory.mktemp("one")
-    (history,) = train_in_process(run_dir, tiny(tiny_dataset, *BASE, "train.micro_batch_size=4", "checkpoint.every=3"))
-    return history, run_dir / "checkpoints" / "step_00000003"
+    overrides = tiny(tiny_dataset, *BASE, "train.micro_batch_size=4", "checkpoint.every=3")
+    return references.history(overrides), references.run_dir(overrides) / "checkpoints" / "step_00000003"
 
 
 LAYOUTS = [
