@@ -262,7 +262,8 @@ def test_sigint_on_one_rank_stops_every_rank_after_the_same_step(tiny_dataset, t
 def test_sigterm_to_torchrun_saves_the_step_and_resuming_gives_the_uninterrupted_losses(tiny_dataset, tmp_path):
     """The launcher is signalled (as SLURM or Kubernetes do), not a worker. Rerunning the same command resumes
     from the step it stopped at, continues the same wandb run, and ends with the summary line."""
-    overrides = tiny(tiny_dataset, "train.steps=100", "train.eval_every=25", "wandb.mode=offline")
+    steps = 20  # the signal comes after step 3: the resumed run takes the rest, validating at 10 and 20
+    overrides = tiny(tiny_dataset, f"train.steps={steps}", "train.eval_every=10", "wandb.mode=offline")
     (reference,) = train_in_process(tmp_path / "reference", [*overrides, "wandb.mode=disabled"])
 
     run_dir = tmp_path / "run"
@@ -275,7 +276,7 @@ def test_sigterm_to_torchrun_saves_the_step_and_resuming_gives_the_uninterrupted
     finally:
         launcher.kill()
     k = read_metrics(run_dir, partial=True)[-1]["step"]
-    assert k < 100, "the run ended before the signal: make its steps longer"
+    assert k < steps, "the run ended before the signal: make its steps longer"
     checkpoint = run_dir / "checkpoints" / checkpoint_name(k)
     stop = f"stopped by SIGTERM at step {k}; checkpoint {checkpoint}; rerun the same command to resume"
     # One line from the logging rank, before anything the launcher itself prints about its signal.
@@ -289,9 +290,9 @@ def test_sigterm_to_torchrun_saves_the_step_and_resuming_gives_the_uninterrupted
     assert resumed.stdout.count("resumed from") == 1 and f"resumed from {checkpoint} at step {k}" in resumed.stdout
     rows = read_metrics(run_dir, partial=True)
     assert_same_curve(reference, rows, rel=1e-6)
-    final = run_dir / "checkpoints" / checkpoint_name(100)
+    final = run_dir / "checkpoints" / checkpoint_name(steps)
     summary = output_lines(resumed.stdout)[-1]
-    assert summary.startswith(f"done: steps {k + 1}-100 in ") and " tok/s | loss " in summary, summary
+    assert summary.startswith(f"done: steps {k + 1}-{steps} in ") and " tok/s | loss " in summary, summary
     assert summary.endswith(f" | val {rows[-1]['val_loss']:.4f} | checkpoint {final}"), summary
     assert (run_dir / "wandb_run_id").read_text().strip() == run_id
     offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
