@@ -11,6 +11,7 @@ Each gradient element of the one-process model must be counted exactly once, whi
 Every rank adds its counted squares and one all-reduce over the whole world sums them. A piece a rank does
 not count is multiplied by zero rather than skipped, so a NaN or Inf anywhere still poisons the sum: the
 result, and so the fp16 overflow verdict and the clip coefficient, is the same number on every rank.
+One process needs no collective: its sum is its own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,31 @@ def counts_here(placement: Placement, groups: ProcessGroups, dp_sharded: bool) -
     return dp_sharded or groups.dp_rank == 0
 
 
+class GlobalGradNorm:
+    """``global_grad_norm`` of a fixed list of gradient pieces (a step's: the buffers never move), which of them
+    this rank counts decided once instead of at every step."""
+
+    def __init__(
+        self, grads: Sequence[tuple[torch.Tensor, Placement]], groups: ProcessGroups, dp_sharded: bool = False
+    ) -> None:
+        self.counted = [g for g, p in grads if counts_here(p, groups, dp_sharded)]
+        self.others = [g for g, p in grads if not counts_here(p, groups, dp_sharded)]
+        self.device = grads[0][0].device if grads else torch.device("cpu")
+        # One process: no collective (each one a hand-off to gloo's thread and back).
+        self.group = groups.world_group if groups.topology.world_size > 1 else None
+
+    def __call__(self) -> torch.Tensor:
+        """L2 norm of the whole model's gradient as one vector; identical on every rank (a 0-dim fp32 tensor)."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.counted:
+            squares = squares + get_total_norm(self.counted).float().square()
+        if self.others:
+            squares = squares + 0.0 * get_total_norm(self.others).float()
+        if self.group is not None:
+            dist.all_reduce(squares, group=self.group)
+        return squares.sqrt()
+
+
 def global_grad_norm(
     grads: Sequence[tuple[torch.Tensor, Placement]], groups: ProcessGroups, dp_sharded: bool = False
 ) -> torch.Tensor:
@@ -41,13 +67,4 @@ def global_grad_norm(
 
     ``grads`` are this rank's gradient pieces with the placement of the parameter each belongs to.
     """
-    counted = [g for g, p in grads if counts_here(p, groups, dp_sharded)]
-    others = [g for g, p in grads if not counts_here(p, groups, dp_sharded)]
-    device = grads[0][0].device if grads else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    if counted:
-        squares = squares + get_total_norm(counted).float().square()
-    if others:
-        squares = squares + 0.0 * get_total_norm(others).float()
-    dist.all_reduce(squares, group=groups.world_group)
-    return squares.sqrt()
+    return GlobalGradNorm(grads, groups, dp_sharded)()

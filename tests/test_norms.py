@@ -84,3 +84,16 @@ def test_global_norm_counts_every_logical_element_once(dp_sharded):
 def test_one_process_norm_is_the_plain_norm():
     run_distributed(_check_norm, 1, 1, 1, 1, False)
     run_distributed(_check_norm, 1, 1, 1, 1, True)
+
+
+def _one_process(rank: int, world: int) -> tuple[float, list[str]]:
+    groups = build_process_groups(Topology(dp=1, pp=1, tp=1))
+    with torch.profiler.profile() as prof:
+        norm = global_grad_norm(_pieces(groups, dp_sharded=False, poison=False), groups)
+    return norm.item(), [e.name for e in prof.events() if e.name.startswith("c10d::")]
+
+
+def test_one_process_norm_takes_no_collective():
+    """Its sum is its own: no all-reduce (on gloo a hand-off to the group's thread and back, every step)."""
+    ((norm, collectives),) = run_distributed(_one_process, 1)
+    assert norm == pytest.approx(expected_norm(1), rel=1e-6) and collectives == []
