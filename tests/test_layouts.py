@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.bench.harness import random_windows
-from trident.build import build_parts
+from trident.build import build_parts, layout_of
 from trident.loop import Trainer
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
@@ -56,7 +56,7 @@ def test_a_dp2_checkpoint_resumes_at_dp1_and_dp4_with_the_uninterrupted_losses(t
 def _step_collectives(rank: int, world: int, cfg) -> tuple[list[str], int]:
     groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
     data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 4 * cfg.train.global_batch_size)
-    parts = build_parts(cfg, groups, torch.device("cpu"))
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu"))
     trainer = Trainer(cfg, groups, parts, (data, data), prefetch=False)
     trainer.train_step(0, trainer.micro_batches(0))  # the optimizer's state exists from here on
     with torch.profiler.profile() as prof:
