@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
+from trident.bench.harness import random_windows
+from trident.build import build_parts, layout_of
+from trident.loop import Trainer
+from trident.parallel.groups import build_process_groups
+from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,6 +51,29 @@ def test_a_dp2_checkpoint_resumes_at_dp1_and_dp4_with_the_uninterrupted_losses(t
         )
         for rows in resumed:
             assert_same_curve(histories[0][4:], rows)
+
+
+def _step_collectives(rank: int, world: int, cfg) -> tuple[list[str], int]:
+    groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
+    data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 4 * cfg.train.global_batch_size)
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu"))
+    trainer = Trainer(cfg, groups, parts, (data, data), prefetch=False)
+    trainer.train_step(0, trainer.micro_batches(0))  # the optimizer's state exists from here on
+    with torch.profiler.profile() as prof:
+        trainer.train_step(1, trainer.micro_batches(1))
+    parts.optimizer.remove_hooks()
+    return [e.name for e in prof.events() if e.name.startswith("c10d::")], len(parts.optimizer.reducer.buckets)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_data_parallel_step_issues_only_the_collectives_its_math_needs(tmp_path, dp):
+    """One process issues no collective at all; dp replicas all-reduce their gradient buckets and the loss, and
+    take the norm each on its own (their gradients are the same all-reduced ones)."""
+    overrides = ("model=gpt-tiny", "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.bucket_mb=0.1")
+    cfg = make_config(*overrides)
+    for collectives, buckets in run_distributed(_step_collectives, dp, cfg):
+        assert buckets > 1
+        assert collectives == ([] if dp == 1 else ["c10d::allreduce_"] * (buckets + 1)), collectives
 
 
 # Tensor parallelism: tp alone, with sequence parallelism, and combined with dp; vocab 515 is divided by no tp,

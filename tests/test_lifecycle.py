@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tests.helpers import REPO
 from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
@@ -34,7 +36,7 @@ from trident.divergence import DivergencePolicy
 from trident.errors import RunDirError
 from trident.ranks import run_distributed
 from trident.rundir import LOCK_FILE, RunDirLock, remove_partial_saves
-from trident.signals import SAME_KEY_PRESS_S, Stopped
+from trident.signals import SAME_KEY_PRESS_S, Stopped, StopRequest
 
 # --- 1. Errors reach the user from every rank.
 
@@ -256,6 +258,22 @@ def test_sigint_on_one_rank_stops_every_rank_after_the_same_step(tiny_dataset, t
     assert 2 <= step < 400 and ran == step
     assert checkpoint == str(tmp_path / "checkpoints" / checkpoint_name(step))
     assert list_checkpoints(tmp_path / "checkpoints") == [Path(checkpoint)]
+
+
+def _agree_alone(rank: int, world: int) -> tuple[list[int], list[str]]:
+    stop = StopRequest(grace_s=1.0)
+    verdicts = [stop.agreed(dist.group.WORLD, torch.device("cpu"))]
+    stop.signum = signal.SIGTERM  # as the watcher thread sets it
+    with torch.profiler.profile() as prof:
+        verdicts.append(stop.agreed(dist.group.WORLD, torch.device("cpu")))
+    return verdicts, [e.name for e in prof.events() if e.name.startswith("c10d::")]
+
+
+@pytest.mark.multiprocess
+def test_one_process_agrees_with_itself_on_a_stop_without_a_collective():
+    """The per-step agreement is the process's own flag when it is alone (no all-reduce in every step)."""
+    ((verdicts, collectives),) = run_distributed(_agree_alone, 1)
+    assert verdicts == [0, signal.SIGTERM] and collectives == []
 
 
 @pytest.mark.multiprocess

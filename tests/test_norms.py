@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trident.parallel.groups import build_process_groups
-from trident.parallel.norms import global_grad_norm
+from trident.parallel.norms import GlobalGradNorm, global_grad_norm
 from trident.parallel.placement import Placement
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
@@ -84,3 +84,42 @@ def test_global_norm_counts_every_logical_element_once(dp_sharded):
 def test_one_process_norm_is_the_plain_norm():
     run_distributed(_check_norm, 1, 1, 1, 1, False)
     run_distributed(_check_norm, 1, 1, 1, 1, True)
+
+
+def _one_process(rank: int, world: int) -> tuple[float, list[str]]:
+    groups = build_process_groups(Topology(dp=1, pp=1, tp=1))
+    with torch.profiler.profile() as prof:
+        norm = global_grad_norm(_pieces(groups, dp_sharded=False, poison=False), groups)
+    return norm.item(), [e.name for e in prof.events() if e.name.startswith("c10d::")]
+
+
+def test_one_process_norm_takes_no_collective():
+    """Its sum is its own: no all-reduce (on gloo a hand-off to the group's thread and back, every step)."""
+    ((norm, collectives),) = run_distributed(_one_process, 1)
+    assert norm == pytest.approx(expected_norm(1), rel=1e-6) and collectives == []
+
+
+def _replicated_norm(rank: int, world: int) -> dict:
+    groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
+    out = {}
+    for poison in (None, float("inf"), float("nan")):
+        pieces = _pieces(groups, dp_sharded=False, poison=False)  # the same on every dp rank, as after the all-reduce
+        if poison is not None:
+            pieces[0][0].view(-1)[0] = poison  # on every replica alike
+        with torch.profiler.profile() as prof:
+            mine = GlobalGradNorm(pieces, groups, replicated=True)()
+        collectives = [e.name for e in prof.events() if e.name.startswith("c10d::")]
+        out[str(poison)] = (mine, global_grad_norm(pieces, groups), collectives)
+    return out
+
+
+def test_replicated_gradients_give_the_all_reduced_norm_bit_for_bit_without_a_collective():
+    """dp replicas after the all-reduce (tp = pp = 1) each take the norm themselves: the collective's result, NaN
+    (not inf) where a gradient overflowed, as the other replicas' zeros make it."""
+    for world in (1, 2):
+        for got in run_distributed(_replicated_norm, world):
+            for poison, (mine, reduced, collectives) in got.items():
+                assert collectives == [], poison
+                assert torch.equal(mine, reduced) or (mine.isnan() and reduced.isnan()), (poison, mine, reduced)
+            assert got["None"][0].item() == pytest.approx(expected_norm(1), rel=1e-6)
+            assert got["nan"][0].isnan() and got["inf"][0].isnan() == (world > 1)

@@ -108,6 +108,7 @@ class Trainer:
         )
         self.divergence = DivergencePolicy(train_cfg.max_skipped_steps, train_cfg.max_nonfinite_losses)
         self.step = 0  # optimizer steps completed
+        self._loss_work: dist.Work | None = None  # the last step's loss sum over dp (train_step)
         self.last_checkpoint: Path | None = None  # the newest checkpoint of this run, every one of them finite
 
     def micro_batches(self, step: int) -> list[Batch]:
@@ -119,17 +120,30 @@ class Trainer:
         """One optimizer step over this rank's micro-batches of the global batch."""
         scale = self.grad_step.loss_scale
         loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
+        shared = self._share_loss(loss_sum)  # on the wire while the optimizer steps
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
-        loss = self._share_loss(loss_sum) / self.tokens_per_step
+        loss = shared() / self.tokens_per_step
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=skipped)
 
-    def _share_loss(self, loss_sum: torch.Tensor) -> float:
+    def _share_loss(self, loss_sum: torch.Tensor) -> Callable[[], float]:
         """Sum the last stage's loss over dp and hand it to every pipeline stage, so every rank (the logging
-        rank among them) knows the step's loss and can act on it alike."""
-        return self._share(loss_sum).item()
+        rank among them) knows the step's loss and can act on it alike; the call returned waits for it. With one
+        stage the sum is started now, asynchronously, and travels while the optimizer steps."""
+        if self.groups.pp_size > 1 or self.groups.dp_size == 1:
+            return lambda: self._share(loss_sum).item()
+        # Held until the next step's replaces it (see GradReducer.finish on dropping a finished work).
+        self._loss_work = dist.all_reduce(loss_sum, group=self.groups.dp_group, async_op=True)
+
+        def wait() -> float:
+            self._loss_work.wait()
+            return loss_sum.item()
+
+        return wait
 
     def _share(self, sums: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(sums, group=self.groups.dp_group)
+        """``sums`` summed over dp, from the last pipeline stage (a group of one rank: no collective)."""
+        if self.groups.dp_size > 1:
+            dist.all_reduce(sums, group=self.groups.dp_group)
         if self.groups.pp_size > 1:
             dist.broadcast(sums, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
         return sums

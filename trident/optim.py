@@ -11,7 +11,7 @@ import torch
 from trident.config import OptimConfig
 from trident.parallel.grad_sums import GradSums
 from trident.parallel.groups import ProcessGroups
-from trident.parallel.norms import global_grad_norm
+from trident.parallel.norms import GlobalGradNorm
 from trident.parallel.precision import LossScaler
 from trident.parallel.zero.optimizer import ZeroOptimizer
 
@@ -50,6 +50,9 @@ class GradStep:
         self.grads = update.grads()
         # Sums over tp (sequence-parallel replicas) and across stages (the tied embedding), as placed.
         self.grad_sums = GradSums(update.reducer.params, update.grad_views, groups)
+        # Stage 0 with no tp and one stage: every rank holds the same all-reduced gradient, so its own norm.
+        replicated = not update.dp_sharded and groups.tp_size == 1 and groups.pp_size == 1
+        self.norm = GlobalGradNorm(self.pieces, groups, dp_sharded=update.dp_sharded, replicated=replicated)
 
     @property
     def loss_scale(self) -> float:
@@ -60,7 +63,7 @@ class GradStep:
         self.grad_sums()
         if self.loss_scale != 1.0:
             self._scale(1.0 / self.loss_scale)
-        norm = global_grad_norm(self.pieces, self.groups, dp_sharded=self.update.dp_sharded)
+        norm = self.norm()
         skipped = not bool(torch.isfinite(norm))
         if not skipped:
             if self.grad_clip > 0:

@@ -88,7 +88,10 @@ class StopRequest:
         self.step, self.checkpoint = step, checkpoint
 
     def agreed(self, group: dist.ProcessGroup, device: torch.device) -> int:
-        """The signal any rank received (the highest number if several), or 0: the same on every rank."""
+        """The signal any rank received (the highest number if several), or 0: the same on every rank. One process
+        reads its own flag: no collective (on gloo a hand-off to the group's thread and back, every step)."""
+        if dist.get_world_size(group) == 1:
+            return self.signum
         flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return int(flag.item())

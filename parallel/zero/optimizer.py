@@ -4,7 +4,7 @@ The shard is this rank's chunk of every bucket of the flat layout (parallel/layo
 whose reduced gradient the reducer leaves it (``reduced_grad(span)``) and whose parameters it writes back
 (``store.shard(span)``, parallel/zero/params.py). At stage 0 the "shard" is the whole layout (16-bit parameters
 still need fp32 masters). Each bucket's shard is a ``Segment``; a segment cuts parameters into ``Piece``s, and
-torch's AdamW (fused on GPU, foreach on CPU) steps one 1-D view of the masters per piece, in two param groups
+torch's AdamW (its fused kernel, on GPU and CPU alike) steps one 1-D view of the masters per piece, in two param groups
 (weight decay on pieces of >= 2-D parameters only: ``_adamw``). AdamW's state therefore lives per
 piece, exactly the shape of this rank's share.
 
@@ -162,8 +162,8 @@ class ZeroOptimizer:
                 view.grad = seg.view(grads, piece)
                 self._views[piece] = view
                 sides[seg.on_host].append((view, piece.param.dim() >= 2))
-        self.host_optimizer = _adamw(sides[True], torch.device("cpu"), adamw)
-        self.device_optimizer = _adamw(sides[False], device, adamw)
+        self.host_optimizer = _adamw(sides[True], adamw)
+        self.device_optimizer = _adamw(sides[False], adamw)
         self.optimizers = [o for o in (self.device_optimizer, self.host_optimizer) if o is not None]
 
     # What GradStep (trident/optim.py) calls.
@@ -246,19 +246,15 @@ def _record_event(host: list[Segment]) -> torch.cuda.Event | None:
     return event
 
 
-def _adamw(views: list[tuple[torch.Tensor, bool]], device: torch.device, adamw: dict) -> torch.optim.AdamW | None:
-    """AdamW over 1-D master views: decay on pieces of matrices only. Fused on GPU, foreach on CPU."""
+def _adamw(views: list[tuple[torch.Tensor, bool]], adamw: dict) -> torch.optim.AdamW | None:
+    """AdamW over 1-D master views: decay on pieces of matrices only. torch's fused kernel on every device: on a CPU
+    one pass over each view where foreach makes about ten (3.4 ms a step against 0.7 ms for gpt-tiny's 0.9M fp32
+    parameters on 2 threads), the same update up to the last bit of rounding."""
     if not views:
         return None
     decay = [v for v, d in views if d]
     no_decay = [v for v, d in views if not d]
     groups = [{"params": decay, "weight_decay": adamw["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = device.type == "cuda"
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=adamw["lr"],
-        betas=adamw["betas"],
-        eps=adamw["eps"],
-        fused=on_cuda,
-        foreach=None if on_cuda else True,
+        [g for g in groups if g["params"]], lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"], fused=True
     )

@@ -103,7 +103,6 @@ def analytic_comms(cfg: ModelConfig, b: int, s: int, tp: int, sequence_parallel:
     if sequence_parallel:
         rows[("all_reduce", False, tp, sp_numel)] = (1, f"GradStep: tp sums (LayerNorms, biases, wpe; {h=})")
     rows[("all_reduce", False, tp, 1)] = (1, "GradStep: global grad norm (world group)")
-    rows[("all_reduce", False, 1, 1)] = (1, "Trainer: loss over the dp group of one (no wire)")
     return rows
 
 
