@@ -17,7 +17,13 @@ from tests.helpers.layouts import make_config, tiny, train_in_process
 from trident.build import build_parts, layout_of
 from trident.config import Config, ModelConfig, OffloadConfig, validate
 from trident.layout import Layout
-from trident.memory.activations import POLICIES, activation_bytes, activation_sets, stage_actions
+from trident.memory.activations import (
+    POLICIES,
+    activation_bytes,
+    activation_sets,
+    loss_backward_bytes,
+    stage_actions,
+)
 from trident.memory.measure import held_by_forward, log_model_states, measure_model_states, model_states_line
 from trident.memory.params import chunk_models, chunk_params, stage_params
 from trident.memory.states import model_states
@@ -259,6 +265,42 @@ def _held(
     return held
 
 
+def _loss_backward_peak(cfg: ModelConfig, precision: str, batch: int, model: GPT | None = None) -> int:
+    """The most bytes the loss's backward (down to the logits) has allocated at once above what was allocated
+    when it started: the CPU allocator's own count, read from the profiler's memory events."""
+    torch.manual_seed(0)
+    model = model or GPT(cfg)
+    model.to(PRECISION_DTYPES[precision])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
+    with autocast(precision, x.device):
+        logits = model(x)
+    loss = model.loss_sum(logits, y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        (grad,) = torch.autograd.grad(loss, logits)
+    del grad
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    allocated = [e.nbytes() for e in events]  # signed: a free is negative
+    running, peak = 0, 0
+    for n in allocated:
+        running += n
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [SHAPES[0], SHAPES[1], LLAMA], ids=["gpt-tiny", "odd", "llama-tiny"])
+def test_the_loss_backward_transient_is_what_the_allocator_sees(cfg: ModelConfig, precision: str) -> None:
+    """The last stage's backward allocates the loss's gradients above the held activations (8 b s V bytes at
+    tp = 1: the log-probabilities' and the fp32 logits' gradients together), to the byte; on an H100 this was
+    the 3.1 GiB the estimate of gpt-small missed."""
+    layout = Layout(micro_batch_size=2, precision=precision, device="cpu")
+    assert _loss_backward_peak(cfg, precision, batch=2) == loss_backward_bytes(cfg, layout) > 0
+
+
 # With dropout, training runs the attention core explicitly: its s^2 tensors replace the fused kernel's logsumexp
 # (and with grouped-query attention, k and v repeated to every query head replace the kv projection's output).
 DROPOUT = dataclasses.replace(SHAPES[1], name="odd-dropout", dropout=0.1)
@@ -434,6 +476,7 @@ def _tp(rank: int, world: int, cfg: ModelConfig, documents: bool) -> dict:
             )
             for p in POLICIES
         }
+    out["loss"] = {prec: _loss_backward_peak(cfg, prec, 2, model=GPT(cfg, group)) for prec in ("fp32", "bf16")}
     return out
 
 
@@ -447,7 +490,8 @@ def test_tp_parameters_and_activations_match_the_prediction(cfg: ModelConfig, tp
     """At tp=2 and 4 (vocab 515 padded, so the ranks' blocks differ in real rows; llama-tiny's kv heads split at
     tp=2, replicated at tp=4): each rank's parameters are the predicted ones, and the activations of one
     micro-batch with and without sequence parallelism are predicted to the byte on the rank with the most; also
-    with packed documents (the mask whole on every rank, the positions' shard under sequence parallelism)."""
+    with packed documents (the mask whole on every rank, the positions' shard under sequence parallelism); and
+    the vocab-parallel loss's backward transient, in fp32 and bf16."""
     ranks = run_distributed(_tp, tp, cfg, documents)
     layout = Layout(tp=tp, micro_batch_size=2, device="cpu")
     for r in ranks:
@@ -457,6 +501,9 @@ def test_tp_parameters_and_activations_match_the_prediction(cfg: ModelConfig, tp
         for p in POLICIES:
             measured = max(r[sp][p] for r in ranks)
             assert activation_bytes(cfg, lay, 0, p) == measured, (sp, p)
+    for precision in ("fp32", "bf16"):  # the vocab-parallel loss's backward: its padded block and 16-bit cast
+        lay = Layout(tp=tp, micro_batch_size=2, precision=precision, device="cpu")
+        assert max(r["loss"][precision] for r in ranks) == loss_backward_bytes(cfg, lay), precision
 
 
 @pytest.mark.multiprocess

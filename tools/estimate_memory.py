@@ -110,8 +110,9 @@ def report(cfg: Config, world: int, device: str) -> str:
     transient = [("gradient staging (zero 2-3)", worst.staging), ("gathered parameters (zero 3)", worst.gathered)]
     for p in POLICIES:
         transient.append((f"activations, recomputation {p}", worst.activations[p]))
-    if worst.recompute[policy]:
-        transient.append((f"recomputed in backward ({policy})", worst.recompute[policy]))
+    if worst.backward_transient(policy):
+        what = "loss's gradients" if worst.loss_backward >= worst.recompute[policy] else f"recomputation ({policy})"
+        transient.append((f"backward transient: {what}", worst.backward_transient(policy)))
     for name, n in transient:
         if n:
             cells = (_cell(n), _cell(0)) if place == "device" else (_cell(0), _cell(n))
@@ -122,8 +123,7 @@ def report(cfg: Config, world: int, device: str) -> str:
     lines.append(f"  {'peak (recomputation ' + policy + ')':<36} {_cell(peak['device'])} {_cell(peak['host'])}")
     lines += [
         "",
-        "Not included: the logits held while backward runs, allocator fragmentation, communication buffers, the "
-        "CUDA context.",
+        "Not included: allocator fragmentation, communication buffers, the CUDA context.",
     ]
     return "\n".join(lines)
 

@@ -57,6 +57,7 @@ class LocalRunner:
             with autocast(self.precision, x.device), dropout_context(self.model, batch.step, batch.sample_ids):
                 output = self.model(x, documents=batch.documents)
             loss = loss_fn(output, batch.targets)
+            del output  # the logits: the loss keeps what its backward needs (the estimator counts no more)
             self.peak_activation_sets = max(self.peak_activation_sets, 1)
             (loss * loss_multiplier).backward()
             total += loss.detach()

@@ -50,8 +50,15 @@ min(pp - r, M) on stage r, zb-h1 more (its W passes are delayed), interleaved it
 first stage Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers when M is a multiple of pp). On a CPU every term is
 checked to the byte against a real forward (tests/test_memory.py); the CUDA terms (LayerNorm and RMSNorm in fp32
 under autocast, fused attention for every head layout) are from the kernels' signatures, not measured here. Not
-counted: the logits the runner holds while backward runs, allocator fragmentation, communication buffers, the CUDA
-context and workspaces.
+counted: allocator fragmentation, communication buffers, the CUDA context and workspaces.
+
+Above the held activations, backward allocates transients: under recomputation one layer recomputed
+(``recompute_bytes``); on the last stage the loss's backward (``loss_backward_bytes``), the larger of the two,
+since they never run together. The loss's backward at tp = 1: nll_loss's gradient of the log-probabilities and
+log_softmax's gradient of the fp32 logits, 4 b s V each and alive together, 8 b s V (the cast back to 16-bit
+logits comes once the first is freed: 4 + 2 < 8). gpt-small at micro-batch 8 x 1024 tokens: 3.1 GiB, what the
+estimate missed on an H100 before it was counted (10.1 GiB measured, 6.2 predicted). The runners keep no
+reference to the logits themselves while backward runs.
 """
 
 from __future__ import annotations
@@ -243,6 +250,26 @@ def activation_sets(layout: Layout, stage: int) -> int:
     """The most activation sets (micro-batch x model chunk) pipeline stage ``stage`` holds at once; memory.json
     writes it beside the count the executor measured."""
     return activation_peak(stage_actions(layout, stage), stage, layout.pp)
+
+
+def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:
+    """Transient bytes of the loss's backward on the last stage, above the held activations (its probabilities are
+    among those). tp = 1: the gradients of the log-probabilities and of the fp32 logits, 4 b s V each, together.
+    tp > 1: the vocab-parallel loss builds its gradient in place in its probabilities, then pads it with fp32 zero
+    columns where the rank's block holds padding, and casts it to 16-bit logits' dtype, the padded copy alive
+    during the cast: on the rank with padding 4 b s block + e b s block (e: 0 in fp32, where no cast copies), and
+    its int64 row indices, 8 b s. Both with the loss's own scalar gradient."""
+    x = _Shape.of(m, layout)
+    tokens = x.b * x.s
+    seed = FP32  # the loss's own gradient, a scalar
+    if x.t == 1:
+        return 2 * FP32 * tokens * m.vocab_size + seed
+    padded = padded_vocab_size(m.vocab_size, m.vocab_multiple, x.t)
+    block = padded // x.t
+    pad = FP32 * tokens * block if padded > m.vocab_size else 0
+    cast = x.e * tokens * block if x.e != FP32 else 0
+    rows = 8 * tokens  # the int64 row indices of the target columns, held to the end of the backward
+    return pad + cast + rows + seed
 
 
 def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None) -> int:

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 from trident.config import ModelConfig
 from trident.layout import Layout
-from trident.memory.activations import POLICIES, activation_bytes, activation_sets, recompute_bytes
+from trident.memory.activations import (
+    POLICIES,
+    activation_bytes,
+    activation_sets,
+    loss_backward_bytes,
+    recompute_bytes,
+)
 from trident.memory.measure import Figures
 from trident.memory.params import stage_params
 from trident.memory.states import model_states
@@ -30,13 +36,20 @@ class StageEstimate:
     gathered: int  # transient gathered parameters (stage 3)
     activations: dict[str, int]  # bytes kept for backward at the schedule's peak, per recomputation policy
     recompute: dict[str, int]  # transient bytes while backward recomputes, per policy
+    loss_backward: int = 0  # transient bytes of the loss's backward (the last stage only)
     checkpoint_staging: int = 0  # checkpoint.async: host memory holding a copy of what the rank saves, for the run
     activation_sets: int = 1  # the most micro-batch x chunk activation sets held at once (the schedule's walk)
+
+    def backward_transient(self, policy: str) -> int:
+        """What backward allocates above the held activations: a recomputed layer or the loss's gradients,
+        whichever is larger (the loss's backward is over before the first layer's recomputation starts)."""
+        return max(self.recompute[policy], self.loss_backward)
 
     def peak(self, policy: str) -> dict[str, int]:
         """Model states, transient buffers and activations, by place, at the schedule's peak under ``policy``."""
         out = dict(self.model_states["total"])
-        out[self.compute_place] += self.staging + self.gathered + self.activations[policy] + self.recompute[policy]
+        transient = self.backward_transient(policy)
+        out[self.compute_place] += self.staging + self.gathered + self.activations[policy] + transient
         out["host"] += self.checkpoint_staging
         return out
 
@@ -74,6 +87,7 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
                 gathered=states.gathered,
                 activations={p: activation_bytes(m, layout, stage, p) for p in POLICIES},
                 recompute={p: recompute_bytes(m, layout, p) for p in POLICIES},
+                loss_backward=loss_backward_bytes(m, layout) if stage == layout.pp - 1 else 0,
                 checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
                 activation_sets=activation_sets(layout, stage),
             )

@@ -92,8 +92,10 @@ class MemoryModel:
         policy = layout.activation_checkpointing
         best: tuple[tuple[int, int], dict[str, int], dict[str, int]] | None = None
         for s, a in zip(states.stages, acts.stages, strict=True):
-            peak = dict(s.model_states["total"])
-            peak[s.compute_place] += s.staging + s.gathered + a.activations[policy] + a.recompute[policy]
+            # This layout's model states with the activations and backward transients of its batch and schedule.
+            peak = dataclasses.replace(
+                s, activations=a.activations, recompute=a.recompute, loss_backward=a.loss_backward
+            ).peak(policy)
             rank = (peak["device"], peak["host"])
             if best is None or rank > best[0]:
                 best = (rank, peak, dict(s.model_states["total"]))
