@@ -51,35 +51,36 @@ def test_generation_goes_on_past_the_window():
 
 
 def test_a_hugging_face_llama_directory_generates_transformers_greedy_text(tmp_path, monkeypatch, capsys):
-    """``tools/generate.py DIR`` on a transformers Llama saved locally, with its tokenizer.json: the greedy text is
-    what transformers' own generate gives."""
+    """``tools/generate.py DIR`` on a transformers Llama saved locally, with a tokenizer.json whose post-processor
+    puts BOS first (as Llama 2 / 3's do): the prompt is encoded as ``tokenizer(prompt)`` encodes it, BOS included,
+    and the greedy tokens are transformers' own ``generate``'s."""
     import transformers
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
 
+    from tests.helpers.hf import BOS, save_bos_tokenizer
     from tests.helpers.tools import run_tool
 
-    words = ["<|endoftext|>", *[f"w{i}" for i in range(47)]]
-    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = Whitespace()
+    n_words = 45
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=len(words), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=n_words + 3, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None,  # our tool does not stop at an end token: neither may transformers
+        bos_token_id=BOS, eos_token_id=None,  # our tool does not stop at an end token: neither may transformers
     )  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     hf.save_pretrained(tmp_path / "llama")
-    tokenizer.save(str(tmp_path / "llama" / "tokenizer.json"))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(save_bos_tokenizer(tmp_path / "llama", n_words))
+    )
     prompt = "w3 w17 w5 w40"
     code, text, err = run_tool(
         "generate", str(tmp_path / "llama"), "--prompt", prompt, "--tokens", "30", "--temperature", "0",
         monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     assert code == 0, err
-    ids = torch.tensor([tokenizer.encode(prompt).ids])
+    inputs = tokenizer(prompt, return_tensors="pt")
+    assert inputs["input_ids"][0, 0] == BOS
     with torch.no_grad():
-        expected = hf.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)[0].tolist()
-    assert text.strip() == tokenizer.decode(expected)
-    assert len(set(expected[4:])) > 3
+        expected = hf.generate(**inputs, max_new_tokens=30, do_sample=False, pad_token_id=0)[0].tolist()
+    # The tool prints the prompt as typed (its BOS, which the tokenizer added, left out) and the continuation.
+    assert text.strip() == tokenizer.decode(expected[1:])
+    assert len(set(expected[5:])) > 3

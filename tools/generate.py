@@ -102,7 +102,9 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"# {weights.source} (step {weights.step})", file=sys.stderr)
-    print(tokenizer.decode(prompt + out))
+    # The prompt as typed: a BOS its tokenizer put first (Llama's) is no part of the text.
+    typed = prompt[1:] if prompt[0] == tokenizer.bos_id else prompt
+    print(tokenizer.decode(typed + out))
 
 
 if __name__ == "__main__":
