@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import REPO
+from trident.checkpoint.consolidated import ModelWeights
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights
+from trident.models.kv_cache import KVCache
+from trident.parallel.placement import placement_of
 
 _spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
 generate = importlib.util.module_from_spec(_spec)
@@ -48,6 +52,36 @@ def test_generation_goes_on_past_the_window():
     init_weights(model, LLAMA, seed=0)
     out = generate.sample(model, [1, 2, 3], 120, 1.0, 10, torch.Generator().manual_seed(0))
     assert len(out) == 120 and all(0 <= t < LLAMA.vocab_size for t in out)
+
+
+def test_the_cache_holds_the_prompt_and_the_new_tokens_in_the_weights_dtype(monkeypatch):
+    """A bf16 model of a long context (a Llama 3.2 has 131072 positions) trained on short windows: the model runs in
+    bf16 over its whole context, and the cache holds what one generation needs (prompt + new tokens) in bf16, not
+    the context in fp32 (8 GiB for a Llama 3.2 1B); past the context, it holds the context."""
+    made: list[KVCache] = []
+
+    class Recorded(KVCache):
+        def __init__(self, max_len: int) -> None:
+            super().__init__(max_len)
+            made.append(self)
+
+    monkeypatch.setattr(generate, "KVCache", Recorded)
+    cfg = dataclasses.replace(LLAMA, seq_len=32, max_seq_len=4096)
+    model = GPT(cfg)
+    init_weights(model, cfg, seed=0)
+    tensors = {name: placement_of(p).real_part(p.detach()).bfloat16() for name, p in model.named_parameters()}
+    weights = ModelWeights(tensors, {"model": dataclasses.asdict(cfg)}, 0, None, Path("bf16"))
+    model = generate.build_model(weights, torch.device("cpu"))
+    assert model.wte.weight.dtype == torch.bfloat16 and model.cfg.seq_len == 4096
+    generate.sample(model, [5, 17, 2, 60, 33], 40, 0.0, 0, torch.Generator())
+    (cache,) = made  # 45 tokens > the 32-token training window: no restart, the model's context is 4096
+    size = 2 * cfg.n_layers * (1 * cfg.kv_heads * 45 * cfg.head_dim)  # k and v per layer, [b, g, 45, dh]
+    assert (cache.max_len, cache.dtype, cache.nbytes) == (45, torch.bfloat16, size * 2)
+
+    made.clear()
+    small = GPT(LLAMA).eval()  # a 48-token context: 5 + 60 tokens fill it, then the cache restarts
+    generate.sample(small, [5, 17, 2, 60, 33], 60, 0.0, 0, torch.Generator())
+    assert [c.max_len for c in made] == [48] * len(made) and len(made) > 1 and made[0].dtype == torch.float32
 
 
 def test_a_hugging_face_llama_directory_generates_transformers_greedy_text(tmp_path, monkeypatch, capsys):
