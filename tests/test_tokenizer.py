@@ -97,6 +97,17 @@ def test_hf_tokenizer_round_trips(hf_json, files):
     assert load_tokenizer(hf_json.parent).data == tok.data  # a directory holding it
 
 
+def test_a_directory_with_both_files_gives_the_tokenizer_json_as_transformers_does(sp_model, tmp_path):
+    """A Llama 2 directory ships tokenizer.model and tokenizer.json: transformers loads the tokenizer.json, whose
+    post-processor puts BOS first, and so does trident."""
+    from tests.helpers.hf import BOS, save_bos_tokenizer
+
+    shutil.copy(sp_model, tmp_path / "tokenizer.model")
+    save_bos_tokenizer(tmp_path, 10)
+    tok = load_tokenizer(tmp_path)
+    assert tok.file_name == "tokenizer.json" and tok.encode("w1 w2") == [BOS, 4, 5]
+
+
 def test_sentencepiece_tokenizer_round_trips(sp_model, files):
     tok = load_tokenizer(sp_model)
     assert isinstance(tok, SentencePieceTokenizer) and tok.file_name == "tokenizer.model"

@@ -98,7 +98,9 @@ def architecture(cfg: ModelConfig) -> str:
 def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_ids: list[int] | None = None) -> dict:
     """The ``config.json`` of the class ``architecture(cfg)`` for a model of shape ``cfg``, with these token ids
     (one eos id is written as a number, several as a list, as Hugging Face writes them)."""
-    eos = eos_ids[0] if eos_ids and len(eos_ids) == 1 else list(eos_ids) if eos_ids else None
+    eos: int | list[int] | None = list(eos_ids) if eos_ids else None
+    if eos is not None and len(eos) == 1:
+        eos = eos[0]
     ids = {"bos_token_id": bos_id, "eos_token_id": eos, "tie_word_embeddings": cfg.tie_embeddings}
     if architecture(cfg) == GPT2:
         return {

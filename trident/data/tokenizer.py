@@ -131,8 +131,10 @@ def tokenizer_from_bytes(file_name: str, data: bytes, where: str | None = None) 
 
 
 def find_tokenizer_file(directory: Path) -> Path | None:
-    """The tokenizer file a directory holds (a dataset, a checkpoint, a Hugging Face model), or None."""
-    for name in FILE_NAMES:
+    """The tokenizer file a directory holds (a dataset, a checkpoint, a Hugging Face model), or None. A Hugging Face
+    directory may hold both (Llama 2's): its tokenizer.json is the one transformers loads, whose post-processor
+    says which special tokens to add; trident's own directories hold one."""
+    for name in (HF, SENTENCEPIECE):
         if (directory / name).is_file():
             return directory / name
     return None
