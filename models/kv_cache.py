@@ -3,7 +3,9 @@ model once instead of the whole context again.
 
 One process, one model (tp = pp = 1). ``GPT.forward(ids, cache)`` reads ``cache.length`` as the position of
 ``ids``' first token, each attention layer appends its keys and values (after RoPE) and attends to everything
-held, and the model then advances ``length``. Storage is allocated once per layer, for ``max_len`` tokens.
+held, and the model then advances ``length``. Storage is allocated once per layer, for ``max_len`` tokens (what the
+generation needs: tools/generate.py asks for the prompt and the new tokens), in the dtype of the keys and values,
+which is the model's.
 """
 
 from __future__ import annotations
@@ -33,3 +35,13 @@ class KVCache:
 
     def advance(self, t: int) -> None:
         self.length += t
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of the storage (None before the first layer appends)."""
+        return next(iter(self._k.values())).dtype if self._k else None
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of storage allocated, keys and values of every layer."""
+        return sum(t.nbytes for held in (self._k, self._v) for t in held.values())

@@ -188,6 +188,18 @@ INVALID = [
         ["model.n_kv_heads=4 neither splits over nor replicates across parallel.tp=6", "parallel.tp=1 or 2 or 4 or 12"],
         id="kv-tp",
     ),
+    pytest.param(
+        {"model.position": "rope", "model.seq_len": 64, "model.max_seq_len": 32},
+        1,
+        ["model.max_seq_len=32 is below model.seq_len=64"],
+        id="context-below-window",
+    ),
+    pytest.param(
+        {"model.seq_len": 64, "model.max_seq_len": 128},
+        1,
+        ["model.max_seq_len=128 with model.position=learned", "leave model.max_seq_len out"],
+        id="context-learned",
+    ),
     pytest.param({"data.workers": 0}, 1, ["data.workers=0 must be >= 1"], id="workers"),
     pytest.param({"data.max_bad_fraction": 1.0}, 1, ["data.max_bad_fraction=1.0 must be in [0, 1)"], id="bad-frac"),
     pytest.param({"data.mix": ["a:0.5", "b"]}, 1, ["data.mix entry 'b' is not DIR:WEIGHT"], id="mix-no-weight"),

@@ -157,11 +157,36 @@ def test_a_transformers_model_reads_back_with_its_logits_and_round_trips_exactly
     for key in before:
         assert torch.equal(before[key], after[key]), key
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == hf.config.model_type and config["vocab_size"] == 90 and config["eos_token_id"] == 0
+    assert config["model_type"] == hf.config.model_type and config["vocab_size"] == 90
+    # The model's own eos id, not its tokenizer's (<|endoftext|>, 0): what transformers' generate stops at.
+    assert config["eos_token_id"] == hf.config.eos_token_id != 0
     # The tokenizer travels under its own name, through the checkpoint and back.
     assert (ck / "step_00000000" / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
     assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
     assert not (out / "tokenizer.model").exists()
+
+
+@pytest.mark.parametrize(
+    "name, ids",
+    [("gpt2", {"bos_token_id": 0, "eos_token_id": 1}), ("llama", {"bos_token_id": 3, "eos_token_id": [4, 5]})],
+)
+def test_a_round_trip_without_a_tokenizer_keeps_the_token_ids_and_the_context(name, ids, tmp_path, monkeypatch, capsys):
+    """No tokenizer file travels (a model saved alone): the bos / eos ids of its config.json (Llama 3.1 Instruct's
+    several eos ids) and its positions come back from HF -> trident checkpoint -> HF all the same."""
+    source = (
+        hf_gpt2(tmp_path / "src") if name == "gpt2" else hf_llama(tmp_path / "src", max_position_embeddings=48, **ids)
+    )
+    ck, out, io = tmp_path / "ck", tmp_path / "back", _io(monkeypatch, capsys)
+    for args in ([str(source), "--from", "hf", "--out", str(ck)], [str(ck), "--to", "hf", "--out", str(out)]):
+        code, _, err = run_tool("convert_checkpoint", *args, **io)
+        assert code == 0, err
+    assert not any((out / file).exists() for file in ("tokenizer.json", "tokenizer.model"))
+    before, after = (json.loads((d / "config.json").read_text()) for d in (source, out))
+    positions = "n_positions" if name == "gpt2" else "max_position_embeddings"
+    for key in (*ids, positions):
+        assert after[key] == before[key] == {**ids, positions: 32 if name == "gpt2" else 48}[key], key
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert (hf.generation_config.bos_token_id, hf.generation_config.eos_token_id) == tuple(ids.values())
 
 
 @pytest.mark.parametrize("block", ["gpt2-untied", "llama-gqa-untied", "llama-mha-bias"])

@@ -5,6 +5,7 @@ the source, and a config that contradicts it stops in one line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -20,16 +21,26 @@ from tests.helpers import REPO
 from tests.helpers.layouts import make_config, train_in_process, train_rank
 from tests.helpers.processes import run_train
 from trident.checkpoint.consolidated import load_weights, read_model_tensors, write_checkpoint
+from trident.checkpoint.export import write_hf
 from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_init_weights, open_source
 from trident.config import Config, ModelConfig
 from trident.data.dataset import open_dataset
 from trident.data.sampler import GlobalBatchSampler
 from trident.errors import ConfigError
+from trident.layout import Layout
+from trident.memory.estimate import estimate
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.parallel.placement import placement_of
 from trident.ranks import run_distributed
 
 CONF = REPO / "conf"
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def hf_model(kind: str, out: Path) -> Path:
@@ -161,6 +172,36 @@ def test_a_model_key_that_contradicts_the_source_is_refused_in_one_line(tmp_path
     )
 
 
+def test_a_run_on_shorter_windows_exports_the_context_scaling_and_token_ids_of_its_source(tmp_path):
+    """A Llama 3.2-like source (512 positions, llama3 RoPE scaling, bos / eos ids) started at model.seq_len=32: the
+    run's config, which its checkpoints hold, keeps the source's context and ids, and so does a run started from
+    that checkpoint at 16; their export says 512 positions, the scaling and the ids again, not 32."""
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=512, bos_token_id=3, eos_token_id=[4, 5], rope_scaling=dict(LLAMA3_SCALING),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "src")
+    base = ["wandb.mode=disabled", "model.seq_len=32"]
+    cfg = adopted(tmp_path / "run", [*base, f"checkpoint.init_from={tmp_path / 'src'}"])
+    assert (cfg.model.seq_len, cfg.model.context_len, cfg.model.bos_id, cfg.model.eos_ids) == (32, 512, 3, [4, 5])
+    assert estimate(cfg.model, Layout()).total_params > 0  # the estimator the run calls keys its caches by the config
+    # What the run saves: the source's weights under the run's config (training changes the weights, not the config).
+    weights = dataclasses.replace(load_weights(tmp_path / "src"), config=dataclasses.asdict(cfg))
+    checkpoint = write_checkpoint(weights, tmp_path / "run" / "checkpoints")
+    again = adopted(tmp_path / "again", [*base[:1], "model.seq_len=16", f"checkpoint.init_from={checkpoint}"])
+    assert (again.model.seq_len, again.model.context_len, again.model.eos_ids) == (16, 512, [4, 5])
+    for config in (cfg, again):
+        write_hf(dataclasses.replace(weights, config=dataclasses.asdict(config)), tmp_path / "hf")
+        exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+        assert (exported["max_position_embeddings"], exported["bos_token_id"], exported["eos_token_id"]) == (
+            512, 3, [4, 5],
+        )  # fmt: skip
+        assert exported["rope_scaling"] == LLAMA3_SCALING
+        loaded = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+        assert loaded.max_position_embeddings == 512 and loaded.rope_parameters["factor"] == 32.0
+
+
 @pytest.mark.multiprocess
 def test_train_py_exits_2_with_one_line_on_a_contradicting_key(tmp_path):
     source = hf_model("gpt2", tmp_path / "src")
@@ -231,6 +272,11 @@ def test_the_readme_command_continues_pretraining_a_hugging_face_llama_with_its_
     model = saved.config["model"]
     assert (model["n_layers"], model["d_model"], model["n_kv_heads"], model["seq_len"]) == (2, 64, 2, 128)
     assert (model["rope_scaling"], model["rope_factor"], model["rope_original_seq_len"]) == ("llama3", 32.0, 64)
+    # Trained on 128-token windows, the model keeps the source's 256 positions, and its export says so.
+    write_hf(saved, tmp_path / "hf")
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert exported.max_position_embeddings == model["max_seq_len"] == 256
+    assert exported.rope_parameters["rope_type"] == "llama3" and exported.rope_parameters["factor"] == 32.0
     assert (run / "checkpoints" / "step_00000003" / "tokenizer.json").read_bytes() == (
         source / "tokenizer.json"
     ).read_bytes()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sentencepiece as spm
+import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -90,10 +91,21 @@ def test_hf_tokenizer_round_trips(hf_json, files):
     texts = [*_texts(files), TRICKY]
     batch = tok.encode_batch(texts)
     for text, ids in zip(texts, batch, strict=True):
-        assert ids == tok.encode(text) and tok.eos_id not in ids  # no special tokens added
+        assert ids == tok.encode(text) and tok.eos_id not in ids  # its post-processor adds none
         assert max(ids) < tok.vocab_size and tok.decode(ids) == text
     assert sum(map(len, batch)) < sum(map(len, texts)) / 2  # it really merged pieces
     assert load_tokenizer(hf_json.parent).data == tok.data  # a directory holding it
+
+
+def test_a_directory_with_both_files_gives_the_tokenizer_json_as_transformers_does(sp_model, tmp_path):
+    """A Llama 2 directory ships tokenizer.model and tokenizer.json: transformers loads the tokenizer.json, whose
+    post-processor puts BOS first, and so does trident."""
+    from tests.helpers.hf import BOS, save_bos_tokenizer
+
+    shutil.copy(sp_model, tmp_path / "tokenizer.model")
+    save_bos_tokenizer(tmp_path, 10)
+    tok = load_tokenizer(tmp_path)
+    assert tok.file_name == "tokenizer.json" and tok.encode("w1 w2") == [BOS, 4, 5]
 
 
 def test_sentencepiece_tokenizer_round_trips(sp_model, files):
@@ -137,6 +149,35 @@ def test_a_dataset_records_its_tokenizer_and_holds_its_encoding(tokenizer_file, 
     ds = TokenDataset(out)
     assert ds.tokenizer_path == out / tok.file_name and ds.vocab_size == tok.vocab_size and ds.eos_id == tok.eos_id
     ds.check_tokenizer()
+
+
+@pytest.mark.parametrize("template", ["<s> $A", "<s> $A </s>"])
+def test_each_document_holds_the_special_tokens_transformers_tokenizer_gives_it(template, tmp_path):
+    """A tokenizer.json whose post-processor puts BOS before every text (Llama 2 / 3's): each document of the dataset
+    is what transformers' ``tokenizer(text)`` gives, then eos, once (a tokenizer that ends its texts with eos itself
+    gets no second). Packed, the eos that ends a document opens the next (parallel/batch.py), its BOS right after."""
+    import transformers
+
+    from tests.helpers.hf import BOS, EOS, save_bos_tokenizer
+    from trident.parallel.batch import document_ids
+
+    texts = [" ".join(f"w{(7 * d + i) % 40}" for i in range(2 + d)) for d in range(6)]
+    (tmp_path / "text").mkdir()
+    files = []
+    for d, text in enumerate(texts):
+        files.append(tmp_path / "text" / f"{d}.txt")
+        files[-1].write_text(text)
+    path = save_bos_tokenizer(tmp_path, 40, template)
+    out = prepare_dataset(files, tmp_path / "ds", tokenizer=load_tokenizer(path), log=quiet)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    expected = [hf(text)["input_ids"] for text in texts]
+    assert all(ids[0] == BOS for ids in expected) and (expected[0][-1] == EOS) == template.endswith("</s>")
+    tokens = _tokens(out, np.uint16)
+    assert tokens.tolist() == [i for ids in expected for i in (ids if ids[-1] == EOS else [*ids, EOS])]
+    assert load_meta(out)["n_documents"] == len(texts)
+    docs = document_ids(torch.as_tensor(tokens[None].astype(np.int64)), EOS)[0]
+    for d in range(1, len(texts)):
+        assert tokens[(docs == d).numpy()][:2].tolist() == [EOS, BOS]
 
 
 def test_preparing_again_with_another_tokenizer_replaces_the_dataset(files, hf_json, sp_model, tmp_path):

@@ -5,13 +5,15 @@
 
 CHECKPOINT is one checkpoint (``step_XXXXXXXX``, saved under any layout), a directory of them (the newest is
 used), the one file ``tools/convert_checkpoint.py`` makes of one, or a local Hugging Face GPT-2 / Llama directory
-(its tokenizer.json or tokenizer.model decodes). Generation keeps a KV cache: the prompt runs once, then each new
-token alone.
+(its tokenizer.json or tokenizer.model decodes). The prompt is encoded as transformers' ``tokenizer(prompt)``
+encodes it (a Llama tokenizer.json's BOS first). Generation keeps a KV cache: the prompt runs once, then each new
+token alone; the model runs in its weights' dtype, and the cache holds the prompt and the new tokens in that dtype.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,8 +29,11 @@ from trident.parallel.placement import placement_of
 
 @torch.no_grad()
 def build_model(weights: ModelWeights, device: torch.device) -> GPT:
-    """A one-process GPT holding ``weights`` (logical tensors: each parameter pads its own again)."""
+    """A one-process GPT holding ``weights`` (logical tensors: each parameter pads its own again), in their dtype (a
+    bf16 Hugging Face model runs in bf16, as transformers runs it), over the model's whole context: with RoPE, a
+    model trained on shorter windows still has all the positions of the one it was started from."""
     cfg = saved_model_config(weights.config, weights.source)
+    cfg = dataclasses.replace(cfg, seq_len=cfg.context_len)
     try:
         model = GPT(cfg)
     except ValueError as e:
@@ -40,7 +45,7 @@ def build_model(weights: ModelWeights, device: torch.device) -> GPT:
             param.copy_(placement_of(param).shard(weights.tensors[name]))
         except ValueError as e:
             raise CheckpointError(f"the checkpoint's {name} does not fit this model: {e}") from None
-    return model.to(device).eval()
+    return model.to(device=device, dtype=weights.tensors["wte.weight"].dtype).eval()
 
 
 @torch.no_grad()
@@ -54,15 +59,17 @@ def sample(
     n_pieces: int | None = None,
 ) -> list[int]:
     """Autoregressive sampling with a KV cache: the prompt runs through the model once, then each new token alone.
-    When the context reaches the model's window, the cache restarts from the last half window of tokens. Only the
-    first ``n_pieces`` ids are drawn: a model.vocab_size above the tokenizer's leaves ids no piece decodes."""
+    The cache holds the prompt and the new tokens, at most the model's window; when the context reaches the window,
+    the cache restarts from the last half window of tokens. Only the first ``n_pieces`` ids are drawn: a
+    model.vocab_size above the tokenizer's leaves ids no piece decodes."""
     device = next(model.parameters()).device
     window = model.cfg.seq_len
+    size = min(len(prompt) + n_tokens, window)  # what this generation needs, not the window (Llama 3.2's: 131072)
     ids = list(prompt)
-    cache, pending = KVCache(window), ids[-window:]
+    cache, pending = KVCache(size), ids[-window:]
     for _ in range(n_tokens):
-        if cache.length + len(pending) > window:  # the window is full: start again from its second half
-            cache, pending = KVCache(window), ids[-(window // 2) :]
+        if cache.length + len(pending) > size:  # the window is full: start again from its second half
+            cache, pending = KVCache(size), ids[-(window // 2) :]
         logits = model(torch.tensor([pending], device=device), cache)[0, -1, :n_pieces].float()
         if temperature == 0:
             nxt = int(logits.argmax())
@@ -102,7 +109,9 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"# {weights.source} (step {weights.step})", file=sys.stderr)
-    print(tokenizer.decode(prompt + out))
+    # The prompt as typed: a BOS its tokenizer put first (Llama's) is no part of the text.
+    typed = prompt[1:] if prompt[0] == tokenizer.bos_id else prompt
+    print(tokenizer.decode(typed + out))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ row layouts are ``trident.checkpoint.hf``'s table, the one import reads through 
 - GPT-2: ``activation_function = gelu_new`` (the tanh GELU our MLP computes); ``model.bias=false`` exports zero
   biases (HF's GPT-2 always has them; a zero bias is the same function); the three dropouts are
   ``model.dropout``. Attention is scaled by 1/sqrt(dh), as ``scaled_dot_product_attention`` does.
-- Llama: ``attention_bias = mlp_bias = model.bias``, ``rope_theta = model.rope_theta``, no rope scaling,
-  ``max_position_embeddings = model.seq_len``.
+- Llama: ``attention_bias = mlp_bias = model.bias``, ``rope_theta = model.rope_theta``, ``rope_scaling`` from
+  ``model.rope_scaling`` (llama3) or none, ``max_position_embeddings = model.max_seq_len`` (the context the model
+  was made for, kept from the model a run started from; ``model.seq_len`` when unset).
+- ``bos_token_id`` / ``eos_token_id``: ``model.bos_id`` / ``model.eos_ids`` (an imported model's own, carried
+  through training), else the tokenizer's.
 - ``vocab_size`` is the real vocabulary: the padding rows of the embedding never reach a checkpoint.
 - ``tie_word_embeddings = model.tie_embeddings``: a tied model writes no ``lm_head.weight``.
 """
@@ -42,11 +45,15 @@ def model_config(weights: ModelWeights) -> ModelConfig:
 
 
 def config_json(cfg: ModelConfig, weights: ModelWeights | None = None) -> dict:
-    """The config.json for a model of shape ``cfg``, with the bos/eos ids of the weights' tokenizer, if any."""
-    bos = eos = None
+    """The config.json for a model of shape ``cfg``, with the bos/eos ids the model carries (``model.bos_id``,
+    ``model.eos_ids``: an imported model's own), else those of the weights' tokenizer, if any."""
+    bos, eos = cfg.bos_id, cfg.eos_ids
     if weights is not None and weights.tokenizer is not None:
         tokenizer = weights.load_tokenizer()
-        bos, eos = tokenizer.bos_id, tokenizer.eos_id
+        if bos is None:
+            bos = tokenizer.bos_id
+        if eos is None and tokenizer.eos_id is not None:
+            eos = [tokenizer.eos_id]
     return hf.hf_config(cfg, bos, eos)
 
 

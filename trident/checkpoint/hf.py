@@ -95,9 +95,13 @@ def architecture(cfg: ModelConfig) -> str:
 # --- config.json -------------------------------------------------------------------------------------------
 
 
-def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """The ``config.json`` of the class ``architecture(cfg)`` for a model of shape ``cfg``."""
-    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "tie_word_embeddings": cfg.tie_embeddings}
+def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_ids: list[int] | None = None) -> dict:
+    """The ``config.json`` of the class ``architecture(cfg)`` for a model of shape ``cfg``, with these token ids
+    (one eos id is written as a number, several as a list, as Hugging Face writes them)."""
+    eos: int | list[int] | None = list(eos_ids) if eos_ids else None
+    if eos is not None and len(eos) == 1:
+        eos = eos[0]
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos, "tie_word_embeddings": cfg.tie_embeddings}
     if architecture(cfg) == GPT2:
         return {
             "architectures": [GPT2],
@@ -125,7 +129,7 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "architectures": [LLAMA],
         "model_type": "llama",
         "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.seq_len,
+        "max_position_embeddings": cfg.context_len,  # not the window it was trained on last
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
@@ -182,9 +186,20 @@ def _get(config: dict, key: str, kind: type | tuple[type, ...], where: str, defa
     return value
 
 
+def _token_ids(config: dict, where: str) -> dict:
+    """``model.bos_id`` and ``model.eos_ids`` from ``bos_token_id`` and ``eos_token_id`` (a number or a list)."""
+    bos, eos = config.get("bos_token_id"), config.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if bos is not None:
+        _get(config, "bos_token_id", int, where)
+    if eos is not None and not (isinstance(eos, list) and all(type(i) is int for i in eos)):
+        raise CheckpointError(f"{where}: eos_token_id={config['eos_token_id']!r} is not a valid value")
+    return {"bos_id": bos, "eos_ids": eos or None}
+
+
 def model_from_hf(config: dict, where: str) -> dict:
-    """The ``model.*`` values a Hugging Face ``config.json`` fixes; refuses, in one line naming the key, what our
-    blocks cannot compute the same way."""
+    """The ``model.*`` values a Hugging Face ``config.json`` fixes, and those it carries (its context, its token
+    ids); refuses, in one line naming the key, what our blocks cannot compute the same way."""
     kind = config.get("model_type")
     if kind == "gpt2":
         act = config.get("activation_function", "gelu_new")
@@ -209,6 +224,7 @@ def model_from_hf(config: dict, where: str) -> dict:
             "mlp": "gelu",
             "position": "learned",
             "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+            **_token_ids(config, where),
         }
     if kind == "llama":
         act = config.get("hidden_act", "silu")
@@ -234,12 +250,14 @@ def model_from_hf(config: dict, where: str) -> dict:
             )
         kv = config.get("num_key_value_heads")
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        positions = _get(config, "max_position_embeddings", int, where)
         return {
             "n_layers": _get(config, "num_hidden_layers", int, where),
             "d_model": d,
             "n_heads": heads,
             "n_kv_heads": None if kv is None or kv == heads else _get(config, "num_key_value_heads", int, where),
-            "seq_len": _get(config, "max_position_embeddings", int, where),
+            "seq_len": positions,
+            "max_seq_len": positions,
             "vocab_size": _get(config, "vocab_size", int, where),
             "d_ff": _get(config, "intermediate_size", int, where),
             "bias": bool(config.get("attention_bias", False)),
@@ -250,6 +268,7 @@ def model_from_hf(config: dict, where: str) -> dict:
             "rope_theta": float(theta),
             "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
             **_rope_scaling_keys(scaling if kind == "llama3" else None, where),
+            **_token_ids(config, where),
         }
     raise CheckpointError(f"{where}: model_type={kind!r} is not supported; trident imports gpt2 and llama")
 

@@ -45,6 +45,9 @@ T = TypeVar("T")
 # The model.* keys a source fixes: every parameter shape, and the functions of the block.
 _SCALING = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
 ADOPTED = (*SHAPE_KEYS, "norm_eps", "rope_theta", "rope_scaling", *_SCALING)
+# The model.* keys a source carries without fixing any function: its context (kept when the run trains on shorter
+# windows) and its token ids, which its export gives back. Taken from it unless the command line sets them.
+CARRIED = ("max_seq_len", "bos_id", "eos_ids")
 
 
 @dataclass
@@ -53,7 +56,7 @@ class InitSource:
 
     path: Path
     kind: str  # "trident" | "hf"
-    model: dict  # the model.* values it fixes (a subset of ADOPTED) and its name
+    model: dict  # the model.* values it fixes (a subset of ADOPTED), those it carries (CARRIED) and its name
 
     @property
     def what(self) -> str:
@@ -71,8 +74,9 @@ def open_source(path: str, what: str = "checkpoint.init_from") -> InitSource:
         return InitSource(where, "hf", {"name": where.name, **hf.model})
     found = find_resume_path(str(where), where, what=what)
     _, config = read_head(found)
-    saved = dataclasses.asdict(saved_model_config(config, f"checkpoint {found}"))
-    return InitSource(found, "trident", {key: saved[key] for key in ("name", *ADOPTED)})
+    model = saved_model_config(config, f"checkpoint {found}")
+    saved = {**dataclasses.asdict(model), "max_seq_len": model.context_len}
+    return InitSource(found, "trident", {key: saved[key] for key in ("name", *ADOPTED, *CARRIED)})
 
 
 def _effective(cfg: ModelConfig, key: str) -> object:
@@ -146,8 +150,9 @@ def adopt_init_from(cfg: Config, overrides: Iterable[str], conf_dir: Path, run_d
     bad = conflicts(cfg.model, source, [k for k in ADOPTED if k in given])
     if bad:
         _refuse(cfg.model, source, bad, "the command line sets")
-    # Kept: a shorter RoPE window the user asked for (no contradiction, see ``conflicts``), a preset's name.
-    values = {k: v for k, v in source.model.items() if k not in given or k not in ("seq_len", "name")}
+    # Kept: a shorter RoPE window the user asked for (no contradiction, see ``conflicts``), a preset's name, and what
+    # the command line sets of the keys the source only carries.
+    values = {k: v for k, v in source.model.items() if k not in given or k not in ("seq_len", "name", *CARRIED)}
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **values))
 
 

@@ -42,6 +42,15 @@ class ModelConfig:
     vocab_multiple: int = 64
     # Dropout on attention probabilities, residual branches and embeddings (0 = none, as in modern pretraining).
     dropout: float = 0.0
+    # The longest context the model is made for (a Hugging Face export's max_position_embeddings); None: seq_len. A run
+    # started from a model (checkpoint.init_from) keeps its source's, so training on shorter windows (a smaller
+    # seq_len, with RoPE) leaves the model's context as it was. Learned positions have seq_len, no more.
+    max_seq_len: int | None = None
+    # The token ids a Hugging Face config.json gives generation (bos_token_id, eos_token_id: Llama 3.1 Instruct ends
+    # at any of three), kept from the model a run started from so that its export gives them back; None: the
+    # tokenizer's.
+    bos_id: int | None = None
+    eos_ids: list[int] | None = None
 
     @property
     def ffn_dim(self) -> int:
@@ -54,6 +63,10 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def context_len(self) -> int:
+        return self.max_seq_len if self.max_seq_len is not None else self.seq_len
 
 
 # The model keys that fix parameter shapes: a checkpoint loads only into a model with the same ones.

@@ -92,6 +92,11 @@ def validate(cfg: Config, world_size: int) -> Layout:
     for key in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "vocab_multiple"):
         _need(getattr(m, key) >= 1, f"model.{key}={getattr(m, key)} must be >= 1")
     _need(m.ffn_dim >= 1, f"model.d_ff={m.d_ff} must be >= 1")
+    _need(
+        m.max_seq_len is None or m.max_seq_len >= m.seq_len,
+        f"model.max_seq_len={m.max_seq_len} is below model.seq_len={m.seq_len}; the context the model is made for "
+        "holds the windows it trains on: raise it, or leave it out",
+    )
     _need(0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)")
     _need(
         m.d_model % m.n_heads == 0,
@@ -100,6 +105,11 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _one_of("model.norm", m.norm, ("layernorm", "rmsnorm"))
     _one_of("model.mlp", m.mlp, ("gelu", "swiglu"))
     _one_of("model.position", m.position, ("learned", "rope"))
+    _need(
+        m.position != "learned" or m.max_seq_len in (None, m.seq_len),
+        f"model.max_seq_len={m.max_seq_len} with model.position=learned: the position table's model.seq_len="
+        f"{m.seq_len} rows are all the positions the model has; leave model.max_seq_len out",
+    )
     _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0")
     _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
     _need(

@@ -199,7 +199,7 @@ def _tokenize(
         write_atomically(partial / tokenizer.file_name, tokenizer.data)
     dtype = np.dtype(token_dtype(tokenizer.vocab_size))
     shard_dir = partial / SHARDS
-    salt = f"{FORMAT}\0{tokenizer.file_name}\0{tokenizer.sha256}\0{text_field}\0{dtype.name}"
+    salt = f"{FORMAT}\0{tokenizer.file_name}\0{tokenizer.sha256}{tokenizer.encoding}\0{text_field}\0{dtype.name}"
     jobs = [EncodeJob(u, u.key(salt), str(shard_dir), text_field, dtype.name) for u in units]
     records: dict[int, dict] = {}
     for job in jobs:
@@ -299,8 +299,12 @@ def _remove_strays(shard_dir: Path, n_units: int) -> None:
 def _cache_key(
     files: list[Path], vocab_size: int, tokenizer_lines: int, tokenizer: Tokenizer | None = None, text_field="text"
 ) -> str:
-    """A trained tokenizer is a function of the text and its settings; a given one is its file's sha256."""
-    settings = f"{vocab_size}\0{tokenizer_lines}" if tokenizer is None else f"{tokenizer.file_name}\0{tokenizer.sha256}"
+    """A trained tokenizer is a function of the text and its settings; a given one is its file's sha256 (and how
+    ``encode`` reads it)."""
+    if tokenizer is None:
+        settings = f"{vocab_size}\0{tokenizer_lines}"
+    else:
+        settings = f"{tokenizer.file_name}\0{tokenizer.sha256}{tokenizer.encoding}"
     h = hashlib.sha256(f"{FORMAT}\0{settings}\0{text_field}".encode())
     for p in files:
         st = p.stat()

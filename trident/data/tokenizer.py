@@ -39,6 +39,9 @@ class Tokenizer:
     vocab_size: int
     eos_id: int | None
     bos_id: int | None
+    # How ``encode`` reads the file, beside its bytes: part of what a prepared dataset is keyed by, so that shards a
+    # trident that added no special tokens wrote are never taken for this encoding's. Empty: the file alone says.
+    encoding: str = ""
     # Threads ``encode_batch`` may use (None: every CPU this process may run on); a worker process among several
     # sets 1.
     threads: int | None = None
@@ -49,6 +52,8 @@ class Tokenizer:
         return hashlib.sha256(self.data).hexdigest()
 
     def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, with the special tokens the tokenizer file says to add (a ``tokenizer.json``'s
+        post-processor; a sentencepiece model says none)."""
         raise NotImplementedError
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -82,10 +87,13 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A ``tokenizer.json``. Encoding adds no special tokens (documents are joined with eos, as for sentencepiece);
-    the vocabulary size counts the added tokens too (Llama 3: 128000 + 256 special = 128256)."""
+    """A ``tokenizer.json``. Encoding adds the special tokens its post-processor adds, as transformers'
+    ``tokenizer(text)`` does: Llama 2 / 3's put their BOS (``<s>``, ``<|begin_of_text|>``) before every text, which a
+    model continued from them expects at the start of each document and of each prompt. The vocabulary size counts
+    the added tokens too (Llama 3: 128000 + 256 special = 128256)."""
 
     file_name = HF
+    encoding = "+special-tokens"
 
     def __init__(self, data: bytes, where: str = "tokenizer.json") -> None:
         from tokenizers import Tokenizer as Backend  # only runs that use a Hugging Face tokenizer need the package
@@ -101,10 +109,10 @@ class HFTokenizer(Tokenizer):
         self.bos_id = next((i for t in _BOS_TOKENS if (i := self.tok.token_to_id(t)) is not None), None)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.tok.encode(text).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self.tok.encode_batch(texts)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -123,8 +131,10 @@ def tokenizer_from_bytes(file_name: str, data: bytes, where: str | None = None) 
 
 
 def find_tokenizer_file(directory: Path) -> Path | None:
-    """The tokenizer file a directory holds (a dataset, a checkpoint, a Hugging Face model), or None."""
-    for name in FILE_NAMES:
+    """The tokenizer file a directory holds (a dataset, a checkpoint, a Hugging Face model), or None. A Hugging Face
+    directory may hold both (Llama 2's): its tokenizer.json is the one transformers loads, whose post-processor
+    says which special tokens to add; trident's own directories hold one."""
+    for name in (HF, SENTENCEPIECE):
         if (directory / name).is_file():
             return directory / name
     return None

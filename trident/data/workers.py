@@ -57,11 +57,16 @@ def encode_unit(job: EncodeJob, tokenizer: Tokenizer, report: Report = lambda d,
         nonlocal texts, chars, bytes_reported
         if texts:
             encoded = tokenizer.encode_batch(texts)
-            lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+            # Each document ends with one eos: its encoding's own when the tokenizer ends every text with it (a
+            # tokenizer.json post-processor ``<s> $A </s>``), else one added here.
+            ends = [not ids or ids[-1] != eos for ids in encoded]
+            lengths = np.fromiter(
+                (len(ids) + end for ids, end in zip(encoded, ends, strict=True)), np.int64, len(encoded)
+            )
             tokens = np.empty(int(lengths.sum()), dtype=np.int64)
             pos = 0
             for ids, n in zip(encoded, lengths.tolist(), strict=True):
-                tokens[pos : pos + n - 1] = ids
+                tokens[pos : pos + len(ids)] = ids
                 tokens[pos + n - 1] = eos
                 pos += n
             if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab):  # a tokenizer.json may give a stray id

@@ -99,7 +99,13 @@ def local_heads(m: ModelConfig, tp: int) -> tuple[int, int]:
 
 # A model config as a hashable value (the config is a mutable dataclass): its fields in order, so that
 # ``ModelConfig(*key)`` rebuilds it. An attrgetter: the planner makes a key for every layout it prices.
-_key = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig)))
+_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig)))
+
+
+def _key(m: ModelConfig) -> tuple:
+    key = _fields(m)
+    # The one list field (model.eos_ids, an imported model's) as a tuple, which hashes.
+    return key if m.eos_ids is None else tuple(tuple(v) if isinstance(v, list) else v for v in key)
 
 
 @functools.lru_cache(maxsize=512)
