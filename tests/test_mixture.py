@@ -107,6 +107,16 @@ def test_each_epoch_of_a_source_sees_each_of_its_windows_once():
         assert windows[:n] != windows[n : 2 * n]
 
 
+@pytest.mark.parametrize(("sources", "seed"), [(18, 1234), (2, 2**45), (40, 2**63 - 1)])
+def test_many_sources_and_large_seeds_draw_batches(sources, seed):
+    # Each source's permutation seed is shifted by 2^40 per source: past 2^64 from the 18th source on (and for
+    # train.seed=2**45), which the generator refused ("Overflow when unpacking long long").
+    sampler = MixtureSampler([5] * sources, [1.0] * sources, global_batch_size=sources * 5, seed=seed)
+    batch = sampler.global_batch(1)  # one epoch of every source: each source's 5 windows once
+    assert sorted(batch.tolist()) == list(range(sources * 5))
+    assert GlobalBatchSampler(7, 7, seed).global_batch(0).sort().values.tolist() == list(range(7))
+
+
 def test_one_source_is_the_single_dataset_sampler():
     mixed = MixtureSampler([123], [1.0], global_batch_size=16, seed=4)
     plain = GlobalBatchSampler(123, 16, seed=4)
