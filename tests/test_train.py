@@ -118,6 +118,19 @@ def test_unknown_key_is_rejected_before_training(tmp_path, override):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "foo" in lines[0], lines
 
 
+@pytest.mark.parametrize("override", ["parallel.tpp=2", "+parallel.tpp=2", "paralel.tp=2", "+paralel.tp=2"])
+def test_a_mistyped_key_is_told_the_nearest_key(tmp_path, override):
+    # Hydra's advice for a key it does not know is to append it with +, which is refused in turn; neither names
+    # the key meant. Typed with or without +, the line names the nearest keys of the schema.
+    proc = run_train(tmp_path, [override], timeout=60)
+    assert proc.returncode == 2
+    typed = override.lstrip("+").split("=")[0]
+    near = "parallel.tp or parallel.pp" if typed == "parallel.tpp" else "parallel.tp"
+    assert proc.stderr.strip().splitlines() == [
+        f"error: unknown config key {typed}; did you mean {near}? (the valid keys are in trident/config/schema.py)"
+    ]
+
+
 def test_unwritable_run_dir_is_one_line(tmp_path):
     proc = run_train(Path("/proc/trident-run"), [], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2

@@ -19,7 +19,8 @@ from typing import NoReturn
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.errors import TridentError, gist, is_lost_peer, one_line
+from trident.config.compose import hydra_error_line
+from trident.errors import TridentError, gist, is_lost_peer
 from trident.signals import Stopped
 
 
@@ -77,10 +78,7 @@ def launch(hydra_main: Callable[[], None]) -> None:
     except (HydraException, OmegaConfBaseException) as e:
         if wants_traceback:
             raise
-        cause = e.__cause__
-        detail = f"\n{str(cause).splitlines()[0]}" if isinstance(cause, OmegaConfBaseException) else ""
-        # Hydra appends its search path to a missing-preset message: noise for the user.
-        fail(one_line(str(e).split("Config search path:")[0] + detail))
+        fail(hydra_error_line(e))
     except OSError as e:  # the run's own OSErrors are handled inside, so this is Hydra making the run directory
         if wants_traceback:
             raise
