@@ -4,6 +4,7 @@ its files, its one-line errors. Training math under every layout is tested in-pr
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -129,6 +130,21 @@ def test_a_mistyped_key_is_told_the_nearest_key(tmp_path, override):
     assert proc.stderr.strip().splitlines() == [
         f"error: unknown config key {typed}; did you mean {near}? (the valid keys are in trident/config/schema.py)"
     ]
+
+
+def test_a_shard_with_one_flipped_byte_is_refused_before_training(tiny_dataset, tmp_path):
+    # Each shard's record holds its sha256; a small corpus is checked in full before step 1.
+    copy = shutil.copytree(tiny_dataset, tmp_path / "tiny")
+    shard = copy / "shards" / "00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = run_train(tmp_path / "run", tiny(copy, "train.steps=2"), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: dataset file {shard} is damaged (sha256 "), lines
+    assert "rebuild it: python tools/prepare_data.py" in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_unwritable_run_dir_is_one_line(tmp_path):
