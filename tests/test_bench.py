@@ -79,7 +79,7 @@ def test_a_layout_is_planned_with_its_world_size_and_refused_with_the_validators
     bad = checked_trial(REPO, "dp=2 tp=3", ["model=gpt-tiny"])
     assert bad.world == 6 and bad.refused.startswith("model.n_heads=4 is not divisible by parallel.tp=3; use ")
     unknown = checked_trial(REPO, "parallel.widths=3", ["model=gpt-tiny"])
-    assert unknown.refused.startswith("Could not override 'parallel.widths'")
+    assert unknown.refused.startswith("unknown config key parallel.widths; ")
 
 
 # --- each subcommand, tiny (multi-process) --------------------------------------------------------------------

@@ -206,6 +206,7 @@ INVALID = [
     pytest.param({"data.mix": ["a:0"]}, 1, ["data.mix entry 'a:0' is not DIR:WEIGHT with a weight > 0"], id="mix-0"),
     pytest.param({"data.mix": []}, 1, ["data.mix=[] names no dataset"], id="mix-empty"),
     pytest.param({"checkpoint.every": -1}, 1, ["checkpoint.every=-1"], id="ckpt-every"),
+    pytest.param({"train.seed": 2**64}, 1, [f"train.seed={2**64} must fit 64 bits"], id="seed-past-64-bits"),
     pytest.param({"checkpoint.keep_last": -1}, 1, ["checkpoint.keep_last=-1"], id="keep_last"),
     pytest.param({"checkpoint.resume": ""}, 1, ["checkpoint.resume"], id="resume-empty"),
     pytest.param({"logging.interval": 0}, 1, ["logging.interval=0"], id="log-interval"),

@@ -15,7 +15,7 @@ import torch
 from tests.helpers import REPO
 from tests.helpers.processes import tool_process
 from trident.config import DataConfig
-from trident.data import prepare
+from trident.data import prepare, verify
 from trident.data.dataset import TokenDataset, eval_batch_count, open_dataset
 from trident.data.meta import load_meta
 from trident.data.prepare import prepare_dataset, resolve_dataset
@@ -371,3 +371,29 @@ def test_cli_unwritable_out(corpus, tmp_path):
     )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: cannot write /proc/trident-ds: ")
+
+
+def _flip_a_byte_in_the_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_shard_of_a_large_corpus_stops_the_reads_once_the_background_check_finds_it(
+    tiny_dataset, tmp_path, monkeypatch
+):
+    # Past SYNC_BYTES the shards are hashed while training runs: opening does not wait, and the first read after
+    # the check found the damage raises the line naming the shard.
+    monkeypatch.setattr(verify, "SYNC_BYTES", 0)
+    copy = shutil.copytree(tiny_dataset, tmp_path / "tiny")
+    shard = copy / "shards" / "00000.bin"
+    _flip_a_byte_in_the_middle(shard)
+    ds = open_dataset(DataConfig(dataset_dir=str(copy)), 512)
+    train, _ = ds.split(seq_len=64, val_fraction=0.05, global_batch_size=16)
+    checker = ds.tokens.check.__self__
+    checker.wait(60)
+    with pytest.raises(DataError, match=rf"^dataset file {shard} is damaged \(sha256 [0-9a-f]{{12}}, but its record"):
+        train.batch(torch.arange(4))
+    intact = open_dataset(DataConfig(dataset_dir=str(tiny_dataset)), 512).split(64, 0.05, 16)[0]
+    intact.tokens.check.__self__.wait(60)
+    assert intact.batch(torch.arange(4))[0].shape == (4, 64)

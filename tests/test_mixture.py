@@ -107,6 +107,16 @@ def test_each_epoch_of_a_source_sees_each_of_its_windows_once():
         assert windows[:n] != windows[n : 2 * n]
 
 
+@pytest.mark.parametrize(("sources", "seed"), [(18, 1234), (2, 2**45), (40, 2**63 - 1)])
+def test_many_sources_and_large_seeds_draw_batches(sources, seed):
+    # Each source's permutation seed is shifted by 2^40 per source: past 2^64 from the 18th source on (and for
+    # train.seed=2**45), which the generator refused ("Overflow when unpacking long long").
+    sampler = MixtureSampler([5] * sources, [1.0] * sources, global_batch_size=sources * 5, seed=seed)
+    batch = sampler.global_batch(1)  # one epoch of every source: each source's 5 windows once
+    assert sorted(batch.tolist()) == list(range(sources * 5))
+    assert GlobalBatchSampler(7, 7, seed).global_batch(0).sort().values.tolist() == list(range(7))
+
+
 def test_one_source_is_the_single_dataset_sampler():
     mixed = MixtureSampler([123], [1.0], global_batch_size=16, seed=4)
     plain = GlobalBatchSampler(123, 16, seed=4)
@@ -263,7 +273,7 @@ def test_a_resume_with_other_weights_is_refused(tiny_dataset, second_dataset, tm
     train_in_process(saved, _mix(tiny_dataset, second_dataset, "train.steps=2", "train.eval_every=0"))
     other = [o for o in tiny(tiny_dataset, "train.steps=4") if not o.startswith("data.dataset_dir=")]
     other += [f"data.mix=[{tiny_dataset}:0.5,{second_dataset}:0.5]", f"checkpoint.dir={saved / 'checkpoints'}"]
-    with pytest.raises(RuntimeError, match="CheckpointError: the checkpoint was trained with data.mix"):
+    with pytest.raises(RuntimeError, match="CheckpointError: the checkpoint was trained on data.mix="):
         train_in_process(tmp_path / "other", other)
 
 
@@ -277,3 +287,21 @@ def test_a_one_source_mixture_trains_as_its_dataset(tiny_dataset, tmp_path):
     assert all(r["val_loss/tiny"] == r["val_loss"] for r in got if "val_loss" in r)
     assert_same_curve(expected, [{k: v for k, v in r.items() if not k.startswith("val_loss/")} for r in got])
     assert [r["tokens/tiny"] for r in got] == [r["tokens"] for r in got]
+
+
+@pytest.mark.multiprocess
+def test_a_one_dataset_checkpoint_resumes_as_a_one_source_mixture(tiny_dataset, second_dataset, tmp_path):
+    # data.mix=[DIR:1] is DIR's own stream, so a checkpoint saved without a mixture carries over exactly; a real
+    # mixture is another stream, refused with a line saying what differs (was: "cannot read checkpoint file
+    # .../trainer.json: KeyError 'mix'", which reads as a damaged checkpoint).
+    plain = tiny(tiny_dataset, "train.steps=4", "train.micro_batch_size=16", "train.eval_every=0")
+    (expected,) = train_in_process(tmp_path / "plain", plain)
+    saved = tmp_path / "saved"
+    train_in_process(saved, [*plain, "train.steps=2"])
+    resume = [o for o in plain if not o.startswith("data.dataset_dir=")] + [f"checkpoint.dir={saved / 'checkpoints'}"]
+    two = f"data.mix=[{tiny_dataset}:1,{second_dataset}:1]"
+    with pytest.raises(RuntimeError, match=r"trained on one dataset \(data.dataset_dir, no data.mix\), this run has"):
+        train_in_process(tmp_path / "two", [*resume, two])
+    (got,) = train_in_process(tmp_path / "mixed", [*resume, f"data.mix=[{tiny_dataset}:1]"])
+    assert [r["step"] for r in got] == [3, 4]
+    assert_same_curve(expected[2:], [{k: v for k, v in r.items() if not k.startswith("tokens/")} for r in got])

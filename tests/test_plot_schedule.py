@@ -103,7 +103,10 @@ def test_plan_mode_from_the_command_line_on_a_datasheet(tmp_path: Path, capsys) 
     "argv, line",
     [
         (["--plan", "model=gpt-tiny", "parallel.pp=3", "--device", "h100"], "error: model.n_layers=2 is not divisible"),
-        (["--plan", "model=gpt-tiny", "parallel.ppp=3"], "error: Could not override 'parallel.ppp'"),
+        (
+            ["--plan", "model=gpt-tiny", "parallel.ppp=3"],
+            "error: unknown config key parallel.ppp; did you mean parallel.pp?",
+        ),
         (["--plan", "model=gpt-tiny", "--pp", "2"], "error: --plan takes the layout as train.py overrides"),
         (["model=gpt-tiny"], "error: train.py overrides and --world go with --plan"),
     ],

@@ -4,6 +4,7 @@ its files, its one-line errors. Training math under every layout is tested in-pr
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +13,15 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.layouts import tiny, train_in_process
-from tests.helpers.processes import child_env, read_metrics, run_train, start_ranks, tool_process
+from tests.helpers.processes import (
+    child_env,
+    read_metrics,
+    run_train,
+    start_ranks,
+    tool_process,
+    torchrun,
+    train_command,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -116,6 +125,60 @@ def test_unknown_key_is_rejected_before_training(tmp_path, override):
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "foo" in lines[0], lines
+
+
+@pytest.mark.parametrize("override", ["parallel.tpp=2", "+parallel.tpp=2", "paralel.tp=2", "+paralel.tp=2"])
+def test_a_mistyped_key_is_told_the_nearest_key(tmp_path, override):
+    # Hydra's advice for a key it does not know is to append it with +, which is refused in turn; neither names
+    # the key meant. Typed with or without +, the line names the nearest keys of the schema.
+    proc = run_train(tmp_path, [override], timeout=60)
+    assert proc.returncode == 2
+    typed = override.lstrip("+").split("=")[0]
+    near = "parallel.tp or parallel.pp" if typed == "parallel.tpp" else "parallel.tp"
+    assert proc.stderr.strip().splitlines() == [
+        f"error: unknown config key {typed}; did you mean {near}? (the valid keys are in trident/config/schema.py)"
+    ]
+
+
+def test_a_shard_with_one_flipped_byte_is_refused_before_training(tiny_dataset, tmp_path):
+    # Each shard's record holds its sha256; a small corpus is checked in full before step 1.
+    copy = shutil.copytree(tiny_dataset, tmp_path / "tiny")
+    shard = copy / "shards" / "00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = run_train(tmp_path / "run", tiny(copy, "train.steps=2"), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: dataset file {shard} is damaged (sha256 "), lines
+    assert "rebuild it: python tools/prepare_data.py" in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("train.steps=0", "error: train.steps=0 must be >= 1"),  # trident's check
+        (
+            "parallel.tpp=2",
+            "error: unknown config key parallel.tpp; did you mean parallel.tp or parallel.pp?",
+        ),  # Hydra's
+    ],
+)
+def test_under_torchrun_a_config_error_is_said_once_per_node_and_named_by_the_agents_summary(
+    tiny_dataset, tmp_path, override, line
+):
+    # Every rank meets the same config error: local rank 0 says it (the others printed it too, the line twice on
+    # 2 ranks), and each rank leaves it in the agent's error file (TORCHELASTIC_ERROR_FILE), so torchrun's summary
+    # names the cause, where it said only "To enable traceback see ...".
+    cmd = train_command(tmp_path / "run", tiny(tiny_dataset, override), launcher=torchrun(2))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=120)
+    assert proc.returncode != 0
+    said = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert len(said) <= 1 and all(x.startswith(line) for x in said), proc.stderr
+    root_cause = proc.stderr.split("Root Cause")[1]
+    assert f"traceback : {line}" in root_cause, proc.stderr
+    assert "To enable traceback see" not in proc.stderr
 
 
 def test_unwritable_run_dir_is_one_line(tmp_path):

@@ -1,17 +1,21 @@
 """Command-line plumbing around ``train.py``: every failure a user can fix ends as one ``error:`` line and an exit
 code (2 for a bad config or input), on every rank, before any collective can hang.
 
-Whichever rank stops first, its line must already be out: the launcher kills the other ranks as soon as one
+Whichever rank stops first, its cause must already be out: the launcher kills the other ranks as soon as one
 exits, so a rank that left the printing to another could leave the user with nothing. Every rank that knows
-the reason therefore prints it and flushes, then leaves with ``os._exit``: no process-group teardown, which
-with a peer gone could block, or abort the process ("terminate called without an active exception").
+the reason therefore writes it to torchrun's error file (whose closing summary then names it) and prints it,
+then leaves with ``os._exit``: no process-group teardown, which with a peer gone could block, or abort the
+process ("terminate called without an active exception"). A cause every rank met alike (a config error) is
+printed once per node under torchrun: by local rank 0, the others exiting a little later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import NoReturn
@@ -19,8 +23,14 @@ from typing import NoReturn
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trident.errors import TridentError, gist, is_lost_peer, one_line
+from trident.config.compose import hydra_error_line
+from trident.errors import TridentError, gist, is_lost_peer
+from trident.launcher import launcher_pid
 from trident.signals import Stopped
+
+# A rank that leaves an agreed error to its node's local rank 0 exits this much later, so that rank's line is
+# out before the agent, seeing the first exit, ends the others (that rank exits first, so it costs nothing).
+QUIET_EXIT_DELAY_S = 3.0
 
 
 def _leave(code: int) -> NoReturn:
@@ -37,9 +47,35 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print ``error: message`` and exit with ``code`` at once."""
-    say(f"error: {message}")
+def record(line: str, callstack: str | None = None) -> None:
+    """Under torchrun, leave ``line`` (and a bug's traceback) where its agent looks for a worker's cause: the JSON
+    file ``TORCHELASTIC_ERROR_FILE`` names, as torch.distributed.elastic's ``record`` writes it. The agent's closing
+    summary then names the cause instead of "To enable traceback see ...", even of a rank it killed first."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    extra = {"timestamp": str(int(time.time())), **({"py_callstack": callstack} if callstack else {})}
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": extra}}, f)
+
+
+def _says_for_the_node() -> bool:
+    """Whether this rank prints an error that every rank met alike: under torchrun, local rank 0 alone (once per
+    node; the agent's summary, from the error file, names it even if the agent killed that rank first); ranks
+    started otherwise each print it, since nothing else would."""
+    return launcher_pid() is None or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def fail(message: str, code: int = 2, agreed: bool = False) -> NoReturn:
+    """Print ``error: message`` and exit with ``code`` at once. ``agreed``: every rank met the same cause, which
+    one rank of each node says."""
+    line = f"error: {message}"
+    record(line)
+    if not agreed or _says_for_the_node():
+        say(line)
+    else:  # let the node's rank say it before this exit makes the agent end it (best effort: the file names it)
+        time.sleep(QUIET_EXIT_DELAY_S)
     _leave(code)
 
 
@@ -51,7 +87,7 @@ def user_errors() -> Iterator[None]:
     except Stopped as e:  # its line is printed already, by the rank that prints for all
         _leave(e.exit_code)
     except TridentError as e:
-        fail(str(e), e.exit_code)
+        fail(str(e), e.exit_code, e.agreed)
     except OSError as e:  # a full disk, a directory that cannot be written: the environment, not a bug
         fail(f"{e}; free space or point the path at a writable directory")
     except Exception as e:
@@ -59,6 +95,7 @@ def user_errors() -> Iterator[None]:
             # Another rank has gone: its own line, if it could leave one, is the cause and came first.
             fail(f"lost contact with another rank ({gist(e)}); the first error above, if any, says why it stopped", 1)
         traceback.print_exc()  # a bug: its traceback is the message, and it too must be out before the launcher acts
+        record(f"{type(e).__name__}: {e}", traceback.format_exc())
         _leave(1)
 
 
@@ -77,10 +114,7 @@ def launch(hydra_main: Callable[[], None]) -> None:
     except (HydraException, OmegaConfBaseException) as e:
         if wants_traceback:
             raise
-        cause = e.__cause__
-        detail = f"\n{str(cause).splitlines()[0]}" if isinstance(cause, OmegaConfBaseException) else ""
-        # Hydra appends its search path to a missing-preset message: noise for the user.
-        fail(one_line(str(e).split("Config search path:")[0] + detail))
+        fail(hydra_error_line(e), agreed=True)  # the same overrides compose alike on every rank
     except OSError as e:  # the run's own OSErrors are handled inside, so this is Hydra making the run directory
         if wants_traceback:
             raise

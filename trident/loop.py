@@ -205,21 +205,43 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         # Each of these fixes which samples come next: resuming with another value would silently
-        # train on a different stream than the run that was interrupted.
+        # train on a different stream than the run that was interrupted. Another mixture says so first.
+        self._check_mix(state.get("mix"))
         mine = {"global_batch_size": self.cfg.global_batch_size, "seed": self.cfg.seed}
         mine["train_windows"] = len(self.train_data)
-        mine["mix"] = self._mix_state()
         keys = {"global_batch_size": "train.global_batch_size", "seed": "train.seed", "train_windows": "data.*"}
-        keys["mix"] = "data.mix"
         for key, value in mine.items():
             if state.get(key) != value:
                 raise CheckpointError(
-                    f"the checkpoint was trained with {keys[key]} giving {key}={state[key]}, this run has {value}; "
-                    "resume with the same settings (and data), or set checkpoint.resume=none in a new checkpoint.dir"
+                    f"the checkpoint was trained with {keys[key]} giving {key}={state.get(key)}, this run has "
+                    f"{value}; resume with the same settings (and data), or set checkpoint.resume=none in a new "
+                    "checkpoint.dir"
                 )
         self.step = state["step"]
         self.divergence.load_state_dict(state.get("divergence", {}))
         self.grad_step.load_state_dict(state)
+
+    def _check_mix(self, saved: list | None) -> None:
+        """Refuse a checkpoint whose data stream this run's data.mix would not continue. A mixture of one source
+        draws exactly the batches of that dataset alone (trident/data/mixture.py), so a one-dataset checkpoint
+        resumes as ``data.mix=[DIR:1]`` and back (``train_windows`` is checked beside this)."""
+        mine = self._mix_state()
+        one = (saved is None or len(saved) == 1) and (mine is None or len(mine) == 1)
+        if saved == mine or one and (saved is None or mine is None):
+            return
+
+        def said(mix: list | None) -> str:
+            if mix is None:
+                return "one dataset (data.dataset_dir, no data.mix)"
+            entries = [f"{name}:{weight}" for name, _, weight in mix]
+            if [e[:1] + e[2:] for e in saved or []] == [e[:1] + e[2:] for e in mine or []]:  # the sources' sizes differ
+                entries = [f"{name}:{weight} ({size} windows)" for name, size, weight in mix]
+            return "data.mix=[" + ",".join(entries) + "]"
+
+        raise CheckpointError(
+            f"the checkpoint was trained on {said(saved)}, this run has {said(mine)}: another data stream; resume "
+            "with the checkpoint's data, or set checkpoint.resume=none in a new checkpoint.dir to start afresh"
+        )
 
     def fit(self) -> list[dict]:
         """Train to ``train.steps``; return the metrics row of every step this call ran (on every rank).

@@ -14,7 +14,8 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from trident.config import Config, compose_config
-from trident.errors import ConfigError, one_line
+from trident.config.compose import hydra_error_line
+from trident.errors import ConfigError
 
 
 def load_config(conf_dir: Path | str, overrides: Iterable[str] = ()) -> Config:
@@ -23,7 +24,7 @@ def load_config(conf_dir: Path | str, overrides: Iterable[str] = ()) -> Config:
     try:
         return compose_config(conf_dir, overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(one_line(str(e))) from None
+        raise ConfigError(hydra_error_line(e)) from None
 
 
 def default_world(cfg: Config) -> int:

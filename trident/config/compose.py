@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from omegaconf.nodes import BooleanNode
 
 from trident.config.schema import RENAMED, Config
-from trident.errors import ConfigError
+from trident.errors import ConfigError, one_line
 from trident.launcher import launcher
 
 
@@ -42,6 +45,46 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("launch_id", launch_id)
 
 
+def schema_keys() -> list[str]:
+    """Every key a user can set, dotted (``parallel.tp``), sections too (``parallel.offload``), as typed: a
+    renamed field by the name users type (``checkpoint.async``)."""
+    typed = {(section, name): key for section, key, name in RENAMED}
+
+    def walk(schema: object, prefix: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(schema):  # type: ignore[arg-type]
+            name = typed.get((prefix.rstrip("."), f.name), f.name)
+            out.append(prefix + name)
+            if dataclasses.is_dataclass(value := getattr(schema, f.name)):
+                out += walk(value, f"{prefix}{name}.")
+        return out
+
+    return walk(Config(), "")
+
+
+def unknown_key_line(key: str) -> str:
+    """One line for a key the schema does not have, naming the nearest that it has (difflib): a typo is told
+    its fix, whether typed as ``parallel.tpp=2`` or ``+parallel.tpp=2``."""
+    keys = schema_keys()
+    scored = sorted(((difflib.SequenceMatcher(None, key, k).ratio(), k) for k in keys), key=lambda t: -t[0])
+    best = [k for score, k in scored if score >= max(0.6, scored[0][0] - 1e-9)][:3]
+    where = "the valid keys are in trident/config/schema.py"
+    return f"unknown config key {key}; " + (f"did you mean {' or '.join(best)}? ({where})" if best else where)
+
+
+def hydra_error_line(error: Exception) -> str:
+    """One line for an error Hydra or OmegaConf raised while composing the config: an override of a key the
+    schema does not have gets ``unknown_key_line`` (Hydra's own advice, to append ``+key``, would only be refused
+    in turn), anything else Hydra's message folded into one line, with the first line of its cause."""
+    cause = error.__cause__
+    override = re.match(r"Could not override '([^']+)'", str(error))
+    if override and isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and " not in " in str(cause):
+        return unknown_key_line(override.group(1))
+    detail = f"\n{str(cause).splitlines()[0]}" if isinstance(cause, OmegaConfBaseException) else ""
+    # Hydra appends its search path to a missing-preset message: noise for the user.
+    return one_line(str(error).split("Config search path:")[0] + detail)
+
+
 def to_config(node: DictConfig) -> Config:
     """Convert Hydra's tree to the typed ``Config``, refusing keys the schema does not have.
 
@@ -52,7 +95,11 @@ def to_config(node: DictConfig) -> Config:
     def check(sub: DictConfig, schema: object, prefix: str) -> None:
         for key in sub.keys():
             if not hasattr(schema, str(key)):
-                raise ConfigError(f"unknown config key {prefix}{key}; the valid keys are in trident/config/schema.py")
+                value = sub[key]
+                while isinstance(value, DictConfig) and len(value) == 1:  # +paralel.tp=2: the key as typed
+                    (inner,) = value.keys()
+                    key, value = f"{key}.{inner}", value[inner]
+                raise ConfigError(unknown_key_line(f"{prefix}{key}"))
             default = getattr(schema, str(key))
             if dataclasses.is_dataclass(default):
                 check(sub[key], default, f"{prefix}{key}.")

@@ -186,6 +186,7 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _need(tr.micro_batch_size >= 1, f"train.micro_batch_size={tr.micro_batch_size} must be >= 1")
     _need(tr.global_batch_size >= 1, f"train.global_batch_size={tr.global_batch_size} must be >= 1")
     _need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
+    _need(-(2**63) <= tr.seed < 2**63, f"train.seed={tr.seed} must fit 64 bits; use an integer in [0, 2^63)")
     _one_of("train.precision", tr.precision, ("fp32", "bf16", "fp16"))
     _one_of("train.activation_checkpointing", tr.activation_checkpointing, ("none", "full", "selective"))
     _one_of("train.device", tr.device, ("auto", "cpu", "cuda"))

@@ -21,6 +21,7 @@ from trident.data.meta import damaged, load_meta, rebuild_hint
 from trident.data.prepare import resolve_dataset
 from trident.data.store import INDEX_DTYPE, SHARDS, ShardedTokens, document_ends, open_shards
 from trident.data.tokenizer import TokenizerFileError, tokenizer_from_bytes
+from trident.data.verify import check_shards
 from trident.errors import DataError
 
 
@@ -119,6 +120,12 @@ class TokenDataset:
             what = f"sha256 {sha[:12]}, but meta.json says {self.tokenizer_sha256[:12]}"
             raise damaged(path, what, self.rebuild)
 
+    def check_shards(self) -> None:
+        """Check each shard against the sha256 its record holds (trident/data/verify.py): a small corpus now, a
+        large one while training runs, every read of the tokens stopping the run once damage is found."""
+        if self._shards:  # a format-1 dataset records no sha256
+            self.tokens.check = check_shards(self.dir, self._shards, self.rebuild).raise_if_damaged
+
     def split(
         self, seq_len: int, val_fraction: float, global_batch_size: int = 1, eval_batches: int | None = None
     ) -> tuple[TokenWindows, TokenWindows]:
@@ -171,4 +178,5 @@ def open_dataset(data: DataConfig, vocab_size: int) -> TokenDataset:
     path = resolve_dataset(data, vocab_size)
     dataset = TokenDataset(path, rebuild_hint(path, vocab_size, data.dataset_dir is None, data.tokenizer))
     dataset.check_tokenizer()
+    dataset.check_shards()
     return dataset

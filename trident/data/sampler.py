@@ -69,7 +69,9 @@ class EpochPermutations:
         if epoch not in self._perms:
             if len(self._perms) >= 2:
                 del self._perms[min(self._perms)]
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            # Modulo 2^64, the generator's seed range: the same seed as before wherever that was in range, and no
+            # overflow for a large train.seed or a mixture's later sources (shifted by 2^40 each).
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)
             self._perms[epoch] = torch.randperm(self.n_samples, generator=g)
         return self._perms[epoch]
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -115,12 +116,16 @@ class ShardedTokens:
     def __init__(self, arrays: list[np.ndarray]):
         self.arrays = [a for a in arrays if len(a)]
         self.offsets = np.concatenate([[0], np.cumsum([len(a) for a in self.arrays], dtype=np.int64)])
+        # Called before every read: raises when the shards' check (trident/data/verify.py) found damage.
+        self.check: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
     def read(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Tokens ``[s, s + length)`` for each ``s`` of ``starts``: an int64 array [len(starts), length]."""
+        if self.check is not None:
+            self.check()
         out = np.empty((len(starts), length), dtype=np.int64)
         for row, start in enumerate(np.asarray(starts, dtype=np.int64).tolist()):
             out[row] = self._span(start, start + length)
