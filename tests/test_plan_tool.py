@@ -72,7 +72,7 @@ def test_progress_counts_every_candidate_and_says_the_time_left() -> None:
     assert [c[0] for c in calls] == list(range(1, total + 1)) and {c[1] for c in calls} == {total}
     assert all(a[2] <= b[2] for a, b in zip(calls, calls[1:], strict=False))
     shown = io.StringIO()
-    progress = TOOL["Progress"](shown, every=0.0)
+    progress = TOOL["Progress"](shown, every=0.0)  # "planning" by default
     progress(10, 40, 5.0)
     progress(40, 40, 20.0)
     assert shown.getvalue().splitlines() == [

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             + (" (a GPU's default; set train.precision to change it)" if bf16 else ""),
             flush=True,
         )
-        profile = profile_for(cfg, args.world, device, args.nodes, args.calibrate, log=print)
+        listing = Progress(sys.stderr, "listing what to measure")  # a calibration's needs: every layout, priced
+        profile = profile_for(cfg, args.world, device, args.nodes, args.calibrate, log=print, progress=listing)
         result = plan(cfg, args.world, profile, args.nodes, progress=Progress(sys.stderr))
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -86,8 +87,8 @@ class Progress:
     """The planner's progress on ``out``: candidates examined, time spent and left, rewritten in place on a
     terminal (at most 10 times a second), a line every ``every`` seconds elsewhere, and a last line when done."""
 
-    def __init__(self, out, every: float = 10.0) -> None:
-        self.out, self.tty = out, out.isatty()
+    def __init__(self, out, what: str = "planning", every: float = 10.0) -> None:
+        self.out, self.what, self.tty = out, what, out.isatty()
         self.every = 0.1 if self.tty else every
         self.shown = time.perf_counter()
 
@@ -98,9 +99,9 @@ class Progress:
         self.shown = now
         if done < total:
             left = elapsed / done * (total - done)
-            line = f"planning: {done:,} of {total:,} layouts examined, {elapsed:.0f} s, about {left:.0f} s left"
+            line = f"{self.what}: {done:,} of {total:,} layouts examined, {elapsed:.0f} s, about {left:.0f} s left"
         else:
-            line = f"planning: {total:,} layouts examined in {elapsed:.1f} s"
+            line = f"{self.what}: {total:,} layouts examined in {elapsed:.1f} s"
         end = "\n" if done == total or not self.tty else ""
         print(f"\r{line:<80}" if self.tty else line, end=end, file=self.out, flush=True)
 
