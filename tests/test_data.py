@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import runpy
 import shutil
 import sysconfig
 from pathlib import Path
@@ -397,3 +398,33 @@ def test_a_damaged_shard_of_a_large_corpus_stops_the_reads_once_the_background_c
     intact = open_dataset(DataConfig(dataset_dir=str(tiny_dataset)), 512).split(64, 0.05, 16)[0]
     intact.tokens.check.__self__.wait(60)
     assert intact.batch(torch.arange(4))[0].shape == (4, 64)
+
+
+def test_fewer_workers_than_asked_are_said_first_and_why_and_counts_read_as_english(tmp_path, capsys):
+    """A small corpus is one 32 MiB work unit, and a worker takes whole units: --workers 2 uses one, and the first
+    line says so and why; the counts of one are singular ("1 unit", "1 file"), and --help says it too."""
+    text = tmp_path / "one.txt"
+    text.write_text("".join(f"line {i} of a small corpus, the quick brown fox\n" for i in range(3000)))
+    tool = runpy.run_path(str(REPO / "tools" / "prepare_data.py"))
+    assert (
+        tool["main"](["--text", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", "300", "--workers", "2"]) == 0
+    )
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == (
+        "using 1 worker, not the 2 asked for: a worker takes whole work units of up to 32 MiB of input, and this "
+        "input is 1 unit"
+    )
+    assert any(line.startswith("tokenizing 1 unit (") and line.endswith(" on 1 worker") for line in lines), lines
+    assert out.startswith(f"wrote {tmp_path / 'ds'}: 1 file, ") and ", 1 document, " in out and " in 1 shard (" in out
+    with pytest.raises(SystemExit):
+        tool["main"](["--help"])
+    assert "tokenizing processes, at most one per work unit" in capsys.readouterr().out
+
+
+def test_the_workers_asked_for_are_used_without_a_word(tmp_path):
+    text = tmp_path / "one.txt"
+    text.write_text("".join(f"line {i} of a small corpus, the quick brown fox\n" for i in range(3000)))
+    logs: list[str] = []
+    prepare_dataset([text], tmp_path / "ds", 300, log=logs.append, workers=1)
+    assert logs[0].startswith("training a 300-piece BPE tokenizer") and logs[1].endswith(" on 1 worker"), logs

@@ -46,12 +46,29 @@ def test_greedy_tokens_with_the_cache_are_the_full_forwards(cfg):
     assert len(set(out)) > 3  # not one token repeated: the comparison means something
 
 
-def test_generation_goes_on_past_the_window():
-    """Past seq_len the cache restarts from the last half window; sampling continues with the tokens it gives."""
-    model = GPT(LLAMA).eval()
-    init_weights(model, LLAMA, seed=0)
-    out = generate.sample(model, [1, 2, 3], 120, 1.0, 10, torch.Generator().manual_seed(0))
-    assert len(out) == 120 and all(0 <= t < LLAMA.vocab_size for t in out)
+@torch.no_grad()
+def greedy_windows_without_cache(model: GPT, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by full forwards over the tokens of the current window: when the context would pass the
+    model's window, the window starts again at the last half window of tokens (what sample's cache does)."""
+    window, ids = model.cfg.seq_len, list(prompt)
+    start = max(0, len(ids) - window)
+    for _ in range(n):
+        if len(ids) - start > window:
+            start = len(ids) - window // 2
+        ids.append(int(model(torch.tensor([ids[start:]]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_generation_goes_on_past_the_window(cfg):
+    """Past seq_len the cache restarts from the last half window; sampling continues with the tokens it gives,
+    the tokens full forwards over the same windows give (120 new tokens: the 48-token window restarts 4 times)."""
+    model = GPT(cfg).eval()
+    init_weights(model, dataclasses.replace(cfg, init_std=0.5), seed=3)  # large weights: no ties among logits
+    prompt = [1, 2, 3]
+    out = generate.sample(model, prompt, 120, 0.0, 0, torch.Generator())
+    assert out == greedy_windows_without_cache(model, prompt, 120)
+    assert len(out) == 120 and len(set(out[60:])) > 10  # past the window, not a loop of a few tokens
 
 
 def test_the_cache_holds_the_prompt_and_the_new_tokens_in_the_weights_dtype(monkeypatch):

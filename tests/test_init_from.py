@@ -236,7 +236,8 @@ def test_the_converted_checkpoint_and_the_directory_load_the_same_weights(kind, 
 def test_the_readme_command_continues_pretraining_a_hugging_face_llama_with_its_own_tokenizer(tmp_path):
     """The README's one command, at world 1: ``train.py checkpoint.init_from=DIR data.tokenizer=DIR data.text=...``
     with no model key takes the model from the directory (Llama 3.2's scaled RoPE, a shorter window), tokenizes with
-    its tokenizer.json, and trains; the checkpoint exports back to a LlamaForCausalLM of that shape."""
+    its tokenizer.json, and trains from the source's weights (its first loss is the source's own on that batch);
+    the checkpoint exports back to a LlamaForCausalLM of that shape."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     text = sorted(Path(sysconfig.get_paths()["stdlib"], "json").glob("*.py"))
@@ -251,10 +252,12 @@ def test_the_readme_command_continues_pretraining_a_hugging_face_llama_with_its_
         vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0,
         tie_word_embeddings=True, rope_scaling={**scaling, "original_max_position_embeddings": 64},
+        initializer_range=0.2,
     )  # fmt: skip
     torch.manual_seed(0)
     source = tmp_path / "llama"
-    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(source)
+    hf = transformers.LlamaForCausalLM(hf_cfg)
+    hf.save_pretrained(source)
     tokenizer.save(str(source / "tokenizer.json"))
     run = tmp_path / "run"
     args = [
@@ -266,8 +269,13 @@ def test_the_readme_command_continues_pretraining_a_hugging_face_llama_with_its_
     done = run_train(run, args, env=dict(os.environ), cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"initialised from the Hugging Face model {source} (step 0, fresh optimizer)" in done.stdout
+    # The source's weights, not a fresh init's: its loss on the first batch, far from a fresh init's log(vocab).
     first = float(done.stdout.split("step 1/3 | loss ")[1].split()[0])
-    assert abs(first - math.log(tokenizer.get_vocab_size())) < 0.2  # the source's near-uniform start, not a crash
+    x, y = first_batch(adopted(tmp_path / "again", args))
+    with torch.no_grad():
+        expected = F.cross_entropy(hf.eval()(x).logits.flatten(0, 1).double(), y.flatten()).item()
+    assert abs(expected - math.log(tokenizer.get_vocab_size())) > 0.5, expected
+    assert abs(first - expected) <= 1e-3 * expected, (first, expected)
     saved = load_weights(run / "checkpoints")
     model = saved.config["model"]
     assert (model["n_layers"], model["d_model"], model["n_kv_heads"], model["seq_len"]) == (2, 64, 2, 128)

@@ -52,6 +52,39 @@ def test_a_layout_train_py_refuses_is_refused_with_its_line(tmp_path: Path, argv
     assert not (tmp_path / "x.svg").exists()
 
 
+def test_help_is_whole_with_its_examples_and_ends_in_a_sentence(capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        TOOL["main"](["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert (
+        "a box per action (F, B, I, W) labelled micro-batch and chunk, the gaps between boxes the bubble."
+        in " ".join(text.split())
+    )
+    assert "python tools/plot_schedule.py --pp 4 --vpp 2 --out interleaved.png" in text
+    assert "--plan model=gpt-small parallel.pp=4" in text and "--measured outputs/<run>/pipeline_timings" in text
+    assert text.rstrip().endswith("this is its command line.")
+
+
+@pytest.mark.parametrize("argv", [["--pp", "4"], ["--pp", "4", "--vpp", "2"], ["--pp", "4", "--micro", "16"]])
+def test_every_box_is_labelled_where_its_label_fits(tmp_path, capsys, argv: list[str]) -> None:
+    """Forward boxes too: an interleaved schedule's narrow ones carry theirs upright."""
+    plot(tmp_path, capsys, *argv)
+    svg = (tmp_path / "schedule.svg").read_text()
+    labels = re.findall(r'class="label"[^>]*>([FBIW][0-9.]+)</text>', svg)
+    assert len(labels) == svg.count('class="action"')
+    assert sum(t.startswith("F") for t in labels) == sum(t.startswith("B") for t in labels)
+
+
+def test_a_png_is_written_by_what_the_install_brings(tmp_path, capsys) -> None:
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", (REPO / "pyproject.toml").read_text(), re.M | re.S)
+    assert re.search(r'^\s*"matplotlib\b', dependencies.group(1), re.M)  # pip install -e . brings it
+    out = tmp_path / "schedule.png"
+    TOOL["main"](["--pp", "4", "--vpp", "2", "--out", str(out)])
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and out.stat().st_size > 10_000
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out}"
+
+
 # --- --plan: the layout planner's per-action costs, alone and beside a run's timings ------------------------------
 
 PROFILE = hand_built_cpu()

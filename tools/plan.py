@@ -6,6 +6,10 @@
     python tools/plan.py model=llama-8b train.global_batch_size=512 train.precision=bf16 --world 64 --device h100
 
 Takes train.py's own overrides (the model, batch, precision, and any layout key, which the planner then varies).
+The first lines say what it plans for: the global batch (train.global_batch_size sequences of model.seq_len
+tokens) and the precision, which on a GPU (a datasheet --device, or this machine's GPU) is bf16 unless
+train.precision is given, and on a CPU train.py's default, fp32. While it works, stderr shows the layouts examined,
+the time spent and the time left; the table ends with the whole torchrun command that launches the best layout.
 The layouts are every combination of tp, pp, vpp, schedule, ZeRO stage (and ZeRO-3's gather mode), optimizer
 offload (and ratio), recomputation, micro-batch size and sequence parallelism that train.py's validator accepts,
 with dp the rest of the world; those whose predicted peak does not fit the device are dropped. ``--device`` picks
@@ -20,10 +24,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from trident.errors import ConfigError
-from trident.plan.machine import DEVICES, profile_for
+from trident.plan.machine import DEVICES, local_device, profile_for
 from trident.plan.planner import plan
 from trident.plan.report import plan_table
 from trident.tool_config import load_config
@@ -45,13 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world < 1 or (args.nodes is not None and not 1 <= args.nodes <= args.world):
             raise ConfigError("--world must be >= 1 and --nodes between 1 and --world")
-        cfg = load_config(REPO / "conf", args.overrides)
-        profile = profile_for(cfg, args.world, args.device, args.nodes, args.calibrate, log=print)
-        result = plan(cfg, args.world, profile, args.nodes)
+        device = args.device or local_device()
+        given = any(o.lstrip("+").split("=", 1)[0] == "train.precision" for o in args.overrides)
+        bf16 = device != "cpu" and not given  # a GPU trains in bf16; fp32 is train.py's default for a CPU
+        overrides = [*args.overrides, *(["train.precision=bf16"] if bf16 else [])]
+        cfg = load_config(REPO / "conf", overrides)
+        m, tr = cfg.model, cfg.train
+        print(
+            f"planning {m.name} on {args.world} ranks of {device}: a global batch of {tr.global_batch_size} "
+            f"sequences x {m.seq_len} tokens (train.global_batch_size, model.seq_len), {tr.precision}"
+            + (" (a GPU's default; set train.precision to change it)" if bf16 else ""),
+            flush=True,
+        )
+        listing = Progress(sys.stderr, "listing what to measure")  # a calibration's needs: every layout, priced
+        profile = profile_for(cfg, args.world, device, args.nodes, args.calibrate, log=print, progress=listing)
+        result = plan(cfg, args.world, profile, args.nodes, progress=Progress(sys.stderr))
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(plan_table(result, cfg, args.top))
+    print(plan_table(result, cfg, args.top, given=overrides))
     if args.measure:
         from trident.plan import measure  # noqa: PLC0415
 
@@ -59,11 +76,34 @@ def main(argv: list[str] | None = None) -> int:
             print("note: measuring here checks a datasheet's predictions against this machine", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix="trident-plan-") as runs:
             picked = measure.pick(result, args.measure)
-            measured = measure.measure(picked, args.overrides, args.world, REPO, Path(runs), steps=args.steps)
+            measured = measure.measure(picked, overrides, args.world, REPO, Path(runs), steps=args.steps)
         print()
         print(measure.measured_table(measured))
         print(measure.summary(measured))
     return 0
+
+
+class Progress:
+    """The planner's progress on ``out``: candidates examined, time spent and left, rewritten in place on a
+    terminal (at most 10 times a second), a line every ``every`` seconds elsewhere, and a last line when done."""
+
+    def __init__(self, out, what: str = "planning", every: float = 10.0) -> None:
+        self.out, self.what, self.tty = out, what, out.isatty()
+        self.every = 0.1 if self.tty else every
+        self.shown = time.perf_counter()
+
+    def __call__(self, done: int, total: int, elapsed: float) -> None:
+        now = time.perf_counter()
+        if done < total and now - self.shown < self.every:
+            return
+        self.shown = now
+        if done < total:
+            left = elapsed / done * (total - done)
+            line = f"{self.what}: {done:,} of {total:,} layouts examined, {elapsed:.0f} s, about {left:.0f} s left"
+        else:
+            line = f"{self.what}: {total:,} layouts examined in {elapsed:.1f} s"
+        end = "\n" if done == total or not self.tty else ""
+        print(f"\r{line:<80}" if self.tty else line, end=end, file=self.out, flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 micro-batch and chunk, the gaps between boxes the bubble.
 
     python tools/plot_schedule.py --schedule 1f1b --pp 4 --micro 8 --out docs/schedule.svg        # as planned
-    python tools/plot_schedule.py --pp 4 --vpp 2 --out interleaved.svg   # the schedule train.py picks: interleaved
+    python tools/plot_schedule.py --pp 4 --vpp 2 --out interleaved.png   # the schedule train.py picks: interleaved
     python tools/plot_schedule.py --measured outputs/<run>/pipeline_timings --out measured.svg      # as measured
     python tools/plot_schedule.py --plan model=gpt-small parallel.pp=4 parallel.tp=2 --world 16 --device h100 \\
         --out plan.svg                                                     # the layout planner's costs, in seconds
@@ -24,8 +24,9 @@ simulation of the schedule (trident/plan/simulate.py), in seconds. With ``--meas
 drawn above the measured ones of the same layout on one time scale, and the title gives both pipeline times
 (first action's start to the last one's end).
 
-SVG is written here without any dependency; a ``.png`` output needs matplotlib (``pip install matplotlib``). The
-timelines and their drawing are trident/schedule_plot.py's; this is its command line.
+``--out`` ending in ``.svg`` is drawn without any library, one ending in ``.png`` with matplotlib (the install
+brings it). Every box carries its label where the label fits, upright in a narrow box. The timelines and their
+drawing are trident/schedule_plot.py's; this is its command line.
 """
 
 from __future__ import annotations
@@ -114,7 +115,10 @@ def timelines(args: argparse.Namespace) -> tuple[list[Panel], str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    summary, _, details = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(
+        description=summary, epilog=details, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--schedule", choices=SCHEDULES, help="default: 1f1b, or interleaved when --vpp > 1")
     parser.add_argument("--pp", type=int, help="default 4")
     parser.add_argument("--vpp", type=int, help="default 1")

@@ -10,7 +10,9 @@ of that many pieces on a sample of the text; --tokenizer uses an existing one in
 Hugging Face tokenizer.json, or a directory holding one), which must have an end-of-text token. Without --text the
 embedded corpus (the Python standard library's source) is used.
 
---workers processes tokenize; the dataset's bytes are the same for any number. Bad records (malformed JSON, no text
+--workers processes tokenize, each taking whole work units of --shard-mb MiB of input (32 by default; a unit becomes
+one shard), so a corpus of fewer units than --workers uses fewer, and the first line says so; the dataset's bytes
+are the same for any number of workers. Bad records (malformed JSON, no text
 field, not UTF-8) are skipped and counted, up to --max-bad-fraction of all records. A preparation that is stopped
 leaves DIR.partial, never DIR: the same command again reuses the shards it finished.
 """
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     how.add_argument("--vocab-size", type=int, help="train a tokenizer of this many pieces on the text")
     how.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer (.model, tokenizer.json or its dir)")
     p.add_argument("--text-field", default=DEFAULTS["text_field"], help="JSON Lines / Parquet field of the text")
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes, at most one per work unit (default 1)")
     p.add_argument("--max-bad-fraction", type=float, default=0.01, help="bad records tolerated (default 0.01)")
     p.add_argument("--shard-mb", type=float, default=32, help="input MiB per work unit, and so per shard (default 32)")
     p.add_argument("--tokenizer-lines", type=int, default=DEFAULTS["tokenizer_lines"])
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-bad-fraction {args.max_bad_fraction} must be in [0, 1)")
 
     from trident.data.meta import load_meta
-    from trident.data.prepare import prepare_dataset
+    from trident.data.prepare import counted, prepare_dataset
     from trident.data.sources import collect_text_files, default_corpus_files
     from trident.data.tokenizer import load_tokenizer
     from trident.errors import DataError
@@ -73,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     n_bytes, n_tokens = meta["source_bytes"], meta["n_tokens"]
     bad = f", {meta['bad_records']:,} bad records skipped" if meta["bad_records"] else ""
     print(
-        f"wrote {out}: {len(files)} files, {n_bytes / 1e6:.1f} MB, {meta['n_documents']:,} documents, "
-        f"{n_tokens:,} tokens in {len(meta['shards'])} shards ({n_bytes / max(1, n_tokens):.2f} bytes/token, "
+        f"wrote {out}: {counted(len(files), 'file')}, {n_bytes / 1e6:.1f} MB, "
+        f"{counted(meta['n_documents'], 'document')}, {n_tokens:,} tokens in {counted(len(meta['shards']), 'shard')} "
+        f"({n_bytes / max(1, n_tokens):.2f} bytes/token, "
         f"vocab {meta['vocab_size']}, {meta['tokenizer_file']}){bad} in {time.perf_counter() - t0:.1f}s"
     )
     return 0

@@ -170,6 +170,21 @@ def label(action: Action, vpp: int) -> str:
     return f"{action.kind}{action.micro}" + (f".{action.chunk}" if vpp > 1 else "")
 
 
+CHAR_EM = 0.62  # a sans-serif digit's or capital's width, in font sizes (a conservative one: labels must fit)
+MIN_FONT = 7.0
+
+
+def fit(text: str, width: float, height: float, largest: float = 11.0) -> tuple[float, bool] | None:
+    """The font size a box's label is drawn at and whether it runs upright (rotated), or None where it does not
+    fit even at MIN_FONT: across the box where it fits at 8 or more, else up the box (a narrow box of an
+    interleaved schedule is taller than wide), else across at the larger of the two smaller sizes."""
+    across = min(largest, (width - 2) / (CHAR_EM * len(text)), height - 4)
+    up = min(largest, (height - 4) / (CHAR_EM * len(text)), width - 2)
+    if across >= 8 or across >= up:
+        return (across, False) if across >= MIN_FONT else None
+    return (up, True) if up >= MIN_FONT else None
+
+
 def ticks(end: float) -> list[float]:
     """Round times from 0 to ``end``, 4 to 10 of them."""
     if end <= 0:
@@ -226,10 +241,14 @@ def draw(panels: list[Panel], title: str, unit: str | None = None, width: int = 
                     f'height="{LANE - 4}" fill="url(#comm)"/>'
                 )
             text = label(b.action, vpp)
-            if w > 7 * len(text):
+            fitted = fit(text, w, LANE - 4)
+            if fitted is not None:
+                size, upright = fitted
+                cx, cy = x + w / 2, y + (LANE - 4) / 2
+                turn = f' transform="rotate(-90 {cx:.1f} {cy:.1f})"' if upright else ""
                 out.append(
-                    f'<text x="{x + w / 2:.1f}" y="{y + LANE / 2 + 2}" font-size="11" fill="white" '
-                    f'text-anchor="middle">{text}</text>'
+                    f'<text class="label" x="{cx:.1f}" y="{cy:.1f}" font-size="{size:.1f}" fill="white" '
+                    f'text-anchor="middle" dominant-baseline="central"{turn}>{text}</text>'
                 )
         y0 += panel.ranks * LANE
     if unit:
@@ -264,15 +283,26 @@ def to_png(panels: list[Panel], title: str, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("a .png needs matplotlib (pip install matplotlib); or write a .svg") from e
+        raise ImportError("a .png needs matplotlib, a dependency of trident: pip install -e . (or write a .svg)") from e
     lanes = [(p, r) for p in panels for r in range(p.ranks)]
+    vpp = 1 + max(b.action.chunk for p in panels for b in p.boxes)
+    end = max(b.end for p in panels for b in p.boxes) or 1.0
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1))
+    points = 12 * 72 * 0.8 / end  # points per time unit: the axes take about 80% of the figure's 12 inches
     for i, (panel, r) in enumerate(lanes):
         for b in panel.boxes:
             if b.rank == r:
                 ax.barh(i, b.end - b.start, left=b.start, color=COLORS[b.action.kind], edgecolor="white")
                 if b.compute_end is not None and b.end > b.compute_end:
                     ax.barh(i, b.end - b.compute_end, left=b.compute_end, color="none", hatch="//", edgecolor="white")
+                text = label(b.action, vpp)
+                fitted = fit(text, (b.end - b.start) * points, 0.8 * 0.6 * 72 * 0.8, largest=8.0)
+                if fitted is not None:
+                    size, upright = fitted
+                    ax.text(
+                        (b.start + b.end) / 2, i, text, ha="center", va="center", color="white",
+                        fontsize=size, rotation=90 if upright else 0,
+                    )  # fmt: skip
     names = [f"{p.heading.split(':')[0]} rank {r}" if len(panels) > 1 else f"rank {r}" for p, r in lanes]
     ax.set_yticks(range(len(lanes)), names)
     ax.invert_yaxis()

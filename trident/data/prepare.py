@@ -59,6 +59,11 @@ _LOCK, _TOKENIZER_KEY = ".lock", "tokenizer.key"
 Log = Callable[[str], None]
 
 
+def counted(n: int, noun: str) -> str:
+    """``n noun`` in English: 1 file, 2 files."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def documents(units: list[Unit], text_field: str) -> Iterator[str]:
     """The non-empty documents of ``units`` in order (bad records left out: the workers count them)."""
     for unit in units:
@@ -133,7 +138,7 @@ def prepare_dataset(
     sources = [{"path": str(p), "bytes": (st := p.stat()).st_size, "mtime_ns": st.st_mtime_ns} for p in files]
     source_bytes = sum(s["bytes"] for s in sources)
     if source_bytes == 0:
-        raise DataError(f"the {len(files)} text files are empty; add text")
+        raise DataError(f"the {counted(len(files), 'text file')} {'is' if len(files) == 1 else 'are'} empty; add text")
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -146,6 +151,12 @@ def prepare_dataset(
             raise DataError(f"another preparation is writing {out_dir} (it holds {partial / _LOCK})") from None
         try:
             units = plan_units(files, unit_bytes)
+            if workers > len(units):  # said first: the units are fixed by the input, so a dataset's bytes are too
+                log(
+                    f"using {counted(len(units), 'worker')}, not the {workers} asked for: a worker takes "
+                    f"whole work units of up to {unit_bytes / (1 << 20):g} MiB of input, and this input is "
+                    f"{counted(len(units), 'unit')}"
+                )
             if tokenizer is None:
                 tokenizer = _trained_tokenizer(partial, units, vocab_size, tokenizer_lines, seed, text_field, log)
             meta = _tokenize(partial, units, tokenizer, text_field, workers, max_bad_fraction, log, progress)
@@ -210,12 +221,12 @@ def _tokenize(
     _remove_strays(shard_dir, len(units))
     total = sum(u.size for u in units)
     if records:
-        log(f"reusing {len(records)} of {len(units)} shards an earlier run finished")
+        log(f"reusing {len(records)} of {counted(len(units), 'shard')} an earlier run finished")
     todo = [job for job in jobs if job.unit.index not in records]
     n_workers = max(1, min(workers, len(todo)))
     log(
-        f"tokenizing {len(units)} units ({total / 1e6:.1f} MB, {len(todo)} to do) with {tokenizer.file_name} "
-        f"on {n_workers} worker{'s' if n_workers > 1 else ''}"
+        f"tokenizing {counted(len(units), 'unit')} ({total / 1e6:.1f} MB, {len(todo)} to do) with "
+        f"{tokenizer.file_name} on {counted(n_workers, 'worker')}"
     )
     done = [sum(r["n_documents"] for r in records.values()), sum(r["n_tokens"] for r in records.values()), 0]
     done[2] = sum(jobs[k].unit.size for k in records)
@@ -366,7 +377,7 @@ def resolve_dataset(data: DataConfig, vocab_size: int, log: Log = print, progres
                 for stale in cache.glob(f"{key}.tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
                 mb = sum(p.stat().st_size for p in files) / 1e6
-                log(f"preparing dataset: {len(files)} files, {mb:.1f} MB -> {out_dir} (first run only)")
+                log(f"preparing dataset: {counted(len(files), 'file')}, {mb:.1f} MB -> {out_dir} (first run only)")
                 how = {"text_field": data.text_field, "workers": data.workers, "progress": progress}
                 how["max_bad_fraction"] = data.max_bad_fraction
                 if tokenizer is None:

@@ -31,7 +31,7 @@ class Progress:
         bar = "#" * int(frac * 20)
         eta = "done" if final else ("--:--" if left == float("inf") else _clock(left))
         line = (
-            f"tokenizing {frac:4.0%} |{bar:<20}| {documents:,} docs, {tokens:,} tokens, "
+            f"tokenizing {frac:4.0%} |{bar:<20}| {documents:,} doc{'' if documents == 1 else 's'}, {tokens:,} tokens, "
             f"{rate / 1e6:.1f} MB/s, {'in ' + _clock(elapsed) if final else 'ETA ' + eta}"
         )
         if self.tty:

@@ -52,10 +52,12 @@ def profile_for(
     fresh: bool = False,
     log: Callable[[str], None] = print,
     one_layout: bool = False,
+    progress: Callable[[int, int, float], None] | None = None,
 ) -> Profile:
     """The profile to plan ``cfg`` on ``world`` ranks of ``device`` with (module docstring). A calibration measures
     what the planner needs for every layout of ``cfg``, or with ``one_layout`` (tools/plot_schedule.py --plan) only
-    what the prediction of ``cfg``'s own layout needs; that layout refused by train.py raises its ConfigError."""
+    what the prediction of ``cfg``'s own layout needs; that layout refused by train.py raises its ConfigError.
+    ``progress`` is the planner's (trident/plan/planner.py ``plan``) while it lists what a calibration measures."""
     from trident.plan.planner import placement_for, plan, predict  # noqa: PLC0415 (the planner imports this module's users)
 
     device = device or local_device()
@@ -71,7 +73,7 @@ def profile_for(
         needs = Needs(precisions={cfg.train.precision})
         predict(cfg, world, guess, nodes, needs=needs)  # lists what the prediction prices into ``needs``
     else:
-        needs = plan(cfg, world, guess, nodes).needs
+        needs = plan(cfg, world, guess, nodes, progress=progress).needs
     from trident.plan.calibrate import calibrate  # noqa: PLC0415 (torch.distributed, only when measuring)
 
     if fresh:

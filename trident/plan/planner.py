@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trident.config import Config, ModelConfig, validate
@@ -17,7 +18,7 @@ from trident.memory.estimate import Estimate, estimate
 from trident.models.gpt import flops_per_token
 from trident.plan.cost import RankPlacement, StepTime, step_time
 from trident.plan.profile import Needs, Profile, cpu_threads_per_rank
-from trident.plan.space import Keys, enumerate_layouts
+from trident.plan.space import Keys, judge, key_sets
 
 
 @dataclass
@@ -159,21 +160,37 @@ def predict(
     return _predict(layout, cfg, profile, placement, MemoryModel(cfg.model), needs, {}, force=True)
 
 
-def plan(cfg: Config, world: int, profile: Profile, nodes: int | None = None, needs: Needs | None = None) -> Plan:
-    """Enumerate, estimate, time and rank every layout of ``cfg`` on ``world`` ranks of ``profile``."""
+Progress = Callable[[int, int, float], None]  # (candidates examined, of how many, seconds so far)
+
+
+def plan(
+    cfg: Config,
+    world: int,
+    profile: Profile,
+    nodes: int | None = None,
+    needs: Needs | None = None,
+    progress: Progress | None = None,
+) -> Plan:
+    """Enumerate, estimate, time and rank every layout of ``cfg`` on ``world`` ranks of ``profile``; ``progress``
+    is told after each candidate (validated, then estimated and timed if accepted)."""
     start = time.perf_counter()
     placement = placement_for(profile, world, nodes)
     out = Plan(world=world, profile=profile, placement=placement, needs=needs or Needs())
     out.needs.precisions.add(cfg.train.precision)
     # The block a calibration runs whole: a micro-batch of one sequence, as every plan has (tp 1, micro-batch 1).
     out.needs.block = {"model": dataclasses.asdict(cfg.model), "batch": 1, "precision": cfg.train.precision}
-    found = enumerate_layouts(cfg, world)
-    out.refused = found.refused
+    candidates = list(key_sets(cfg, world))
     cache: dict = {}
     memory = MemoryModel(cfg.model)
-    for layout, variant in found.accepted:
-        p = _predict(layout, variant, profile, placement, memory, out.needs, cache)
-        (out.ranked if p.fits else out.unfit).append(p)
+    for i, keys in enumerate(candidates, 1):
+        verdict = judge(cfg, world, keys)
+        if isinstance(verdict, str):
+            out.refused.append((keys, verdict))
+        else:
+            p = _predict(*verdict, profile, placement, memory, out.needs, cache)
+            (out.ranked if p.fits else out.unfit).append(p)
+        if progress is not None:
+            progress(i, len(candidates), time.perf_counter() - start)
     out.ranked.sort(key=lambda p: (-p.tokens_per_s, p.peak["device"] + p.peak["host"]))
     out.seconds = time.perf_counter() - start
     return out

@@ -20,6 +20,17 @@ def launch_overrides(p: Prediction, base: Config) -> list[str]:
     return out
 
 
+def launch_command(p: Prediction, plan: Plan, base: Config, given: list[str]) -> str:
+    """The whole command that launches ``p``: torchrun on the plan's nodes and ranks per node, train.py with the
+    overrides the plan was made for (``given``, but those of the keys the layout sets) and the layout's own."""
+    mine = launch_overrides(p, base)
+    keys = {o.split("=", 1)[0].lstrip("+") for o in mine}
+    kept = [o for o in given if o.split("=", 1)[0].lstrip("+") not in keys]
+    nodes, per_node = plan.placement.nodes, plan.placement.ranks_per_node
+    rendezvous = " --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id JOB" if nodes > 1 else ""
+    return f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rendezvous} train.py {' '.join([*kept, *mine])}"
+
+
 def header(plan: Plan, cfg: Config) -> list[str]:
     m, tr, pl = cfg.model, cfg.train, plan.placement
     nodes = f"{pl.nodes} node{'s' if pl.nodes > 1 else ''} of {pl.ranks_per_node}"
@@ -37,9 +48,10 @@ def header(plan: Plan, cfg: Config) -> list[str]:
     ]
 
 
-def plan_table(plan: Plan, cfg: Config, top: int) -> str:
+def plan_table(plan: Plan, cfg: Config, top: int, given: list[str] | None = None) -> str:
     """The ``top`` best layouts, one row each: predicted tokens/s, MFU, step time, peak memory per rank, pipeline
-    bubble, exposed communication (tensor-parallel collectives, pipeline messages, dp/ZeRO not hidden), overrides."""
+    bubble, exposed communication (tensor-parallel collectives, pipeline messages, dp/ZeRO not hidden), overrides;
+    with ``given`` (the overrides the plan was made for), a last line: the whole command that launches the best."""
     lines = header(plan, cfg)
     if not plan.ranked:
         lines.append("no layout fits: try more ranks, train.activation_checkpointing, parallel.zero or offload")
@@ -63,4 +75,6 @@ def plan_table(plan: Plan, cfg: Config, top: int) -> str:
             f"{i:>3} {p.tokens_per_s:>10,.0f} {mfu:>6} {t.step:>7.3f}s {peak:>10} {bubble} {exposed:>13}  {p.label}"
         )
         lines.append(f"{'':>3} {' '.join(launch_overrides(p, cfg)) or '(the config as given)'}")
+    if given is not None:
+        lines += ["", "launch the best (#1):", f"  {launch_command(plan.ranked[0], plan, cfg, given)}"]
     return "\n".join(lines)

@@ -82,15 +82,22 @@ class Enumeration:
     refused: list[tuple[Keys, str]]  # the validator's line
 
 
+def judge(cfg: Config, world: int, keys: Keys) -> tuple[Layout, Config] | str:
+    """The validator's verdict on one candidate: its layout and the config that launches it, or its line."""
+    try:
+        layout = validate(with_keys(cfg, keys), world)
+    except ConfigError as e:
+        return str(e)
+    return layout, layout.apply(cfg)
+
+
 def enumerate_layouts(cfg: Config, world: int) -> Enumeration:
     """Every candidate with the validator's verdict."""
     out = Enumeration([], [])
     for keys in key_sets(cfg, world):
-        variant = with_keys(cfg, keys)
-        try:
-            layout = validate(variant, world)
-        except ConfigError as e:
-            out.refused.append((keys, str(e)))
-            continue
-        out.accepted.append((layout, layout.apply(cfg)))
+        verdict = judge(cfg, world, keys)
+        if isinstance(verdict, str):
+            out.refused.append((keys, verdict))
+        else:
+            out.accepted.append(verdict)
     return out
