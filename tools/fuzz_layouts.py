@@ -3,6 +3,7 @@ to the one-process curve and resuming under another layout (trident/fuzz/ says w
 
     python tools/fuzz_layouts.py --cases 200 --seed 1     # a sweep; ends with `fuzz: P/N cases passed ...`
     python tools/fuzz_layouts.py --seed 1 --case 17       # one case again, as a failing case's line says
+    python tools/fuzz_layouts.py --cover 1000 --dry-run   # the cheapest of the first 1000 that cover everything
 
 Exits 1 when any case fails. Run from a checkout: it trains through the checkout's train.py and conf/.
 """
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from trident.fuzz import Fuzzer, draw_case, prepare_corpus
+from trident.fuzz.cover import cheapest_cover, draw, estimated_seconds, missing
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,6 +26,14 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=20, help="cases to draw (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="the sweep's seed (default 0)")
     parser.add_argument("--case", type=int, action="append", help="run only this case index (repeatable)")
+    parser.add_argument(
+        "--cover",
+        type=int,
+        metavar="N",
+        help="of the first N cases, run only the cheapest sample that trains every knob value and pair and is refused "
+        "with every README entry (trident/fuzz/cover.py; drawing N cases through the validator takes ~1 s each)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the case indices that would run, and stop")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds a run may take before it counts as hung")
     parser.add_argument(
         "--launch-every",
@@ -34,8 +44,21 @@ def main() -> int:
     parser.add_argument("--cache-dir", default="~/.cache/trident", help="where the small dataset is cached")
     args = parser.parse_args()
 
-    fuzzer = Fuzzer(REPO, prepare_corpus(args.cache_dir), timeout_s=args.timeout)
     indices = args.case or list(range(args.cases))
+    if args.cover:
+        drawn = [draw(REPO, args.seed, i, with_resume=True) for i in range(args.cover)]
+        sample = cheapest_cover(drawn)
+        indices = [d.case.index for d in sample]
+        seconds = sum(estimated_seconds(d) for d in sample)
+        trained = sum(d.layout is not None for d in sample)
+        print(f"cover: {len(indices)} of the first {args.cover} cases ({trained} trained, ~{seconds:.0f} s idle)")
+        for requirement in missing(drawn):
+            print(f"    no case of them exercises {' with '.join(requirement)}")
+    if args.dry_run:
+        print(f"seed {args.seed}: cases {indices}")
+        return 0
+
+    fuzzer = Fuzzer(REPO, prepare_corpus(args.cache_dir), timeout_s=args.timeout)
     start = time.monotonic()
     results, refused, launches = [], 0, []
     for index in indices:

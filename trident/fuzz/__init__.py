@@ -18,9 +18,20 @@ Cases are deterministic per (seed, case index), so one failing case is reproduce
 in-process on warm rank pools (``trident.ranks``) through ``run(cfg, run_dir)`` of the checkout's ``train.py``,
 and each one-process reference is computed once per sweep and shared by every case with the same model and batch.
 
-The package: ``space.py`` draws the cases, ``refusals.py`` lists what may be refused, ``runner.py`` runs a case.
+The package: ``space.py`` draws the cases, ``refusals.py`` lists what may be refused, ``runner.py`` runs a case,
+``cover.py`` says what a short sweep must exercise and picks the cheapest of a sweep's cases that do (the CI sample).
 """
 
+from trident.fuzz.cover import (
+    REQUIRED,
+    Drawn,
+    cheapest_cover,
+    draw,
+    estimated_seconds,
+    exercised,
+    greedy_cover,
+    missing,
+)
 from trident.fuzz.refusals import REFUSALS, Unsupported, refusal_problem, unsupported_entry
 from trident.fuzz.runner import (
     CaseResult,
@@ -48,18 +59,26 @@ __all__ = [
     "LOW_PRECISION_REL",
     "MAX_WORLD",
     "REFUSALS",
+    "REQUIRED",
     "SAVE_AT",
     "STEPS",
     "Case",
     "CaseResult",
+    "Drawn",
     "Fuzzer",
     "Unsupported",
     "activation_set_problems",
     "base_overrides",
+    "cheapest_cover",
     "curve_problems",
+    "draw",
     "draw_case",
     "draw_resume_layout",
+    "estimated_seconds",
+    "exercised",
+    "greedy_cover",
     "launch_limit_s",
+    "missing",
     "prepare_corpus",
     "refusal_problem",
     "resolve",
