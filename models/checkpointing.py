@@ -17,20 +17,21 @@ from trident.models.gpt import GPT
 from trident.parallel.random import RNGTracker
 
 
-def _recomputed(fn, rng: RNGTracker | None):
+def _recomputed(fn, rng: RNGTracker | None, compiled: bool):
     contexts = rng.checkpoint_contexts if rng is not None else noop_context_fn
-    # Opaque to torch.compile (train.compile): dynamo cannot trace a checkpoint with our context_fn, so a compiled
-    # block calls the checkpointed part as an eager island (selective), or the checkpoint wraps the compiled block
-    # (full: models/compile.py runs first).
 
     def recompute(*args: torch.Tensor) -> torch.Tensor:
         # No generator state to save and restore around each call: no mask draws from a generator's running state.
         return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=False)
 
-    return torch.compiler.disable(recompute)
+    # Opaque to torch.compile: dynamo cannot trace a checkpoint with our context_fn, so a compiled block calls the
+    # checkpointed part as an eager island (selective), or the checkpoint wraps the compiled block (full:
+    # models/compile.py runs first). Only then: marking it imports dynamo, which an eager run never needs.
+    return torch.compiler.disable(recompute) if compiled else recompute
 
 
-def apply_activation_checkpointing(model: GPT, policy: str) -> None:
+def apply_activation_checkpointing(model: GPT, policy: str, compiled: bool = False) -> None:
+    """``compiled``: the blocks were compiled (models/compile.py, ``train.compile``)."""
     if policy == "none":
         return
     if policy not in ("full", "selective"):
@@ -38,6 +39,6 @@ def apply_activation_checkpointing(model: GPT, policy: str) -> None:
     for block in model.layers.values():
         # Overriding forward on the instance keeps state_dict keys unchanged (no wrapper module).
         if policy == "full":
-            block.forward = _recomputed(block.forward, model.rng)
+            block.forward = _recomputed(block.forward, model.rng, compiled)
         else:
-            block.attn.core = _recomputed(block.attn.core, model.rng)
+            block.attn.core = _recomputed(block.attn.core, model.rng, compiled)

@@ -36,5 +36,10 @@ def check_toolchain(device: torch.device) -> None:
 def compile_blocks(model: nn.Module, device: torch.device) -> None:
     """Compile the forward of every block in ``model.layers`` (a model chunk: all layers, or a pipeline stage's)."""
     check_toolchain(device)
+    rng = getattr(model, "rng", None)
+    if rng is not None and "keep_mask" not in vars(rng):  # the tracker is shared by a rank's chunks: once
+        # Hashing and seeding in Python: an eager island inside the compiled block. Marked here, on this run's
+        # tracker, not with a decorator, which would import dynamo into every process that imports the model.
+        rng.keep_mask = torch.compiler.disable(rng.keep_mask)
     for block in model.layers.values():
         block.forward = torch.compile(block.forward, options={"fallback_random": True})

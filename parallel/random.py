@@ -64,7 +64,6 @@ class RNGTracker:
         backward, outside the runner's context (twice for a split backward, as zero-bubble schedules run)."""
         return contextlib.nullcontext(), _Context(self, self.step, self.sample_ids)
 
-    @torch.compiler.disable  # hashing and seeding in Python: an eager island inside a compiled block
     def keep_mask(
         self,
         p: float,

@@ -29,7 +29,6 @@ import torch.distributed as dist
 import trident.checkpoint.consolidated as consolidated_mod
 import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
-import trident.checkpoint.manager as manager_mod
 from tests.helpers.processes import tool_process
 from tests.helpers.tools import run_tool
 from trident.build import RunParts, build_checkpointer, build_parts, layout_of
@@ -737,19 +736,19 @@ def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str, zero: 
     # Errors are agreed: a bad path decided on rank 0, a checkpoint only rank 1 cannot read.
     with pytest.raises(CheckpointError, match=r"checkpoint\.resume="):
         checkpointer(root, fresh, str(root / "nope")).maybe_resume(FakeTrainer())
-    real_read = manager_mod.read_metadata
+    real_read = format_mod.read_metadata
 
     def unreadable_on_rank_1(directory: Path):
         if dist.get_rank() == 1:
             raise CheckpointError(f"{directory} not here")
         return real_read(directory)
 
-    manager_mod.read_metadata = unreadable_on_rank_1
+    format_mod.read_metadata = unreadable_on_rank_1
     try:
         with pytest.raises(CheckpointError, match=r"^rank 1: .*step_00000002 not here$"):
             checkpointer(root, fresh).maybe_resume(FakeTrainer())
     finally:
-        manager_mod.read_metadata = real_read
+        format_mod.read_metadata = real_read
 
     # A crash while rank 1 writes its data: every rank raises it, nothing is published, no temporary is left.
     real_write = format_mod._Writer.write_data

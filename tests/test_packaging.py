@@ -158,3 +158,16 @@ def test_parallel_never_imports_the_product_above_it() -> None:
             for name in names:
                 if name.startswith("trident"):
                     assert name.startswith("trident.parallel"), f"{path.relative_to(REPO)} imports {name}"
+
+
+@pytest.mark.multiprocess  # a fresh interpreter: the test process has imported everything already
+def test_importing_train_leaves_dynamo_and_dcp_to_what_uses_them() -> None:
+    """Every torchrun rank, tool and checkpoint writer process starts by importing train.py's modules: dynamo
+    (0.6 s) comes with torch.compile or an optimizer, torch.distributed.checkpoint (0.65 s, DTensor and sympy
+    with it) with a checkpoint's save or load, neither with the import (a module-level decorator or import of
+    either would bring it back)."""
+    heavy = ["torch._dynamo", "torch.distributed.checkpoint"]
+    code = f"import sys, train; print([name for name in {heavy!r} if name in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -69,7 +69,7 @@ def model_chunks(
         chunk.to(device)
         if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
             compile_blocks(chunk, device)
-        apply_activation_checkpointing(chunk, layout.activation_checkpointing)
+        apply_activation_checkpointing(chunk, layout.activation_checkpointing, train.compile)
         chunks.append(chunk)
     return chunks
 

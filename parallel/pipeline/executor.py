@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import stage_backward_input
 
 from trident.parallel.batch import Batch
 from trident.parallel.pipeline.messages import Message, Step, needs_of, p2p_plan, receive_lead, sends_of
@@ -316,6 +315,10 @@ class _Step:
                 self.kept[key] = []
             dx = x.grad
         else:
+            # Imported by the first I (zero-bubble schedules): torch.distributed.pipelining brings torch.export and
+            # dynamo, which no other run needs (after the first, a lookup in sys.modules).
+            from torch.distributed.pipelining._backward import stage_backward_input
+
             grads = None if received is None else [received]
             (dx,), self.kept[key] = stage_backward_input([out], grads, [x], r.chunks[action.chunk].parameters())
         return [(dx, dst) for _, dst in sends]

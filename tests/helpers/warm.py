@@ -34,8 +34,17 @@ from typing import Any
 
 _CTX = mp.get_context("forkserver")
 # What the fork server imports once: the rank pools' module, train.py and these helpers (the ranks run functions
-# of tests.helpers.layouts, warm processes this module's _run_script).
-PRELOAD = ["trident.ranks", "train", "tests.helpers.layouts", "tests.helpers.warm"]
+# of tests.helpers.layouts, warm processes this module's _run_script); and what importing train.py leaves to the
+# run that needs it, which nearly every test's run does: dynamo (torch.optim's optimizers import it) and DCP (a
+# checkpoint's save or load).
+PRELOAD = [
+    "trident.ranks",
+    "train",
+    "tests.helpers.layouts",
+    "tests.helpers.warm",
+    "torch._dynamo",
+    "trident.checkpoint.dcp",
+]
 
 
 def start_fork_server() -> None:

@@ -4,6 +4,7 @@ manager.py       Checkpointer: when to save, what goes in, resuming into this ru
 files.py         the directory on disk: step_XXXXXXXX names, atomic publish, pruning, the JSON files
 background.py    checkpoint.async: the state staged in host memory, written by a writer process, published
 dcp.py           sharded tensor files through torch.distributed.checkpoint, and the one safe reader
+sharded.py       Sharded: the boxes of a logical tensor a rank saves (apart from dcp.py: no DCP import)
 state.py         what a rank saves: boxes of logical tensors under stable keys (model/, optim/, rng/)
 zero_state.py    the ZeRO optimizer's fp32 masters and AdamW moments as those boxes
 consolidated.py  a whole model in one process: from a checkpoint, one safetensors file or a Hugging Face directory

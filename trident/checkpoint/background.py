@@ -27,22 +27,25 @@ agreement to a second mechanism; this is one thread doing the three in order.
 from __future__ import annotations
 
 import datetime
+import importlib
 import pickle
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
-from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from trident.checkpoint.dcp import Sharded
+from trident.checkpoint.sharded import Sharded
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+    from torch.distributed.checkpoint.storage import WriteResult
 
 
 class HostStage:
@@ -94,6 +97,8 @@ class _Resolved:
 def _serve(conn: Connection) -> None:
     """The writer process: write each plan it is sent, answer with DCP's results or the exception; end when the
     rank's end of the pipe closes (the rank is gone, however it ended)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
     torch.set_num_threads(1)
     while True:
         try:
@@ -158,6 +163,9 @@ class BackgroundSave:
     """
 
     def __init__(self, timeout_s: float) -> None:
+        # The writes go through DCP (dcp.py), which importing the checkpointer leaves out: imported now, on the
+        # training thread, rather than by the first write's thread while training runs.
+        importlib.import_module("trident.checkpoint.dcp")
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.stage = HostStage()
         self.process = WriterProcess()

@@ -1,7 +1,7 @@
 """Sharded tensor files through ``torch.distributed.checkpoint`` (DCP), and the one safe way to read them.
 
-What a rank saves is a flat dict of keys to ``Sharded`` values: the boxes of a *logical* tensor that the rank
-holds, each a local tensor placed at its offsets in the logical one (a tp rank's real rows of the embedding,
+What a rank saves is a flat dict of keys to ``Sharded`` values (sharded.py): the boxes of a *logical* tensor that
+the rank holds, each a local tensor placed at its offsets in the logical one (a tp rank's real rows of the embedding,
 a whole LayerNorm gain, a 0-d step counter). DCP writes, per rank, one ``__<rank>_0.distcp`` file of
 ``torch.save``'d boxes and, from the coordinator, a ``.metadata`` index: for every key its logical size and
 dtype, and where each saved box lies. A box that several ranks hold (dp replicas, tp-replicated parameters)
@@ -28,7 +28,6 @@ import io
 import pickle
 import re
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,78 +53,18 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from trident.checkpoint.sharded import Sharded
 from trident.errors import CheckpointError
-from trident.parallel.placement import Placement
 
 if TYPE_CHECKING:
     from trident.checkpoint.background import WriterProcess
 
 METADATA_FILE = ".metadata"
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # DCP's names for the per-rank data files
-
-
-@dataclass
-class Sharded:
-    """The boxes of one logical tensor held by this rank: ``(offsets, tensor)`` pairs.
-
-    Each tensor is a view of live state (a parameter, an optimizer moment), so a load writes in place.
-    A rank may hold no box of a tensor (a tp rank whose rows are all padding) or several.
-    """
-
-    shape: tuple[int, ...]
-    boxes: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, local: torch.Tensor, placement: Placement) -> Sharded:
-        """The real (unpadded) part of this rank's block of a tensor laid out by ``placement``."""
-        real = placement.real_part(local)
-        return cls(placement.shape, [(placement.offsets, real)] if real.numel() else [])
-
-    @classmethod
-    def whole(cls, tensor: torch.Tensor) -> Sharded:
-        """A tensor this rank holds entirely (replicated state, this rank's RNG state)."""
-        return cls(tuple(tensor.shape), [((0,) * tensor.dim(), tensor)])
-
-    # DCP's hooks (the _Checkpointable protocol).
-
-    def size(self) -> torch.Size:
-        return torch.Size(self.shape)
-
-    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(torch.Size(offsets), t.size()),
-                    properties=TensorProperties(dtype=t.dtype),
-                    size=self.size(),
-                ),
-            )
-            for offsets, t in self.boxes
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(offsets), t.size()) for offsets, t in self.boxes]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        # On load the index is the position in our chunk list, which tells apart two boxes at the same offsets
-        # (a parameter and its tied copy on one rank); on save no two boxes share offsets.
-        if index.index is not None and index.index < len(self.boxes):
-            offsets, t = self.boxes[index.index]
-            if torch.Size(offsets) == index.offset:
-                return t
-        for offsets, t in self.boxes:
-            if torch.Size(offsets) == index.offset:
-                return t
-        raise KeyError(f"{index.fqn} has no box at {tuple(index.offset or ())}")
 
 
 class _SavePlanner(DefaultSavePlanner):

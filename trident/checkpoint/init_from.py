@@ -29,10 +29,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from trident.checkpoint.dcp import Sharded, read_metadata, read_sharded
 from trident.checkpoint.files import find_resume_path, read_head, saved_model_config
 from trident.checkpoint.hf import check_parts, read_box, sources
 from trident.checkpoint.hf_dir import HFDir, is_hf_dir
+from trident.checkpoint.sharded import Sharded
 from trident.checkpoint.state import MODEL, named_parameters
 from trident.config import SHAPE_KEYS, Config, ModelConfig
 from trident.errors import CheckpointError, ConfigError
@@ -179,6 +179,8 @@ def load_init_weights(chunks: list[GPT], source: InitSource) -> None:
     if source.kind == "hf":
         _agreed(lambda: _load_hf(params, chunks[0].cfg, source.path), f"read {source.path}")
     else:
+        from trident.checkpoint.dcp import read_sharded  # DCP is imported by a load only (sharded.py says why)
+
         state, metadata = _agreed(lambda: _trident_boxes(params, source.path), f"read checkpoint {source.path}")
         read_sharded(state, source.path, metadata)
 
@@ -190,6 +192,8 @@ def _agreed(fn: Callable[[], T], what: str) -> T:
 def _trident_boxes(params: dict[str, nn.Parameter], path: Path) -> tuple[dict[str, Sharded], object]:
     """This rank's boxes of each model tensor (a tied copy reads the tensor it copies), checked against the
     checkpoint's index."""
+    from trident.checkpoint.dcp import read_metadata
+
     metadata = read_metadata(path)
     state: dict[str, Sharded] = {}
     for name, param in params.items():

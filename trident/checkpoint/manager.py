@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from trident.checkpoint.background import BackgroundSave, WriterProcess
-from trident.checkpoint.dcp import read_metadata, read_sharded, write_sharded
 from trident.checkpoint.files import (
     checkpoint_name,
     find_resume_path,
@@ -150,8 +149,10 @@ class Checkpointer:
         ``group`` (the background save's, or the world), the files are written by ``process`` (the background
         save's writer) or in this one."""
         name = checkpoint_name(step)
+        from trident.checkpoint import dcp  # by the first save or load, not with this module (sharded.py says why)
+
         try:
-            write_sharded(state, tmp, group, process)  # every rank; a failure anywhere is raised everywhere
+            dcp.write_sharded(state, tmp, group, process)  # every rank; a failure anywhere is raised everywhere
         except TridentError:
             if dist.get_rank() == self._WRITER:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -214,7 +215,9 @@ class Checkpointer:
             raise CheckpointError(
                 f"cannot read checkpoint file {path / 'trainer.json'}: {type(e).__name__} {e}"
             ) from None
-        metadata = read_metadata(path)
+        from trident.checkpoint import dcp
+
+        metadata = dcp.read_metadata(path)
         saved = {key: tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()}
 
         saved_weights = {k[len(MODEL) :]: v for k, v in saved.items() if k.startswith(MODEL)}
@@ -236,7 +239,7 @@ class Checkpointer:
             state.update(rng)
 
         def load() -> None:
-            read_sharded(state, path, metadata)
+            dcp.read_sharded(state, path, metadata)
             install_weights()
             install()
             restore_rng()

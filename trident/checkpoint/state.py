@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from trident.checkpoint.dcp import Sharded
+from trident.checkpoint.sharded import Sharded
 from trident.parallel.topology import Coord
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from trident.checkpoint.dcp import Sharded
+from trident.checkpoint.sharded import Sharded
 from trident.parallel.layout import Piece
 from trident.parallel.placement import Placement, placement_of
 from trident.parallel.zero.optimizer import ZeroOptimizer
