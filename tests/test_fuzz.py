@@ -20,8 +20,8 @@ from trident.fuzz import (
     Fuzzer,
     activation_set_problems,
     curve_problems,
-    draw,
     draw_case,
+    draw_facts,
     greedy_cover,
     launch_limit_s,
     missing,
@@ -221,7 +221,7 @@ SAMPLE += [77, 81, 82, 84, 494, 523, 631, 804, 817, 922, 966]  # refused, each w
 
 
 def test_the_ci_sample_trains_every_required_value_and_pair_and_meets_every_refusal() -> None:
-    drawn = [draw(REPO, SEED, index) for index in SAMPLE]
+    drawn = [draw_facts(REPO, SEED, index) for index in SAMPLE]
     assert missing(drawn) == []
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from trident.fuzz import Fuzzer, draw_case, prepare_corpus
-from trident.fuzz.cover import cheapest_cover, draw, estimated_seconds, missing
+from trident.fuzz.cover import cheapest_cover, draw_facts, estimated_seconds, missing
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def main() -> int:
 
     indices = args.case or list(range(args.cases))
     if args.cover:
-        drawn = [draw(REPO, args.seed, i, with_resume=True) for i in range(args.cover)]
+        drawn = [draw_facts(REPO, args.seed, i, with_resume=True) for i in range(args.cover)]
         sample = cheapest_cover(drawn)
         indices = [d.case.index for d in sample]
         seconds = sum(estimated_seconds(d) for d in sample)

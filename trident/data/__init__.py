@@ -9,6 +9,7 @@ listed above it.
     workers     tokenizing units into shards, in this process or in worker processes
     progress    the preparation's progress bar
     meta        a dataset directory's meta.json: its format, checked on reading; damage errors and rebuild hints
+    verify      each shard against its recorded sha256, once per run (before step 1, or in the background)
     prepare     a corpus into a dataset directory (``prepare_dataset``); ``resolve_dataset``: data config -> dataset
     dataset     a prepared dataset as fixed-length windows, split into training and validation (``open_dataset``)
     sampler     which windows each rank trains on at each step

@@ -136,7 +136,7 @@ class Drawn:
         return None if isinstance(self.outcome, BaseException) else self.outcome
 
 
-def draw(repo: Path, seed: int, index: int, with_resume: bool = False) -> Drawn:
+def draw_facts(repo: Path, seed: int, index: int, with_resume: bool = False) -> Drawn:
     """Case ``index`` of sweep ``seed`` through the validator (no dataset needed: its paths are left as named)."""
 
     def config(overrides: tuple[str, ...]) -> Config:
@@ -225,7 +225,7 @@ def estimated_seconds(drawn: Drawn) -> float:
     third of the cases a run from the checkpoint's weights with its own reference); a refusal costs nothing."""
     if drawn.layout is None:
         return 0.0
-    assert drawn.resume is not None, "draw(..., with_resume=True)"
+    assert drawn.resume is not None, "draw_facts(..., with_resume=True)"
     model = (drawn.cfg.model.n_layers, drawn.cfg.train.global_batch_size)
     reference = _run_seconds(Layout(), *model, STEPS)
     _, resumed = drawn.resume
