@@ -1,5 +1,5 @@
-"""Random layouts against one process: every case a random configuration, refused as the README says or training
-to the one-process curve and resuming under another layout (trident/fuzz/ says what is checked).
+"""Random layouts against one process: every case a random configuration, refused as docs/configuration.md says or
+training to the one-process curve and resuming under another layout (trident/fuzz/ says what is checked).
 
     python tools/fuzz_layouts.py --cases 200 --seed 1     # a sweep; ends with `fuzz: P/N cases passed ...`
     python tools/fuzz_layouts.py --seed 1 --case 17       # one case again, as a failing case's line says
@@ -31,7 +31,7 @@ def main() -> int:
         type=int,
         metavar="N",
         help="of the first N cases, run only the cheapest sample that trains every knob value and pair and is refused "
-        "with every README entry (trident/fuzz/cover.py; drawing N cases through the validator takes ~1 s each)",
+        "with every listed refusal (trident/fuzz/cover.py; drawing N cases through the validator takes ~1 s each)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the case indices that would run, and stop")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds a run may take before it counts as hung")

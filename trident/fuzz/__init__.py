@@ -5,7 +5,7 @@ offload, sequence parallelism, recomputation, micro-batch and bucket sizes, laye
 divide, dropout, precision, and the block: norm, MLP, positions, kv heads, biases, a tied or untied head), valid or
 not: the validator is under test as much as the training. Then:
 
-- refused: the refusal is a one-line ``ConfigError`` naming a combination the README lists as unsupported
+- refused: the refusal is a one-line ``ConfigError`` naming a combination docs/configuration.md lists as unsupported
   (``REFUSALS`` is that list; anything else is a finding), and, for some cases, the real command
   (``python train.py`` or ``torchrun``) exits 2 with that line within seconds;
 - accepted: the run gives the one-process curve (fp32: trident/curves.py's comparison, every step, every rank;

@@ -1,7 +1,7 @@
 """What a short sweep must exercise, and the cheapest sample of a sweep's first cases that does.
 
 A trained case exercises facts (``parallel.zero=3``, ``pp>1``, ``model.n_kv_heads=1``, ...), read from the layout
-the validator resolved and the config it composed; a refused case exercises the README entry it was refused with.
+the validator resolved and the config it composed; a refused case exercises the docs entry it was refused with.
 ``REQUIRED`` lists what a sample must exercise: every value of every knob that can train, a few pairs of them that
 meet in the code (ZeRO under pipelines, replicated kv heads under tp, ...), and every refusal. ``cheapest_cover``
 picks, by greedy weighted set cover over an estimate of each case's seconds, a sample of a sweep's first cases

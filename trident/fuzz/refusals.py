@@ -1,5 +1,5 @@
-"""What the README lists as unsupported: a refused case must be refused with one of these lines, anything else is
-a finding.
+"""What docs/configuration.md lists as unsupported: a refused case must be refused with one of these lines, anything
+else is a finding.
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 from trident.errors import ConfigError
 
-# --- what the README lists as unsupported
+# --- what docs/configuration.md lists as unsupported
 
 
 @dataclass(frozen=True)
 class Unsupported:
-    """One combination the README's "Unsupported combinations" section lists, and how its refusal reads."""
+    """One combination docs/configuration.md lists under "Unsupported combinations", and how its refusal reads."""
 
-    readme: str  # the README's wording, verbatim (a test keeps the two in step)
+    readme: str  # the docs' wording, verbatim (a test keeps the two in step)
     pattern: str  # a regular expression the validator's message matches from its start
 
 
@@ -69,7 +69,7 @@ REFUSALS: tuple[Unsupported, ...] = (
 
 
 def unsupported_entry(message: str) -> Unsupported | None:
-    """The README entry a refusal's message names, or None when it names none."""
+    """The docs entry a refusal's message names, or None when it names none."""
     return next((u for u in REFUSALS if re.match(u.pattern, message)), None)
 
 
@@ -81,5 +81,5 @@ def refusal_problem(error: BaseException) -> str | None:
     if not message or "\n" in message:
         return f"the refusal is not one line: {message!r}"
     if unsupported_entry(message) is None:
-        return f"refused a combination the README does not list as unsupported: {message}"
+        return f"refused a combination docs/configuration.md does not list as unsupported: {message}"
     return None
