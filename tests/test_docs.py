@@ -5,7 +5,8 @@
 - every relative link reaches a file and, where it names one, a heading of that file (GitHub's anchors);
 - every command of a code block or inline code (``python tools/X.py ...``, ``python train.py ...``, ``torchrun ...``,
   ``sbatch ... tools/slurm/train.sbatch ...``) names a script that exists and flags its ``--help`` lists (each
-  script's help read once, in this process); its overrides are config keys, ``model=`` presets or
+  script's help read once, in this process; ``tools/<name>.py --help`` reads every tool's, ``bench.py <subcommand>
+  --help`` every subcommand's); its overrides are config keys, ``model=`` presets or
   ``hydra.run.dir``, they compose, and a training command's layout passes train.py's validation at its world size;
 - the cheap commands run as written: the README's gpt-tiny training command (a real ``python train.py`` in a
   directory holding a copy of docs/), every ``estimate_memory`` command, and every ``plot_schedule --schedule``
@@ -216,13 +217,19 @@ def test_a_command_names_real_scripts_flags_and_keys(cmd: Command) -> None:
         launcher = cmd.words[1 : cmd.words.index(script)] if script else cmd.words[1:]
         wrong = [w for w in launcher if w.startswith("--") and w.split("=")[0] not in TORCHRUN_FLAGS]
         assert not wrong, f"{cmd.page}: torchrun has no {wrong}: {cmd.text}"
-    if script is None:  # torchrun's own flags, or a placeholder: python tools/<name>.py --help
-        assert cmd.words[0] == "torchrun" or "<" in cmd.text, cmd.text
+    if script is None:  # torchrun's own flags, or python tools/<name>.py --help: every tool's help then
+        assert cmd.words[0] == "torchrun" or "tools/<name>.py" in cmd.words, cmd.text
+        for tool in sorted((REPO / "tools").glob("*.py")):
+            assert "usage:" in help_text(f"tools/{tool.name}"), tool
         return
     assert (REPO / script).is_file(), f"{cmd.page}: {script} does not exist: {cmd.text}"
     if script.startswith("tools/") and script.endswith(".py"):
-        positional = [w for w in cmd.args if not w.startswith("-") and "<" not in w]
+        positional = [w for w in cmd.args if not w.startswith("-")]
         sub = positional[0] if script == "tools/bench.py" and positional else None
+        if sub == "<subcommand>":  # python tools/bench.py <subcommand> --help: each subcommand's
+            subs = re.search(r"\{([\w,]+)\}", help_text(script)).group(1).split(",")
+            assert len(subs) >= 8 and all("usage:" in help_text(script, s) for s in subs), subs
+            sub = None
         flags = flags_of(help_text(script, sub))
         wrong = [w for w in cmd.args if w.startswith("--") and w.split("=")[0] not in flags]
         assert not wrong, f"{cmd.page}: {script}{' ' + sub if sub else ''} --help lists no {wrong}: {cmd.text}"
