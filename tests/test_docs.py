@@ -8,7 +8,7 @@
   script's help read once, in this process; ``tools/<name>.py --help`` reads every tool's, ``bench.py <subcommand>
   --help`` every subcommand's); its overrides are config keys, ``model=`` presets or
   ``hydra.run.dir``, they compose, and a training command's layout passes train.py's validation at its world size;
-- the cheap commands run as written: the README's gpt-tiny training command (a real ``python train.py`` in a
+- the cheap commands run as written: the README's gpt-tiny training command (``python train.py`` as a warm process, in a
   directory holding a copy of docs/), every ``estimate_memory`` command, and every ``plot_schedule --schedule``
   drawing, whose file in docs/ must be what the command draws.
 """
@@ -24,7 +24,6 @@ import re
 import runpy
 import shlex
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from torch.distributed.run import get_args_parser
 
 from tests.helpers import REPO
 from tests.helpers.processes import child_env
+from tests.helpers.warm import run
 from trident.config import compose_config, validate
 from trident.config.compose import schema_keys
 
@@ -263,16 +263,14 @@ def test_the_readme_trains_gpt_tiny_as_written(tmp_path: Path) -> None:
     shutil.copytree(REPO / "docs", tmp_path / "docs")
     (tmp_path / "home").mkdir()
     env = child_env(HOME=str(tmp_path / "home"))
-    done = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *cmd.args], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
+    done = run(REPO / "train.py", cmd.args, env, tmp_path, timeout=300)  # python train.py ..., forked warm
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     steps = int(next(w for w in cmd.words if w.startswith("train.steps=")).split("=")[1])
-    run = tmp_path / next(w for w in cmd.words if w.startswith("hydra.run.dir=")).split("=")[1]
+    run_dir = tmp_path / next(w for w in cmd.words if w.startswith("hydra.run.dir=")).split("=")[1]
     assert f"done: {steps} steps" in done.stdout, done.stdout[-2000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert (run / "checkpoints" / f"step_{steps:08d}" / "meta.json").is_file()
+    assert (run_dir / "checkpoints" / f"step_{steps:08d}" / "meta.json").is_file()
 
 
 def run_in(cwd: Path, script: str, args: list[str]) -> tuple[int, str]:
