@@ -234,7 +234,7 @@ def test_the_converted_checkpoint_and_the_directory_load_the_same_weights(kind, 
 
 @pytest.mark.multiprocess
 def test_the_readme_command_continues_pretraining_a_hugging_face_llama_with_its_own_tokenizer(tmp_path):
-    """The README's one command, at world 1: ``train.py checkpoint.init_from=DIR data.tokenizer=DIR data.text=...``
+    """docs/models.md's one command, at world 1: ``train.py checkpoint.init_from=DIR data.tokenizer=DIR data.text=...``
     with no model key takes the model from the directory (Llama 3.2's scaled RoPE, a shorter window), tokenizes with
     its tokenizer.json, and trains from the source's weights (its first loss is the source's own on that batch);
     the checkpoint exports back to a LlamaForCausalLM of that shape."""

@@ -1,5 +1,5 @@
 """Several nodes, tested on one machine: two torchrun agents joined by the c10d rendezvous, as on two nodes (the
-README's "Several nodes" commands). What is per node is per node: each agent numbers its own local ranks, and the
+docs/nodes.md's "Several nodes" commands). What is per node is per node: each agent numbers its own local ranks, and the
 dataset a run prepares (``data.text``) is prepared once where the nodes share the cache (here, one file system).
 A node that dies, agent and workers at once, ends the other node's ranks within 60 s, each with a line naming
 what was lost.

@@ -2,7 +2,7 @@
 resumes from its newest checkpoint by itself, with the losses of a run never interrupted; and a worker whose
 torchrun agent is gone stops instead of training on, orphaned.
 
-Real torchrun, real processes, killed with real signals (the README's "Several nodes" commands).
+Real torchrun, real processes, killed with real signals (docs/nodes.md's "Several nodes" commands).
 """
 
 from __future__ import annotations
