@@ -291,8 +291,13 @@ def run_in(cwd: Path, script: str, args: list[str]) -> tuple[int, str]:
     return (0 if code is None else code), out.getvalue()  # type: ignore[return-value]
 
 
-ESTIMATES = [c for c in COMMANDS if c.script == "tools/estimate_memory.py" and c.block]
-DRAWINGS = [c for c in COMMANDS if c.script == "tools/plot_schedule.py" and "--schedule" in c.words]
+def distinct(commands: list[Command]) -> list[Command]:
+    """One of each command however many pages show it."""
+    return list({c.words: c for c in reversed(commands)}.values())[::-1]
+
+
+ESTIMATES = distinct([c for c in COMMANDS if c.script == "tools/estimate_memory.py" and c.block])
+DRAWINGS = distinct([c for c in COMMANDS if c.script == "tools/plot_schedule.py" and "--schedule" in c.words])
 
 
 def test_there_are_cheap_commands_to_run() -> None:
