@@ -210,14 +210,14 @@ def test_a_refused_launch_exits_2_with_the_validators_line_within_seconds(fuzzer
 
 # --- the CI sample: cases of the sweep of seed 0, the cheapest set of its first 1000 by the estimate of
 # trident/fuzz/cover.py (two minutes on an idle 2-core machine; under three on a busy one) that trains every value
-# of every knob and every pair of REQUIRED, and is refused with every README entry: what `python
+# of every knob and every pair of REQUIRED, and is refused with every listed refusal: what `python
 # tools/fuzz_layouts.py --seed 0 --cover 1000 --dry-run` prints (ten minutes of validation). The sample before it
 # (cases 0-35, 62, 85, 115: ten minutes idle) exercised nothing this one does not. A change to the space, the
 # validator or REQUIRED may need a new one: the test below names what the sample no longer covers.
 
 SEED = 0
 SAMPLE = [33, 45, 66, 105, 171, 174, 405, 479, 540, 601, 785, 852, 976, 979]  # trained
-SAMPLE += [77, 81, 82, 84, 494, 523, 631, 804, 817, 922, 966]  # refused, each with another README entry
+SAMPLE += [77, 81, 82, 84, 494, 523, 631, 804, 817, 922, 966]  # refused, each with another listed refusal
 
 
 def test_the_ci_sample_trains_every_required_value_and_pair_and_meets_every_refusal() -> None:
