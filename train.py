@@ -27,6 +27,7 @@ from trident.build import build_checkpointer, build_parts
 from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_init_weights
 from trident.config import Config, register_configs, to_config, validate
 from trident.data.mixture import open_training_data
+from trident.data.vocab import adopt_data_vocab
 from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores
 from trident.launcher import launcher_pid, stop_when_orphaned
 from trident.loop import Trainer
@@ -130,6 +131,10 @@ def main(hydra_cfg: DictConfig) -> None:
         run_dir = Path(hydra.runtime.output_dir)
         # checkpoint.init_from: the model keys not on the command line take the source's values.
         cfg = adopt_init_from(to_config(hydra_cfg), hydra.overrides.task, CONF_DIR, run_dir)
+        # model.vocab_size left out: the data's tokenizer's (trident/data/vocab.py).
+        cfg, line = adopt_data_vocab(cfg, hydra.overrides.task)
+        if line is not None and launch_rank() == 0:
+            print(line, flush=True)
         run(cfg, run_dir, hydra.overrides.task)
 
 

@@ -15,16 +15,19 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trident.config import Config, compose_config
 from trident.config.compose import hydra_error_line
+from trident.data.vocab import adopt_data_vocab
 from trident.errors import ConfigError
 
 
 def load_config(conf_dir: Path | str, overrides: Iterable[str] = ()) -> Config:
     """train.py's config of ``overrides``; raises ConfigError with one line for a value train.py refuses and for
     a key or value Hydra refuses (an unknown key, a value of the wrong type, an unknown config group option)."""
+    overrides = list(overrides)
     try:
-        return compose_config(conf_dir, overrides)
+        cfg = compose_config(conf_dir, overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(hydra_error_line(e)) from None
+    return adopt_data_vocab(cfg, overrides)[0]  # model.vocab_size left out: the data's tokenizer's, as train.py
 
 
 def default_world(cfg: Config) -> int:

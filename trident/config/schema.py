@@ -16,6 +16,7 @@ class ModelConfig:
     d_model: int = 256
     n_heads: int = 4
     seq_len: int = 256
+    # Left off the command line, the data's tokenizer's when the data has one (trident/data/vocab.py).
     vocab_size: int = 8192
     # Feed-forward width; None means 4 * d_model as in GPT-2.
     d_ff: int | None = None  # with mlp=swiglu, the SwiGLU hidden size

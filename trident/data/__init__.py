@@ -14,6 +14,7 @@ listed above it.
     dataset     a prepared dataset as fixed-length windows, split into training and validation (``open_dataset``)
     sampler     which windows each rank trains on at each step
     mixture     several datasets drawn in proportion (``data.mix``), and ``open_training_data``: what a run trains on
+    vocab       model.vocab_size from the data's tokenizer when the command line leaves it out
     loader      this rank's micro-batches of a step on the device, the next step's read ahead
 
 The submodules are imported explicitly so that ``tools/prepare_data.py`` does not pay for torch.
