@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", type=int, default=0, metavar="K", help="run the K best and K others here")
     p.add_argument("--calibrate", action="store_true", help="measure this machine now, replacing the cached figures")
     p.add_argument("--steps", type=int, default=8, help="steps of each measured run")
+    p.add_argument(
+        "--accept-busy",
+        action="store_true",
+        help="cache a calibration taken while other processes kept the cores busy (default: say so, do not cache)",
+    )
     args = p.parse_intermixed_args(argv)
     try:
         if args.world < 1 or (args.nodes is not None and not 1 <= args.nodes <= args.world):
@@ -63,7 +68,16 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         listing = Progress(sys.stderr, "listing what to measure")  # a calibration's needs: every layout, priced
-        profile = profile_for(cfg, args.world, device, args.nodes, args.calibrate, log=print, progress=listing)
+        profile = profile_for(
+            cfg,
+            args.world,
+            device,
+            args.nodes,
+            args.calibrate,
+            log=print,
+            progress=listing,
+            accept_busy=args.accept_busy,
+        )
         result = plan(cfg, args.world, profile, args.nodes, progress=Progress(sys.stderr))
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from trident.peak import cpu_model
+from trident.plan.contention import Conditions, OtherLoad
 from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
     BUSY_KEY,
@@ -88,10 +89,13 @@ def calibrate(
     *,
     cache: Path | None = DEFAULT_CACHE,
     log: Callable[[str], None] = print,
+    accept_busy: bool = False,
 ) -> Profile:
     """This machine's ``Profile`` for a launch of ``ranks_per_node`` ranks per node, with everything ``needs``
     asks for measured: read from ``cache`` where it was measured before, measured now where not, and saved back
-    (``cache`` None: measure everything, save nothing)."""
+    (``cache`` None: measure everything, save nothing). What is measured now while other processes keep the
+    machine busy (trident/plan/contention.py) is said, marked in the profile's conditions, and not saved, unless
+    ``accept_busy``."""
     started = time.perf_counter()
     device = calibration_device()
     host_threads = cpu_threads_per_rank(ranks_per_node)  # what train.py gives each rank of the node
@@ -112,23 +116,39 @@ def calibrate(
         return profile
 
     log(f"calibrating {profile.name.removesuffix(' (calibrated)')}, {threads} threads per rank ...")
-    with training_settings(device, host_threads):
-        if fresh:
-            log("calibrating: element-wise ops, host copies, AdamW ...")
-            measure_basics(profile, device, host_threads)
-        peak_cache = cache.with_name("peak.json") if cache is not None else None  # trident/peak.py's cache
-        for precision in precisions:
-            profile.peak_tflops[precision] = peak_tflops(precision, device, threads, peak_cache)
-        measure_compute(profile, todo, device, log)
-        if todo.block is not None and device.type == "cpu":
-            measure_framework(profile, todo.block, threads, log)
-    if groups or (todo.block is not None and ranks_per_node > 1):
-        measure_links(profile, groups, ranks_per_node, host_threads, device, log, profile.block)
-    if cache is not None:
+    with OtherLoad() as others:
+        with training_settings(device, host_threads):
+            if fresh:
+                log("calibrating: element-wise ops, host copies, AdamW ...")
+                measure_basics(profile, device, host_threads)
+            peak_cache = cache.with_name("peak.json") if cache is not None else None  # trident/peak.py's cache
+            for precision in precisions:
+                profile.peak_tflops[precision] = peak_tflops(precision, device, threads, peak_cache)
+            measure_compute(profile, todo, device, log)
+            if todo.block is not None and device.type == "cpu":
+                measure_framework(profile, todo.block, threads, log)
+        if groups or (todo.block is not None and ranks_per_node > 1):
+            measure_links(profile, groups, ranks_per_node, host_threads, device, log, profile.block)
+    now = others.conditions()
+    profile.conditions = now if fresh or profile.conditions is None else merged(profile.conditions, now)
+    saved = ""
+    if now.contended and not accept_busy:
+        log(
+            f"calibration: other processes kept {now.others_cores:.2f} of {now.cores} cores busy while it measured, "
+            "so its step times are theirs as much as this machine's: not cached; plan again on an idle machine, or "
+            "pass --accept-busy to plan with it anyway"
+        )
+    elif cache is not None:
         save_cached(profile, cache)
-    saved = f", saved to {cache}" if cache is not None else ""
+        saved = f", saved to {cache}"
     log(f"calibrated in {time.perf_counter() - started:.1f} s{saved}")
     return profile
+
+
+def merged(before: Conditions, now: Conditions) -> Conditions:
+    """A profile measured in two sittings: as old as its oldest figures, as loaded as its busiest sitting."""
+    loads = [c for c in (before.others_cores, now.others_cores) if c is not None]
+    return Conditions(min(before.taken_at, now.taken_at), max(loads) if loads else None, now.cores)
 
 
 def measure_compute(profile: Profile, todo: Needs, device: torch.device, log: Callable[[str], None]) -> None:

@@ -53,11 +53,13 @@ def profile_for(
     log: Callable[[str], None] = print,
     one_layout: bool = False,
     progress: Callable[[int, int, float], None] | None = None,
+    accept_busy: bool = False,
 ) -> Profile:
     """The profile to plan ``cfg`` on ``world`` ranks of ``device`` with (module docstring). A calibration measures
     what the planner needs for every layout of ``cfg``, or with ``one_layout`` (tools/plot_schedule.py --plan) only
     what the prediction of ``cfg``'s own layout needs; that layout refused by train.py raises its ConfigError.
-    ``progress`` is the planner's (trident/plan/planner.py ``plan``) while it lists what a calibration measures."""
+    ``progress`` is the planner's (trident/plan/planner.py ``plan``) while it lists what a calibration measures;
+    ``accept_busy``: cache a calibration taken while other processes kept the machine busy (plan/calibrate.py)."""
     from trident.plan.planner import placement_for, plan, predict  # noqa: PLC0415 (the planner imports this module's users)
 
     device = device or local_device()
@@ -77,8 +79,9 @@ def profile_for(
     from trident.plan.calibrate import calibrate  # noqa: PLC0415 (torch.distributed, only when measuring)
 
     if fresh:
-        profile = calibrate(needs, placement.ranks_per_node, cache=None, log=log)
-        with contextlib.suppress(OSError):
-            save_cached(profile, DEFAULT_CACHE)
+        profile = calibrate(needs, placement.ranks_per_node, cache=None, log=log, accept_busy=accept_busy)
+        if accept_busy or profile.conditions is None or not profile.conditions.contended:
+            with contextlib.suppress(OSError):
+                save_cached(profile, DEFAULT_CACHE)
         return profile
-    return calibrate(needs, placement.ranks_per_node, log=log)
+    return calibrate(needs, placement.ranks_per_node, log=log, accept_busy=accept_busy)

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trident.json_cache import add_entry, read_entries
+from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 6  # what a cached calibration measured: an entry of another version is measured again
+VERSION = 7  # what a cached calibration measured: an entry of another version is measured again (7: conditions)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
@@ -98,6 +99,8 @@ class Profile:
     host_copy: Rate = Rate(1e-5, 2.5e10)  # host <-> device, each direction
     adam: float = 1e10  # parameters per second of AdamW on a rank's device
     host_adam: float = 1e8  # parameters per second of AdamW on the host, per rank (optimizer offload)
+    # A calibration's: when it was taken and the other work on the machine meanwhile (trident/plan/contention.py).
+    conditions: Conditions | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -109,7 +112,14 @@ class Profile:
             if d.get(key) is not None:
                 d[key] = Rate(**d[key])
         d["collectives"] = {k: Rate(**v) for k, v in d.get("collectives", {}).items()}
+        if d.get("conditions") is not None:
+            d["conditions"] = Conditions(**d["conditions"])
         return cls(**d)
+
+    def describe(self) -> str:
+        """The figures a plan is priced with: a datasheet's, or a calibration's and the conditions it was taken in."""
+        what = f"{self.name} [{self.source}]"
+        return what if self.conditions is None else f"{what}, {self.conditions.describe()}"
 
     def peak(self, precision: str) -> float:
         """Dense FLOP/s of one rank's device in ``precision``."""
@@ -174,9 +184,14 @@ def load_cached(device: str, ranks_per_node: int, threads: int, cache: Path = DE
     if not isinstance(entry, dict) or entry.get("version") != VERSION:
         return None
     try:
-        return Profile.from_dict(entry)
+        profile = Profile.from_dict(entry)
     except (TypeError, KeyError):
         return None
+    # Taken too long ago, or by a trident that did not record when: measured again. One accepted while the machine
+    # was busy (--accept-busy) is used, and the plan's first lines say so (``describe``).
+    if profile.conditions is None or profile.conditions.stale():
+        return None
+    return profile
 
 
 def save_cached(profile: Profile, cache: Path = DEFAULT_CACHE) -> None:

@@ -40,7 +40,7 @@ def header(plan: Plan, cfg: Config) -> list[str]:
         else ""
     )
     return [
-        f"plan: {m.name} on {plan.world} ranks ({nodes}{threads}), {plan.profile.name} [{plan.profile.source}]",
+        f"plan: {m.name} on {plan.world} ranks ({nodes}{threads}), {plan.profile.describe()}",
         f"batch {tr.global_batch_size} x {m.seq_len} tokens, {tr.precision}; "
         f"{len(plan.ranked) + len(plan.unfit)} layouts accepted by the validator ({len(plan.refused)} refused), "
         f"{len(plan.unfit)} do not fit in {format_bytes(plan.profile.usable_fraction * plan.profile.memory_bytes)}"
