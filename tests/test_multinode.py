@@ -132,8 +132,13 @@ def test_a_node_killed_mid_run_ends_the_other_nodes_ranks_within_60_s_naming_wha
         named = f"error: lost contact with ranks {ranks} (silent for 3 s: dead or stuck; all of node "
     else:  # rank 0's node hosted the job's store (its agent's): the survivors cannot see beats, only that it is gone
         named = "error: lost contact with another rank and with the job's store (torchrun's agent at "
-    assert any(line.startswith(named) for line in lines), err
     assert all(line.startswith((named, "stopped by SIGTERM")) for line in lines), err
+    if lost == "the node of rank 0" and not any(line.startswith(named) for line in lines):
+        # The surviving agent lost the same store, and may see it first and stop its workers before their 3 s of
+        # silence: then torch's own line names what was lost (seen on a loaded machine).
+        assert "RendezvousConnectionError: The connection to the C10d store has failed" in err, err
+    else:
+        assert any(line.startswith(named) for line in lines), err
 
 
 def test_a_rank_killed_on_one_node_under_max_restarts_resumes_on_both_with_the_unbroken_losses(tiny_dataset, tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,22 @@ from trident.peak import cpu_peak_tflops, device_peak_tflops, gpu_peak_bf16_tflo
 def test_probe_is_positive_and_finite() -> None:
     tflops = probe_matmul_tflops(torch.float32, threads=1, seconds=0.05)
     assert 0 < tflops < 1e4
+
+
+@pytest.mark.multiprocess
+def test_a_busy_machine_does_not_lower_the_one_thread_peak() -> None:
+    """Three busy loops per core leave a matmul on every core a quarter of the wall clock: timed by the wall on the
+    threads of a one-process run, the peak would come out below the idle one and be cached so, and every later run's
+    MFU would pass 1. Timed by one thread's CPU time it is the same peak (within what a switch of process costs)."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 1))]
+    try:
+        busy = probe_matmul_tflops(torch.float32, threads=os.cpu_count() or 1, seconds=0.5)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    alone = probe_matmul_tflops(torch.float32, threads=os.cpu_count() or 1, seconds=0.5)
+    assert busy > 0.7 * alone, (busy, alone)
 
 
 def test_probe_is_cached_per_machine_threads_and_precision(tmp_path: Path) -> None:

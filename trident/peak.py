@@ -1,11 +1,12 @@
 """The peak TFLOP/s that MFU is measured against: a known GPU's datasheet figure, or a CPU's measured one.
 
 A CPU has no datasheet figure worth trusting (its clock under AVX-512, SMT, the cores the other ranks take, the
-kernels torch has for the dtype: fp16 matmuls on most CPUs are scalar), so its peak is measured: the best rate of
-square matmuls in the run's dtype on the threads one rank uses, for a fraction of a second. Each probe is
-cached per machine in ``~/.cache/trident/peak.json``, keyed by CPU model, thread count, dtype and torch version,
-so a machine pays for it once. Ranks sharing a node probe at the same moment, each on its own threads, so each
-measures its share of the node under the load of the others, as it will train.
+kernels torch has for the dtype: fp16 matmuls on most CPUs are scalar), so its peak is measured: one core's best rate
+of square matmuls in the run's dtype, timed by the CPU time it ran (so other work on the machine does not lower it),
+times the threads one rank uses, for a fraction of a second. Each probe is cached per machine in
+``~/.cache/trident/peak.json``, keyed by CPU model, thread count, dtype and torch version, so a machine pays for it
+once. Ranks that together ask for more threads than the node has cores share them: ``device_peak_tflops`` scales
+each one's peak to its share.
 
 On a GPU the figure is the datasheet's dense peak for the dtype (TF32 for fp32, half the bf16 peak), which is
 what the field reports MFU against. ``logging.peak_tflops`` overrides either.
@@ -79,14 +80,18 @@ def cpu_model() -> str:
 
 
 def probe_matmul_tflops(dtype: torch.dtype, threads: int, seconds: float = PROBE_SECONDS) -> float:
-    """Best TFLOP/s of ``n x n`` matmuls in ``dtype`` on ``threads`` CPU threads over about ``seconds``.
+    """Peak TFLOP/s of ``threads`` CPU threads for ``dtype``: ``threads`` times one core's, as a datasheet counts.
 
-    n grows with the threads (512 up to 4, 1024 up to 16, then 2048) so every thread gets whole cache blocks of
-    work; the best single matmul, not the mean, is the peak, since other processes only ever slow one down.
+    One core's is the best single ``512 x 512`` matmul on one thread over about ``seconds``, timed by the CPU time of
+    the thread that runs it, not the wall clock: another process taking the core stops both the work and that
+    clock, so a busy machine (a test suite's other worker, another job) does not lower the peak, which would put
+    MFU above 1 in every later run that reads it from the cache. (A wall-timed matmul on several threads waits for
+    whichever thread another process holds up.) On the 2-core VM this is developed on, two threads' best wall-timed
+    matmul is 1.99x one thread's.
     """
-    n = 512 if threads <= 4 else 1024 if threads <= 16 else 2048
+    n = 512
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     try:
         gen = torch.Generator().manual_seed(0)
         a = torch.randn(n, n, generator=gen).to(dtype)
@@ -95,17 +100,18 @@ def probe_matmul_tflops(dtype: torch.dtype, threads: int, seconds: float = PROBE
         torch.mm(a, b, out=out)  # warm-up: kernel selection, packing buffers
         best, reps, deadline = 0.0, 0, time.perf_counter() + seconds
         while reps < 3 or time.perf_counter() < deadline:
-            start = time.perf_counter()
+            start = time.thread_time()
             torch.mm(a, b, out=out)
-            best = max(best, 2 * n**3 / max(time.perf_counter() - start, 1e-9))
+            best = max(best, 2 * n**3 / max(time.thread_time() - start, 1e-9))
             reps += 1
     finally:
         torch.set_num_threads(before)
-    return best / 1e12
+    return threads * best / 1e12
 
 
 def _cache_key(precision: str, threads: int) -> str:
-    return f"{cpu_model()} | {threads} threads | {precision} | torch {torch.__version__}"
+    # "cpu time": probes from before the one-thread peak was timed by CPU time are probed again.
+    return f"{cpu_model()} | {threads} threads | {precision} | torch {torch.__version__} | cpu time"
 
 
 def cpu_peak_tflops(precision: str, threads: int, cache: Path | None = DEFAULT_CACHE) -> float:
