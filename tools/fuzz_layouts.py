@@ -11,8 +11,12 @@ Exits 1 when any case fails. Run from a checkout: it trains through the checkout
 from __future__ import annotations
 
 import argparse
+import functools
+import multiprocessing
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from trident.fuzz import Fuzzer, draw_case, prepare_corpus
@@ -31,8 +35,10 @@ def main() -> int:
         type=int,
         metavar="N",
         help="of the first N cases, run only the cheapest sample that trains every knob value and pair and is refused "
-        "with every listed refusal (trident/fuzz/cover.py; drawing N cases through the validator takes ~1 s each)",
+        "with every listed refusal (trident/fuzz/cover.py; drawing N cases through the validator takes ~0.5 s of a "
+        "core each, on --jobs processes)",
     )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes drawing --cover's cases")
     parser.add_argument("--dry-run", action="store_true", help="print the case indices that would run, and stop")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds a run may take before it counts as hung")
     parser.add_argument(
@@ -46,7 +52,9 @@ def main() -> int:
 
     indices = args.case or list(range(args.cases))
     if args.cover:
-        drawn = [draw_facts(REPO, args.seed, i, with_resume=True) for i in range(args.cover)]
+        draw = functools.partial(draw_facts, REPO, args.seed, with_resume=True)
+        with ProcessPoolExecutor(max(1, args.jobs), mp_context=multiprocessing.get_context("fork")) as pool:
+            drawn = list(pool.map(draw, range(args.cover), chunksize=16))
         sample = cheapest_cover(drawn)
         indices = [d.case.index for d in sample]
         seconds = sum(estimated_seconds(d) for d in sample)
