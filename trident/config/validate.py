@@ -154,7 +154,7 @@ def validate(cfg: Config, world_size: int) -> Layout:
     )
     _need(
         par.vpp == 1 or schedule in ("interleaved", "zb-v"),
-        f"parallel.vpp={par.vpp} needs parallel.schedule=interleaved (got {schedule})",
+        f"parallel.vpp={par.vpp} needs parallel.schedule=interleaved (or zb-v at vpp=2; got {schedule})",
     )
     _need(par.bucket_mb > 0, f"parallel.bucket_mb={par.bucket_mb} must be > 0")
     _need(par.timeout_s > 0, f"parallel.timeout_s={par.timeout_s} must be > 0")

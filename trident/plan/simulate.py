@@ -26,6 +26,7 @@ from trident.parallel.pipeline.schedules import (
     build_schedule,
     format_action,
     list_schedule,
+    stage_placement,
     waits_for,
 )
 
@@ -49,7 +50,7 @@ def full_speed(active: int) -> float:
 def structure(name: str, pp: int, vpp: int, micro: int) -> tuple[Schedule, list]:
     """Schedule ``name``'s action lists and, per action, what it waits for (dependencies that exist)."""
     schedule = build_schedule(name, pp, vpp, micro)
-    return schedule, waits_for(schedule, vpp)
+    return schedule, waits_for(schedule, vpp, stage_placement(name))
 
 
 def run_schedule(
