@@ -21,9 +21,12 @@ returns the summed loss of its micro-batches (unscaled), other stages zero. A tr
 micro-batch's context on the chunk's RNG tracker (dropout's masks are derived from it). A micro-batch's activations are
 dropped as soon as its backward (B, or W) is done.
 
+Where two consecutive stages are chunks of this rank (zb-v's turn of the V) the activation and its gradient are
+handed over in place, in no batch (``_Step.local``).
+
 Gradient sync is off during the schedule except for each chunk's last action that produces its weight gradients
-(its last B; under zb-h1 its last W, or on stage 0, where I is the whole backward, its last I): during that action
-the chunk's buckets start their dp reduction as they fill, and right after it the rest of them
+(its last B; under zb-h1 and zb-v its last W, or on stage 0, where I is the whole backward, its last I): during that
+action the chunk's buckets start their dp reduction as they fill, and right after it the rest of them
 (``GradReducer.launch_chunk``), so the reduction runs behind the rest of the schedule and ``finish`` at the end only
 waits. Every dp rank of a pipeline rank walks the same actions, so they start the buckets in the same order.
 """
