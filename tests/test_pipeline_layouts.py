@@ -75,6 +75,7 @@ LAYOUTS = [
         id="pp2-zb-v-tp2-sp",
     ),
     pytest.param(4, 4, ["parallel.pp=2", *ZB_V, "parallel.dp=2", "parallel.zero=1"], id="pp2-zb-v-dp2-zero1"),
+    pytest.param(4, 4, ["parallel.pp=2", *ZB_V, "parallel.dp=2", "parallel.zero=2"], id="pp2-zb-v-dp2-zero2"),
 ]
 
 
