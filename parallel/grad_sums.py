@@ -2,6 +2,8 @@
 
     "tp"         sequence parallelism: a parameter every tp rank holds whole saw only its rank's tokens
     "embedding"  the tied embedding split over the first and last pipeline stage: both copies take the sum
+                 (over the embedding group when the two stages are on two ranks; on the rank itself when it
+                 holds both, as zb-v's V placement does: stage 0 and stage 2P - 1 are chunks of pp rank 0)
 
 Each group's gradients go in one all-reduce (flattened, or in place when there is one), so a step pays one
 collective per group whatever the parameter count. Afterwards the gradients are bit-identical across the group,
@@ -46,11 +48,22 @@ class GradSums:
         process_group = {"tp": groups.tp_group, "embedding": groups.embedding_group}
         assert set(process_group) == set(GRAD_SUMS)
         self.sums = []
+        self.pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (source, copy) on this rank
         for name in GRAD_SUMS:
             marked = [p for p in params if name in placement_of(p).grad_sums]
-            if marked:
+            copies = [p for p in marked if placement_of(p).tied_to is not None]
+            if name == "embedding" and copies and len(copies) < len(marked):
+                # Both copies here: the sum is theirs alone (the embedding group's other end holds neither).
+                sources = [p for p in marked if placement_of(p).tied_to is None]
+                self.pairs.append((grad_views(sources), grad_views(copies)))
+            elif marked:
                 self.sums.append((grad_views(marked), process_group[name]))
 
     def __call__(self) -> None:
         for grads, group in self.sums:
             all_reduce_flat(grads, group)
+        for sources, copies in self.pairs:
+            # Their pieces line up (each in a bucket of its own, sharded alike), as across the embedding group.
+            for source, copy in zip(sources, copies, strict=True):
+                source.add_(copy)
+                copy.copy_(source)

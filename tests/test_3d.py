@@ -63,7 +63,8 @@ def test_zero_with_pipeline_gives_the_one_process_curve(tiny_dataset, tmp_path, 
 
 
 # ZeRO-3 under every pipeline schedule, in both gather modes (parallel/zero/stage3.py): the tied embedding
-# and its copy on the two ends, interleaved chunks, zb-h1's split backward, recomputation and tensor parallelism.
+# and its copy on the two ends, interleaved chunks, zb-h1's and zb-v's split backward, recomputation and tensor
+# parallelism.
 ZERO3 = ["train.steps=4", "parallel.zero=3", "parallel.pp=2"]
 ZERO3_LAYOUTS = {
     # pp2 under 1f1b in micro_batch mode (the defaults) is a saving run of the zero3 checkpoint test below.
@@ -76,6 +77,8 @@ ZERO3_LAYOUTS = {
         ["parallel.schedule=zb-h1", "parallel.zero3_gather=step", "train.activation_checkpointing=selective"],
     ),
     "tp2-pp2-dp2-micro_batch-sp": (8, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # zb-v: both ends of the tied embedding in two chunks of one rank, each summed in its own bucket's shard
+    "pp2-zbv-dp2-micro_batch": (4, ["parallel.vpp=2", "parallel.schedule=zb-v"]),
 }
 
 

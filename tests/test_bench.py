@@ -159,14 +159,15 @@ def test_pp_tables_every_schedule_against_torch_and_one_process() -> None:
         "pp", "--pp", "2", "--layers", "4", "--d-model", "64", "--seq-len", "32", "--vocab", "512",
         "--micro", "4", "--mbs", "1", "--steps", "1", "--warmup", "1", "--receive-lead", "0",
     )  # fmt: skip
-    assert exposed.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    assert exposed.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
     assert_finite(exposed, "exposed before (ms)", "exposed after (ms)", "step before (ms)", "step after (ms)")
-    assert table.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    assert table.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
     assert_finite(table, "tokens/s", "pp=1 tokens/s", "vs pp=1", "bubble", "formula")
     for cell, cpu in zip(table.column("torch tokens/s"), table.column("CPU vs torch"), strict=True):
         assert cell.startswith("n/a") or math.isfinite(figure(cell))
         assert (cpu == "-") == cell.startswith("n/a") and (cpu == "-" or figure(cpu) > 0)
-    assert [c != "-" for c in table.column("act. peak (stage 0)")] == [True, True, False, False]
+    assert [c != "-" for c in table.column("act. peak (stage 0)")] == [True, True, False, False, False]
+    assert not table.column("torch tokens/s")[-1].startswith("n/a")  # torch's ScheduleZBVZeroBubble ran beside zb-v
 
 
 @pytest.mark.multiprocess

@@ -44,6 +44,7 @@ VALID = [
     pytest.param({"parallel.pp": 2, "parallel.vpp": 2}, 2, 1, id="interleaved-by-vpp"),
     pytest.param({"parallel.pp": 2, "parallel.schedule": "gpipe"}, 4, 2, id="gpipe"),
     pytest.param({"parallel.pp": 2, "parallel.schedule": "zb-h1"}, 2, 1, id="zb-h1"),
+    pytest.param({"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zb-v"}, 2, 1, id="zb-v"),
     # The interleaved schedule runs any micro-batch count, not only multiples of pp (here 3 over pp=2).
     pytest.param(
         {"parallel.pp": 2, "parallel.vpp": 2, "train.micro_batch_size": 8, "train.global_batch_size": 24},
@@ -95,6 +96,12 @@ INVALID = [
     pytest.param({"parallel.vpp": 2}, 1, ["parallel.vpp=2", "parallel.pp > 1"], id="vpp-without-pp"),
     pytest.param({"parallel.schedule": "interleaved"}, 1, ["parallel.schedule", "vpp"], id="interleaved-vpp1"),
     pytest.param({"parallel.schedule": "zb"}, 1, ["parallel.schedule='zb'"], id="unknown-schedule"),
+    pytest.param(
+        {"parallel.pp": 2, "parallel.vpp": 4, "parallel.schedule": "zb-v"},
+        2,
+        ["parallel.vpp=4", "zb-v", "set parallel.vpp=2"],
+        id="zb-v-vpp4",
+    ),
     # Batch arithmetic.
     pytest.param(
         {"train.micro_batch_size": 8, "train.global_batch_size": 20},

@@ -25,7 +25,7 @@ from trident.memory.activations import (
     stage_actions,
 )
 from trident.memory.measure import held_by_forward, log_model_states, measure_model_states, model_states_line
-from trident.memory.params import chunk_models, chunk_params, stage_params
+from trident.memory.params import chunk_models, chunk_params, rank_chunks, stage_params
 from trident.memory.states import model_states
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, init_weights
@@ -199,6 +199,24 @@ def test_pipeline_split_holds_every_layer_once_and_a_tied_copy() -> None:
     assert {n.split(".")[1] for n, _ in named if n.startswith("layers.")} == {"0", "2"}
 
 
+def test_zb_v_places_the_first_and_last_stage_and_both_tied_copies_on_rank_0() -> None:
+    """Under zb-v rank 0 holds stages 0 and 3 of pp=2 (layers 0 and 3, the embedding and its tied copy, each in a
+    bucket of its own, as build.py places them), rank 1 stages 1 and 2; chunk_params finds each stage's rank."""
+    cfg4 = ModelConfig(name="4", n_layers=4, d_model=32, n_heads=2, seq_len=16, vocab_size=100)
+    layout = Layout(pp=2, vpp=2, schedule="zb-v", dp=2)
+    assert [rank_chunks(layout, r) for r in range(2)] == [[0, 3], [1, 2]]
+    ranks = [stage_params(cfg4, layout, r) for r in range(2)]
+    layers = [{n.split(".")[1] for n, _ in p.named if n.startswith("layers.")} for p in ranks]
+    assert layers == [{"0", "3"}, {"1", "2"}]
+    assert {"wte.weight", "lm_head.weight"} <= dict(ranks[0].named).keys()
+    assert ranks[0].per_chunk[1] == chunk_params(cfg4, layout, 3) and ranks[1].per_chunk[1] == chunk_params(
+        cfg4, layout, 2
+    )
+    wte = dict(ranks[0].named)["wte.weight"]
+    spans = ranks[0].flat(layout)[0].spans
+    assert [s.numel for s in spans if len(s.params) == 1 and s.params[0].numel() == wte] == [wte, wte]
+
+
 # --- the pipeline schedules' micro-batches in flight ----------------------------------------------------------
 
 
@@ -214,13 +232,16 @@ def test_activation_sets_walk_the_executors_own_schedule() -> None:
         layout = Layout(pp=pp, vpp=vpp, schedule=schedule, micro_batches=micro)
         return [activation_sets(layout, r) for r in range(layout.pp)]
 
-    for schedule, vpp in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+    for schedule, vpp in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
         for stage in range(pp):
             layout = Layout(pp=pp, vpp=vpp, schedule=schedule, micro_batches=m)
             assert stage_actions(layout, stage) == build_schedule(schedule, pp, vpp, m)[stage]
     assert sets("gpipe", 1, m) == [m] * pp
     assert sets("1f1b", 1, m) == [4, 3, 2, 1]
     assert sets("zb-h1", 1, 6) == [4, 4, 4, 4]
+    # zb-v: chunks of half a 1F1B stage, up to 2 pp of them on every rank (1F1B's stage 0 in layers); with M < 2P - 1
+    # its first rank holds fewer (the micro-batches it never runs are dropped from the lists).
+    assert sets("zb-v", 2, m) == [8, 8, 8, 8] and sets("zb-v", 2, 4) == [5, 6, 7, 8]
     layers, chunks = 8, pp * 2
     assert sets("interleaved", 2, m)[0] * layers / chunks == pytest.approx(layers * (1 + (pp - 1) / (pp * 2)))
     assert activation_sets(Layout(pp=2, vpp=2, micro_batches=3), 0) == 6
@@ -533,15 +554,26 @@ def test_a_run_logs_its_model_states_beside_the_prediction(tiny_dataset: Path, t
         (2, ["parallel.pp=2", "parallel.vpp=3", "model.n_layers=6", "train.global_batch_size=5"]),
         (4, ["parallel.pp=4", "parallel.schedule=zb-h1", "model.n_layers=4", "train.global_batch_size=6"]),
         (2, ["parallel.dp=2", "train.global_batch_size=6"]),
+        (
+            4,
+            [
+                "parallel.pp=4",
+                "parallel.vpp=2",
+                "parallel.schedule=zb-v",
+                "model.n_layers=8",
+                "train.global_batch_size=6",
+            ],
+        ),
     ],
-    ids=["interleaved-pp4-vpp2-m6", "interleaved-pp2-vpp3-m5", "zb-h1-pp4-m6", "dp2-accumulation"],
+    ids=["interleaved-pp4-vpp2-m6", "interleaved-pp2-vpp3-m5", "zb-h1-pp4-m6", "dp2-accumulation", "zb-v-pp4-m6"],
 )
 def test_memory_json_activation_sets_measured_equal_predicted(
     tiny_dataset: Path, tmp_path: Path, world: int, layout: list[str]
 ) -> None:
     """Every rank's row of memory.json has the most activation sets (micro-batch x chunk) its executor held in a
     training step, beside the estimator's walk of the same actions: equal on every rank, for the interleaved
-    schedule's rounds (where a copy of Megatron's order under-counted), zb-h1's delayed W and plain accumulation."""
+    schedule's rounds (where a copy of Megatron's order under-counted), zb-h1's delayed W, zb-v's two chunks in a V
+    (the turn's activation handed over on the rank) and plain accumulation."""
     overrides = tiny(tiny_dataset, "train.steps=1", "train.micro_batch_size=1", "train.eval_every=0", *layout)
     train_in_process(tmp_path, overrides, world=world)
     rows = json.loads((tmp_path / "memory.json").read_text())["ranks"]
@@ -605,6 +637,7 @@ ZERO3_PP_CASES = [
     (dataclasses.replace(SHAPES[0], n_layers=8), "interleaved", 2, "micro_batch", 0, "fp32"),
     (dataclasses.replace(SHAPES[0], n_layers=8), "gpipe", 1, "micro_batch", 2, "bf16"),
     (dataclasses.replace(LLAMA, n_layers=6), "zb-h1", 1, "micro_batch", 1, "fp32"),
+    (dataclasses.replace(SHAPES[0], n_layers=4), "zb-v", 2, "micro_batch", 1, "fp32"),
 ]
 
 

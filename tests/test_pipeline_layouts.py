@@ -8,8 +8,11 @@ M % P != 0 and M < P cases run too. Each run validates at its last step, so forw
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
+from trident.checkpoint.consolidated import read_model_tensors
+from trident.curves import REL
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,6 +34,7 @@ def reference(tiny_dataset, references) -> dict[int, list[dict]]:
     return {layers: references.history(_base(tiny_dataset, layers)) for layers in (4, 8)}
 
 
+ZB_V = ["parallel.vpp=2", "parallel.schedule=zb-v"]
 LAYOUTS = [
     # (world, layers, overrides)
     pytest.param(2, 4, ["parallel.pp=2", "parallel.schedule=gpipe"], id="pp2-gpipe"),
@@ -61,6 +65,17 @@ LAYOUTS = [
         ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.vocab_size=515"],
         id="pp2-tp2-sp",
     ),
+    # zb-v: the tied embedding and its copy on one rank (stages 0 and 2P - 1), the V's turn a local message.
+    # pp=2 under zb-v is the saving run of the checkpoint test below; here M=6 < 2P - 1 = 7 at pp=4.
+    pytest.param(4, 8, ["parallel.pp=4", *ZB_V], id="pp4-zb-v-M6"),
+    pytest.param(
+        4,
+        4,
+        ["parallel.pp=2", *ZB_V, "parallel.tp=2", "parallel.sequence_parallel=true", "model.vocab_size=515"],
+        id="pp2-zb-v-tp2-sp",
+    ),
+    pytest.param(4, 4, ["parallel.pp=2", *ZB_V, "parallel.dp=2", "parallel.zero=1"], id="pp2-zb-v-dp2-zero1"),
+    pytest.param(4, 4, ["parallel.pp=2", *ZB_V, "parallel.dp=2", "parallel.zero=2"], id="pp2-zb-v-dp2-zero2"),
 ]
 
 
@@ -83,11 +98,35 @@ def test_a_pp2_checkpoint_resumes_at_pp1_and_pp4_with_the_uninterrupted_losses(t
     for history in histories:  # every stage knows the loss, the global norm and the val loss
         assert_same_curve(reference[4], history)
     checkpoint = saved / "checkpoints" / "step_00000002"
-    for pp in (1, 4):
+    for name, pp, extra in (("pp1", 1, []), ("pp4", 4, []), ("pp2-zb-v", 2, ZB_V)):  # 1f1b's stages into a V too
         resumed = train_in_process(
-            tmp_path / f"pp{pp}",
-            _base(tiny_dataset, 4, f"parallel.pp={pp}", f"checkpoint.resume={checkpoint}"),
+            tmp_path / name,
+            _base(tiny_dataset, 4, f"parallel.pp={pp}", *extra, f"checkpoint.resume={checkpoint}"),
             world=pp,
         )
         for rows in resumed:
             assert_same_curve(histories[-1][2:], rows)
+
+
+def test_a_zb_v_checkpoint_resumes_under_1f1b_with_the_uninterrupted_losses(
+    tiny_dataset, tmp_path, references, reference
+):
+    """pp=2 under zb-v (rank 0 holds stages 0 and 3, the tied embedding and its copy) gives the one-process curve
+    and final weights; its checkpoint resumes under 1f1b (stages 0-1 on rank 0) with the uninterrupted losses."""
+    saved = tmp_path / "zb-v"
+    histories = train_in_process(saved, _base(tiny_dataset, 4, "parallel.pp=2", *ZB_V, "checkpoint.every=2"), world=2)
+    for history in histories:
+        assert_same_curve(reference[4], history)
+    final = "checkpoints/step_00000004"
+    want = read_model_tensors(references.run_dir(_base(tiny_dataset, 4)) / final)
+    got = read_model_tensors(saved / final)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=REL, atol=1e-6, msg=name)
+    resumed = train_in_process(
+        tmp_path / "1f1b",
+        _base(tiny_dataset, 4, "parallel.pp=2", f"checkpoint.resume={saved / 'checkpoints' / 'step_00000002'}"),
+        world=2,
+    )
+    for rows in resumed:
+        assert_same_curve(histories[0][2:], rows)

@@ -7,26 +7,32 @@ from __future__ import annotations
 
 import pytest
 
-from trident.parallel.pipeline.messages import Step, check_order, check_rendezvous, p2p_plan, receive_lead
+from trident.parallel.pipeline.messages import Step, check_order, check_rendezvous, p2p_plan, receive_lead, sender_of
 from trident.parallel.pipeline.schedules import (
+    LOOP,
     UNIT_COSTS,
     Action,
     B,
     DeadlockError,
     F,
     I,
+    V,
     W,
+    activation_peak,
     bubble_formula,
     build_schedule,
     check_schedule,
+    format_action,
     format_grid,
     forward_only,
+    holder_of,
     idle_fractions,
     parse_action,
     parse_grid,
     schedule_error,
     simulate,
     stage_of,
+    stage_placement,
 )
 
 LAYOUTS = [
@@ -205,3 +211,94 @@ def test_receives_out_of_order_or_too_late_are_refused():
     with pytest.raises(ValueError, match="before its receive is posted"):
         check_order([sender, late], 2)
     check_order([sender, [Step(None, recvs=[(a0, 0), (a1, 0)]), Step(Action(F, 0)), Step(Action(F, 1))]], 2)
+
+
+# -- zb-v: two chunks per rank in a V (rank r holds stages r and 2P - 1 - r) ----------------------------------------
+
+ZBV = [
+    (pp, micro) for pp in range(2, 9) for micro in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 3 * pp + 1})
+]
+
+
+def test_v_placement_puts_the_first_and_last_stage_on_rank_0():
+    assert [[stage_of(c, r, 4, V) for c in (0, 1)] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [holder_of(s, 4, V) for s in range(8)] == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (2, 1), (1, 1), (0, 1)]
+    assert [holder_of(s, 4) for s in range(8)] == [(s % 4, s // 4) for s in range(8)]  # the loop, as before
+    assert stage_placement("zb-v") == V and stage_placement("interleaved") == stage_placement(None) == LOOP
+    assert parse_action("7I2", rank=0, pp=4, placement=V) == Action(I, 2, 1)
+    with pytest.raises(ValueError, match="not on rank"):
+        parse_action("7I2", rank=3, pp=4, placement=V)  # the loop's rank of stage 7
+
+
+@pytest.mark.parametrize("pp,micro", ZBV, ids=lambda v: str(v))
+def test_zb_v_runs_without_deadlock_below_the_other_bubbles_in_1f1b_memory(pp, micro):
+    schedule = build_schedule("zb-v", pp, 2, micro)
+    check_schedule(schedule, 2, micro)
+    assert all(a.kind in (F, I, W) for ops in schedule for a in ops)
+    spans = simulate(schedule, 2, EQUAL, V)  # raises DeadlockError
+    end = {(s.rank, s.action): s.end for s in spans}
+    start = {(s.rank, s.action): s.start for s in spans}
+    for m in range(micro):
+        for s in range(2 * pp):
+            r, c = holder_of(s, pp, V)
+            if s > 0:
+                down, chunk = holder_of(s - 1, pp, V)
+                assert start[(r, Action(F, m, c))] >= end[(down, Action(F, m, chunk))]
+            if s < 2 * pp - 1:
+                up, chunk = holder_of(s + 1, pp, V)
+                assert start[(r, Action(I, m, c))] >= end[(up, Action(I, m, chunk))]
+    bubble = idle_fractions(spans, pp)
+    # A chunk is half a 1F1B stage: idle over busy time does not depend on the unit, so the bubbles compare as is.
+    h1 = max(idle_fractions(simulate(build_schedule("zb-h1", pp, 1, micro), 1, EQUAL), pp))
+    assert max(bubble) <= h1 + 1e-9 and (micro <= pp or max(bubble) < h1)
+    assert max(bubble) < bubble_formula("1f1b", pp, 1, micro)
+    if micro >= 2 * pp - 1:
+        assert bubble == pytest.approx([bubble_formula("zb-v", pp, 2, micro, EQUAL)] * pp)
+    # Activation memory in half-stage sets: the most any rank holds is 1F1B's (its rank 0's), never more.
+    peak = [activation_peak(ops, r, pp, placement=V) for r, ops in enumerate(schedule)]
+    one_f_one_b = [
+        activation_peak(ops, r, pp, lambda _: 2) for r, ops in enumerate(build_schedule("1f1b", pp, 1, micro))
+    ]
+    assert max(peak) <= max(one_f_one_b)
+    assert parse_grid(format_grid(schedule, pp, placement=V), pp, V) == schedule
+    assert parse_grid(format_grid(schedule, pp, spans, V), pp, V) == schedule
+
+
+def test_zb_v_is_torchs_action_for_action():
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    kinds = {"FORWARD": F, "BACKWARD_INPUT": I, "BACKWARD_WEIGHT": W}
+    for pp, micro in ZBV[::3]:
+        theirs = object.__new__(ScheduleZBVZeroBubble)  # the action lists alone: no stages, no process group
+        theirs.pp_group_size, theirs._n_microbatches, theirs.num_stages = pp, micro, 2 * pp
+        for r, ops in enumerate(build_schedule("zb-v", pp, 2, micro)):
+            want = [
+                f"{a.stage_index}{kinds[a.computation_type.name]}{a.microbatch_index}"
+                for a in theirs._calculate_single_rank_operations(r)
+                if a is not None
+            ]
+            assert [format_action(a, r, pp, V) for a in ops] == want
+
+
+def test_zb_v_by_hand():
+    """P=2, M=2: rank 0 holds stages 0 and 3 (the loss), rank 1 stages 1 and 2; the turn 1 -> 2 stays on rank 1."""
+    got = build_schedule("zb-v", 2, 2, 2)
+    assert [[format_action(a, r, 2, V) for a in ops] for r, ops in enumerate(got)] == [
+        ["0F0", "0F1", "3F0", "3I0", "3W0", "3F1", "3I1", "3W1", "0I0", "0W0", "0I1", "0W1"],
+        ["1F0", "2F0", "1F1", "2F1", "2I0", "2W0", "1I0", "1W0", "2I1", "2W1", "1I1", "1W1"],
+    ]
+    assert schedule_error("zb-v", 2, 1, 4) is not None and schedule_error("zb-v", 2, 2, 1) is None
+
+
+@pytest.mark.parametrize("pp,micro", ZBV[::2], ids=lambda v: str(v))
+def test_zb_v_message_plan_keeps_the_turn_local_and_never_stalls(pp, micro):
+    schedule = build_schedule("zb-v", pp, 2, micro)
+    for planned in (schedule, forward_only(schedule)):
+        plans = [p2p_plan(planned, r, 2 * pp, placement=V) for r in range(pp)]
+        assert [[s.action for s in plan if s.action is not None] for plan in plans] == planned
+        check_rendezvous(plans, 2 * pp, V)
+        check_order([p2p_plan(planned, r, 2 * pp, lead=1, placement=V) for r in range(pp)], 2 * pp, V)
+        # Every message between two ranks is in a batch; the turn (stage P - 1 to P, and back) in none.
+        sent = {m for plan in plans for step in plan for m, _ in step.sends}
+        assert sent and all(holder_of(m[2], pp, V)[0] != sender_of(m, pp, V) for m in sent)
+        assert not {("act", m, pp) for m in range(micro)} & sent

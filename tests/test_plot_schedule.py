@@ -37,10 +37,19 @@ def test_one_chunk_per_rank_picks_1f1b_and_an_explicit_schedule_is_kept(tmp_path
     assert plot(tmp_path, capsys, "--pp", "2", "--schedule", "zb-h1", "--micro", "4").startswith("zb-h1, pp=2")
 
 
+def test_zb_v_is_drawn_in_its_v_with_its_bubble(tmp_path, capsys) -> None:
+    # (P - 1) / (6 M) at M >= 2P - 1: half of zb-h1's; below that no formula, the simulated bubble alone.
+    title = plot(tmp_path, capsys, "--pp", "4", "--vpp", "2", "--schedule", "zb-v", "--micro", "8")
+    assert title.startswith("zb-v, pp=4, vpp=2, 8 micro-batches (planned): bubble 0.062 of busy time, formula 0.062")
+    title = plot(tmp_path, capsys, "--pp", "4", "--vpp", "2", "--schedule", "zb-v", "--micro", "4")
+    assert title.endswith("bubble 0.250 of busy time")
+
+
 @pytest.mark.parametrize(
     "argv, line",
     [
-        (["--pp", "4", "--vpp", "2", "--schedule", "1f1b"], "error: --vpp=2 needs --schedule=interleaved (got 1f1b)"),
+        (["--pp", "4", "--vpp", "2", "--schedule", "1f1b"], "error: --vpp=2 needs --schedule=interleaved (or zb-v"),
+        (["--pp", "4", "--schedule", "zb-v"], "error: --vpp=1 with --schedule=zb-v, which runs two model chunks"),
         (["--pp", "2", "--schedule", "interleaved"], "error: --schedule=interleaved needs --vpp > 1 model chunks"),
         (["--pp", "1", "--vpp", "2"], "error: --vpp=2 needs pipeline parallelism (--pp > 1)"),
     ],

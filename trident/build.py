@@ -43,6 +43,7 @@ from trident.parallel.comm import GroupShape
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
+from trident.parallel.pipeline.schedules import stage_of, stage_placement
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.placement import placement_of
 from trident.parallel.precision import LossScaler, precision_policy
@@ -58,13 +59,15 @@ from trident.runner import LocalRunner, Runner
 def model_chunks(
     m: ModelConfig, layout: Layout, train: TrainConfig, groups: ProcessGroups, device: torch.device
 ) -> list[GPT]:
-    """This rank's model chunks: chunk c is virtual stage c * pp + pp_rank (parallel/pipeline/stages.py), each
+    """This rank's model chunks: chunk c is virtual stage ``stage_of(c, pp_rank, pp, placement)`` under the schedule's
+    placement (parallel/pipeline/schedules.py; the layers of each stage: parallel/pipeline/stages.py), each
     initialised from the seed (``train.seed``) as the one-process model is, then moved, compiled
     (``train.compile``) and wrapped for recomputation."""
     rng = model_parallel_rng(train.seed)
     chunks = []
+    placement = stage_placement(layout.schedule)
     for c in range(layout.vpp):
-        chunk = chunk_model(m, layout, c * layout.pp + groups.pp_rank, groups.tp_group, rng)
+        chunk = chunk_model(m, layout, stage_of(c, groups.pp_rank, layout.pp, placement), groups.tp_group, rng)
         init_weights(chunk, m, train.seed)
         chunk.to(device)
         if train.compile:  # before activation checkpointing, which then wraps the compiled blocks

@@ -38,6 +38,7 @@ from trident.models.gpt import flops_per_token
 from trident.optim import lr_at
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import ProcessGroups
+from trident.parallel.pipeline.schedules import holder_of, stage_placement
 from trident.runner import Batch
 from trident.signals import Stopped, StopRequest, stop_line
 
@@ -75,6 +76,9 @@ class Trainer:
         self.cfg, self.optim_cfg, self.groups, self.device = train_cfg, cfg.optim, groups, parts.device
         self.model_chunks, self.runner = parts.chunks, parts.runner
         self.loss_fn = parts.chunks[-1].loss_sum  # the loss is computed where the last stage is
+        # The global rank of this pipeline that holds the last stage (the last pp rank, or under zb-v's V the first).
+        last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))
+        self.loss_rank = groups.pp_ranks[last]
         self.grad_step = parts.optimizer.step
         self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
@@ -145,7 +149,7 @@ class Trainer:
         if self.groups.dp_size > 1:
             dist.all_reduce(sums, group=self.groups.dp_group)
         if self.groups.pp_size > 1:
-            dist.broadcast(sums, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
+            dist.broadcast(sums, src=self.loss_rank, group=self.groups.pp_group)
         return sums
 
     def evaluate_sources(self) -> dict[str, float]:

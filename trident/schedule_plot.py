@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
 from trident.config import Config
-from trident.parallel.pipeline.schedules import Action, Span, bubble_formula, build_schedule, idle_fractions, simulate
+from trident.parallel.pipeline.schedules import (
+    UNIT_COSTS,
+    Action,
+    Span,
+    bubble_formula,
+    build_schedule,
+    idle_fractions,
+    simulate,
+    stage_placement,
+)
 from trident.plan import planner
 from trident.plan.planner import Prediction
 from trident.plan.profile import Profile
@@ -56,13 +66,20 @@ def boxes_of(spans: list[Span]) -> list[Box]:
     return [Box(s.rank, s.action, s.start, s.end) for s in spans]
 
 
+def _formula(name: str, pp: int, vpp: int, micro: int, costs: Mapping[str, float] = UNIT_COSTS) -> str:
+    """ ", formula x" for a title, or nothing where the schedule has no formula (zb-v for M < 2P - 1 or f, i, w
+    unequal)."""
+    try:
+        return f", formula {bubble_formula(name, pp, vpp, micro, costs):.3f}"
+    except ValueError:
+        return ""
+
+
 def planned(name: str, pp: int, vpp: int, micro: int, costs: dict[str, float]) -> tuple[list[Span], str]:
-    spans = simulate(build_schedule(name, pp, vpp, micro), vpp, costs)
+    spans = simulate(build_schedule(name, pp, vpp, micro), vpp, costs, stage_placement(name))
     idle = max(idle_fractions(spans, pp))
-    formula = bubble_formula(name, pp, vpp, micro, costs)
     title = f"{name}, pp={pp}, vpp={vpp}, {micro} micro-batches (planned): bubble {idle:.3f} of busy time"
-    title += f", formula {formula:.3f}"
-    return spans, title
+    return spans, title + _formula(name, pp, vpp, micro, costs)
 
 
 @dataclass
@@ -109,10 +126,9 @@ def measured(directory: Path, call: int | None) -> tuple[list[Span], str]:
     rec = read_timings(directory, call)
     spans = [Span(s.rank, s.action, s.start * 1e3, s.end * 1e3) for s in rec.spans]
     idle = max(idle_fractions(spans, rec.pp))
-    formula = bubble_formula(rec.schedule, rec.pp, rec.vpp, rec.micro_batches)
     title = (
         f"{rec.schedule}, pp={rec.pp}, vpp={rec.vpp}, {rec.micro_batches} micro-batches (measured, ms): "
-        f"bubble {idle:.3f} of busy time, formula {formula:.3f}"
+        f"bubble {idle:.3f} of busy time{_formula(rec.schedule, rec.pp, rec.vpp, rec.micro_batches)}"
     )
     if rec.exposed_reduce_s is not None:
         title += f"; dp reduction exposed after it {rec.exposed_reduce_s * 1e3:.1f} ms"

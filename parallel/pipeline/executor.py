@@ -21,9 +21,12 @@ returns the summed loss of its micro-batches (unscaled), other stages zero. A tr
 micro-batch's context on the chunk's RNG tracker (dropout's masks are derived from it). A micro-batch's activations are
 dropped as soon as its backward (B, or W) is done.
 
+Where two consecutive stages are chunks of this rank (zb-v's turn of the V) the activation and its gradient are
+handed over in place, in no batch (``_Step.local``).
+
 Gradient sync is off during the schedule except for each chunk's last action that produces its weight gradients
-(its last B; under zb-h1 its last W, or on stage 0, where I is the whole backward, its last I): during that action
-the chunk's buckets start their dp reduction as they fill, and right after it the rest of them
+(its last B; under zb-h1 and zb-v its last W, or on stage 0, where I is the whole backward, its last I): during that
+action the chunk's buckets start their dp reduction as they fill, and right after it the rest of them
 (``GradReducer.launch_chunk``), so the reduction runs behind the rest of the schedule and ``finish`` at the end only
 waits. Every dp rank of a pipeline rank walks the same actions, so they start the buckets in the same order.
 """
@@ -52,6 +55,7 @@ from trident.parallel.pipeline.schedules import (
     forward_only,
     makes_weight_grads,
     stage_of,
+    stage_placement,
 )
 from trident.parallel.precision import autocast
 from trident.parallel.random import dropout_context
@@ -107,8 +111,9 @@ def backward_weight(param_groups: list[dict], together: bool = False) -> None:
 class PipelineRunner:
     """Runs a pipeline schedule over this rank's model chunks (``Runner`` of trident/runner.py).
 
-    ``chunks[c]`` is virtual stage ``c * pp + pp_rank``; ``pp_ranks`` the global ranks of this pipeline in stage
-    order; ``seq_divisor`` tp under sequence parallelism (activations are sequence shards), else 1.
+    ``chunks[c]`` is virtual stage ``stage_of(c, pp_rank, pp, stage_placement(schedule))`` (``c * pp + pp_rank``, or
+    under zb-v's V ``pp_rank`` and ``2 * pp - 1 - pp_rank``); ``pp_ranks`` the global ranks of this pipeline in
+    pp-rank order; ``seq_divisor`` tp under sequence parallelism (activations are sequence shards), else 1.
     ``timings``: a JSON-lines file to which each step's actions are appended with their start and end times, and
     the span of the reducer's ``finish`` (the dp reduction left exposed after the schedule).
     ``reduce_per_chunk``: False reduces every bucket after the schedule instead (the old behaviour, kept for the
@@ -137,7 +142,7 @@ class PipelineRunner:
         self.reduce_per_chunk, self.recomputed = reduce_per_chunk, recomputed
         self.pp_rank, self.pp_ranks, self.pp_group = pp_rank, tuple(pp_ranks), pp_group
         self.pp, self.vpp = len(self.pp_ranks), len(self.chunks)
-        self.stages = self.pp * self.vpp
+        self.stages, self.placement = self.pp * self.vpp, stage_placement(schedule)
         self.reducer, self.precision = reducer, precision
         self.d_model, self.seq_divisor = d_model, seq_divisor
         self.timings, self.calls = timings, 0
@@ -180,7 +185,7 @@ class PipelineRunner:
         if key not in self._plans:
             schedule = build_schedule(self.schedule, self.pp, self.vpp, micro)
             planned = schedule if train else forward_only(schedule)
-            self._plans[key] = p2p_plan(planned, self.pp_rank, self.stages, self.lead)
+            self._plans[key] = p2p_plan(planned, self.pp_rank, self.stages, self.lead, self.placement)
         return self._plans[key]
 
     def last_weight_ticks(self, plan: list[Step]) -> dict[int, int]:
@@ -188,7 +193,7 @@ class PipelineRunner:
         (zb-h1), or I on stage 0, where I is the whole backward and W has nothing left."""
         last = {}
         for t, tick in enumerate(plan):
-            if tick.action is not None and makes_weight_grads(tick.action, self.pp_rank, self.pp):
+            if tick.action is not None and makes_weight_grads(tick.action, self.pp_rank, self.pp, self.placement):
                 last[tick.action.chunk] = t
         return {t: c for c, t in last.items()} if self.reduce_per_chunk else {}
 
@@ -213,6 +218,7 @@ class _Step:
         self.loss_fn, self.loss_multiplier, self.train = loss_fn, loss_multiplier, train
         self.shape = runner.activation_shape(micro_batches)
         self.received: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
+        self.local: dict[Message, torch.Tensor] = {}  # messages between two chunks of this rank (the V's turn)
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (micro, chunk) -> (in, out)
         self.kept: dict[tuple[int, int], list[dict]] = {}  # what I left for W
@@ -225,7 +231,7 @@ class _Step:
         for t, tick in enumerate(self.plan):
             outgoing: list[tuple[torch.Tensor, int]] = []
             if tick.action is not None:
-                need = needs_of(tick.action, r.pp_rank, r.pp, r.stages)
+                need = needs_of(tick.action, r.pp_rank, r.pp, r.stages, r.placement)
                 received = None if need is None else self._take(need)
                 start = time.time()  # after the wait: a span is compute, the gaps between spans are the bubble
                 chunk = last.get(t)
@@ -244,7 +250,7 @@ class _Step:
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()
-        assert not self.saved and not self.kept and not self.received, "the schedule left work undone"
+        assert not (self.saved or self.kept or self.received or self.local), "the schedule left work undone"
         return self.total
 
     def held_sets(self) -> int:
@@ -276,6 +282,8 @@ class _Step:
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
 
     def _take(self, message: Message) -> torch.Tensor:
+        if message in self.local:
+            return self.local.pop(message)
         buffer, work = self.received.pop(message)
         work.wait()
         return buffer
@@ -283,11 +291,24 @@ class _Step:
     # -- compute ----------------------------------------------------------------------------------------------
 
     def _do(self, action: Action, received: torch.Tensor | None) -> list[tuple[torch.Tensor, int]]:
-        """Run ``action`` (``received``: the message it needed); return what it sends and to which rank."""
+        """Run ``action`` (``received``: the message it needed); return what it sends and to which rank. A message
+        to a chunk of this rank is kept for it instead."""
+        outgoing = []
+        for (message, dst), tensor in zip(*self._compute(action, received), strict=True):
+            if dst == self.r.pp_rank:
+                self.local[message] = tensor
+            else:
+                outgoing.append((tensor, dst))
+        return outgoing
+
+    def _compute(
+        self, action: Action, received: torch.Tensor | None
+    ) -> tuple[list[tuple[Message, int]], list[torch.Tensor]]:
+        """Run ``action``; return its messages (``sends_of``) and the tensor of each."""
         r = self.r
         key = (action.micro, action.chunk)
-        sends = sends_of(action, r.pp_rank, r.pp, r.stages)
-        stage = stage_of(action.chunk, r.pp_rank, r.pp)
+        sends = sends_of(action, r.pp_rank, r.pp, r.stages, r.placement)
+        stage = stage_of(action.chunk, r.pp_rank, r.pp, r.placement)
         if action.kind == F:
             batch, chunk = self.batches[action.micro], r.chunks[action.chunk]
             x = batch.tokens if received is None else received.requires_grad_(self.train)
@@ -303,10 +324,10 @@ class _Step:
                 )
             if self.train:
                 self.saved[key] = (x, out)
-            return [(out.detach(), dst) for _, dst in sends]
+            return sends, [out.detach() for _ in sends]
         if action.kind == W:
             backward_weight(self.kept.pop(key), together=r.recomputed)
-            return []
+            return sends, []
         x, out = self.saved.pop(key)
         if action.kind == B or stage == 0:
             # On stage 0 (token ids in, no input gradient) I is the whole backward and W has nothing left.
@@ -321,7 +342,7 @@ class _Step:
 
             grads = None if received is None else [received]
             (dx,), self.kept[key] = stage_backward_input([out], grads, [x], r.chunks[action.chunk].parameters())
-        return [(dx, dst) for _, dst in sends]
+        return sends, [dx for _ in sends]
 
     def record(self, reduce: tuple[float, float] | None = None) -> None:
         """Append the step's action spans (and ``reduce``: the span of the reducer's finish) to the timings file."""

@@ -3,7 +3,8 @@
 A message is named by what it carries: ``("act", micro, stage)`` is the input activation of ``stage`` (sent by
 stage - 1 after its F), ``("grad", micro, stage)`` the gradient of ``stage``'s output (sent by stage + 1 after its
 B or I). Each has one sender and one receiver, and every rank can work out every rank's messages, since
-schedules are data.
+schedules are data. Where the two stages are on one rank (the V placement's turn: stages P - 1 and P on rank
+P - 1) the message is local: the executor hands the tensor over, and no batch carries it.
 
 The executor walks a common clock (torch.distributed.pipelining does the same): the schedule simulated with
 every action costing one step gives each action a time step at which its inputs were sent at earlier steps.
@@ -30,29 +31,53 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trident.parallel.pipeline.schedules import KINDS, Action, B, DeadlockError, F, I, Schedule, simulate, stage_of
+from trident.parallel.pipeline.schedules import (
+    KINDS,
+    LOOP,
+    Action,
+    B,
+    DeadlockError,
+    F,
+    I,
+    Schedule,
+    holder_of,
+    simulate,
+    stage_of,
+)
 
 Message = tuple[str, int, int]
 
 
-def sends_of(action: Action, rank: int, pp: int, stages: int) -> list[tuple[Message, int]]:
-    """What ``action`` on ``rank`` sends, to which pipeline rank."""
-    s = stage_of(action.chunk, rank, pp)
+def sends_of(action: Action, rank: int, pp: int, stages: int, placement: str = LOOP) -> list[tuple[Message, int]]:
+    """What ``action`` on ``rank`` sends, to which pipeline rank (``rank`` itself for a local message)."""
+    s = stage_of(action.chunk, rank, pp, placement)
     if action.kind == F and s < stages - 1:
-        return [(("act", action.micro, s + 1), (s + 1) % pp)]
+        return [(("act", action.micro, s + 1), holder_of(s + 1, pp, placement)[0])]
     if action.kind in (B, I) and s > 0:
-        return [(("grad", action.micro, s - 1), (s - 1) % pp)]
+        return [(("grad", action.micro, s - 1), holder_of(s - 1, pp, placement)[0])]
     return []
 
 
-def needs_of(action: Action, rank: int, pp: int, stages: int) -> Message | None:
-    """The message ``action`` on ``rank`` must have received before it runs."""
-    s = stage_of(action.chunk, rank, pp)
+def needs_of(action: Action, rank: int, pp: int, stages: int, placement: str = LOOP) -> Message | None:
+    """The message ``action`` on ``rank`` must have received (or, if local, been handed) before it runs."""
+    s = stage_of(action.chunk, rank, pp, placement)
     if action.kind == F and s > 0:
         return ("act", action.micro, s)
     if action.kind in (B, I) and s < stages - 1:
         return ("grad", action.micro, s)
     return None
+
+
+def sender_of(message: Message, pp: int, placement: str = LOOP) -> int:
+    """The pipeline rank that sends ``message``: the holder of the stage before (activations) or after (gradients)."""
+    kind, _, stage = message
+    return holder_of(stage - 1 if kind == "act" else stage + 1, pp, placement)[0]
+
+
+def received_need(action: Action, rank: int, pp: int, stages: int, placement: str = LOOP) -> Message | None:
+    """``needs_of`` if another rank sends it (a batch must receive it), else None."""
+    need = needs_of(action, rank, pp, stages, placement)
+    return None if need is None or sender_of(need, pp, placement) == rank else need
 
 
 @dataclass
@@ -64,16 +89,19 @@ class Step:
     recvs: list[tuple[Message, int]] = field(default_factory=list)  # (message, from rank), sent at this tick
 
 
-def p2p_plan(schedule: Schedule, rank: int, stages: int, lead: int = 0) -> list[Step]:
+def p2p_plan(schedule: Schedule, rank: int, stages: int, lead: int = 0, placement: str = LOOP) -> list[Step]:
     """``rank``'s ticks: what it runs and which batch it posts after each one. ``lead``: post each receive that
-    many ticks before the tick of its send (0: in the same tick's batch, as NCCL needs)."""
+    many ticks before the tick of its send (0: in the same tick's batch, as NCCL needs). Local messages are in no
+    batch."""
     pp = len(schedule)
-    spans = simulate(schedule, stages // pp, dict.fromkeys(KINDS, 1.0))
+    spans = simulate(schedule, stages // pp, dict.fromkeys(KINDS, 1.0), placement)
     ticks = int(max(s.end for s in spans))
     plan = [Step(None) for _ in range(ticks)]
     for s in spans:  # each rank's in its order, so a pair's receives keep the order of its sends
         t = int(s.start)
-        for message, dst in sends_of(s.action, s.rank, pp, stages):
+        for message, dst in sends_of(s.action, s.rank, pp, stages, placement):
+            if dst == s.rank:
+                continue
             if s.rank == rank:
                 plan[t].sends.append((message, dst))
             if dst == rank:
@@ -88,7 +116,9 @@ def receive_lead(backend: str) -> int:
     return 1 if backend == "gloo" else 0
 
 
-def check_order(plans: list[list[Step]], stages: int) -> dict[tuple[str, Message], tuple[int, int]]:
+def check_order(
+    plans: list[list[Step]], stages: int, placement: str = LOOP
+) -> dict[tuple[str, Message], tuple[int, int]]:
     """Raise ``ValueError`` if a pair's receives are not posted in the order of its sends or not before they are
     needed; return where each end of each message is posted: {(send|recv, message): (rank, tick)}."""
     pp = len(plans)
@@ -97,7 +127,7 @@ def check_order(plans: list[list[Step]], stages: int) -> dict[tuple[str, Message
         for t, step in enumerate(plan):
             batch_of.update({("send", m): (r, t) for m, _ in step.sends})
             batch_of.update({("recv", m): (r, t) for m, _ in step.recvs})
-            need = None if step.action is None else needs_of(step.action, r, pp, stages)
+            need = None if step.action is None else received_need(step.action, r, pp, stages, placement)
             if need is not None and batch_of.get(("recv", need), (r, t))[1] >= t:
                 raise ValueError(f"rank {r} needs {need} at tick {t} before its receive is posted")
     for src in range(pp):
@@ -109,11 +139,11 @@ def check_order(plans: list[list[Step]], stages: int) -> dict[tuple[str, Message
     return batch_of
 
 
-def check_rendezvous(plans: list[list[Step]], stages: int) -> None:
+def check_rendezvous(plans: list[list[Step]], stages: int, placement: str = LOOP) -> None:
     """Run every rank's ticks (``p2p_plan`` of each rank) under NCCL's rules (module docstring); raise
     ``DeadlockError`` if they stall, ``ValueError`` as ``check_order`` does."""
     pp = len(plans)
-    batch_of = check_order(plans, stages)
+    batch_of = check_order(plans, stages, placement)
     started, completed, acted = [0] * pp, [0] * pp, [0] * pp  # per rank: batches started, completed; actions run
     progress = True
     while progress:
@@ -123,7 +153,7 @@ def check_rendezvous(plans: list[list[Step]], stages: int) -> None:
             # The action of tick t runs once the batch that received its input has completed (and tick t-1's).
             if t < len(plan) and completed[r] >= t:
                 step = plan[t]
-                need = None if step.action is None else needs_of(step.action, r, pp, stages)
+                need = None if step.action is None else received_need(step.action, r, pp, stages, placement)
                 if need is None or completed[r] > batch_of[("recv", need)][1]:
                     acted[r] += 1
                     progress = True

@@ -1,9 +1,15 @@
 """Pipeline schedules as data: for each pipeline rank, the ordered list of actions it runs in one step.
 
 An ``Action`` is a kind, a micro-batch and a model chunk. Kinds: ``F`` forward, ``B`` full backward, and for the
-zero-bubble schedule ``I`` (backward for the chunk's input only) and ``W`` (backward for its weights). With P
-pipeline ranks and V chunks per rank there are S = P * V virtual stages; chunk c of rank r is stage c * P + r,
-so a micro-batch goes rank 0, 1, ..., P-1, then back to rank 0 for chunk 1, and so on.
+zero-bubble schedules ``I`` (backward for the chunk's input only) and ``W`` (backward for its weights). With P
+pipeline ranks and V chunks per rank there are S = P * V virtual stages, placed by the schedule (``stage_placement``):
+
+    loop   chunk c of rank r is stage c * P + r: a micro-batch goes rank 0, 1, ..., P-1, then back to rank 0 for
+           chunk 1, and so on (every schedule but zb-v)
+    v      V = 2, chunk 0 of rank r is stage r and chunk 1 stage 2P - 1 - r: down the ranks and back up, so rank 0
+           holds the first and the last stage (zb-v; torch.distributed.pipelining's "v" style)
+
+Every function that turns a chunk into a stage takes the placement (``stage_of``, ``holder_of``).
 
 Nothing here touches a process group: every rank can compute every rank's list (the executor uses that to
 post its receives in the order its peers send), and a schedule can be printed as a step x rank grid, parsed
@@ -17,6 +23,8 @@ Bubble (idle time over busy time on each rank, F and B of a chunk costing f and 
                     (P - 1 + (V - 1) * (P - M)) / (V * M)   for M < P (chunk 1 waits for the lap to come round)
     zb-h1           (P - 1) * (f + i - w) / (M * (f + i + w))   for M >= P: a third of 1f1b's when f = i = w;
                     ((P - 1) * (f + i) - (M - 1) * w) / (M * (f + i + w))   for M < P
+    zb-v            (P - 1) / (6 M)   for M >= 2P - 1 and f = i = w (half of zb-h1's; f, i, w a half-stage chunk's);
+                    for M <= P zb-h1's, in between below it (the simulator's, tests/test_pipeline_schedules.py)
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from typing import NamedTuple
 
 F, B, I, W = "F", "B", "I", "W"  # noqa: E741 (I is the zero-bubble paper's name for the input backward)
 KINDS = (F, B, I, W)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+LOOP, V = "loop", "v"
+PLACEMENTS = (LOOP, V)
 
 
 class Action(NamedTuple):
@@ -39,19 +49,37 @@ class Action(NamedTuple):
 Schedule = list[list[Action]]  # rank -> its actions in order
 
 
-def stage_of(chunk: int, rank: int, pp: int) -> int:
-    """The virtual stage of ``chunk`` on pipeline rank ``rank``."""
+def stage_placement(schedule: str | None) -> str:
+    """How ``schedule`` places its virtual stages on the ranks (module docstring): zb-v in a V, the others in loops."""
+    return V if schedule == "zb-v" else LOOP
+
+
+def stage_of(chunk: int, rank: int, pp: int, placement: str = LOOP) -> int:
+    """The virtual stage of ``chunk`` on pipeline rank ``rank`` under ``placement``."""
+    if placement == V:
+        if chunk not in (0, 1):
+            raise ValueError(f"the V placement has two chunks per rank, not chunk {chunk}")
+        return rank if chunk == 0 else 2 * pp - 1 - rank
     return chunk * pp + rank
 
 
-def makes_weight_grads(action: Action, rank: int, pp: int) -> bool:
+def holder_of(stage: int, pp: int, placement: str = LOOP) -> tuple[int, int]:
+    """The (pipeline rank, chunk) that holds virtual stage ``stage`` under ``placement`` (``stage_of`` inverted)."""
+    if placement == V:
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
+
+
+def makes_weight_grads(action: Action, rank: int, pp: int, placement: str = LOOP) -> bool:
     """Whether ``action`` on pipeline rank ``rank`` produces weight gradients of its chunk: B, W, or I on stage 0,
     where I is the whole backward (token ids in, no input gradient) and W has nothing left. A chunk's last such
     action is where its gradients are complete (the executor starts their dp reduction there)."""
-    return action.kind in (B, W) or (action.kind == I and stage_of(action.chunk, rank, pp) == 0)
+    return action.kind in (B, W) or (action.kind == I and stage_of(action.chunk, rank, pp, placement) == 0)
 
 
-def activation_peak(actions: Sequence[Action], rank: int, pp: int, size: Callable[[int], int] = lambda _: 1) -> int:
+def activation_peak(
+    actions: Sequence[Action], rank: int, pp: int, size: Callable[[int], int] = lambda _: 1, placement: str = LOOP
+) -> int:
     """The most a pipeline rank holds for backward at once, walking its ``actions``: each forward takes
     ``size(chunk)`` (default: one activation set, a micro-batch x model chunk), kept until the action that finishes
     its backward (``makes_weight_grads``: B, W, or I on stage 0), which gives it back. The executor keeps a forward's
@@ -61,7 +89,7 @@ def activation_peak(actions: Sequence[Action], rank: int, pp: int, size: Callabl
         if a.kind == F:
             held += size(a.chunk)
             peak = max(peak, held)
-        elif makes_weight_grads(a, rank, pp):
+        elif makes_weight_grads(a, rank, pp, placement):
             held -= size(a.chunk)
     return peak
 
@@ -137,6 +165,56 @@ def zb_h1(pp: int, micro: int) -> Schedule:
     return out
 
 
+def zb_v(pp: int, micro: int) -> Schedule:
+    """Zero-bubble V (Qi et al. 2023, section 6; torch.distributed.pipelining's ``ScheduleZBVZeroBubble``, action for
+    action): two chunks per rank in the V placement, each backward split into I and W. Rank r warms up with
+    2(P - r) - 1 forwards of chunk 0, then r pairs of chunk-1 and chunk-0 forwards, then P - r rounds of a chunk-1
+    F, I, W; the steady state alternates F, I, W of chunk 0 and of chunk 1; the cool-down runs the remaining I
+    passes first and the W passes after them, filling the bubble. Built for max(M, 2P - 1) micro-batches and the
+    extra ones dropped (as torch does), so any M runs. A chunk holds half a 1F1B stage's layers, and a rank's peak
+    is about 2P such half sets, P whole ones: 1F1B's peak (its rank 0's), on every rank."""
+    n = max(2 * pp - 1, micro)
+    return [[a for a in _zb_v_rank(pp, n, r) if a.micro < micro] for r in range(pp)]
+
+
+def _zb_v_rank(pp: int, n: int, r: int) -> list[Action]:
+    """Rank r's zb-v actions over ``n`` >= 2P - 1 micro-batches (``zb_v``)."""
+    ops: list[Action] = []
+    f, i = [0, 0], [0, 0]  # forwards and input backwards run, per chunk
+
+    def run(kind: str, chunk: int, count: list[int]) -> None:
+        ops.append(Action(kind, count[chunk], chunk))
+        count[chunk] += 1
+
+    for _ in range(2 * (pp - r) - 1):
+        run(F, 0, f)
+    for _ in range(r):
+        run(F, 1, f)
+        run(F, 0, f)
+    for _ in range(pp - r):
+        run(F, 1, f)
+        ops.append(Action(I, i[1], 1))
+        run(W, 1, i)
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            run(F, 0, f)
+        ops.append(Action(I, i[0], 0))
+        run(W, 0, i)
+        run(F, 1, f)
+        ops.append(Action(I, i[1], 1))
+        run(W, 1, i)
+    w = list(i)  # the weight backwards run, per chunk
+    for _ in range(r):
+        run(I, 0, i)
+        run(I, 1, i)
+    for _ in range(pp - r):
+        run(I, 0, i)
+        run(W, 0, w)
+    ops += [Action(W, m, 1) for m in range(w[1], i[1])]
+    ops += [Action(W, m, 0) for m in range(w[0], i[0])]
+    return ops
+
+
 def resolve_schedule(name: str | None, vpp: int) -> str:
     """The schedule a pipeline runs: the one named, else interleaved over several chunks per rank, else 1F1B."""
     return name or ("interleaved" if vpp > 1 else "1f1b")
@@ -150,7 +228,9 @@ def schedule_error(name: str, pp: int, vpp: int, micro: int) -> str | None:
         return f"pp={pp}, vpp={vpp} and the micro-batch count {micro} must be >= 1"
     if name == "interleaved" and vpp < 2:
         return "the interleaved schedule needs vpp > 1 model chunks per pipeline rank"
-    if name != "interleaved" and vpp != 1:
+    if name == "zb-v" and vpp != 2:
+        return f"the zb-v schedule runs two model chunks per rank in a V (vpp=2), got vpp={vpp}"
+    if name not in ("interleaved", "zb-v") and vpp != 1:
         return f"the {name} schedule runs one model chunk per rank (vpp=1), got vpp={vpp}"
     return None
 
@@ -165,6 +245,8 @@ def build_schedule(name: str, pp: int, vpp: int, micro: int) -> Schedule:
         return one_f_one_b(pp, micro)
     if name == "interleaved":
         return interleaved(pp, vpp, micro)
+    if name == "zb-v":
+        return zb_v(pp, micro)
     return zb_h1(pp, micro)
 
 
@@ -197,28 +279,30 @@ def check_schedule(schedule: Schedule, vpp: int, micro: int) -> None:
 # -- strings: torch.distributed.pipelining's "<stage><kind><micro>" ----------------------------------------------
 
 
-def format_action(action: Action, rank: int, pp: int) -> str:
-    return f"{stage_of(action.chunk, rank, pp)}{action.kind}{action.micro}"
+def format_action(action: Action, rank: int, pp: int, placement: str = LOOP) -> str:
+    return f"{stage_of(action.chunk, rank, pp, placement)}{action.kind}{action.micro}"
 
 
-def parse_action(text: str, rank: int, pp: int) -> Action:
-    """``"3B1"`` on rank 1 of P=2 -> Action("B", micro=1, chunk=1) (stage 3 = chunk 1 * 2 + rank 1)."""
+def parse_action(text: str, rank: int, pp: int, placement: str = LOOP) -> Action:
+    """``"3B1"`` on rank 1 of P=2 -> Action("B", micro=1, chunk=1) (stage 3 = chunk 1 * 2 + rank 1; under the V
+    placement stage 3 is chunk 1 of rank 0)."""
     text = text.strip()
     at = next((i for i, ch in enumerate(text) if ch in KINDS), None)
     if at is None or not text[:at].isdigit() or not text[at + 1 :].isdigit():
         raise ValueError(f"cannot read action {text!r}; write <stage><F|B|I|W><micro-batch>, e.g. 1F0")
     stage, micro = int(text[:at]), int(text[at + 1 :])
-    if stage % pp != rank:
+    holder, chunk = holder_of(stage, pp, placement)
+    if holder != rank:
         raise ValueError(f"action {text!r}: stage {stage} is not on rank {rank} of {pp}")
-    return Action(text[at], micro, stage // pp)
+    return Action(text[at], micro, chunk)
 
 
-def format_grid(schedule: Schedule, pp: int, spans: Sequence[Span] | None = None) -> str:
+def format_grid(schedule: Schedule, pp: int, spans: Sequence[Span] | None = None, placement: str = LOOP) -> str:
     """A step x rank grid. Without ``spans`` row i is each rank's i-th action; with a unit-cost simulation's
     spans row t is what each rank does at time t, ``.`` where it idles (the bubble)."""
     if spans is None:
         rows = [
-            [format_action(ops[i], r, pp) if i < len(ops) else "" for r, ops in enumerate(schedule)]
+            [format_action(ops[i], r, pp, placement) if i < len(ops) else "" for r, ops in enumerate(schedule)]
             for i in range(max(map(len, schedule)))
         ]
     else:
@@ -226,14 +310,14 @@ def format_grid(schedule: Schedule, pp: int, spans: Sequence[Span] | None = None
         rows = [["."] * len(schedule) for _ in range(end)]
         for s in spans:
             for t in range(int(s.start), int(s.end)):
-                rows[t][s.rank] = format_action(s.action, s.rank, pp)
+                rows[t][s.rank] = format_action(s.action, s.rank, pp, placement)
     width = max(6, *(len(c) for row in rows for c in row))
     head = "step  " + " ".join(f"rank{r}".ljust(width) for r in range(len(schedule)))
     lines = [head] + [f"{t:<5} " + " ".join(c.ljust(width) for c in row) for t, row in enumerate(rows)]
     return "\n".join(line.rstrip() for line in lines)
 
 
-def parse_grid(text: str, pp: int) -> Schedule:
+def parse_grid(text: str, pp: int, placement: str = LOOP) -> Schedule:
     """The schedule a ``format_grid`` printed (either form: ``.`` and repeated cells of one action are skipped)."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     ranks = len(lines[0].split()) - 1
@@ -245,7 +329,7 @@ def parse_grid(text: str, pp: int) -> Schedule:
         for r, start in enumerate(cols):
             cell = line[start : cols[r + 1] if r + 1 < pp else None].strip()
             if cell and cell != ".":
-                action = parse_action(cell, r, pp)
+                action = parse_action(cell, r, pp, placement)
                 if not out[r] or out[r][-1] != action:
                     out[r].append(action)
     return out
@@ -269,29 +353,35 @@ class DeadlockError(RuntimeError):
 UNIT_COSTS: Mapping[str, float] = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
 
 
-def dependencies(action: Action, rank: int, pp: int, vpp: int) -> list[tuple[int, Action]]:
+def dependencies(action: Action, rank: int, pp: int, vpp: int, placement: str = LOOP) -> list[tuple[int, Action]]:
     """The (rank, action) pairs ``action`` waits for on other ranks or earlier on its own.
 
     F of stage s needs F of stage s-1; B or I of stage s needs the input-gradient pass (B or I) of stage s+1
     (both kinds are looked for: a schedule uses one of them) and its own F; W needs its own I."""
-    s, last = stage_of(action.chunk, rank, pp), pp * vpp - 1
+    s, last = stage_of(action.chunk, rank, pp, placement), pp * vpp - 1
     m = action.micro
     if action.kind == F:
-        return [] if s == 0 else [((s - 1) % pp, Action(F, m, (s - 1) // pp))]
+        if s == 0:
+            return []
+        down, chunk = holder_of(s - 1, pp, placement)
+        return [(down, Action(F, m, chunk))]
     if action.kind == W:
         return [(rank, Action(I, m, action.chunk))]
     deps = [(rank, Action(F, m, action.chunk))]
     if s < last:
-        up = (s + 1) % pp, (s + 1) // pp
-        deps += [(up[0], Action(B, m, up[1])), (up[0], Action(I, m, up[1]))]
+        up, chunk = holder_of(s + 1, pp, placement)
+        deps += [(up, Action(B, m, chunk)), (up, Action(I, m, chunk))]
     return deps
 
 
-def waits_for(schedule: Schedule, vpp: int = 1) -> list[list[list[tuple[int, Action]]]]:
+def waits_for(schedule: Schedule, vpp: int = 1, placement: str = LOOP) -> list[list[list[tuple[int, Action]]]]:
     """Per rank and action, the (rank, action) pairs of ``dependencies`` that the schedule has."""
     pp = len(schedule)
     exists = {(r, a) for r, ops in enumerate(schedule) for a in ops}
-    return [[[d for d in dependencies(a, r, pp, vpp) if d in exists] for a in ops] for r, ops in enumerate(schedule)]
+    return [
+        [[d for d in dependencies(a, r, pp, vpp, placement) if d in exists] for a in ops]
+        for r, ops in enumerate(schedule)
+    ]
 
 
 def list_schedule(
@@ -299,6 +389,7 @@ def list_schedule(
     deps: Sequence[Sequence[Sequence[tuple[int, Action]]]],
     cost: Callable[[int, Action], float],
     transfer: Callable[[int, Action], float] = lambda rank, action: 0.0,
+    placement: str = LOOP,
 ) -> list[Span]:
     """Run every rank's list in order, each action as soon as its rank is free and what it needs (``deps``, from
     ``waits_for``) is done, a result of another rank arriving ``transfer(rank, action)`` after it ends (sends are
@@ -326,14 +417,17 @@ def list_schedule(
                 progress = True
     stuck = [r for r in range(pp) if pos[r] < len(schedule[r])]
     if stuck:
-        waits = "; ".join(f"rank {r} at {format_action(schedule[r][pos[r]], r, pp)}" for r in stuck)
+        waits = "; ".join(f"rank {r} at {format_action(schedule[r][pos[r]], r, pp, placement)}" for r in stuck)
         raise DeadlockError(f"the schedule deadlocks: {waits}")
     return spans
 
 
-def simulate(schedule: Schedule, vpp: int = 1, costs: Mapping[str, float] = UNIT_COSTS) -> list[Span]:
+def simulate(
+    schedule: Schedule, vpp: int = 1, costs: Mapping[str, float] = UNIT_COSTS, placement: str = LOOP
+) -> list[Span]:
     """``list_schedule`` with a cost per action kind and no transfer time."""
-    return list_schedule(schedule, waits_for(schedule, vpp), lambda rank, action: costs[action.kind])
+    deps = waits_for(schedule, vpp, placement)
+    return list_schedule(schedule, deps, lambda rank, action: costs[action.kind], placement=placement)
 
 
 def idle_fractions(spans: Sequence[Span], pp: int) -> list[float]:
@@ -344,11 +438,16 @@ def idle_fractions(spans: Sequence[Span], pp: int) -> list[float]:
 
 
 def bubble_formula(name: str, pp: int, vpp: int, micro: int, costs: Mapping[str, float] = UNIT_COSTS) -> float:
-    """Idle over busy time per rank that the schedule's theory gives (module docstring)."""
+    """Idle over busy time per rank that the schedule's theory gives (module docstring; zb-v's only for M >= 2P - 1
+    and f = i = w)."""
+    f, i, w = costs[F], costs[I], costs[W]
+    if name == "zb-v":
+        if micro < 2 * pp - 1 or not f == i == w:
+            raise ValueError("zb-v's bubble formula is for M >= 2P - 1 and f = i = w: simulate the schedule")
+        return (pp - 1) / (6 * micro)
     if name in ("gpipe", "1f1b"):
         return (pp - 1) / micro
     if name == "interleaved":
         return (pp - 1 + (vpp - 1) * max(0, pp - micro)) / (vpp * micro)
-    f, i, w = costs[F], costs[I], costs[W]
     # W passes fill the cool-down, as many as there are micro-batches after the first (at most P - 1).
     return ((pp - 1) * (f + i) - min(micro - 1, pp - 1) * w) / (micro * (f + i + w))

@@ -4,11 +4,12 @@ invocation.
     python tools/bench.py pp                          # small sizes: a few minutes on a CPU
     python tools/bench.py pp --layers 16 --d-model 256 --micro 16
 
-For each pp in --pp and each schedule (gpipe, 1f1b, interleaved with vpp=2, zb-h1), pp gloo ranks (trident.ranks'
-pool, one CPU thread each) time forward + backward of one global batch of M micro-batches on the same GPT:
-trident's pipeline runner, built by trident/build.py as train.py builds it (``build_parts``), then
+For each pp in --pp and each schedule (gpipe, 1f1b, interleaved with vpp=2, zb-h1, zb-v with vpp=2), pp gloo ranks
+(trident.ranks' pool, one CPU thread each) time forward + backward of one global batch of M micro-batches on the same
+GPT: trident's pipeline runner, built by trident/build.py as train.py builds it (``build_parts``), then
 torch.distributed.pipelining's schedule of the same name on the same stage modules (``model_chunks``: ScheduleGPipe,
-Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble with one stage per rank for zb-h1). The
+Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble with one stage per rank for zb-h1,
+ScheduleZBVZeroBubble over the same two chunks per rank in a V for zb-v). The
 baseline is the whole model in one process (pp=1, one thread, on rank 0). The three alternate step by step
 (trident/bench/harness.py). A layout train.py's validator refuses is listed with its line.
 
@@ -16,7 +17,8 @@ Per row: tokens/s and its ratio to pp=1 and to torch; CPU vs torch: torch's CPU 
 (process time, summed over the ranks, median over rounds: the work each executor does, which a loaded machine
 stretches far less than the wall clock, since a rank waiting for a message uses none); the measured bubble, idle /
 step time per rank (worst rank, from the runner's recorded action timings, median over steps) beside the formula's
-(P-1)/(M+P-1) (interleaved: V*M; zb-h1 with the measured F, I, W costs); for gpipe and 1f1b the first stage's
+(P-1)/(M+P-1) (interleaved: V*M; zb-h1 with the measured F, I, W costs; zb-v, which has no formula for unequal
+costs: its schedule simulated with the measured F, I, W costs); for gpipe and 1f1b the first stage's
 peak bytes of activations saved for backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once,
 parameters left out).
 
@@ -62,17 +64,31 @@ from trident.config import Config, compose_config, validate
 from trident.errors import ConfigError
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
-from trident.parallel.pipeline.schedules import F, I, W, bubble_formula
+from trident.parallel.pipeline.schedules import (
+    B,
+    F,
+    I,
+    W,
+    bubble_formula,
+    build_schedule,
+    holder_of,
+    idle_fractions,
+    simulate,
+    stage_of,
+    stage_placement,
+)
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zb-v": "ScheduleZBVZeroBubble",
 }
+VPP = {"interleaved": 2, "zb-v": 2}  # model chunks per rank; 1 for the others
 HEADER = ["pp", "schedule", "tokens/s", "spread", "pp=1 tokens/s", "vs pp=1", "torch tokens/s", "vs torch"]
 HEADER += ["CPU vs torch"]
 HEADER += ["bubble", "formula", "act. peak (stage 0)"]
@@ -129,11 +145,14 @@ def run(args: argparse.Namespace) -> list[Table]:
         f"load average {os.getloadavg()[0]:.1f} at the start",
         HEADER,
     )
-    t.notes.append("bubble: idle / step time of the worst rank; formula: the schedule's, as idle / step time.")
+    t.notes.append(
+        "bubble: idle / step time of the worst rank; formula: the schedule's, as idle / step time (zb-v: its lists "
+        "simulated with the measured F, I, W costs)."
+    )
     with tempfile.TemporaryDirectory(prefix="bench-pp-") as tmp:
         for pp in args.pp:
             for schedule in args.schedules:
-                vpp = 2 if schedule == "interleaved" else 1
+                vpp = VPP.get(schedule, 1)
                 layout = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"]
                 cfg = compose_config(args.conf, [*base, *layout])
                 try:
@@ -168,7 +187,7 @@ def exposed_table(args: argparse.Namespace, base: list[str], tmp: Path) -> Table
         "the lowest-highest step; step: median step time over alternating rounds."
     )
     for schedule in args.schedules:
-        vpp = 2 if schedule == "interleaved" else 1
+        vpp = VPP.get(schedule, 1)
         overrides = [*base, f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.vpp={vpp}"]
         overrides[overrides.index(f"train.global_batch_size={args.micro * args.mbs}")] = (
             f"train.global_batch_size={dp * args.micro * args.mbs}"
@@ -240,6 +259,10 @@ def row(job: Job, res: list[dict], tokens: int) -> list[str]:
     bubble, costs = measured_bubble(steps)
     if schedule == "zb-h1":
         b = bubble_formula(schedule, pp, vpp, micro, {"F": costs[F], "I": costs[I], "W": costs[W]})
+    elif schedule == "zb-v":  # no formula for unequal costs: its lists simulated with the measured ones
+        measured = {F: costs[F], I: costs[I], W: costs[W], B: costs[I] + costs[W]}
+        spans = simulate(build_schedule(schedule, pp, vpp, micro), vpp, measured, stage_placement(schedule))
+        b = max(idle_fractions(spans, pp))
     else:
         b = bubble_formula(schedule, pp, vpp, micro)
     formula = b / (1 + b)  # idle over busy -> idle over the step
@@ -325,11 +348,13 @@ def torch_pipeline(cfg: Config, groups, device: torch.device, rank: int):
 
     layout = layout_of(cfg, groups)
     pp, vpp, schedule = layout.pp, layout.vpp, layout.schedule
+    placement = stage_placement(schedule)
     chunks = model_chunks(cfg.model, layout, cfg.train, groups, device)
     stages = [
-        pipelining.PipelineStage(c, i * pp + rank, pp * vpp, device, group=groups.pp_group)
+        pipelining.PipelineStage(c, stage_of(i, rank, pp, placement), pp * vpp, device, group=groups.pp_group)
         for i, c in enumerate(chunks)
     ]
+    last = holder_of(pp * vpp - 1, pp, placement)[0]  # the rank with the loss (zb-v: rank 0, the first too)
     micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     loss_fn = lambda out, y: chunks[-1].loss_sum(out, y) / tokens  # noqa: E731
@@ -339,7 +364,7 @@ def torch_pipeline(cfg: Config, groups, device: torch.device, rank: int):
     def step(i: int) -> None:
         batches = batches_for(cfg, i)
         x, y = torch.cat([b.tokens for b in batches]), torch.cat([b.targets for b in batches])
-        kwargs = {"target": y, "losses": []} if rank == pp - 1 else {}
+        kwargs = {"target": y, "losses": []} if rank == last else {}
         sched.step(x, **kwargs) if rank == 0 else sched.step(**kwargs)
         for c in chunks:
             c.zero_grad(set_to_none=True)

@@ -148,8 +148,13 @@ def validate(cfg: Config, world_size: int) -> Layout:
         "parallel.schedule=interleaved needs parallel.vpp > 1 model chunks per pipeline rank",
     )
     _need(
-        par.vpp == 1 or schedule == "interleaved",
-        f"parallel.vpp={par.vpp} needs parallel.schedule=interleaved (got {schedule})",
+        schedule != "zb-v" or par.vpp == 2,
+        f"parallel.vpp={par.vpp} with parallel.schedule=zb-v, which runs two model chunks per pipeline rank in a V; "
+        "set parallel.vpp=2",
+    )
+    _need(
+        par.vpp == 1 or schedule in ("interleaved", "zb-v"),
+        f"parallel.vpp={par.vpp} needs parallel.schedule=interleaved (or zb-v at vpp=2; got {schedule})",
     )
     _need(par.bucket_mb > 0, f"parallel.bucket_mb={par.bucket_mb} must be > 0")
     _need(par.timeout_s > 0, f"parallel.timeout_s={par.timeout_s} must be > 0")

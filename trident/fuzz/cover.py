@@ -38,7 +38,7 @@ SINGLES = (
     *_words("parallel.tp", (1, 2, 4)),  # 3 divides neither the 4 heads nor the sequence: only ever refused
     *_words("parallel.pp", (1, 2, 3, 4)),
     *_words("parallel.vpp", (1, 2)),  # 3: no layer count of the space (2, 3, 4, 8) is a multiple of pp x 3, pp > 1
-    *_words("parallel.schedule", ("gpipe", "1f1b", "interleaved", "zb-h1")),
+    *_words("parallel.schedule", ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")),
     *_words("parallel.zero", (0, 1, 2, 3)),
     *_words("parallel.zero3_gather", GATHER_MODES),
     *_words("parallel.zero3_prefetch", (0, 1, 2)),
@@ -85,7 +85,7 @@ PAIRS = (
     *((f"parallel.zero={z}", "dp>1") for z in (1, 2, 3)),  # sharded (over one rank, ZeRO shards nothing)
     ("parallel.zero=3", "tp>1"),
     # A steady phase (one forward, one backward) after the warm-up: more micro-batches than stages.
-    *((f"parallel.schedule={s}", "micro-batches>pp") for s in ("1f1b", "interleaved", "zb-h1")),
+    *((f"parallel.schedule={s}", "micro-batches>pp") for s in ("1f1b", "interleaved", "zb-h1", "zb-v")),
     *((f"parallel.zero3_gather={g}", "pp>1") for g in GATHER_MODES),  # a stage's gathers per micro-batch or step
     ("parallel.offload.optimizer=cpu", "pp>1"),
     ("parallel.offload.optimizer=cpu", "dp>1"),
@@ -107,6 +107,7 @@ PAIRS = (
     ("model.n_kv_heads=1", "parallel.tp=4"),
     ("model.n_kv_heads=2", "parallel.tp=4"),
     ("model.tie_embeddings=true", "pp>1"),  # the tied copies on the first and last stage
+    ("model.tie_embeddings=true", "parallel.schedule=zb-v"),  # both copies on one rank, in two chunks
     ("data.document_mask=true", "pp>1"),
     ("data.document_mask=true", "parallel.sequence_parallel=true"),
     ("checkpoint.async=true", "pp>1"),

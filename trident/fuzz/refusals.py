@@ -34,8 +34,10 @@ REFUSALS: tuple[Unsupported, ...] = (
         r"parallel\.vpp=\d+ needs pipeline parallelism",
     ),
     Unsupported(
-        "virtual stages under a schedule other than `interleaved`, and `interleaved` without virtual stages",
-        r"parallel\.vpp=\d+ needs parallel\.schedule=interleaved|parallel\.schedule=interleaved needs parallel\.vpp",
+        "virtual stages under a schedule other than `interleaved` or `zb-v`, `interleaved` without virtual stages, "
+        "and `zb-v` with other than two (`parallel.vpp=2`)",
+        r"parallel\.vpp=\d+ needs parallel\.schedule=interleaved|parallel\.schedule=interleaved needs parallel\.vpp"
+        r"|parallel\.vpp=\d+ with parallel\.schedule=zb-v",
     ),
     Unsupported(
         "a layer count that `pp` x `vpp` does not divide",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trident.layout import PLANNED_KEYS
+from trident.parallel.pipeline.schedules import SCHEDULES
 from trident.parallel.zero.stage3 import GATHER_MODES
 
 STEPS = 6
@@ -66,8 +67,8 @@ def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None
     vpp = _weighted(rng, {1: 0.6, 2: 0.35, 3: 0.05}) if pp > 1 or wrong() else 1
     knobs["parallel.vpp"] = vpp
     if rng.random() < 0.6:  # otherwise the default: 1f1b, or interleaved when vpp > 1
-        fits = ["interleaved"] if vpp > 1 else ["gpipe", "1f1b", "zb-h1"]
-        knobs["parallel.schedule"] = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"] if wrong() else fits)
+        fits = ["gpipe", "1f1b", "zb-h1"] if vpp == 1 else ["interleaved", "zb-v"] if vpp == 2 else ["interleaved"]
+        knobs["parallel.schedule"] = rng.choice(list(SCHEDULES) if wrong() else fits)
     knobs["parallel.zero"] = rng.randint(0, 3) if pp == 1 or wrong() else rng.randint(0, 2)
     if rng.random() < 0.3:
         if knobs["parallel.zero"] >= 1 or wrong():

@@ -45,9 +45,10 @@ vocab-parallel lookup's mask and local ids), the last stage the final norm, the 
 fp32 probabilities over this rank's vocab block, 4 b s V (tied or untied head alike). Micro-batches in flight come
 from walking the rank's own action list, the one the executor runs (parallel/pipeline/schedules.py
 ``build_schedule``, ``activation_peak``): a chunk's bytes are taken at its forward and given back at the action that
-finishes its backward (B; under zb-h1 its W, which keeps the weight path's inputs after I). GPipe holds all M, 1F1B
-min(pp - r, M) on stage r, zb-h1 more (its W passes are delayed), interleaved its warm-up + 1 chunk forwards (on the
-first stage Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers when M is a multiple of pp). On a CPU every term is
+finishes its backward (B; under zb-h1 and zb-v its W, which keeps the weight path's inputs after I). GPipe holds all
+M, 1F1B min(pp - r, M) on stage r, zb-h1 more (its W passes are delayed), zb-v up to 2 pp chunks of half a 1F1B
+stage on every rank (1F1B's first stage), interleaved its warm-up + 1 chunk forwards (on the first stage
+Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers when M is a multiple of pp). On a CPU every term is
 checked to the byte against a real forward (tests/test_memory.py); the CUDA terms (LayerNorm and RMSNorm in fp32
 under autocast, fused attention for every head layout) are from the kernels' signatures, not measured here. Not
 counted: allocator fragmentation, communication buffers, the CUDA context and workspaces.
@@ -69,7 +70,7 @@ from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.params import local_heads, rank_chunks
 from trident.models.gpt import padded_vocab_size
-from trident.parallel.pipeline.schedules import activation_peak, build_schedule
+from trident.parallel.pipeline.schedules import activation_peak, build_schedule, stage_placement
 from trident.parallel.precision import precision_policy
 
 FP32 = 4
@@ -237,7 +238,8 @@ def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | N
         + documents_bytes(m, layout, policy, c == 0)
         for c in chunks
     ]
-    return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c])
+    placement = stage_placement(layout.schedule)
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
 
 
 def stage_actions(layout: Layout, stage: int) -> list:
@@ -249,7 +251,7 @@ def stage_actions(layout: Layout, stage: int) -> list:
 def activation_sets(layout: Layout, stage: int) -> int:
     """The most activation sets (micro-batch x model chunk) pipeline stage ``stage`` holds at once; memory.json
     writes it beside the count the executor measured."""
-    return activation_peak(stage_actions(layout, stage), stage, layout.pp)
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp, placement=stage_placement(layout.schedule))
 
 
 def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:

@@ -22,6 +22,7 @@ from trident.memory.measure import Figures
 from trident.memory.params import stage_params
 from trident.memory.states import model_states
 from trident.models.gpt import count_params
+from trident.parallel.pipeline.schedules import holder_of, stage_placement
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Estimate:
 def estimate(m: ModelConfig, layout: Layout) -> Estimate:
     """Predicted per-rank bytes of every pipeline stage: model states, transient buffers and activations."""
     out = Estimate(model=m.name, layout=layout, total_params=count_params(m))
+    last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))  # the loss's rank
     for stage in range(layout.pp):
         params = stage_params(m, layout, stage)
         states = model_states(params, layout)
@@ -87,7 +89,7 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
                 gathered=states.gathered,
                 activations={p: activation_bytes(m, layout, stage, p) for p in POLICIES},
                 recompute={p: recompute_bytes(m, layout, p) for p in POLICIES},
-                loss_backward=loss_backward_bytes(m, layout) if stage == layout.pp - 1 else 0,
+                loss_backward=loss_backward_bytes(m, layout) if stage == last else 0,
                 checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
                 activation_sets=activation_sets(layout, stage),
             )

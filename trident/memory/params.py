@@ -1,6 +1,7 @@
 """The parameters a rank holds, read from the model itself.
 
-A rank of pipeline stage r holds the model chunks of virtual stages r, r + pp, ... (parallel/pipeline/stages.py).
+A rank of pipeline stage r holds the model chunks of virtual stages r, r + pp, ... (parallel/pipeline/stages.py), or
+under zb-v's V placement r and 2 pp - 1 - r (parallel/pipeline/schedules.py ``stage_of``).
 Each is built as trident/build.py builds it (``chunk_model``: the GPT of the stage's layers, the embedding on the
 first, the final norm and LM head on the last) but on the meta device, with a ``GroupShape`` (parallel/comm.py) in
 place of the tp group: every layer shapes its parameters as on a real tp rank, and nothing is allocated or
@@ -33,12 +34,15 @@ from trident.layout import Layout
 from trident.models.gpt import GPT, CausalSelfAttention
 from trident.parallel.comm import GroupShape
 from trident.parallel.layout import FlatLayout
+from trident.parallel.pipeline.schedules import V, holder_of, stage_of, stage_placement
 from trident.parallel.zero.stage3 import ChunkUnits
 
 
 def rank_chunks(layout: Layout, stage: int) -> list[int]:
-    """The global indices of the model chunks pipeline stage ``stage`` holds: stage, stage + pp, ..."""
-    return [stage + v * layout.pp for v in range(layout.vpp)]
+    """The global indices of the model chunks pipeline stage ``stage`` holds: stage, stage + pp, ... (under zb-v
+    stage and 2 pp - 1 - stage), as build.py places them."""
+    placement = stage_placement(layout.schedule)
+    return [stage_of(v, stage, layout.pp, placement) for v in range(layout.vpp)]
 
 
 def chunk_models(m: ModelConfig, layout: Layout, stage: int, tp_rank: int = 0) -> list[GPT]:
@@ -83,12 +87,14 @@ class StageParams:
 def stage_params(m: ModelConfig, layout: Layout, stage: int) -> StageParams:
     """The parameters a rank of pipeline stage ``stage`` holds under ``layout`` (built once per model, tp, pp, vpp
     and sequence parallelism)."""
-    return _stage_params(_key(m), layout.tp, layout.pp, layout.vpp, layout.sequence_parallel and layout.tp > 1, stage)
+    sp = layout.sequence_parallel and layout.tp > 1
+    return _stage_params(_key(m), layout.tp, layout.pp, layout.vpp, sp, stage, stage_placement(layout.schedule))
 
 
 def chunk_params(m: ModelConfig, layout: Layout, chunk: int) -> list[tuple[str, int]]:
     """(name, local numel) of model chunk ``chunk`` of pp * vpp (its virtual stage), in registration order."""
-    return stage_params(m, layout, chunk % layout.pp).per_chunk[chunk // layout.pp]
+    rank, local = holder_of(chunk, layout.pp, stage_placement(layout.schedule))
+    return stage_params(m, layout, rank).per_chunk[local]
 
 
 def local_heads(m: ModelConfig, tp: int) -> tuple[int, int]:
@@ -109,8 +115,9 @@ def _key(m: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=512)
-def _stage_params(model: tuple, tp: int, pp: int, vpp: int, sp: bool, stage: int) -> StageParams:
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp)
+def _stage_params(model: tuple, tp: int, pp: int, vpp: int, sp: bool, stage: int, placement: str) -> StageParams:
+    # One build per placement: the V's schedule stands for it (every loop-placed schedule places alike).
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, schedule="zb-v" if placement == V else None)
     return StageParams(stage, chunk_models(ModelConfig(*model), layout, stage))
 
 

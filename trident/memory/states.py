@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trident.layout import Layout
+from trident.memory.activations import stage_actions
 from trident.memory.measure import KINDS, PLACES, Figures
 from trident.memory.params import StageParams
 from trident.parallel.layout import FlatLayout
+from trident.parallel.pipeline.schedules import I, W
 from trident.parallel.precision import precision_policy
 from trident.parallel.zero.grads import ShardedGradReducer
 from trident.parallel.zero.optimizer import shard_segments
@@ -78,20 +80,37 @@ def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None
     ranks = range(layout.dp if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
     # Stage 3: each chunk's (its blocks' bucket numels, its root buckets' numels).
     units = [([s.numel for s in u.blocks], [s.numel for s in u.root]) for u in chunk_units]
-    first = params.chunks[0].is_first
-    states = (_rank_states(flat, layout, r, units, first) for r in ranks)
+    # Each chunk's blocks stay gathered from I to W under the split backward, but for stage 0's (I is all of it).
+    held = [layout.schedule in ("zb-h1", "zb-v") and not c.is_first for c in params.chunks]
+    states = (_rank_states(flat, layout, r, units, held, params.stage) for r in ranks)
     return max(states, key=lambda s: sum(s.figures["total"].values()))
 
 
-def _gathered(layout: Layout, flat: FlatLayout, units: list[tuple[list[int], list[int]]], first: bool) -> int:
+def _gathered(
+    layout: Layout, flat: FlatLayout, units: list[tuple[list[int], list[int]]], held: list[bool], stage: int
+) -> int:
     """Stage 3's most full-buffer elements gathered at once (parallel/zero/stage3.py): in step mode every bucket;
     else every chunk's root (held while any micro-batch is in flight) and the running block of one chunk with the
-    ``zero3_prefetch`` next ones; under zb-h1 off the first stage every block too (held from I to W)."""
-    if layout.zero3_gather == "step" or (layout.schedule == "zb-h1" and not first):
+    ``zero3_prefetch`` next ones; and a ``held`` chunk (off stage 0 under zb-h1 and zb-v) keeps every block from an I
+    to its W, found by walking the rank's actions (``stage_actions``): zb-h1 delays its W, so every bucket; zb-v runs
+    most W right after their I."""
+    if layout.zero3_gather == "step":
         return flat.numel
     roots = sum(sum(root) for _, root in units)
-    running = max(sum(sorted(blocks, reverse=True)[: 1 + layout.zero3_prefetch]) for blocks, _ in units)
-    return roots + running
+    running = [sum(sorted(blocks, reverse=True)[: 1 + layout.zero3_prefetch]) for blocks, _ in units]
+    if not any(held):
+        return roots + max(running)
+    whole = [sum(blocks) for blocks, _ in units]
+    pending = [0] * len(units)  # per chunk, the I passes whose W has not run
+    peak = 0
+    for a in stage_actions(layout, stage):
+        if a.kind == I and held[a.chunk]:
+            pending[a.chunk] += 1
+        kept = sum(w for w, p in zip(whole, pending, strict=True) if p)
+        peak = max(peak, kept + (0 if pending[a.chunk] else running[a.chunk]))
+        if a.kind == W and held[a.chunk]:
+            pending[a.chunk] -= 1
+    return roots + peak
 
 
 def _rank_states(
@@ -99,7 +118,8 @@ def _rank_states(
     layout: Layout,
     dp_rank: int,
     units: list[tuple[list[int], list[int]]],
-    first: bool,
+    held: list[bool],
+    stage: int,
 ) -> ModelStates:
     fig = _figures()
     pb = precision_policy(layout.precision).param_dtype.itemsize
@@ -130,5 +150,5 @@ def _rank_states(
         else:  # filling: a chunk's block, and its root from backward's first gradient (final norm) to its last
             filling = max(sum(root) + max(blocks, default=0) for blocks, root in units)
             staging = (filling + in_flight) * FP32
-            gathered = _gathered(layout, flat, units, first) * pb
+            gathered = _gathered(layout, flat, units, held, stage) * pb
     return ModelStates(_place(_total(fig), layout), staging, gathered, checkpoint)

@@ -34,7 +34,7 @@ from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.activations import stage_actions
 from trident.memory.params import chunk_params, stage_params
-from trident.parallel.pipeline.schedules import Action, makes_weight_grads
+from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_grads, stage_of, stage_placement
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops
 from trident.plan.profile import Needs, Profile, attention_key, collective_key, matmul_key
@@ -187,7 +187,7 @@ def ew_time(p: Profile, nbytes: float) -> float:
 
 def _stage_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict | None) -> int:
     """Parameter elements a rank of ``stage`` holds (its gradient buffer's, before bucket padding)."""
-    key = ("numel", layout.tp, layout.pp, layout.vpp, stage)
+    key = ("numel", layout.tp, layout.pp, layout.vpp, stage_placement(layout.schedule), stage)
     if cache is None or key not in cache:
         numel = stage_params(m, layout, stage).numel
         if cache is None:
@@ -235,11 +235,12 @@ def _chunk_reduce_end(p: Profile, layout: Layout, chunks: list[tuple[int, float,
     return end
 
 
-def _weight_spans(spans: list[simulate.TimedSpan], rank: int, pp: int) -> dict[int, simulate.TimedSpan]:
-    """Each chunk's last action on ``rank`` that produces its weight gradients (``makes_weight_grads``)."""
+def _weight_spans(spans: list[simulate.TimedSpan], rank: int, pp: int, where: str) -> dict[int, simulate.TimedSpan]:
+    """Each chunk's last action on ``rank`` that produces its weight gradients (``makes_weight_grads``; ``where``:
+    the schedule's stage placement)."""
     last = {}
     for s in spans:
-        if s.rank == rank and makes_weight_grads(s.action, rank, pp):
+        if s.rank == rank and makes_weight_grads(s.action, rank, pp, where):
             if s.action.chunk not in last or s.start > last[s.action.chunk].start:
                 last[s.action.chunk] = s
     return last
@@ -261,6 +262,7 @@ def step_time(
     if needs is not None:
         pricer.needs = needs
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
+    where = stage_placement(layout.schedule)  # how the chunks sit on the pipeline ranks
     # The schedule's simulation does not depend on the ZeRO stage or offload: layouts differing only in those share it.
     key = dataclasses.replace(
         layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0, zero3_gather="", zero3_prefetch=0
@@ -282,15 +284,15 @@ def step_time(
     step_end = 0.0
     for r in range(pp):
         numel = _stage_numel(m, layout, r, cache)
-        backward = sum(costs[(c * pp + r, "B")][0] for c in range(vpp)) / all_busy
+        backward = sum(costs[(stage_of(c, r, pp, where), "B")][0] for c in range(vpp)) / all_busy
         if pp == 1:
             tail = _dp_reduce(profile, layout, numel, backward, dp_across, overlapped=True)
         elif layout.dp == 1:
             tail = 0.0
         else:
-            weights = _weight_spans(spans, r, pp)
+            weights = _weight_spans(spans, r, pp, where)
             chunks = [
-                (sum(n for _, n in chunk_params(m, layout, c * pp + r)), s.start, s.compute_end)
+                (sum(n for _, n in chunk_params(m, layout, stage_of(c, r, pp, where))), s.start, s.compute_end)
                 for c, s in weights.items()
             ]
             tail = max(0.0, _chunk_reduce_end(profile, layout, chunks, dp_across) - ends[r])
@@ -317,7 +319,9 @@ def step_time(
     optimizer = _optimizer_time(m, layout, profile, placement, dp_across, all_busy, cache)
     step = step_end + zero3 + optimizer
 
-    last = [s for s in spans if s.rank == pp - 1]  # the last pipeline rank: it runs every micro-batch's loss
+    # The rank of the last stage (the last pipeline rank, zb-v's first): it runs every micro-batch's loss.
+    loss_rank, _ = holder_of(layout.chunks - 1, pp, where)
+    last = [s for s in spans if s.rank == loss_rank]
     compute = sum(s.compute_end - s.start for s in last)
     tp_comm = sum(s.end - s.compute_end for s in last)
     return StepTime(
@@ -346,7 +350,7 @@ def _pipeline(
         ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, layout.activation_checkpointing)
         ops.append(_accumulate(m, layout, stage))
         f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
-        if layout.schedule == "zb-h1" and layout.activation_checkpointing == "full" and stage > 0:
+        if layout.schedule in ("zb-h1", "zb-v") and layout.activation_checkpointing == "full" and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
             # I's backward: W's one backward recomputes the block's forward once more (not on the first stage, whose
             # I is its whole backward).
@@ -355,8 +359,10 @@ def _pipeline(
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
 
+    where = stage_placement(layout.schedule)
+
     def cost(rank: int, a: Action) -> tuple[float, float]:
-        return costs[(a.chunk * pp + rank, a.kind)]
+        return costs[(stage_of(a.chunk, rank, pp, where), a.kind)]
 
     e = BYTES[layout.precision]
     message = layout.micro_batch_size * shape.seq // (layout.tp if layout.sequence_parallel else 1) * m.d_model * e
@@ -407,7 +413,7 @@ def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: RankPl
     for r in range(pp):
         exposed = 0.0
         for c in range(vpp):
-            stage = c * pp + r
+            stage = stage_of(c, r, pp, stage_placement(layout.schedule))
             numel = sum(n for _, n in chunk_params(m, layout, stage)) / blocks
             gather = collective_time(p, "all_gather", layout.dp, numel * e, across)
             scatter = collective_time(p, "reduce_scatter", layout.dp, numel * 4, across)

@@ -75,14 +75,16 @@ class MemoryModel:
 
     def peak(self, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
         """(peak bytes by place, model-state bytes by place) of the most loaded pipeline stage."""
+        # zb-v places its chunks in a V (the ranks hold other parameters) and walks its actions for ZeRO-3's blocks.
+        v = layout.schedule == "zb-v"
         states = self._get(
             self._states,
             dataclasses.replace(
                 layout,
                 micro_batch_size=1,
-                micro_batches=1,
+                micro_batches=layout.micro_batches if v else 1,
                 activation_checkpointing="none",
-                schedule=None,
+                schedule="zb-v" if v else None,
                 sequence_parallel=False,
                 document_mask=False,
             ),

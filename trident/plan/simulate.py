@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from trident.parallel.pipeline.schedules import (
+    LOOP,
     Action,
     DeadlockError,
     Schedule,
     build_schedule,
     format_action,
     list_schedule,
+    stage_placement,
     waits_for,
 )
 
@@ -49,7 +51,7 @@ def full_speed(active: int) -> float:
 def structure(name: str, pp: int, vpp: int, micro: int) -> tuple[Schedule, list]:
     """Schedule ``name``'s action lists and, per action, what it waits for (dependencies that exist)."""
     schedule = build_schedule(name, pp, vpp, micro)
-    return schedule, waits_for(schedule, vpp)
+    return schedule, waits_for(schedule, vpp, stage_placement(name))
 
 
 def run_schedule(
@@ -63,7 +65,7 @@ def run_schedule(
 ) -> list[TimedSpan]:
     """``run`` of schedule ``name`` for P ranks, V chunks and M micro-batches (its structure built once)."""
     schedule, deps = structure(name, pp, vpp, micro)
-    return run_actions(schedule, vpp, cost, transfer, speed or full_speed, deps)
+    return run_actions(schedule, vpp, cost, transfer, speed or full_speed, deps, stage_placement(name))
 
 
 def run_actions(
@@ -73,13 +75,15 @@ def run_actions(
     transfer: Callable[[int, Action], float] = lambda r, a: 0.0,
     speed: Callable[[int], float] = full_speed,
     deps: Sequence[Sequence[Sequence[tuple[int, Action]]]] | None = None,
+    placement: str = LOOP,
 ) -> list[TimedSpan]:
-    """Every action's span. ``deps``: ``schedules.waits_for(schedule, vpp)``, if already built. Raises
-    ``DeadlockError`` if the lists cannot all finish."""
+    """Every action's span. ``deps``: ``schedules.waits_for(schedule, vpp, placement)``, if already built
+    (``placement``: how the schedule places its chunks, ``schedules.stage_placement``). Raises ``DeadlockError`` if
+    the lists cannot all finish."""
     pp = len(schedule)
-    deps = deps if deps is not None else waits_for(schedule, vpp)
+    deps = deps if deps is not None else waits_for(schedule, vpp, placement)
     if speed is full_speed:  # every rank computes alone: the schedules' list scheduling, compute then communication
-        spans = list_schedule(schedule, deps, lambda r, a: sum(cost(r, a)), transfer)
+        spans = list_schedule(schedule, deps, lambda r, a: sum(cost(r, a)), transfer, placement)
         return [TimedSpan(s.rank, s.action, s.start, s.start + cost(s.rank, s.action)[0], s.end) for s in spans]
     done: dict[tuple[int, Action], float] = {}
     pos = [0] * pp
@@ -141,7 +145,7 @@ def run_actions(
                 pos[r] += 1
     stuck = [r for r in range(pp) if pos[r] < len(schedule[r])]
     if stuck:
-        waits = "; ".join(f"rank {r} at {format_action(schedule[r][pos[r]], r, pp)}" for r in stuck)
+        waits = "; ".join(f"rank {r} at {format_action(schedule[r][pos[r]], r, pp, placement)}" for r in stuck)
         raise DeadlockError(f"the schedule deadlocks: {waits}")
     return spans
 

@@ -63,7 +63,9 @@ def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
             dp = world // (tp * pp)
             per_rank = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
             for vpp in divisors(m.n_layers // pp) if pp > 1 and m.n_layers % pp == 0 else [1]:
-                schedules = [None] if pp == 1 else ["interleaved"] if vpp > 1 else ["gpipe", "1f1b", "zb-h1"]
+                schedules = [None] if pp == 1 else ["gpipe", "1f1b", "zb-h1"] if vpp == 1 else ["interleaved"]
+                if vpp == 2 and pp > 1:
+                    schedules.append("zb-v")
                 for schedule, zero in itertools.product(schedules, range(4)):
                     offloads = [("none", 1.0)] + ([("cpu", r) for r in OFFLOAD_RATIOS] if zero >= 1 else [])
                     for (offload, ratio), recompute, mbs, sp, gather in itertools.product(
