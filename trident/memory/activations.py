@@ -68,12 +68,14 @@ from dataclasses import dataclass
 from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.params import local_heads, rank_chunks
+from trident.models.checkpointing import parse_label, recomputed_layers
 from trident.models.gpt import padded_vocab_size
 from trident.parallel.pipeline.schedules import activation_peak, build_schedule
 from trident.parallel.precision import precision_policy
 
 FP32 = 4
-POLICIES = ("none", "selective", "full")
+# The recomputations the estimator reports beside the layout's own (models/checkpointing.py ``recompute_label``).
+POLICIES = ("none", "attention", "selective", "full/2", "full")
 
 
 @dataclass(frozen=True)
@@ -156,14 +158,18 @@ class _Shape:
 
 
 def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
-    """Activation bytes one transformer layer keeps for backward per micro-batch (see the module docstring)."""
+    """Activation bytes one recomputed transformer layer keeps for backward per micro-batch (see the module
+    docstring); ``policy`` a label without ``/N`` (``none``, ``attention``, ``selective[...]``, ``full``)."""
     x = _Shape.of(m, layout)
     sbh, sbf = x.s * x.b * x.h, x.s * x.b * x.f
+    name, modules, _ = parse_label(policy)
     if policy == "full":
         return sbh * x.e // x.t_sp
+    if name == "selective":
+        return _selective_layer_bytes(m, x, set(modules))
     masks = 2 * sbh // x.t_sp if m.dropout > 0 else 0
     core = 0  # what the attention core keeps beyond q, k, v and its output; nothing when it is recomputed
-    explicit = policy == "none" and m.dropout > 0
+    explicit = policy == "none" and m.dropout > 0  # under attention the core is recomputed
     if policy == "none":
         if explicit:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
             core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1)
@@ -182,6 +188,36 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
         + core
         + masks
     )
+
+
+def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str]) -> int:
+    """Op-level selective recomputation: the block's input and the outputs it keeps of the modules not recomputed
+    (models/checkpointing.py): always the attention projections' (fused qkv, or q and kv) and the output
+    projection's (whole: the partial sums before tp's reduction); the core's (SDPA's output and fp32 log-sum-exp,
+    or the explicit core's scores and output) unless ``attn_core``; the MLP's matmuls unless ``mlp``; its
+    activation (GELU's output, SwiGLU's silu and product) unless ``mlp_act`` or ``mlp``; the norms' outputs unless
+    ``norm`` (LayerNorm's with its mean and rstd; a CPU's composite RMSNorm's fp32 rstd, normalised input and
+    its product with the gain, in fp32 before the cast back)."""
+    sb, sbh, sbf = x.s * x.b, x.s * x.b * x.h, x.s * x.b * x.f
+    out = sbh * x.e // x.t_sp + sbh * x.e  # the input; the output projection
+    out += sb * (3 * x.q if x.fused_qkv else x.q + 2 * x.kv) * x.e
+    if "attn_core" not in modules:
+        if m.dropout > 0:  # the explicit core: its scores [b h s s] and their product with v
+            out += x.a // x.t * x.b * x.s * x.s * x.e + sb * x.q * x.e
+        else:
+            out += sb * x.q * x.e + FP32 * x.a * x.b * x.s // x.t
+    hidden = (2 if m.mlp == "swiglu" else 1) * sbf * x.e // x.t
+    if "mlp" not in modules:
+        out += hidden + sbh * x.e
+        if "mlp_act" not in modules:
+            out += hidden
+    if "norm" not in modules:
+        tokens = sb // x.t_sp
+        if x.norm == "layernorm":
+            out += 2 * tokens * (x.h + 2) * x.e_norm
+        else:
+            out += 2 * tokens * (2 * x.h + 1) * FP32
+    return out
 
 
 def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) -> int:
@@ -224,19 +260,26 @@ def head_bytes(m: ModelConfig, layout: Layout) -> int:
 
 def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> int:
     """Peak activation bytes pipeline stage ``stage`` keeps for backward: walk its schedule, adding a chunk's
-    bytes at each forward and releasing them at its backward."""
-    policy = policy or layout.activation_checkpointing
+    bytes at each forward and releasing them at its backward. ``policy``: a recomputation label
+    (models/checkpointing.py ``recompute_label``), the layout's own by default."""
+    policy = policy or layout.recompute
+    name, _, every = parse_label(policy)
+    kept = policy.partition("/")[0]
     chunks = rank_chunks(layout, stage)
-    per_layer = layer_bytes(m, layout, policy)
     layers = m.n_layers // (layout.pp * layout.vpp)
     last = layout.pp * layout.vpp - 1
-    chunk_bytes = [
-        layers * per_layer
-        + (embed_bytes(m, layout) if c == 0 else 0)
-        + (head_bytes(m, layout) if c == last else 0)
-        + documents_bytes(m, layout, policy, c == 0)
-        for c in chunks
-    ]
+    plain = layer_bytes(m, layout, "none")
+    chunk_bytes = []
+    for c in chunks:
+        held = range(c * layers, (c + 1) * layers)  # chunk c's global layers (parallel/pipeline/stages.py)
+        recomputed = len(recomputed_layers(held, name, every))
+        chunk_bytes.append(
+            recomputed * layer_bytes(m, layout, kept)
+            + (layers - recomputed) * plain
+            + (embed_bytes(m, layout) if c == 0 else 0)
+            + (head_bytes(m, layout) if c == last else 0)
+            + documents_bytes(m, layout, policy if recomputed else "none", c == 0)
+        )
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c])
 
 
@@ -273,9 +316,39 @@ def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:
 
 
 def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None) -> int:
-    """Transient bytes above the held activations while backward recomputes: one whole layer under full
-    recomputation, one attention core's logsumexp under selective."""
-    policy = policy or layout.activation_checkpointing
+    """Transient bytes above the held activations while backward recomputes one layer: what the layer would keep
+    without recomputation and does not under ``policy``."""
+    policy = (policy or layout.recompute).partition("/")[0]
     if policy == "none":
         return 0
-    return layer_bytes(m, layout, "none") - (0 if policy == "full" else layer_bytes(m, layout, "selective"))
+    return layer_bytes(m, layout, "none") - (0 if policy == "full" else layer_bytes(m, layout, policy))
+
+
+def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> float:
+    """Matmul and attention FLOPs pipeline stage ``stage``'s backward recomputes in one training step, over its
+    chunks and micro-batches (the pointwise work recomputed beside them, norms, activations, RoPE, dropout, is
+    memory-bound and left out here; the planner prices it, trident/plan/ops.py). Per recomputed layer and
+    micro-batch, the forward's: all its matmuls, 2 sb x the layer's matmul weights / tp, and attention's 4 sbsh /
+    tp (``flops_per_token``'s convention) under ``full``; the attention core's under ``attention`` or a selective
+    list with ``attn_core``; the MLP's matmuls with ``mlp``; none under the default ``selective``. A zero-bubble
+    stage after the first recomputes twice (its I and its W pass)."""
+    policy = policy or layout.recompute
+    name, modules, every = parse_label(policy)
+    if name == "none":
+        return 0.0
+    x = _Shape.of(m, layout)
+    sb = x.s * x.b
+    core = 4.0 * sb * x.s * x.h / x.t
+    mlp = 2.0 * sb * (3 if m.mlp == "swiglu" else 2) * x.h * x.f / x.t
+    projections = 2.0 * sb * (2 * x.h * x.q + 2 * x.h * x.kv)
+    per_layer = {
+        "full": core + mlp + projections,
+        "attention": core,
+        "selective": core * ("attn_core" in modules) + mlp * ("mlp" in modules),
+    }[name]
+    layers = m.n_layers // (layout.pp * layout.vpp)
+    recomputed = sum(
+        len(recomputed_layers(range(c * layers, (c + 1) * layers), name, every)) for c in rank_chunks(layout, stage)
+    )
+    passes = 2 if layout.schedule == "zb-h1" and stage > 0 else 1
+    return per_layer * recomputed * layout.micro_batches * passes
