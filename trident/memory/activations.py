@@ -4,8 +4,8 @@ They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Larg
 transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the micro-batches
 in flight on a pipeline stage. Counted for this model's operators rather than Megatron's: attention runs a fused
 kernel (flash / memory-efficient, taking grouped-query k and v as they are) that saves q, k, v, its output and an
-fp32 logsumexp, never the s x s scores, so Korthikanti's 5as/h term is absent, and selective recomputation of the
-attention core saves only the logsumexp. With s tokens, b sequences, h the model width, f the MLP width, a
+fp32 logsumexp, never the s x s scores, so Korthikanti's 5as/h term is absent, and recomputing the attention core
+alone saves only the logsumexp. With s tokens, b sequences, h the model width, f the MLP width, a
 heads, t = tp, t_sp = t under sequence parallelism (else 1), e the activation dtype's bytes, e_n a LayerNorm's
 (fp32 under 16-bit autocast on CUDA, where layer_norm is an fp32 op; the activation dtype on CPU, where it is not),
 q = h / t this rank's query width and k its key width (its kv heads x head_dim):
@@ -31,8 +31,16 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   dropped copy 2 a b s^2 e / t, the keep mask a b s^2 / t and the causal mask s^2;
                                   its matmuls keep q, k and v at the query heads' width, 4 sbq e in all with the
                                   output (k and v repeated, views copied contiguous), instead of the projections'
-    selective recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
+    attention recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
+    selective recomputation       op-level (torch's selective checkpoint contexts): the layer's input sbh e / t_sp,
+                                  the outputs of qkv (or q and kv) sb (3q or q + 2k) e and of the output projection
+                                  sbh e (whole: tp's partial sums), and of the modules train.recompute_modules does
+                                  not list: the core's output and fp32 logsumexp sbq e + 4 abs / t (the explicit
+                                  core's scores a b s^2 e / t and output), the MLP's matmuls (sbf e / t, two with
+                                  SwiGLU, and sbh e), its activation (the same hidden bytes again), the norms'
+                                  outputs (``_selective_layer_bytes``); the default recomputes norms and activations
     full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
+    every N-th block              the policy's bytes for global layers 0, N, 2N, ..., none's for the others
     packed documents (CPU)        per layer: SDPA's float copy of the dense mask b s^2 e (the explicit core's inverted
                                   mask b s^2 instead of the causal s^2), RoPE's tables per sample (b x); per chunk
                                   under recomputation: the bool mask b s^2 and the int64 positions 8 b s its
@@ -197,7 +205,7 @@ def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str]) -> int:
     or the explicit core's scores and output) unless ``attn_core``; the MLP's matmuls unless ``mlp``; its
     activation (GELU's output, SwiGLU's silu and product) unless ``mlp_act`` or ``mlp``; the norms' outputs unless
     ``norm`` (LayerNorm's with its mean and rstd; a CPU's composite RMSNorm's fp32 rstd, normalised input and
-    its product with the gain, in fp32 before the cast back)."""
+    its product with the gain, in fp32 before the cast back; CUDA's fused RMSNorm's output and rstd)."""
     sb, sbh, sbf = x.s * x.b, x.s * x.b * x.h, x.s * x.b * x.f
     out = sbh * x.e // x.t_sp + sbh * x.e  # the input; the output projection
     out += sb * (3 * x.q if x.fused_qkv else x.q + 2 * x.kv) * x.e
@@ -215,8 +223,10 @@ def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str]) -> int:
         tokens = sb // x.t_sp
         if x.norm == "layernorm":
             out += 2 * tokens * (x.h + 2) * x.e_norm
-        else:
+        elif x.device == "cpu":
             out += 2 * tokens * (2 * x.h + 1) * FP32
+        else:  # the fused kernel's output and rstd, fp32 (under 16-bit autocast too)
+            out += 2 * tokens * (x.h + 1) * FP32
     return out
 
 
