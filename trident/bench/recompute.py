@@ -2,7 +2,7 @@
 activations measured beside the estimator's prediction, and the step time against no recomputation.
 
     python tools/bench.py recompute                                  # gpt-mini, micro-batch 4 x 256 tokens, fp32
-    python tools/bench.py recompute --model llama-150m --precision bf16 --micro-batch 2 --seq-len 512
+    python tools/bench.py recompute --model llama-150m --micro-batch 1 --seq-len 256 --rounds 3 --steps 1 --threads 1
     python tools/bench.py recompute --policies none selective "selective[norm,mlp_act,attn_core]" full/2 full
 
 One process, on the GPU when there is one: the model (``--model``'s preset at ``--seq-len`` tokens) is built and
@@ -17,7 +17,9 @@ label (models/checkpointing.py ``recompute_label``: ``none``, ``selective``, ``s
   s/step       forward and backward of one micro-batch (under autocast, in the micro-batch's dropout context),
                the median over rounds of alternating blocks (trident/bench/harness.py), its spread, and the median
                over rounds of its ratio to ``none``'s block of the same round (the issue's target: selective at
-               most 1.15x); ``recompute TFLOP`` the estimator's matmul and attention FLOPs recomputed per step
+               most 1.15x); the same in this process's CPU time (its threads together), steadier than the wall
+               clock on a CPU shared with other work; ``recompute TFLOP`` the estimator's matmul and attention FLOPs
+               recomputed per step
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from trident.parallel.precision import autocast
 from trident.parallel.random import model_parallel_rng
 from trident.peak import PRECISION_DTYPES
 
-HEADER = ["policy", "activations", "estimate", "vs measured", "s/step", "spread", "vs none", "recompute TFLOP"]
+HEADER = ["policy", "activations", "estimate", "vs measured", "s/step", "spread", "vs none", "CPU-s/step"]
+HEADER += ["CPU vs none", "recompute TFLOP"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,11 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=2, help="forward + backward steps per timed block")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--threads", type=int, help="torch's intra-op threads (1 steadies timings on a shared CPU)")
 
 
 def run(args: argparse.Namespace) -> list[Table]:
     cfg = compose_config(args.conf, [f"model={args.model}", f"model.seq_len={args.seq_len}", "wandb.mode=disabled"])
     m = cfg.model
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -103,9 +109,9 @@ def run(args: argparse.Namespace) -> list[Table]:
         f"{args.precision} on {device.type}; forward + backward, {args.steps} steps a block, {args.rounds} rounds",
         HEADER,
     )
-    base = timings["none" if "none" in timings else args.policies[0]].wall
+    first = timings["none" if "none" in timings else args.policies[0]]
     for label in args.policies:
-        wall = timings[label].wall
+        wall, cpu = timings[label].wall, timings[label].cpu
         predicted = activation_bytes(m, layout, 0, label)
         t.add(
             label,
@@ -114,7 +120,9 @@ def run(args: argparse.Namespace) -> list[Table]:
             f"{predicted / held[label]:.3f}" if held[label] else "-",
             number(statistics.median(wall), ".3f"),
             spread(wall),
-            f"{statistics.median(a / b for a, b in zip(wall, base, strict=True)):.2f}x",
+            f"{statistics.median(a / b for a, b in zip(wall, first.wall, strict=True)):.2f}x",
+            number(statistics.median(cpu), ".3f"),
+            f"{statistics.median(a / b for a, b in zip(cpu, first.cpu, strict=True)):.2f}x",
             number(recompute_flops(m, dataclasses.replace(layout, micro_batches=1), 0, label) / 1e12, ".4f"),
         )
     t.notes.append(
