@@ -5,9 +5,10 @@ the block as an input, not a constant), while the embedding, the head and the vo
 The compiled forward is set on the block instance, so no wrapper module appears and parameter names (and with
 them checkpoints) do not change.
 
-Apply it *before* activation checkpointing: ``full`` then checkpoints the compiled block, and ``selective``
-leaves the recomputed attention core as an eager island inside it (dynamo cannot trace a checkpoint whose
-``context_fn`` restores the RNG tracker's micro-batch). Dropout masks are drawn eagerly (``RNGTracker.keep_mask``
+Apply it *before* activation checkpointing: ``full`` and ``selective`` then checkpoint the compiled block (selective's
+contexts keep and replay the same outputs as in an eager block), and ``attention`` leaves the recomputed attention
+core as an eager island inside it (dynamo cannot trace a checkpoint whose ``context_fn`` restores the RNG tracker's
+micro-batch). Dropout masks are drawn eagerly (``RNGTracker.keep_mask``
 is an eager island), so they, and their replay in recomputation, are the eager ones; inductor's
 ``fallback_random`` would keep any other random op as eager draws it.
 """

@@ -68,8 +68,19 @@ def test_zero_with_pipeline_gives_the_one_process_curve(tiny_dataset, tmp_path, 
 ZERO3 = ["train.steps=4", "parallel.zero=3", "parallel.pp=2"]
 ZERO3_LAYOUTS = {
     # pp2 under 1f1b in micro_batch mode (the defaults) is a saving run of the zero3 checkpoint test below.
-    "pp2-1f1b-step": (4, ["parallel.schedule=1f1b", "parallel.zero3_gather=step"]),
-    "pp2-vpp2-micro_batch-prefetch0": (4, ["parallel.vpp=2", "parallel.zero3_prefetch=0"]),
+    "pp2-1f1b-step-attention": (
+        4,
+        ["parallel.schedule=1f1b", "parallel.zero3_gather=step", "train.activation_checkpointing=attention"],
+    ),
+    "pp2-vpp2-micro_batch-prefetch0-full-every2": (
+        4,
+        [
+            "parallel.vpp=2",
+            "parallel.zero3_prefetch=0",
+            "train.activation_checkpointing=full",
+            "train.recompute_every=2",
+        ],
+    ),
     "pp2-vpp2-step-prefetch2": (4, ["parallel.vpp=2", "parallel.zero3_gather=step", "parallel.zero3_prefetch=2"]),
     "pp2-zbh1-micro_batch-full": (4, ["parallel.schedule=zb-h1", "train.activation_checkpointing=full"]),
     "pp2-zbh1-step-selective": (

@@ -241,3 +241,18 @@ def test_gpu_bench_times_trident_the_plain_loop_and_torch_compile_here_on_a_cpu(
     assert first[0] == pytest.approx(first[1], rel=1e-5)  # trident and the plain loop: the same weights and batch
     last = [figure(c) for c in table.column("last loss")]
     assert last[2] < first[1]  # torch.compile trained the plain loop's model on from its warm-up
+
+
+def test_recompute_tables_each_policy_measured_against_the_estimate_and_timed_against_none() -> None:
+    policies = ["none", "selective", "attention", "full/2", "full"]
+    (table,) = bench(
+        "recompute", "--model", "gpt-tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "1", "--rounds", "1",
+        "--device", "cpu", "--policies", *policies,
+    )  # fmt: skip
+    assert table.column("policy") == policies
+    assert table.column("activations") == table.column("estimate")  # to the byte on a CPU
+    assert table.column("vs none")[0] == "1.00x"
+    assert_finite(table, "s/step", "vs none", "CPU-s/step", "CPU vs none", "recompute TFLOP")
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    held = {p: figure(c) * units[c.split()[1]] for p, c in zip(policies, table.column("activations"), strict=True)}
+    assert held["full"] < held["full/2"] < held["none"] and held["selective"] < held["none"]

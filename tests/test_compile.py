@@ -2,8 +2,8 @@
 sequence parallelism with activation checkpointing, and keeps the parameter names: a compiled run's checkpoint
 resumes eagerly with the uninterrupted losses. GPT-2's block with dropout (its masks drawn in an eager island inside
 the compiled block, and drawn again when the checkpoint that wraps the compiled block recomputes it), and Llama's
-(RMSNorm, SwiGLU, RoPE, grouped kv heads) under selective recomputation (the recomputed attention core an eager
-island inside the compiled block)."""
+(RMSNorm, SwiGLU, RoPE, grouped kv heads) under op-level selective recomputation (its checkpoint wrapping the
+compiled block, whose kept outputs the recomputation replays)."""
 
 from __future__ import annotations
 

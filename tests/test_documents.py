@@ -94,6 +94,8 @@ def test_dropout_with_documents_keeps_the_mask():
 
 
 FULL = "train.activation_checkpointing=full"
+# Op-level selective recomputation of every second block: the first stage's block recomputed, the second's not.
+SELECTIVE_EVERY_2 = ["train.activation_checkpointing=selective", "train.recompute_every=2"]
 
 
 def _run(dataset, model: str, *extra: str) -> list[str]:
@@ -108,10 +110,10 @@ def _run(dataset, model: str, *extra: str) -> list[str]:
     "model,world,extra",
     [
         ("llama-tiny", 4, ["parallel.tp=2", "parallel.pp=2"]),
-        ("gpt-tiny", 4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+        ("gpt-tiny", 4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", *SELECTIVE_EVERY_2]),
         ("llama-tiny", 2, ["parallel.pp=2", "parallel.vpp=2", "model.n_layers=4", FULL]),
     ],
-    ids=["llama-tp2-pp2", "gpt-tp2-pp2-sp", "llama-interleaved-full-recompute"],
+    ids=["llama-tp2-pp2", "gpt-tp2-pp2-sp-selective-every2", "llama-interleaved-full-recompute"],
 )
 def test_document_masking_under_tp_and_pp_gives_the_one_process_curve(tiny_dataset, tmp_path, model, world, extra):
     from tests.helpers.layouts import assert_same_curve, train_in_process

@@ -149,6 +149,18 @@ LAYOUTS = [
     pytest.param(
         2, ["parallel.pp=2", "parallel.schedule=zb-h1", "train.activation_checkpointing=full"], id="pp2-zbh1-full"
     ),
+    # Op-level selective recomputation: the explicit core's masks redrawn inside the selective contexts, the
+    # sequence-parallel collectives rerun; under zb-h1 each block replayed twice (its I and its W pass).
+    pytest.param(
+        2,
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "train.activation_checkpointing=selective"],
+        id="tp2-sp-selective",
+    ),
+    pytest.param(
+        2,
+        ["parallel.pp=2", "parallel.schedule=zb-h1", "train.activation_checkpointing=selective"],
+        id="pp2-zbh1-selective",
+    ),
 ]
 
 

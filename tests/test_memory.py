@@ -27,7 +27,7 @@ from trident.memory.activations import (
 from trident.memory.measure import held_by_forward, log_model_states, measure_model_states, model_states_line
 from trident.memory.params import chunk_models, chunk_params, rank_chunks, stage_params
 from trident.memory.states import model_states
-from trident.models.checkpointing import apply_activation_checkpointing
+from trident.models.checkpointing import MODULES, apply_activation_checkpointing, parse_label
 from trident.models.gpt import GPT, count_params, init_weights
 from trident.parallel.batch import Batch, document_ids
 from trident.parallel.groups import ProcessGroups, build_process_groups
@@ -266,7 +266,8 @@ def _held(
         init_weights(model, cfg, 0)
     # 16-bit parameters under autocast, as trident trains them (the ZeRO optimizer casts them at build).
     model.to(PRECISION_DTYPES[precision])
-    apply_activation_checkpointing(model, policy)
+    name, modules, every = parse_label(policy)
+    apply_activation_checkpointing(model, name, modules=modules, every=every)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
     y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
@@ -334,6 +335,9 @@ ACTIVATION_SHAPES = [
 ]
 
 
+# Selective's module lists: each module recomputed alone, all four; every second block.
+MODULE_LISTS = ["selective/2", *(f"selective[{m}]" for m in MODULES), "selective[norm,mlp_act,attn_core,mlp]"]
+
 EOS = 1
 DOCUMENT_SHAPES = [SHAPES[0], DROPOUT, LLAMA, dataclasses.replace(LLAMA, name="llama-dropout", dropout=0.1)]
 
@@ -356,14 +360,28 @@ def test_activation_prediction_with_packed_documents_matches_a_forward(cfg: Mode
 @pytest.mark.parametrize("cfg", ACTIVATION_SHAPES, ids=[c.name for c in ACTIVATION_SHAPES])
 def test_activation_prediction_matches_a_forward(cfg: ModelConfig, precision: str) -> None:
     """What one micro-batch's forward keeps for backward (storages created and still alive, parameters and
-    input left out) is predicted to the byte for each policy, and full < selective < none: GPT-2's blocks and
+    input left out) is predicted to the byte for each recomputation (op-level selective, the attention core alone,
+    every second block, full), and full < selective < none, full < full/2 < none: GPT-2's blocks and
     each Llama option (RMSNorm's composite on a CPU, SwiGLU's three hidden tensors, RoPE's rotated q and k and
     its tables, grouped-query k and v at their own width, no position ids with RoPE, an untied head)."""
     held = {p: _held(cfg, p, batch=2, precision=precision) for p in POLICIES}
     layout = Layout(micro_batch_size=2, precision=precision, device="cpu")
     predicted = {p: activation_bytes(cfg, layout, 0, p) for p in POLICIES}
     assert predicted == held
-    assert held["full"] < held["selective"] < held["none"]
+    assert held["full"] < held["selective"] < held["attention"] < held["none"]
+    assert held["full"] < held["full/2"] < held["none"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", DOCUMENT_SHAPES, ids=[c.name for c in DOCUMENT_SHAPES])
+def test_selective_module_lists_are_predicted_to_the_byte(cfg: ModelConfig, precision: str) -> None:
+    """train.recompute_modules: what op-level selective keeps with each module recomputed alone (the others'
+    outputs kept: the norms', the activation's, the core's, the MLP's matmuls'), with all four, and with every
+    second block, to the byte; GPT-2 and Llama blocks, with and without dropout's explicit core."""
+    held = {p: _held(cfg, p, batch=2, precision=precision) for p in MODULE_LISTS}
+    layout = Layout(micro_batch_size=2, precision=precision, device="cpu")
+    assert {p: activation_bytes(cfg, layout, 0, p) for p in MODULE_LISTS} == held
+    assert held["selective[norm,mlp_act,attn_core,mlp]"] < min(held[f"selective[{m}]"] for m in MODULES)
 
 
 # --- model states on real ranks -------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from trident.config import ModelConfig
-from trident.models.checkpointing import apply_activation_checkpointing
+from trident.memory.measure import held_by_forward
+from trident.models.checkpointing import MODULES, SELECTIVE_MODULES, apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, flops_per_token, init_weights, lm_loss_sum, padded_vocab_size
 from trident.parallel.placement import placement_of
 from trident.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -145,11 +146,22 @@ def test_gpt2_small_shape_has_124m_parameters():
     assert count_params(cfg) == 124_439_808  # GPT-2 small, as published
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
-def test_activation_checkpointing_keeps_math_and_names(policy):
+@pytest.mark.parametrize(
+    "policy,modules,every",
+    [
+        ("full", SELECTIVE_MODULES, 1),
+        ("selective", SELECTIVE_MODULES, 1),
+        ("selective", MODULES, 1),
+        ("selective", ("attn_core",), 2),
+        ("attention", SELECTIVE_MODULES, 1),
+        ("full", SELECTIVE_MODULES, 2),
+    ],
+    ids=["full", "selective", "selective-all-modules", "selective-attn_core-every2", "attention", "full-every2"],
+)
+def test_activation_checkpointing_keeps_math_and_names(policy, modules, every):
     x, y = batch()
     ref, ckpt = build(), build()
-    apply_activation_checkpointing(ckpt, policy)
+    apply_activation_checkpointing(ckpt, policy, modules=modules, every=every)
     assert list(ref.state_dict()) == list(ckpt.state_dict())
     loss_ref, loss_ckpt = lm_loss_sum(ref(x), y), lm_loss_sum(ckpt(x), y)
     assert torch.equal(loss_ref, loss_ckpt)
@@ -159,27 +171,20 @@ def test_activation_checkpointing_keeps_math_and_names(policy):
         assert torch.allclose(a.grad, b.grad, atol=1e-7), name
 
 
-def test_selective_checkpointing_stores_less_than_none():
-    """Selective recomputation must actually drop saved activations, not only keep the math."""
+def test_recomputation_keeps_less_than_none():
+    """Each policy must actually drop kept activations, not only keep the math: op-level selective keeps less
+    than the attention core's recomputation, every second block between none and all (storages alive after the
+    forward, as tests/test_memory.py measures them to the byte)."""
     cfg = dataclasses.replace(TINY, seq_len=64)
     x, _ = batch(cfg, b=4)
 
-    def saved_bytes(model: GPT) -> int:
-        total = 0
+    def held(policy: str, every: int = 1) -> int:
+        model = build(cfg)
+        apply_activation_checkpointing(model, policy, every=every)
+        return held_by_forward(lambda: model(x).sum(), [*model.parameters(), x])[1]
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x).sum()
-        return total
-
-    plain, selective, full = build(cfg), build(cfg), build(cfg)
-    apply_activation_checkpointing(selective, "selective")
-    apply_activation_checkpointing(full, "full")
-    assert saved_bytes(full) < saved_bytes(selective) < saved_bytes(plain)
+    assert held("full") < held("selective") < held("attention") < held("none")
+    assert held("full") < held("full", every=2) < held("none")
 
 
 def test_sequence_longer_than_context_is_rejected():

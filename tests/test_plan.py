@@ -104,7 +104,7 @@ def test_memory_predictions_are_the_estimators(overrides: list[str]) -> None:
             layout = dataclasses.replace(accepted, device=device)
             worst = estimate(variant.model, layout).worst
             peak, states = memory.peak(layout)
-            assert peak == worst.peak(layout.activation_checkpointing)
+            assert peak == worst.peak(layout.recompute)
             assert states == worst.model_states["total"]
 
 
@@ -230,3 +230,29 @@ def test_pipeline_chunks_reduce_behind_their_own_last_backward() -> None:
     # Both ending at 1.0, in the order given (as the executor launches): the three queue from 1.0, one after another.
     end = _chunk_reduce_end(profile, layout, [(per_bucket, 1.0, 1.0), (2 * per_bucket, 0.0, 1.0)], False)
     assert end == pytest.approx(1.0 + 3 * s)
+
+
+def test_recomputation_is_priced_and_the_plan_picks_the_least_that_fits() -> None:
+    """Each recomputation is priced by what it recomputes and kept by what it keeps: at one layout none is the
+    fastest and keeps the most, full the slowest and keeps the least, op-level selective and full recomputation of
+    every second block between them. With memory for no more than selective (then for no more than full/2), the
+    plan's best recomputes selectively (then every second block), not every block in full."""
+    base = ["model=gpt-tiny", "train.global_batch_size=1", "train.micro_batch_size=1"]  # one micro-batch size
+    recomputations = {
+        "none": [],
+        "selective": ["train.activation_checkpointing=selective"],
+        "full/2": ["train.activation_checkpointing=full", "train.recompute_every=2"],
+        "full": ["train.activation_checkpointing=full"],
+    }
+    predicted = {
+        name: predict(compose_config(REPO / "conf", [*base, *extra]), 1, cpu_profile())
+        for name, extra in recomputations.items()
+    }
+    peak = {name: p.peak["host"] for name, p in predicted.items()}
+    step = {name: p.time.step for name, p in predicted.items()}
+    assert step["none"] < step["selective"] < step["full/2"] < step["full"]
+    assert peak["none"] > peak["selective"] > peak["full/2"] > peak["full"]
+    cfg = compose_config(REPO / "conf", base)
+    for budget in ("selective", "full/2"):
+        best = plan(cfg, 1, cpu_profile(memory=peak[budget] / 0.9 + 1)).best
+        assert best is not None and best.layout.recompute == budget

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trident.config import ModelConfig
-from trident.models.checkpointing import apply_activation_checkpointing
+from trident.models.checkpointing import MODULES, SELECTIVE_MODULES, apply_activation_checkpointing
 from trident.models.gpt import GPT, check_tp_split, init_weights, lm_loss_sum, padded_vocab_size
 from trident.parallel.grad_sums import all_reduce_flat
 from trident.parallel.placement import placement_of
@@ -208,20 +208,32 @@ def test_gpt_matches_the_one_process_model_and_keeps_replicas_identical(tp, sp):
             assert all(torch.equal(a, b) for a, b in zip(ranks[0][key], other[key], strict=True)), key
 
 
+# Every policy, selective's modules all recomputed, and every second block.
+RECOMPUTATIONS = [
+    ("none", SELECTIVE_MODULES, 1),
+    ("full", SELECTIVE_MODULES, 1),
+    ("selective", SELECTIVE_MODULES, 1),
+    ("selective", MODULES, 1),
+    ("attention", SELECTIVE_MODULES, 1),
+    ("selective", SELECTIVE_MODULES, 2),
+]
+
+
 def _check_dropout(rank: int, world: int, sp: bool) -> list[torch.Tensor]:
     cfg = dataclasses.replace(CFG, dropout=0.1)
     x, y = _batch(0)
     results = {}
-    for policy in ("none", "full", "selective"):
+    for policy, modules, every in RECOMPUTATIONS:
         model = GPT(cfg, dist.group.WORLD, sequence_parallel=sp, rng=model_parallel_rng(5))
         init_weights(model, cfg, seed=0)
-        apply_activation_checkpointing(model, policy)
+        apply_activation_checkpointing(model, policy, modules=modules, every=every)
         with model.rng.context(step=0, sample_ids=range(len(x))):
             loss = model.loss_sum(model(x), y)
         loss.backward()  # recomputes outside the micro-batch's context: checkpoint_contexts puts it back
         all_reduce_flat([p.grad for p in _summed_over_tp(model)], dist.group.WORLD)
-        results[policy] = (loss.detach(), [p.grad for p in model.parameters()])
-    for policy in ("full", "selective"):
+        results[policy, modules, every] = (loss.detach(), [p.grad for p in model.parameters()])
+    results["none"] = results["none", SELECTIVE_MODULES, 1]
+    for policy in RECOMPUTATIONS[1:]:
         assert torch.equal(results[policy][0], results["none"][0]), policy
         for a, b in zip(results[policy][1], results["none"][1], strict=True):
             assert torch.allclose(a, b, atol=1e-7), policy

@@ -14,6 +14,8 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
     python tools/bench.py gpu --models gpt-small llama-1b --precision bf16
                                                        # trident vs a plain loop vs torch.compile: MFU, peak memory
     python tools/bench.py checkpoint                   # step time with no save, a sync save, an async save
+    python tools/bench.py recompute                    # each recomputation: activations measured and estimated,
+                                                       # step time against none
 
 ``python tools/bench.py <subcommand> --help`` says what each measures. ``--out FILE`` also writes the tables.
 """
@@ -27,7 +29,19 @@ from pathlib import Path
 from types import ModuleType
 
 REPO = Path(__file__).resolve().parent.parent
-SUBCOMMANDS = ("layouts", "matrix", "throughput", "tp", "pp", "zero", "loader", "prepare", "gpu", "checkpoint")
+SUBCOMMANDS = (
+    "layouts",
+    "matrix",
+    "throughput",
+    "tp",
+    "pp",
+    "zero",
+    "loader",
+    "prepare",
+    "gpu",
+    "checkpoint",
+    "recompute",
+)
 
 
 def parse(argv: list[str] | None = None) -> tuple[ModuleType, argparse.Namespace]:

@@ -25,7 +25,6 @@ from pathlib import Path
 from trident.config import Config, validate
 from trident.errors import ConfigError
 from trident.layout import Layout
-from trident.memory.activations import POLICIES
 from trident.memory.estimate import Estimate, estimate
 from trident.memory.measure import format_bytes
 from trident.tool_config import default_world, load_config
@@ -71,7 +70,7 @@ def report(cfg: Config, world: int, device: str) -> str:
     layout = layout_on(cfg, world, device)
     asked = estimate(cfg.model, layout)
     worst = asked.worst
-    policy = layout.activation_checkpointing
+    policy = layout.recompute
     lines = [
         f"Estimated memory per rank for {cfg.model.name} ({asked.total_params / 1e6:.2f}M parameters), "
         f"world {world} = dp {layout.dp} x tp {layout.tp} x pp {layout.pp}"
@@ -108,15 +107,17 @@ def report(cfg: Config, world: int, device: str) -> str:
         lines.append(f"  {name:<36} {_cell(v['device'])} {_cell(v['host'])}")
     place = worst.compute_place
     transient = [("gradient staging (zero 2-3)", worst.staging), ("gathered parameters (zero 3)", worst.gathered)]
-    for p in POLICIES:
+    for p in worst.activations:
         transient.append((f"activations, recomputation {p}", worst.activations[p]))
+    flops = {f"activations, recomputation {p}": f for p, f in worst.recompute_flops.items()}
     if worst.backward_transient(policy):
         what = "loss's gradients" if worst.loss_backward >= worst.recompute[policy] else f"recomputation ({policy})"
         transient.append((f"backward transient: {what}", worst.backward_transient(policy)))
     for name, n in transient:
         if n:
             cells = (_cell(n), _cell(0)) if place == "device" else (_cell(0), _cell(n))
-            lines.append(f"  {name:<36} {cells[0]} {cells[1]}")
+            recomputed = f"  recomputes {flops[name] / 1e12:.3g} TFLOP a step" if name in flops else ""
+            lines.append(f"  {name:<36} {cells[0]} {cells[1]}{recomputed}")
     if worst.checkpoint_staging:
         lines.append(f"  {'checkpoint staging (checkpoint.async)':<36} {_cell(0)} {_cell(worst.checkpoint_staging)}")
     peak = worst.peak(policy)

@@ -72,7 +72,9 @@ def model_chunks(
         chunk.to(device)
         if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
             compile_blocks(chunk, device)
-        apply_activation_checkpointing(chunk, layout.activation_checkpointing, train.compile)
+        apply_activation_checkpointing(
+            chunk, layout.activation_checkpointing, train.compile, layout.recompute_modules, layout.recompute_every
+        )
         chunks.append(chunk)
     return chunks
 

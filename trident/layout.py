@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trident.models.checkpointing import SELECTIVE_MODULES, recompute_label
 from trident.parallel.pipeline.schedules import resolve_schedule
 
 if TYPE_CHECKING:  # trident/config/validate.py imports this module to build layouts
@@ -35,6 +36,7 @@ _PLANNED = {
     "parallel.sequence_parallel": "sequence_parallel",
     "train.micro_batch_size": "micro_batch_size",
     "train.activation_checkpointing": "activation_checkpointing",
+    "train.recompute_every": "recompute_every",
     "parallel.zero3_gather": "zero3_gather",
 }
 PLANNED_KEYS = tuple(_PLANNED)
@@ -55,7 +57,9 @@ class Layout:
     offload: str = "none"  # none | cpu: the optimizer shard's first ``offload_ratio`` on the host
     offload_ratio: float = 1.0  # 1.0 without offload
     sequence_parallel: bool = False
-    activation_checkpointing: str = "none"  # none | selective | full
+    activation_checkpointing: str = "none"  # none | selective | attention | full
+    recompute_modules: tuple[str, ...] = SELECTIVE_MODULES  # what selective recomputes (selective only)
+    recompute_every: int = 1  # every N-th block recomputed (1 without recomputation)
     micro_batch_size: int = 1
     micro_batches: int = 1  # per rank per step (gradient accumulation): global / (micro_batch_size * dp)
     bucket_mb: float = 25.0
@@ -88,6 +92,11 @@ class Layout:
         return self.offload_ratio if self.offload == "cpu" else 0.0
 
     @property
+    def recompute(self) -> str:
+        """The recomputation in one word (``selective``, ``full/2``, ...): how the estimator keys it."""
+        return recompute_label(self.activation_checkpointing, self.recompute_modules, self.recompute_every)
+
+    @property
     def seq_divisor(self) -> int:
         """What the sequence is split by inside a tensor-parallel region: tp under sequence parallelism, else 1."""
         return self.tp if self.sequence_parallel else 1
@@ -115,7 +124,7 @@ class Layout:
         if self.offload != "none":
             words.append(f"offload{self.offload_ratio:g}")
         if self.activation_checkpointing != "none":
-            words.append(f"ac={self.activation_checkpointing}")
+            words.append(f"ac={self.recompute}")
         words.append(f"mbs{self.micro_batch_size}")
         return " ".join(words)
 

@@ -13,4 +13,5 @@ trident's side through trident/build.py as train.py does:
     prepare     tools/prepare_data.py's rate at 1 and more workers against the tokenizer's batch API
     gpu         trident's step against a plain loop and torch.compile of it: tokens/s, MFU, peak memory (a GPU)
     checkpoint  step time with no save, a foreground save and a background one (checkpoint.async)
+    recompute   each recomputation policy: one micro-batch's activations measured and estimated, step time vs none
 """

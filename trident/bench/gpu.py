@@ -263,8 +263,9 @@ def _rank(rank: int, world: int, job: Job) -> dict:
         sync=lambda: barrier(device),
     )
     parts.optimizer.remove_hooks()
-    predicted = estimate(cfg.model, dataclasses.replace(validate(cfg, 1), device=device.type)).worst
-    predicted_peak = predicted.peak(cfg.train.activation_checkpointing)
+    layout = dataclasses.replace(validate(cfg, 1), device=device.type)
+    predicted = estimate(cfg.model, layout).worst
+    predicted_peak = predicted.peak(layout.recompute)
     trident_dtype = str(next(parts.chunks[0].parameters()).dtype).removeprefix("torch.")
     autocast_note = "" if precision == "fp32" else f", {precision} autocast"
     dtypes = {

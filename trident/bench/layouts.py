@@ -89,7 +89,13 @@ def run(args: argparse.Namespace) -> list[Table]:
         # One process of the same model and batch, as the plain loop has no parallelism to compare.
         par = dataclasses.replace(cfg.parallel, dp=None, tp=1, pp=1, vpp=1, schedule=None, zero=0)
         par.sequence_parallel = False
-        train = dataclasses.replace(cfg.train, compile=False, activation_checkpointing="none")
+        train = dataclasses.replace(
+            cfg.train,
+            compile=False,
+            activation_checkpointing="none",
+            recompute_every=1,
+            recompute_modules=["norm", "mlp_act"],
+        )
         one = dataclasses.replace(cfg, parallel=par, train=train)
         bench = throughput.table(one, 1, warmup=1, steps=3, rounds=2, peak_tflops=cfg.logging.peak_tflops)
         rate = float(bench.column("tokens/s")[1].replace(",", ""))

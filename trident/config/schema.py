@@ -132,7 +132,13 @@ class TrainConfig:
     steps: int = 60  # a first try: minutes on a CPU; train.steps=1000 is the full-length run (README)
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16
-    activation_checkpointing: str = "none"  # none | full | selective
+    # none | selective | attention | full (models/checkpointing.py): what backward recomputes instead of keeping
+    activation_checkpointing: str = "none"
+    # What selective recomputes, of norm, mlp_act, attn_core, mlp; it keeps the other modules' matmuls' outputs.
+    recompute_modules: list[str] = field(default_factory=lambda: ["norm", "mlp_act"])
+    recompute_every: int = (
+        1  # recompute only every N-th block (global layers 0, N, 2N, ...): memory between none and all
+    )
     compile: bool = False  # each transformer block compiled with torch.compile (models/compile.py)
     eval_every: int = 20  # 0 disables periodic validation
     # Global batches of validation data per evaluation, at most what the validation set holds; None: up to 4.

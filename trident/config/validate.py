@@ -11,6 +11,7 @@ from trident.config.schema import Config, ParallelConfig, TrainConfig
 from trident.device import device_type
 from trident.errors import ConfigError
 from trident.layout import Layout
+from trident.models.checkpointing import MODULES, POLICIES, SELECTIVE_MODULES
 from trident.parallel.pipeline.schedules import SCHEDULES, resolve_schedule, schedule_error
 from trident.parallel.tensor import kv_heads_error, tp_split_error
 from trident.parallel.zero.stage3 import GATHER_MODES
@@ -193,7 +194,23 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
     _need(-(2**63) <= tr.seed < 2**63, f"train.seed={tr.seed} must fit 64 bits; use an integer in [0, 2^63)")
     _one_of("train.precision", tr.precision, ("fp32", "bf16", "fp16"))
-    _one_of("train.activation_checkpointing", tr.activation_checkpointing, ("none", "full", "selective"))
+    _one_of("train.activation_checkpointing", tr.activation_checkpointing, POLICIES)
+    modules = list(tr.recompute_modules)
+    _need(
+        bool(modules) and set(modules) <= set(MODULES) and len(set(modules)) == len(modules),
+        f"train.recompute_modules={modules} must name some of {', '.join(MODULES)}, each once",
+    )
+    _need(
+        tr.activation_checkpointing == "selective" or tuple(modules) == SELECTIVE_MODULES,
+        f"train.recompute_modules={modules} is what train.activation_checkpointing=selective recomputes, "
+        f"not {tr.activation_checkpointing}; set train.activation_checkpointing=selective",
+    )
+    _need(tr.recompute_every >= 1, f"train.recompute_every={tr.recompute_every} must be >= 1 (1: every block)")
+    _need(
+        tr.activation_checkpointing != "none" or tr.recompute_every == 1,
+        f"train.recompute_every={tr.recompute_every} recomputes blocks under a policy; set "
+        "train.activation_checkpointing to selective, attention or full",
+    )
     _one_of("train.device", tr.device, ("auto", "cpu", "cuda"))
     _need(tr.eval_every >= 0, f"train.eval_every={tr.eval_every} must be >= 0 (0 disables evaluation)")
     _need(tr.eval_batches is None or tr.eval_batches >= 1, f"train.eval_batches={tr.eval_batches} must be >= 1")
@@ -258,6 +275,10 @@ def _resolve(cfg: Config, dp: int, schedule: str) -> Layout:
         offload_ratio=par.offload.ratio if par.offload.optimizer != "none" else default.offload_ratio,
         sequence_parallel=par.sequence_parallel,
         activation_checkpointing=tr.activation_checkpointing,
+        recompute_modules=tuple(tr.recompute_modules)
+        if tr.activation_checkpointing == "selective"
+        else (default.recompute_modules),
+        recompute_every=tr.recompute_every,
         micro_batch_size=tr.micro_batch_size,
         micro_batches=grad_accum_steps(tr, dp),
         bucket_mb=par.bucket_mb,

@@ -50,7 +50,9 @@ SINGLES = (
     "parallel.dp from the world",
     *_words("parallel.auto", (True, False)),
     *_words("parallel.bucket_mb", (25.0, 1.0, 0.05, 0.001)),
-    *_words("train.activation_checkpointing", ("none", "selective", "full")),
+    *_words("train.activation_checkpointing", ("none", "selective", "attention", "full")),
+    *_words("train.recompute_every", (1, 2)),
+    *_words("train.recompute_modules", ("norm,mlp_act", "norm,mlp_act,attn_core,mlp", "attn_core", "mlp")),
     *_words("train.micro_batch_size", (1, 2, 4, 8)),
     "micro-batches=1",
     "micro-batches>1",
@@ -96,7 +98,13 @@ PAIRS = (
     ("parallel.vpp=2", "dp>1"),
     *((f"train.precision={p}", "sharded") for p in ("fp32", "bf16", "fp16")),  # the sharded master weights
     *((f"train.precision={p}", "pp>1") for p in ("bf16", "fp16")),  # the loss scale over stages
-    *((f"train.activation_checkpointing={a}", "pp>1") for a in ("selective", "full")),
+    *((f"train.activation_checkpointing={a}", "pp>1") for a in ("selective", "attention", "full")),
+    # Op-level selective recomputation with what its replay reruns: the sequence-parallel collectives, the redrawn
+    # dropout masks, ZeRO-3's gathered blocks.
+    ("train.activation_checkpointing=selective", "parallel.sequence_parallel=true"),
+    ("train.activation_checkpointing=selective", "model.dropout=0.1"),
+    ("train.activation_checkpointing=selective", "parallel.zero=3"),
+    ("train.recompute_every=2", "pp>1"),
     *((_is("parallel.bucket_mb", b), "dp>1") for b in (25.0, 1.0, 0.05, 0.001)),  # buckets reduce over dp
     ("parallel.pp=1", "micro-batches>1", "dp>1"),  # gradient accumulation, synced on the last micro-batch
     ("model.dropout=0.1", "tp>1"),  # the tensor-parallel random streams
@@ -186,6 +194,10 @@ def exercised(drawn: Drawn) -> frozenset[str]:
         return frozenset(facts)
     facts |= {_is(f"parallel.{key}", getattr(layout, key)) for key in ("tp", "pp", "vpp", "zero", "sequence_parallel")}
     facts |= {_is(f"train.{key}", getattr(layout, key)) for key in ("activation_checkpointing", "micro_batch_size")}
+    if layout.activation_checkpointing != "none":
+        facts.add(_is("train.recompute_every", layout.recompute_every))
+    if layout.activation_checkpointing == "selective":
+        facts.add(_is("train.recompute_modules", ",".join(layout.recompute_modules)))
     facts.add(_is("parallel.offload.optimizer", layout.offload))
     facts.add("parallel.dp given" if cfg.parallel.dp is not None else "parallel.dp from the world")
     facts.add("micro-batches>1" if layout.micro_batches > 1 else "micro-batches=1")
@@ -217,7 +229,8 @@ def _run_seconds(layout: Layout, layers: int, batch: int, steps: int) -> float:
     """One run's seconds on an idle 2-core machine, roughly (fitted to the old CI sample's measured cases): a second
     a run, a writer interpreter per rank with ``checkpoint.async`` (each imports torch), and the arithmetic, which
     grows with the tokens times the layers (recomputation adds forwards). World size alone costs little."""
-    recompute = {"none": 1.0, "selective": 1.2, "full": 1.4}[layout.activation_checkpointing]
+    recomputed = {"none": 0.0, "selective": 0.2, "attention": 0.2, "full": 0.4}[layout.activation_checkpointing]
+    recompute = 1.0 + recomputed / layout.recompute_every
     return 0.8 + 1.6 * layout.world * layout.async_checkpoint + 0.0032 * steps * batch * (layers * recompute + 2)
 
 

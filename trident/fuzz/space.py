@@ -99,7 +99,20 @@ def _draw_knobs(rng: random.Random, mistake: float, fixed: dict[str, Any] | None
         knobs["parallel.zero3_prefetch"] = rng.choice([0, 1, 2])
     # The mid-run checkpoint and the resumed run's written in the background (drawn last: earlier draws keep theirs).
     knobs["checkpoint.async"] = rng.random() < 0.5
+    # Recomputation's attention-core policy, selective's module lists and every N-th block (issue 32), drawn last.
+    if knobs["train.activation_checkpointing"] == "selective":
+        kind = _weighted(rng, {"default": 0.4, "attention": 0.3, "modules": 0.3})
+        if kind == "attention":
+            knobs["train.activation_checkpointing"] = "attention"
+        elif kind == "modules":
+            knobs["train.recompute_modules"] = rng.choice(RECOMPUTE_MODULES)
+    if knobs["train.activation_checkpointing"] != "none" and rng.random() < 0.3:
+        knobs["train.recompute_every"] = 2
     return world, {**model, **knobs}
+
+
+# Selective's module lists beside its default [norm,mlp_act]: the core and the whole MLP too, and each kept alone.
+RECOMPUTE_MODULES = ["[norm,mlp_act,attn_core,mlp]", "[attn_core]", "[mlp]"]
 
 
 def _overrides(knobs: dict[str, Any]) -> tuple[str, ...]:

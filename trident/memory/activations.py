@@ -4,8 +4,8 @@ They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Larg
 transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the micro-batches
 in flight on a pipeline stage. Counted for this model's operators rather than Megatron's: attention runs a fused
 kernel (flash / memory-efficient, taking grouped-query k and v as they are) that saves q, k, v, its output and an
-fp32 logsumexp, never the s x s scores, so Korthikanti's 5as/h term is absent, and selective recomputation of the
-attention core saves only the logsumexp. With s tokens, b sequences, h the model width, f the MLP width, a
+fp32 logsumexp, never the s x s scores, so Korthikanti's 5as/h term is absent, and recomputing the attention core
+alone saves only the logsumexp. With s tokens, b sequences, h the model width, f the MLP width, a
 heads, t = tp, t_sp = t under sequence parallelism (else 1), e the activation dtype's bytes, e_n a LayerNorm's
 (fp32 under 16-bit autocast on CUDA, where layer_norm is an fp32 op; the activation dtype on CPU, where it is not),
 q = h / t this rank's query width and k its key width (its kv heads x head_dim):
@@ -31,8 +31,16 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   dropped copy 2 a b s^2 e / t, the keep mask a b s^2 / t and the causal mask s^2;
                                   its matmuls keep q, k and v at the query heads' width, 4 sbq e in all with the
                                   output (k and v repeated, views copied contiguous), instead of the projections'
-    selective recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
+    attention recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
+    selective recomputation       op-level (torch's selective checkpoint contexts): the layer's input sbh e / t_sp,
+                                  the outputs of qkv (or q and kv) sb (3q or q + 2k) e and of the output projection
+                                  sbh e (whole: tp's partial sums), and of the modules train.recompute_modules does
+                                  not list: the core's output and fp32 logsumexp sbq e + 4 abs / t (the explicit
+                                  core's scores a b s^2 e / t and output), the MLP's matmuls (sbf e / t, two with
+                                  SwiGLU, and sbh e), its activation (the same hidden bytes again), the norms'
+                                  outputs (``_selective_layer_bytes``); the default recomputes norms and activations
     full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
+    every N-th block              the policy's bytes for global layers 0, N, 2N, ..., none's for the others
     packed documents (CPU)        per layer: SDPA's float copy of the dense mask b s^2 e (the explicit core's inverted
                                   mask b s^2 instead of the causal s^2), RoPE's tables per sample (b x); per chunk
                                   under recomputation: the bool mask b s^2 and the int64 positions 8 b s its
@@ -69,12 +77,14 @@ from dataclasses import dataclass
 from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.params import local_heads, rank_chunks
+from trident.models.checkpointing import parse_label, recomputed_layers
 from trident.models.gpt import padded_vocab_size
 from trident.parallel.pipeline.schedules import activation_peak, build_schedule, stage_placement
 from trident.parallel.precision import precision_policy
 
 FP32 = 4
-POLICIES = ("none", "selective", "full")
+# The recomputations the estimator reports beside the layout's own (models/checkpointing.py ``recompute_label``).
+POLICIES = ("none", "attention", "selective", "full/2", "full")
 
 
 @dataclass(frozen=True)
@@ -157,14 +167,18 @@ class _Shape:
 
 
 def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
-    """Activation bytes one transformer layer keeps for backward per micro-batch (see the module docstring)."""
+    """Activation bytes one recomputed transformer layer keeps for backward per micro-batch (see the module
+    docstring); ``policy`` a label without ``/N`` (``none``, ``attention``, ``selective[...]``, ``full``)."""
     x = _Shape.of(m, layout)
     sbh, sbf = x.s * x.b * x.h, x.s * x.b * x.f
+    name, modules, _ = parse_label(policy)
     if policy == "full":
         return sbh * x.e // x.t_sp
+    if name == "selective":
+        return _selective_layer_bytes(m, x, set(modules))
     masks = 2 * sbh // x.t_sp if m.dropout > 0 else 0
     core = 0  # what the attention core keeps beyond q, k, v and its output; nothing when it is recomputed
-    explicit = policy == "none" and m.dropout > 0
+    explicit = policy == "none" and m.dropout > 0  # under attention the core is recomputed
     if policy == "none":
         if explicit:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
             core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1)
@@ -183,6 +197,38 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
         + core
         + masks
     )
+
+
+def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str]) -> int:
+    """Op-level selective recomputation: the block's input and the outputs it keeps of the modules not recomputed
+    (models/checkpointing.py): always the attention projections' (fused qkv, or q and kv) and the output
+    projection's (whole: the partial sums before tp's reduction); the core's (SDPA's output and fp32 log-sum-exp,
+    or the explicit core's scores and output) unless ``attn_core``; the MLP's matmuls unless ``mlp``; its
+    activation (GELU's output, SwiGLU's silu and product) unless ``mlp_act`` or ``mlp``; the norms' outputs unless
+    ``norm`` (LayerNorm's with its mean and rstd; a CPU's composite RMSNorm's fp32 rstd, normalised input and
+    its product with the gain, in fp32 before the cast back; CUDA's fused RMSNorm's output and rstd)."""
+    sb, sbh, sbf = x.s * x.b, x.s * x.b * x.h, x.s * x.b * x.f
+    out = sbh * x.e // x.t_sp + sbh * x.e  # the input; the output projection
+    out += sb * (3 * x.q if x.fused_qkv else x.q + 2 * x.kv) * x.e
+    if "attn_core" not in modules:
+        if m.dropout > 0:  # the explicit core: its scores [b h s s] and their product with v
+            out += x.a // x.t * x.b * x.s * x.s * x.e + sb * x.q * x.e
+        else:
+            out += sb * x.q * x.e + FP32 * x.a * x.b * x.s // x.t
+    hidden = (2 if m.mlp == "swiglu" else 1) * sbf * x.e // x.t
+    if "mlp" not in modules:
+        out += hidden + sbh * x.e
+        if "mlp_act" not in modules:
+            out += hidden
+    if "norm" not in modules:
+        tokens = sb // x.t_sp
+        if x.norm == "layernorm":
+            out += 2 * tokens * (x.h + 2) * x.e_norm
+        elif x.device == "cpu":
+            out += 2 * tokens * (2 * x.h + 1) * FP32
+        else:  # the fused kernel's output and rstd, fp32 (under 16-bit autocast too)
+            out += 2 * tokens * (x.h + 1) * FP32
+    return out
 
 
 def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) -> int:
@@ -225,19 +271,26 @@ def head_bytes(m: ModelConfig, layout: Layout) -> int:
 
 def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> int:
     """Peak activation bytes pipeline stage ``stage`` keeps for backward: walk its schedule, adding a chunk's
-    bytes at each forward and releasing them at its backward."""
-    policy = policy or layout.activation_checkpointing
+    bytes at each forward and releasing them at its backward. ``policy``: a recomputation label
+    (models/checkpointing.py ``recompute_label``), the layout's own by default."""
+    policy = policy or layout.recompute
+    name, _, every = parse_label(policy)
+    kept = policy.partition("/")[0]
     chunks = rank_chunks(layout, stage)
-    per_layer = layer_bytes(m, layout, policy)
     layers = m.n_layers // (layout.pp * layout.vpp)
     last = layout.pp * layout.vpp - 1
-    chunk_bytes = [
-        layers * per_layer
-        + (embed_bytes(m, layout) if c == 0 else 0)
-        + (head_bytes(m, layout) if c == last else 0)
-        + documents_bytes(m, layout, policy, c == 0)
-        for c in chunks
-    ]
+    plain = layer_bytes(m, layout, "none")
+    chunk_bytes = []
+    for c in chunks:
+        held = range(c * layers, (c + 1) * layers)  # virtual stage c's global layers (parallel/pipeline/stages.py)
+        recomputed = len(recomputed_layers(held, name, every))
+        chunk_bytes.append(
+            recomputed * layer_bytes(m, layout, kept)
+            + (layers - recomputed) * plain
+            + (embed_bytes(m, layout) if c == 0 else 0)
+            + (head_bytes(m, layout) if c == last else 0)
+            + documents_bytes(m, layout, policy if recomputed else "none", c == 0)
+        )
     placement = stage_placement(layout.schedule)
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
 
@@ -275,9 +328,40 @@ def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:
 
 
 def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None) -> int:
-    """Transient bytes above the held activations while backward recomputes: one whole layer under full
-    recomputation, one attention core's logsumexp under selective."""
-    policy = policy or layout.activation_checkpointing
+    """Transient bytes above the held activations while backward recomputes one layer: what the layer would keep
+    without recomputation and does not under ``policy``."""
+    policy = (policy or layout.recompute).partition("/")[0]
     if policy == "none":
         return 0
-    return layer_bytes(m, layout, "none") - (0 if policy == "full" else layer_bytes(m, layout, "selective"))
+    return layer_bytes(m, layout, "none") - (0 if policy == "full" else layer_bytes(m, layout, policy))
+
+
+def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> float:
+    """Matmul and attention FLOPs pipeline stage ``stage``'s backward recomputes in one training step, over its
+    chunks and micro-batches (the pointwise work recomputed beside them, norms, activations, RoPE, dropout, is
+    memory-bound and left out here; the planner prices it, trident/plan/ops.py). Per recomputed layer and
+    micro-batch, the forward's: all its matmuls, 2 sb x the layer's matmul weights / tp, and attention's 4 sbsh /
+    tp (``flops_per_token``'s convention) under ``full``; the attention core's under ``attention`` or a selective
+    list with ``attn_core``; the MLP's matmuls with ``mlp``; none under the default ``selective``. Under zb-h1 and
+    zb-v a chunk after virtual stage 0 recomputes twice (its I and its W pass)."""
+    policy = policy or layout.recompute
+    name, modules, every = parse_label(policy)
+    if name == "none":
+        return 0.0
+    x = _Shape.of(m, layout)
+    sb = x.s * x.b
+    core = 4.0 * sb * x.s * x.h / x.t
+    mlp = 2.0 * sb * (3 if m.mlp == "swiglu" else 2) * x.h * x.f / x.t
+    projections = 2.0 * sb * (2 * x.h * x.q + 2 * x.h * x.kv)
+    per_layer = {
+        "full": core + mlp + projections,
+        "attention": core,
+        "selective": core * ("attn_core" in modules) + mlp * ("mlp" in modules),
+    }[name]
+    layers = m.n_layers // (layout.pp * layout.vpp)
+    zero_bubble = layout.schedule in ("zb-h1", "zb-v")
+    recomputed = sum(
+        len(recomputed_layers(range(c * layers, (c + 1) * layers), name, every)) * (2 if zero_bubble and c > 0 else 1)
+        for c in rank_chunks(layout, stage)
+    )
+    return per_layer * recomputed * layout.micro_batches

@@ -17,6 +17,7 @@ from trident.memory.activations import (
     activation_sets,
     loss_backward_bytes,
     recompute_bytes,
+    recompute_flops,
 )
 from trident.memory.measure import Figures
 from trident.memory.params import stage_params
@@ -37,6 +38,7 @@ class StageEstimate:
     gathered: int  # transient gathered parameters (stage 3)
     activations: dict[str, int]  # bytes kept for backward at the schedule's peak, per recomputation policy
     recompute: dict[str, int]  # transient bytes while backward recomputes, per policy
+    recompute_flops: dict[str, float]  # matmul and attention FLOPs a step's backward recomputes, per policy
     loss_backward: int = 0  # transient bytes of the loss's backward (the last stage only)
     checkpoint_staging: int = 0  # checkpoint.async: host memory holding a copy of what the rank saves, for the run
     activation_sets: int = 1  # the most micro-batch x chunk activation sets held at once (the schedule's walk)
@@ -65,7 +67,7 @@ class Estimate:
     @property
     def worst(self) -> StageEstimate:
         """The pipeline stage needing the most memory at its peak under the layout's checkpointing policy."""
-        policy = self.layout.activation_checkpointing
+        policy = self.layout.recompute
         return max(self.stages, key=lambda s: (s.peak(policy)["device"], s.peak(policy)["host"]))
 
     def to_dict(self) -> dict:
@@ -76,6 +78,7 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
     """Predicted per-rank bytes of every pipeline stage: model states, transient buffers and activations."""
     out = Estimate(model=m.name, layout=layout, total_params=count_params(m))
     last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))  # the loss's rank
+    policies = list(dict.fromkeys((*POLICIES, layout.recompute)))  # the layout's own too
     for stage in range(layout.pp):
         params = stage_params(m, layout, stage)
         states = model_states(params, layout)
@@ -87,8 +90,9 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
                 model_states=states.figures,
                 staging=states.staging,
                 gathered=states.gathered,
-                activations={p: activation_bytes(m, layout, stage, p) for p in POLICIES},
-                recompute={p: recompute_bytes(m, layout, p) for p in POLICIES},
+                activations={p: activation_bytes(m, layout, stage, p) for p in policies},
+                recompute={p: recompute_bytes(m, layout, p) for p in policies},
+                recompute_flops={p: recompute_flops(m, layout, stage, p) for p in policies},
                 loss_backward=loss_backward_bytes(m, layout) if stage == last else 0,
                 checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
                 activation_sets=activation_sets(layout, stage),

@@ -34,9 +34,10 @@ from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.activations import stage_actions
 from trident.memory.params import chunk_params, stage_params
+from trident.models.checkpointing import recomputed_layers
 from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_grads, stage_of, stage_placement
 from trident.plan import simulate
-from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops
+from trident.plan.ops import BYTES, Op, Shape, chunk_ops, recompute_ops
 from trident.plan.profile import Needs, Profile, attention_key, collective_key, matmul_key
 
 
@@ -346,16 +347,19 @@ def _pipeline(
     layers = _layers_per_chunk(m, layout)
     stages = pp * vpp
     costs: dict[tuple[int, str], tuple[float, float]] = {}
+    policy = layout.recompute.partition("/")[0]
     for stage in range(stages):
-        ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, layout.activation_checkpointing)
+        held = range(stage * layers, (stage + 1) * layers)  # the chunk's global layers
+        recomputed = len(recomputed_layers(held, layout.activation_checkpointing, layout.recompute_every))
+        ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, policy, recomputed)
         ops.append(_accumulate(m, layout, stage))
         f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
-        if layout.schedule in ("zb-h1", "zb-v") and layout.activation_checkpointing == "full" and stage > 0:
+        if layout.schedule in ("zb-h1", "zb-v") and recomputed and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
-            # I's backward: W's one backward recomputes the block's forward once more (not on the first stage, whose
-            # I is its whole backward).
-            again = pricer.ops(layer_ops(m, shape), layout.tp, "F")
-            w = (w[0] + layers * again[0], w[1] + layers * again[1])
+            # I's backward: W's one backward recomputes once more (not on the first stage, whose I is its whole
+            # backward).
+            again = pricer.ops(recompute_ops(m, shape, policy), layout.tp, "I")
+            w = (w[0] + recomputed * again[0], w[1] + recomputed * again[1])
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
 

@@ -15,7 +15,9 @@ schedules run I and W together as B). Classes:
 
 The list follows models/gpt.py operator by operator (a block is norm, qkv (or q and kv), RoPE, attention, proj,
 residual, norm, fc (or gate and up), GELU (or SiLU and a product), proj, residual); recomputation adds the
-forward again inside the backward: all of a layer's ops under ``full``, the attention core under ``selective``.
+forward again inside the backward: all of a layer's ops under ``full``, the attention core under ``attention``, under
+``selective`` its modules' ops and the cheap work between the kept matmuls (RoPE, residual adds, the core output's
+copy, and tp's collectives, which rerun), for each recomputed layer (``train.recompute_every``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from trident.config import ModelConfig
 from trident.memory.params import local_heads
+from trident.models.checkpointing import parse_label
 from trident.models.gpt import padded_vocab_size
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -104,46 +107,68 @@ def _tp_collectives(m: ModelConfig, s: Shape, count: int) -> list[Op]:
     ]
 
 
-def layer_ops(m: ModelConfig, s: Shape) -> list[Op]:
-    """One transformer layer, forward and backward, without recomputation."""
+def layer_parts(m: ModelConfig, s: Shape) -> dict[str, list[Op]]:
+    """One transformer layer, forward and backward, without recomputation, by part: what a selective policy
+    keeps or recomputes (models/checkpointing.py) is a choice of parts."""
     d, f, dh, tp, e = m.d_model, m.ffn_dim // s.tp, m.head_dim, s.tp, s.e
     heads, kv = local_heads(m, tp)
     t, t_sp = s.tokens, s.tokens // (tp if s.sequence_parallel else 1)
-    ops: list[Op] = []
-    # Two norms and two residual adds on the (sequence-sharded) stream: a norm reads and writes [T, d], an add reads
-    # two and writes one.
-    ops += _elementwise(2 * (2 * t_sp * d * e) + 2 * (3 * t_sp * d * e), 4)
+    parts: dict[str, list[Op]] = {}
+    # Two norms (each reads and writes [T, d]) and two residual adds (each reads two and writes one) on the
+    # (sequence-sharded) stream.
+    parts["norm"] = _elementwise(2 * (2 * t_sp * d * e), 2)
+    parts["residual"] = _elementwise(2 * (3 * t_sp * d * e), 2)
     if m.kv_heads == m.n_heads:
-        ops += _linear(s, 3 * heads * dh, d)
+        parts["projections"] = _linear(s, 3 * heads * dh, d)
     else:
-        ops += _linear(s, heads * dh, d) + _linear(s, 2 * kv * dh, d)
+        parts["projections"] = _linear(s, heads * dh, d) + _linear(s, 2 * kv * dh, d)
     q_bytes, k_bytes = t * heads * dh * e, t * kv * dh * e
-    if m.position == "rope":  # x * cos + cat(-x2, x1) * sin on q and k: five kernels over each
-        ops += _elementwise(5 * 2 * (q_bytes + k_bytes), 10)
-    ops.append(Op("attention", "F", (s.batch, heads, kv, s.seq, dh)))
-    ops.append(Op("attention", "I", (s.batch, heads, kv, s.seq, dh)))
-    ops += _elementwise(2 * q_bytes, 1)  # the output's [b, h, T, d] -> [b, T, h d] copy
-    ops += _linear(s, d, heads * dh)
+    # x * cos + cat(-x2, x1) * sin on q and k: five kernels over each
+    parts["rope"] = _elementwise(5 * 2 * (q_bytes + k_bytes), 10) if m.position == "rope" else []
+    parts["attn_core"] = [
+        Op("attention", "F", (s.batch, heads, kv, s.seq, dh)),
+        Op("attention", "I", (s.batch, heads, kv, s.seq, dh)),
+    ]
+    parts["copy"] = _elementwise(2 * q_bytes, 1)  # the output's [b, h, T, d] -> [b, T, h d] copy
+    parts["projections"] += _linear(s, d, heads * dh)
     if m.mlp == "swiglu":
-        ops += _linear(s, f, d) + _linear(s, f, d)
-        ops += _elementwise(2 * t * f * e, 1, heavy=True) + _elementwise(3 * t * f * e, 1)  # silu(gate), silu * up
+        parts["mlp"] = _linear(s, f, d) + _linear(s, f, d) + _linear(s, d, f)
+        parts["mlp_act"] = _elementwise(2 * t * f * e, 1, heavy=True) + _elementwise(3 * t * f * e, 1)  # silu, product
     else:
-        ops += _linear(s, f, d)
-        ops += _elementwise(2 * t * f * e, 1, heavy=True)  # GELU
-    ops += _linear(s, d, f)
+        parts["mlp"] = _linear(s, f, d) + _linear(s, d, f)
+        parts["mlp_act"] = _elementwise(2 * t * f * e, 1, heavy=True)  # GELU
+    parts["bias"] = []
     if m.bias:  # bias gradients: a reduction over the tokens of each linear's output
-        ops.append(Op("elementwise", "W", (), t * (3 * heads * dh + d + f + d) * e, 4))
-    ops += _tp_collectives(m, s, 2)
-    return ops
+        parts["bias"] = [Op("elementwise", "W", (), t * (3 * heads * dh + d + f + d) * e, 4)]
+    parts["collectives"] = _tp_collectives(m, s, 2)
+    return parts
+
+
+def layer_ops(m: ModelConfig, s: Shape) -> list[Op]:
+    """One transformer layer, forward and backward, without recomputation."""
+    return [op for part in layer_parts(m, s).values() for op in part]
+
+
+# What every selective policy recomputes besides its modules: the cheap work between the kept matmuls (and tp's
+# collectives, which rerun: the recomputed stream needs their results).
+_ALWAYS = ("residual", "rope", "copy", "collectives")
 
 
 def recompute_ops(m: ModelConfig, s: Shape, policy: str) -> list[Op]:
-    """What backward recomputes for one layer: every forward op (``full``), the attention core (``selective``)."""
-    if policy == "full":
-        return [o.in_phase("I") for o in layer_ops(m, s) if o.phase == "F"]
-    if policy == "selective":
-        return [o.in_phase("I") for o in layer_ops(m, s) if o.kind == "attention" and o.phase == "F"]
-    return []
+    """What backward recomputes for one recomputed layer under ``policy`` (a recomputation label without ``/N``):
+    every forward op (``full``), the attention core (``attention``), or selective's modules and the cheap work
+    between them."""
+    name, modules, _ = parse_label(policy)
+    parts = layer_parts(m, s)
+    if name == "full":
+        chosen = list(parts)
+    elif name == "attention":
+        chosen = ["attn_core"]
+    elif name == "selective":
+        chosen = [*_ALWAYS, *modules] + (["mlp_act"] if "mlp" in modules else [])
+    else:
+        return []
+    return [o.in_phase("I") for part in dict.fromkeys(chosen) for o in parts[part] if o.phase == "F"]
 
 
 def embedding_ops(m: ModelConfig, s: Shape) -> list[Op]:
@@ -191,11 +216,15 @@ def head_ops(m: ModelConfig, s: Shape) -> list[Op]:
     return ops
 
 
-def chunk_ops(m: ModelConfig, s: Shape, layers: int, first: bool, last: bool, policy: str) -> list[Op]:
+def chunk_ops(
+    m: ModelConfig, s: Shape, layers: int, first: bool, last: bool, policy: str, recomputed: int | None = None
+) -> list[Op]:
     """One micro-batch through a chunk of ``layers`` layers (with the embedding on the first chunk, the head and
-    loss on the last) under recomputation ``policy``."""
-    per_layer = layer_ops(m, s) + recompute_ops(m, s, policy)
-    ops = [o.times(layers) for o in per_layer]
+    loss on the last), ``recomputed`` of them (default: all) under recomputation ``policy``."""
+    recomputed = layers if recomputed is None else recomputed
+    ops = [o.times(layers) for o in layer_ops(m, s)]
+    if recomputed:
+        ops += [o.times(recomputed) for o in recompute_ops(m, s, policy)]
     if first:
         ops += embedding_ops(m, s)
     if last:

@@ -84,6 +84,7 @@ class MemoryModel:
                 micro_batch_size=1,
                 micro_batches=layout.micro_batches if v else 1,
                 activation_checkpointing="none",
+                recompute_every=1,
                 schedule="zb-v" if v else None,
                 sequence_parallel=False,
                 document_mask=False,
@@ -92,7 +93,7 @@ class MemoryModel:
         acts = self._get(
             self._acts, dataclasses.replace(layout, dp=1, zero=0, offload="none", offload_ratio=1.0, bucket_mb=25.0)
         )
-        policy = layout.activation_checkpointing
+        policy = layout.recompute
         best: tuple[tuple[int, int], dict[str, int], dict[str, int]] | None = None
         for s, a in zip(states.stages, acts.stages, strict=True):
             # This layout's model states with the activations and backward transients of its batch and schedule.

@@ -20,7 +20,10 @@ from trident.layout import PLANNED_KEYS, Layout, with_keys
 from trident.parallel.pipeline.schedules import SCHEDULES
 from trident.parallel.zero.stage3 import GATHER_MODES
 
-POLICIES = ("none", "selective", "full")
+# (train.activation_checkpointing, train.recompute_every), one domain: no recomputation, op-level selective, full
+# recomputation of every second block (memory between none and full at half its recompute) and of every block.
+# attention is left out (selective keeps less for no more matmul work), as are selective's other module lists.
+RECOMPUTATIONS = (("none", 1), ("selective", 1), ("full", 2), ("full", 1))
 OFFLOAD_RATIOS = (0.5, 1.0)
 
 Keys = dict[str, object]  # planned key -> value
@@ -39,7 +42,7 @@ def grid(cfg: Config, world: int) -> Iterator[Keys]:
     world)."""
     m, tr = cfg.model, cfg.train
     offloads = (("none", 1.0), *(("cpu", r) for r in OFFLOAD_RATIOS))
-    for tp, pp, vpp, schedule, zero, (offload, ratio), sp, mbs, recompute, gather in itertools.product(
+    for tp, pp, vpp, schedule, zero, (offload, ratio), sp, mbs, (recompute, every), gather in itertools.product(
         divisors(world),
         divisors(world),
         divisors(m.n_layers),
@@ -48,10 +51,10 @@ def grid(cfg: Config, world: int) -> Iterator[Keys]:
         offloads,
         (False, True),
         divisors(tr.global_batch_size),
-        POLICIES,
+        RECOMPUTATIONS,
         GATHER_MODES,
     ):
-        yield _keys(None, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, gather)
+        yield _keys(None, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, every, gather)
 
 
 def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
@@ -68,14 +71,16 @@ def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
                     schedules.append("zb-v")
                 for schedule, zero in itertools.product(schedules, range(4)):
                     offloads = [("none", 1.0)] + ([("cpu", r) for r in OFFLOAD_RATIOS] if zero >= 1 else [])
-                    for (offload, ratio), recompute, mbs, sp, gather in itertools.product(
+                    for (offload, ratio), (recompute, every), mbs, sp, gather in itertools.product(
                         offloads,
-                        POLICIES,
+                        RECOMPUTATIONS,
                         divisors(per_rank) if per_rank else [],
                         (False, True) if tp > 1 else (False,),
                         GATHER_MODES if zero == 3 else ("micro_batch",),
                     ):
-                        yield _keys(None, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, gather)
+                        yield _keys(
+                            None, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, every, gather
+                        )
 
 
 @dataclass
