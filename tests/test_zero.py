@@ -35,7 +35,8 @@ LAYOUTS = [
     (4, ["parallel.zero=3", "train.micro_batch_size=2"]),
     (4, ["parallel.zero=1", "parallel.tp=2", "train.micro_batch_size=4"]),
     (4, ["parallel.zero=2", "parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2"]),
-    (4, ["parallel.zero=3", "parallel.tp=2", "train.micro_batch_size=4"]),
+    # Op-level selective recomputation over blocks whose weights ZeRO-3 frees after each forward.
+    (4, ["parallel.zero=3", "parallel.tp=2", "train.micro_batch_size=4", "train.activation_checkpointing=selective"]),
     (2, ["parallel.zero=3", "parallel.zero3_gather=step", "parallel.zero3_prefetch=0", "train.micro_batch_size=2"]),
     (2, ["parallel.zero=1", "parallel.offload.optimizer=cpu", "parallel.offload.ratio=1.0"]),
     (4, ["parallel.zero=2", "parallel.offload.optimizer=cpu", "parallel.offload.ratio=0.5"]),
