@@ -6,6 +6,7 @@ multiprocess like any other, so ``-m gpu`` runs the kit on a GPU machine and CI 
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -37,6 +38,35 @@ class TierViolation(BaseException):
     """Not an Exception: a test expecting a rank's or a subprocess's error must not swallow it."""
 
 
+# The files that take longest, longest first (measured): pytest-xdist's ``--dist loadfile`` hands out files in
+# collection order, so these start first and the run does not end with one worker on a long file and the other idle.
+LONGEST_FIRST = (
+    "test_fuzz.py",
+    "test_multinode.py",
+    "test_llama_layouts.py",
+    "test_lifecycle.py",
+    "test_bench.py",
+    "test_async_checkpoint.py",
+    "test_failures.py",
+    "test_memory.py",
+    "test_restart.py",
+    "test_train.py",
+    "test_plan_measure.py",
+    "test_compile.py",
+    "test_precision.py",
+    "test_docs.py",
+    "test_plan.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker takes its share of the cores for torch's threads (two workers on two cores: one each),
+    so the workers' matmuls do not spin against each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="gpu tier: no CUDA device visible")
     for item in items:
@@ -44,6 +74,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.pure)
         if no_gpu is not None and item.get_closest_marker("gpu") is not None:
             item.add_marker(no_gpu)
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file's own order kept
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
