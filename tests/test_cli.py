@@ -34,3 +34,23 @@ def test_the_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stderr", err)
     cli.say("error: parallel.vpp=2 needs parallel.schedule=interleaved (got 1f1b)")
     assert err.writes == ["error: parallel.vpp=2 needs parallel.schedule=interleaved (got 1f1b)\n"]
+
+
+def test_the_first_rank_of_a_node_to_meet_an_agreed_error_says_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun whichever local rank gets there first prints (a loaded machine can leave local rank 0
+    seconds behind, and the agent ends it when the first rank exits); each node's agent has its own directory."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    said = {}
+    for node in ("a", "b"):
+        for local_rank in (1, 0):
+            monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+            monkeypatch.setenv(
+                "TORCHELASTIC_ERROR_FILE", str(tmp_path / node / "attempt_0" / str(local_rank) / "e.json")
+            )
+            (tmp_path / node / "attempt_0" / str(local_rank)).mkdir(parents=True, exist_ok=True)
+            said[node, local_rank] = cli._says_for_the_node()
+    assert said == {("a", 1): True, ("a", 0): False, ("b", 1): True, ("b", 0): False}
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # an agent without error files: local rank 0 says it
+    assert cli._says_for_the_node()  # LOCAL_RANK is 0
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert not cli._says_for_the_node()

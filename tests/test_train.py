@@ -168,9 +168,9 @@ def test_a_shard_with_one_flipped_byte_is_refused_before_training(tiny_dataset, 
 def test_under_torchrun_a_config_error_is_said_once_per_node_and_named_by_the_agents_summary(
     tiny_dataset, tmp_path, override, line
 ):
-    # Every rank meets the same config error: local rank 0 says it (the others printed it too, the line twice on
-    # 2 ranks), and each rank leaves it in the agent's error file (TORCHELASTIC_ERROR_FILE), so torchrun's summary
-    # names the cause, where it said only "To enable traceback see ...".
+    # Every rank meets the same config error: the node's first rank to meet it says it (the others printed it too,
+    # the line twice on 2 ranks), and each rank leaves it in the agent's error file (TORCHELASTIC_ERROR_FILE), so
+    # torchrun's summary names the cause, where it said only "To enable traceback see ...".
     cmd = train_command(tmp_path / "run", tiny(tiny_dataset, override), launcher=torchrun(2))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=120)
     assert proc.returncode != 0

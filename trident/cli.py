@@ -6,7 +6,7 @@ exits, so a rank that left the printing to another could leave the user with not
 the reason therefore writes it to torchrun's error file (whose closing summary then names it) and prints it,
 then leaves with ``os._exit``: no process-group teardown, which with a peer gone could block, or abort the
 process ("terminate called without an active exception"). A cause every rank met alike (a config error) is
-printed once per node under torchrun: by local rank 0, the others exiting a little later.
+printed once per node under torchrun: by the first rank of the node to meet it, the others exiting a little later.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from trident.errors import TridentError, gist, is_lost_peer
 from trident.launcher import launcher_pid
 from trident.signals import Stopped
 
-# A rank that leaves an agreed error to its node's local rank 0 exits this much later, so that rank's line is
-# out before the agent, seeing the first exit, ends the others (that rank exits first, so it costs nothing).
+# A rank that leaves an agreed error to the first rank of its node to meet it exits this much later, so that rank's
+# line is out before the agent, seeing the first exit, ends the others (that rank exits first, so it costs nothing).
 QUIET_EXIT_DELAY_S = 3.0
 
 
@@ -61,10 +61,24 @@ def record(line: str, callstack: str | None = None) -> None:
 
 
 def _says_for_the_node() -> bool:
-    """Whether this rank prints an error that every rank met alike: under torchrun, local rank 0 alone (once per
-    node; the agent's summary, from the error file, names it even if the agent killed that rank first); ranks
-    started otherwise each print it, since nothing else would."""
-    return launcher_pid() is None or os.environ.get("LOCAL_RANK", "0") == "0"
+    """Whether this rank prints an error that every rank met alike: under torchrun, the first rank of the node to
+    meet it (once per node: whichever rank gets there first, since the agent ends the others when it exits; the
+    agent's summary, from the error files, names it too); ranks started otherwise each print it, since nothing
+    else would. The first is the rank that creates a marker beside the agent's per-attempt error-file
+    directories; without them (an agent that sets no error file), local rank 0."""
+    if launcher_pid() is None:
+        return True
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "trident-error-said")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            pass
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def fail(message: str, code: int = 2, agreed: bool = False) -> NoReturn:
@@ -74,7 +88,7 @@ def fail(message: str, code: int = 2, agreed: bool = False) -> NoReturn:
     record(line)
     if not agreed or _says_for_the_node():
         say(line)
-    else:  # let the node's rank say it before this exit makes the agent end it (best effort: the file names it)
+    else:  # let the node's first rank say it before this exit makes the agent end it
         time.sleep(QUIET_EXIT_DELAY_S)
     _leave(code)
 
