@@ -89,6 +89,10 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # a saved config's section (dataclasses.asdict, config.json)
+            self.moe = MoEConfig(**self.moe)
+
     @property
     def expert_dim(self) -> int:
         return self.moe.d_expert if self.moe.d_expert is not None else self.ffn_dim
@@ -135,10 +139,7 @@ _RENAMED_MODEL_KEYS = {"ln_eps": "norm_eps"}
 def model_config_from_dict(saved: dict) -> ModelConfig:
     """The ModelConfig a checkpoint's saved ``model`` section describes: keys saved before a key existed take the
     default (GPT-2's block), renamed keys their new name. Raises TypeError on a key ModelConfig does not have."""
-    keys = {_RENAMED_MODEL_KEYS.get(key, key): value for key, value in saved.items()}
-    if isinstance(keys.get("moe"), dict):
-        keys["moe"] = MoEConfig(**keys["moe"])
-    return ModelConfig(**keys)
+    return ModelConfig(**{_RENAMED_MODEL_KEYS.get(key, key): value for key, value in saved.items()})
 
 
 @dataclass
