@@ -203,6 +203,12 @@ def moe_layers(modules: list[nn.Module]) -> dict[int, MoE]:
     return out
 
 
+def balancing_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The loss-free balancing biases of the sparse layers in these model chunks, by name: state a checkpoint
+    keeps beside the parameters (``buffers/<name>``), the same on every dp and tp rank."""
+    return {f"layers.{i}.mlp.router.expert_bias": m.router.expert_bias for i, m in moe_layers(modules).items()}
+
+
 def set_loss_multiplier(model: nn.Module, multiplier: float) -> None:
     """What a runner multiplies the summed token loss by before backward: the auxiliary losses' gradient per
     token (``MoE.loss_multiplier``). A dense model has nothing to set."""

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.helpers.layouts import make_config, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.config import ModelConfig, MoEConfig, validate
 from trident.errors import ConfigError
 from trident.models.checkpointing import apply_activation_checkpointing
@@ -192,19 +192,28 @@ def test_moe_keys_are_refused_in_one_line():
 
 
 @pytest.mark.multiprocess
-def test_moe_tiny_learns_and_logs_its_routing(tiny_dataset, tmp_path):
+def test_moe_tiny_learns_with_the_one_process_curve_at_dp2_and_resumes_at_dp1(tiny_dataset, tmp_path):
+    """moe-tiny with every balancing term on: its loss falls and its routing is logged; at dp 2 (the aux losses
+    scaled over the global batch, the routing counts summed over dp) the curve and the loads are one process's; a
+    dp 2 checkpoint (the loss-free biases in it) resumes at dp 1 with the uninterrupted losses."""
+    balancing = ("model.moe.z_loss_coef=1e-3", "model.moe.bias_update_rate=0.05", "model.moe.capacity_factor=1.5")
     overrides = tiny(
-        tiny_dataset,
-        "model=moe-tiny",
-        "train.steps=12",
-        "train.eval_every=0",
-        "model.moe.z_loss_coef=1e-3",
-        "optim.lr=3e-3",
-    )
-    (history,) = train_in_process(tmp_path / "run", overrides)
-    assert history[-1]["loss"] < history[0]["loss"] - 0.5, [r["loss"] for r in history]
-    for row in history:
-        assert {"moe/aux_loss", "moe/z_loss", "moe/load/0", "moe/load/1"} <= set(row)
-        assert 0.9 < row["moe/aux_loss"] < 2.0 and row["moe/load/0"] >= 1.0
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text()
-    assert '"moe/aux_loss"' in lines
+        tiny_dataset, "model=moe-tiny", "train.steps=8", "train.eval_every=0", "optim.lr=3e-3", *balancing,
+        "train.micro_batch_size=4", "checkpoint.every=4",
+    )  # fmt: skip
+    (one,) = train_in_process(tmp_path / "one", overrides)
+    assert one[-1]["loss"] < one[0]["loss"] - 0.3, [r["loss"] for r in one]
+    keys = {"moe/aux_loss", "moe/z_loss", "moe/load/0", "moe/load/1", "moe/dropped"}
+    for row in one:
+        assert keys <= set(row), keys - set(row)
+        assert 0.9 < row["moe/aux_loss"] < 2.0 and row["moe/load/0"] >= 1.0 and 0 <= row["moe/dropped"] < 0.5
+    assert '"moe/aux_loss"' in (tmp_path / "one" / "metrics.jsonl").read_text()
+
+    dp2 = train_in_process(tmp_path / "dp2", overrides, world=2)
+    for history in dp2:
+        assert_same_curve(one, history)
+        for mine, theirs in zip(one, history, strict=True):
+            assert mine["moe/load/1"] == pytest.approx(theirs["moe/load/1"])
+    checkpoint = tmp_path / "dp2" / "checkpoints" / "step_00000004"
+    (resumed,) = train_in_process(tmp_path / "resumed", [*overrides, f"checkpoint.resume={checkpoint}"])
+    assert_same_curve(dp2[0][4:], resumed)
