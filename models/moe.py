@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trident.config import ModelConfig
+from trident.config import ModelConfig, MoEConfig
 from trident.parallel.placement import replicated
 
 
@@ -218,36 +218,53 @@ def set_loss_multiplier(model: nn.Module, multiplier: float) -> None:
 
 
 @torch.no_grad()
-def step_stats(modules: list[nn.Module], dp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def step_stats(
+    modules: list[nn.Module],
+    moe: MoEConfig,
+    dp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
     """After the optimizer step: the step's routing summed over dp (one all-reduce), the loss-free bias moved by
-    it, and the metrics: ``moe/aux_loss`` (mean over this rank's sparse layers, token-weighted over the step),
-    ``moe/z_loss``, ``moe/load/<layer>`` (max over mean tokens per expert) and, with a capacity, ``moe/dropped``
-    (the share of (token, expert) pairs dropped). The sums start again from zero. Empty for a dense model."""
-    layers = moe_layers(modules)
-    if not layers:
+    it, and the metrics of every sparse layer (gathered over the pipeline stages, ``pp_group``): ``moe/aux_loss``
+    (mean over the sparse layers, token-weighted over the step), ``moe/z_loss``, ``moe/load/<layer>`` (max over
+    mean tokens per expert) and, with a capacity, ``moe/dropped`` (the share of (token, expert) pairs dropped). The
+    sums start again from zero. Every rank calls it; a dense model returns an empty row (no collective)."""
+    if not moe.enabled:
         return {}
-    stacked = torch.cat([torch.cat([m.step_sums, m.step_counts]) for m in layers.values()])
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(stacked, group=dp_group)
-    row: dict[str, float] = {}
-    aux = z = dropped = pairs = 0.0
-    offset = 0
-    for layer, m in sorted(layers.items()):
-        sums, counts = stacked[offset : offset + 4], stacked[offset + 4 : offset + 4 + m.moe.experts]
-        offset += 4 + m.moe.experts
-        tokens = max(float(sums[1]), 1.0)
-        aux, z = aux + float(sums[2]) / tokens, z + float(sums[3]) / tokens
-        dropped, pairs = dropped + float(sums[0]), pairs + tokens * m.moe.top_k
-        mean = counts.mean()
-        row[f"moe/load/{layer}"] = float(counts.max() / mean) if mean > 0 else 0.0
-        if m.moe.bias_update_rate > 0:  # DeepSeek-V3: under-loaded experts up, over-loaded down
-            m.router.expert_bias += m.moe.bias_update_rate * torch.sign(mean - counts).float()
-        m.step_counts.zero_()
-        m.step_sums.zero_()
-    moe = next(iter(layers.values())).moe
-    row["moe/aux_loss"] = aux / len(layers)
+    layers = moe_layers(modules)
+    per_layer: dict[int, tuple[float, float, float, float, float]] = {}  # aux, z, dropped, pairs, load
+    if layers:
+        stacked = torch.cat([torch.cat([m.step_sums, m.step_counts]) for m in layers.values()])
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(stacked, group=dp_group)
+        offset = 0
+        for layer, m in sorted(layers.items()):
+            sums, counts = stacked[offset : offset + 4], stacked[offset + 4 : offset + 4 + m.moe.experts]
+            offset += 4 + m.moe.experts
+            tokens, mean = max(float(sums[1]), 1.0), counts.mean()
+            load = float(counts.max() / mean) if mean > 0 else 0.0
+            per_layer[layer] = (
+                float(sums[2]) / tokens,
+                float(sums[3]) / tokens,
+                float(sums[0]),
+                tokens * m.moe.top_k,
+                load,
+            )
+            if m.moe.bias_update_rate > 0:  # DeepSeek-V3: under-loaded experts up, over-loaded down
+                m.router.expert_bias += m.moe.bias_update_rate * torch.sign(mean - counts).float()
+            m.step_counts.zero_()
+            m.step_sums.zero_()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:  # a stage may hold no sparse layer
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather_object(gathered, per_layer, group=pp_group)
+        per_layer = {layer: v for stage in gathered for layer, v in stage.items()}
+    if not per_layer:
+        return {}
+    row = {f"moe/load/{layer}": v[4] for layer, v in sorted(per_layer.items())}
+    row["moe/aux_loss"] = sum(v[0] for v in per_layer.values()) / len(per_layer)
     if moe.z_loss_coef > 0:
-        row["moe/z_loss"] = z / len(layers)
+        row["moe/z_loss"] = sum(v[1] for v in per_layer.values()) / len(per_layer)
     if moe.capacity_factor is not None:
+        dropped, pairs = sum(v[2] for v in per_layer.values()), sum(v[3] for v in per_layer.values())
         row["moe/dropped"] = dropped / max(pairs, 1.0)
     return row

@@ -115,7 +115,8 @@ def test_a_capacity_drops_the_pairs_past_it_in_token_order():
                 seen[e] += 1
     torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(y, full)
-    stats = step_stats([torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"mlp": m})})})])
+    holder = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"mlp": m})})})
+    stats = step_stats([holder], m.moe)
     dropped = sum(max(0, s - cap) for s in seen)
     assert dropped > 0 and stats["moe/dropped"] == pytest.approx(dropped / 32)
 
@@ -127,7 +128,7 @@ def test_the_loss_free_bias_moves_toward_the_mean_load_after_the_step():
     model.train()
     model(torch.randint(0, 64, (2, 16)))
     counts = model.layers["0"].mlp.step_counts.clone()
-    stats = step_stats([model])
+    stats = step_stats([model], cfg.moe)
     bias = model.layers["0"].mlp.router.expert_bias
     assert torch.equal(bias, 0.01 * torch.sign(counts.mean() - counts).float())
     assert stats["moe/load/0"] == pytest.approx(float(counts.max() / counts.mean()))
@@ -217,3 +218,20 @@ def test_moe_tiny_learns_with_the_one_process_curve_at_dp2_and_resumes_at_dp1(ti
     checkpoint = tmp_path / "dp2" / "checkpoints" / "step_00000004"
     (resumed,) = train_in_process(tmp_path / "resumed", [*overrides, f"checkpoint.resume={checkpoint}"])
     assert_same_curve(dp2[0][4:], resumed)
+
+
+@pytest.mark.multiprocess
+def test_moe_gives_the_one_process_curve_at_tp2_pp2_with_recomputation(tiny_dataset, tmp_path):
+    """Sparse layers 1 and 3 of four (one per pipeline stage: the first stage's aux loss reaches its router through
+    backward alone), experts whole on each tp rank, every block recomputed (routing counted once)."""
+    overrides = tiny(
+        tiny_dataset, "model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "train.steps=3", "train.eval_every=0",
+        "train.micro_batch_size=4", "model.moe.bias_update_rate=0.05", "model.moe.z_loss_coef=1e-3",
+    )  # fmt: skip
+    (one,) = train_in_process(tmp_path / "one", overrides)
+    layout = ["parallel.tp=2", "parallel.pp=2", "train.activation_checkpointing=full"]
+    for history in train_in_process(tmp_path / "tp2pp2", [*overrides, *layout], world=4):
+        assert_same_curve(one, history)
+        for mine, theirs in zip(one, history, strict=True):
+            for key in ("moe/aux_loss", "moe/load/1", "moe/load/3"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key

@@ -84,6 +84,7 @@ class Trainer:
         self.grad_step = parts.optimizer.step
         self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
+        self.moe = cfg.model.moe
         self.checkpointer, self.stop, self.after_first_step = checkpointer, stop, after_first_step
         self.make_logger = make_logger or (lambda start: None)
         gbs = train_cfg.global_batch_size
@@ -130,7 +131,9 @@ class Trainer:
         loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
         shared = self._share_loss(loss_sum)  # on the wire while the optimizer steps
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
-        moe = step_stats(self.model_chunks, self.groups.dp_group)  # the loss-free bias moves after the step
+        # The loss-free bias moves after the step; the routing of every stage's sparse layers is in every row.
+        pp_group = self.groups.pp_group if self.groups.pp_size > 1 else None
+        moe = step_stats(self.model_chunks, self.moe, self.groups.dp_group, pp_group)
         loss = shared() / self.tokens_per_step
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=skipped, moe=moe)
 

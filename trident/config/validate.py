@@ -196,6 +196,12 @@ def validate(cfg: Config, world_size: int) -> Layout:
         not par.sequence_parallel or par.tp > 1,
         "parallel.sequence_parallel=true needs parallel.tp > 1",
     )
+    # Each tp rank would route only its sequence shard: the balancing losses and counts would be the shard's.
+    _need(
+        not (par.sequence_parallel and m.moe.enabled),
+        "parallel.sequence_parallel=true with model.moe.experts > 0 is not supported; set "
+        "parallel.sequence_parallel=false (the experts are held whole by every tp rank)",
+    )
 
     # Divisibility rules of the model split.
     chunks = par.pp * par.vpp
