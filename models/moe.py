@@ -62,9 +62,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def grouped_mm_fits(dims: tuple[int, ...], dtype: torch.dtype) -> bool:
-    """``torch._grouped_mm`` exists in this build and takes rows of these widths (16-byte aligned strides)."""
+def grouped_mm_fits(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> bool:
+    """``torch._grouped_mm`` exists in this build and takes rows of these widths (16-byte aligned strides) on this
+    device: any CPU; a GPU from compute capability 8.0 (bf16 on 9.0 has the fast kernel, the rest a fallback)."""
     size = torch.empty((), dtype=dtype).element_size()
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False
     return hasattr(torch, "_grouped_mm") and all(d * size % 16 == 0 for d in dims)
 
 
@@ -95,7 +98,7 @@ class Experts(nn.Module):
         """``x`` [sum(counts), d]: each expert's rows in one run, ``counts[e]`` of them, expert by expert."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x = x.to(dtype)
-        grouped = self.grouped and grouped_mm_fits((self.d, self.f), dtype)
+        grouped = self.grouped and grouped_mm_fits((self.d, self.f), dtype, x.device)
 
         def weight(p: torch.Tensor, transpose: bool) -> torch.Tensor:  # [E, in, out] for x @ w[e]
             w = p.to(dtype).view(self.n, self.f, self.d)
