@@ -5,18 +5,25 @@ models export to the class that loads them with ours."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
+from safetensors.torch import load_file
 
+from tests.helpers.layouts import train_rank
+from tests.helpers.tools import run_tool
+from tests.test_init_from import adopted, first_batch, run_args
 from trident.checkpoint.consolidated import ModelWeights, load_weights
 from trident.checkpoint.export import write_hf
 from trident.config import model_config_from_dict
 from trident.models.gpt import GPT
 from trident.models.moe import MoE
 from trident.parallel.placement import placement_of
+from trident.ranks import run_distributed
 
 SHAPE = dict(
     vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -96,3 +103,44 @@ def test_an_export_loads_in_transformers_with_our_logits(family, tmp_path):
     ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (model(ids) - hf.eval()(ids).logits).abs().max() <= 1e-5
+
+
+def test_hf_to_trident_to_hf_leaves_every_tensor_equal(tmp_path, monkeypatch, capsys):
+    source = saved("qwen3_moe", tmp_path / "src")
+    ck, out = tmp_path / "ck", tmp_path / "back"
+    for args in ([str(source), "--from", "hf", "--out", str(ck)], [str(ck), "--to", "hf", "--out", str(out)]):
+        code, _, err = run_tool("convert_checkpoint", *args, monkeypatch=monkeypatch, capsys=capsys)
+        assert code == 0, err
+    before, after = (load_file(d / "model.safetensors") for d in (source, out))
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_experts"], config["decoder_sparse_step"], config["norm_topk_prob"]) == (4, 2, False)
+
+
+@pytest.mark.multiprocess
+def test_a_qwen3_moe_model_starts_a_tp2_pp2_run_at_its_own_loss_and_trains(tiny_dataset, tmp_path):
+    """Each rank reads its experts and router from the Hugging Face files; the first stage holds no sparse layer."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=176, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True, tie_word_embeddings=False,
+        initializer_range=0.1,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "src")
+    overrides = run_args(tiny_dataset, "parallel.tp=2", "parallel.pp=2", "train.steps=4")
+    cfg = adopted(tmp_path / "run", [*overrides, f"checkpoint.init_from={tmp_path / 'src'}"])
+    assert cfg.model.qk_norm and cfg.model.moe.experts == 4 and not cfg.model.moe.is_sparse(0)
+    histories = run_distributed(train_rank, 4, cfg, tmp_path / "run", timeout_s=300)
+    losses = [row["loss"] for row in histories[0]]
+    x, y = first_batch(cfg)
+    with torch.no_grad():
+        expected = F.cross_entropy(model.eval()(x).logits.flatten(0, 1).double(), y.flatten()).item()
+    assert abs(losses[0] - expected) <= 1e-5 * expected, (losses[0], expected)
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert set(histories[0][0]) >= {"moe/aux_loss", "moe/load/1"}
