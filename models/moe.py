@@ -124,7 +124,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [N, d] -> (logits [N, E] fp32, scores [N, E] fp32, top-k experts [N, k], their weights [N, k])."""
-        logits = F.linear(x.float(), self.weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32 whatever the compute dtype
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if self.moe.router == "softmax" else logits.sigmoid()
         choose = scores + self.expert_bias if self.moe.bias_update_rate > 0 else scores
         chosen = choose.topk(self.moe.top_k, dim=-1).indices

@@ -193,10 +193,10 @@ def test_moe_keys_are_refused_in_one_line():
 
 
 @pytest.mark.multiprocess
-def test_moe_tiny_learns_with_the_one_process_curve_at_dp2_and_resumes_at_dp1(tiny_dataset, tmp_path):
+def test_moe_tiny_learns_with_the_one_process_curve_at_dp2_zero3_and_resumes_at_dp1(tiny_dataset, tmp_path):
     """moe-tiny with every balancing term on: its loss falls and its routing is logged; at dp 2 (the aux losses
     scaled over the global batch, the routing counts summed over dp) the curve and the loads are one process's; a
-    dp 2 checkpoint (the loss-free biases in it) resumes at dp 1 with the uninterrupted losses."""
+    dp 2 ZeRO-3 checkpoint (the loss-free biases in it) resumes at dp 1 with the uninterrupted losses."""
     balancing = ("model.moe.z_loss_coef=1e-3", "model.moe.bias_update_rate=0.05", "model.moe.capacity_factor=1.5")
     overrides = tiny(
         tiny_dataset, "model=moe-tiny", "train.steps=8", "train.eval_every=0", "optim.lr=3e-3", *balancing,
@@ -210,7 +210,7 @@ def test_moe_tiny_learns_with_the_one_process_curve_at_dp2_and_resumes_at_dp1(ti
         assert 0.9 < row["moe/aux_loss"] < 2.0 and row["moe/load/0"] >= 1.0 and 0 <= row["moe/dropped"] < 0.5
     assert '"moe/aux_loss"' in (tmp_path / "one" / "metrics.jsonl").read_text()
 
-    dp2 = train_in_process(tmp_path / "dp2", overrides, world=2)
+    dp2 = train_in_process(tmp_path / "dp2", [*overrides, "parallel.zero=3"], world=2)
     for history in dp2:
         assert_same_curve(one, history)
         for mine, theirs in zip(one, history, strict=True):
