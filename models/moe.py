@@ -188,8 +188,8 @@ class MoE(nn.Module):
         if self.training and not _in_backward():
             with torch.no_grad():
                 self.step_counts += counts.double()
-                dropped = n * k - int(kept.sum())
-                self.step_sums += torch.tensor([dropped, n, n * aux.item(), n * z.item()], dtype=torch.float64)
+                dropped = (counts - kept).sum().double()
+                self.step_sums += torch.stack([dropped, dropped.new_tensor(float(n)), n * aux.double(), n * z.double()])
         extra = self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z
         if self.training and torch.is_grad_enabled() and self.loss_multiplier and extra.requires_grad:
             out = AuxLoss.apply(out, extra, self.loss_multiplier * n)
