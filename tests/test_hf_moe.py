@@ -14,12 +14,14 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file
 
-from tests.helpers.layouts import train_rank
+from tests.helpers.layouts import make_config, train_rank
 from tests.helpers.tools import run_tool
 from tests.test_init_from import adopted, first_batch, run_args
 from trident.checkpoint.consolidated import ModelWeights, load_weights
 from trident.checkpoint.export import write_hf
+from trident.checkpoint.hf import architecture
 from trident.config import model_config_from_dict
+from trident.errors import CheckpointError
 from trident.models.gpt import GPT
 from trident.models.moe import MoE
 from trident.parallel.placement import placement_of
@@ -144,3 +146,21 @@ def test_a_qwen3_moe_model_starts_a_tp2_pp2_run_at_its_own_loss_and_trains(tiny_
     assert abs(losses[0] - expected) <= 1e-5 * expected, (losses[0], expected)
     assert losses[-1] < losses[0] - 0.05, losses
     assert set(histories[0][0]) >= {"moe/aux_loss", "moe/load/1"}
+
+
+@pytest.mark.parametrize(
+    "moe, line",
+    [
+        ({"router": "sigmoid"}, "model.moe.router=sigmoid has no Hugging Face class: MixtralForCausalLM needs"),
+        ({"shared_experts": 1}, "model.moe.shared_experts=1 has no Hugging Face class"),
+        ({"norm_topk": False}, "model.moe.norm_topk=False has no Hugging Face class: MixtralForCausalLM needs"),
+        ({"every": 2}, "model.moe.every=2 has no Hugging Face class: MixtralForCausalLM needs model.moe.every=1"),
+    ],
+)
+def test_an_expert_block_no_class_holds_is_refused_naming_the_key(moe, line):
+    cfg = make_config("model=moe-tiny").model
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe))
+    with pytest.raises(CheckpointError, match=line):
+        architecture(cfg)
+    if "norm_topk" in moe or "every" in moe:  # what Qwen3-MoE has (decoder_sparse_step, norm_topk_prob)
+        assert architecture(dataclasses.replace(cfg, qk_norm=True)) == "Qwen3MoeForCausalLM"
