@@ -5,6 +5,8 @@
     model.position  learned (GPT-2)   | rope (Llama)            a position table, or rotary q and k
     model.n_kv_heads                    n_heads (MHA, default), fewer (grouped-query), 1 (multi-query)
     model.bias, model.tie_embeddings    biases in linear layers; the LM head tied to the token embedding
+    model.qk_norm                       RMSNorm over each query and key head before RoPE (Qwen3)
+    model.moe.*                         mixture-of-experts MLPs on the sparse layers (models/moe.py)
 
 Attention is causal, through scaled_dot_product_attention. The model is one file read top to bottom (norm,
 attention, MLP, block, GPT, then its FLOPs and parameter count), as nanoGPT's is, so it stays whole past ~400 lines.
@@ -47,6 +49,7 @@ from torch import nn
 from trident.config import ModelConfig
 from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache
+from trident.models.moe import MoE
 from trident.models.rope import apply_rope, rope_frequencies, rope_tables
 from trident.parallel.comm import rank_and_size
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
@@ -130,6 +133,10 @@ class CausalSelfAttention(nn.Module):
             else:
                 self.kv = ReplicatedColumnLinear(d, 2 * kv_heads * dh, kv_heads, tp_group, bias=cfg.bias)
         self.proj = RowParallelLinear(heads * dh, d, tp_group, bias=cfg.bias, sequence_parallel=sp)
+        if cfg.qk_norm:  # one gain per head dim, shared by every head: held whole by every tp rank
+            self.q_norm, self.k_norm = nn.RMSNorm(dh, eps=cfg.norm_eps), nn.RMSNorm(dh, eps=cfg.norm_eps)
+            for p in (self.q_norm.weight, self.k_norm.weight):
+                replicated(p)
 
     def project(
         self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
@@ -142,6 +149,8 @@ class CausalSelfAttention(nn.Module):
             x = self.q.enter(x)
             q = rearrange(self.q.local(x), "b t (h d) -> b h t d", h=self.n_heads)
             k, v = rearrange(self.kv.local(x), "b t (h two d) -> two b h t d", two=2, h=self.n_kv_heads)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.inv_freq is not None:
             inv_freq = self._inv_freq_on.get(q.device)
             if inv_freq is None:
@@ -258,7 +267,12 @@ class Block(nn.Module):
         self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng, layer)
         self.ln_2 = make_norm(cfg)
-        self.mlp = MLP(cfg, tp_group, sequence_parallel)
+        if cfg.moe.is_sparse(layer):
+            shared = cfg.moe.shared_experts * cfg.expert_dim
+            dense = MLP(dataclasses.replace(cfg, d_ff=shared), tp_group, sequence_parallel) if shared else None
+            self.mlp: nn.Module = MoE(cfg, dense)
+        else:
+            self.mlp = MLP(cfg, tp_group, sequence_parallel)
         self.drop_attn = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, ATTENTION_RESIDUAL))
         self.drop_mlp = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, MLP_RESIDUAL))
 
@@ -384,8 +398,8 @@ def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-def _is_residual_projection(name: str) -> bool:  # the output projections of attention and the MLP
-    return name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight")
+def _is_residual_projection(name: str) -> bool:  # the output projections of attention and the MLP (or experts)
+    return name.endswith(("attn.proj.weight", "mlp.proj.weight", "shared.proj.weight", "experts.down"))
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -397,7 +411,7 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) 
     """The logical (one-process, unpadded) initial value of parameter ``name``."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
-    if ".ln_" in name or name.startswith("ln_"):  # LayerNorm and RMSNorm gains
+    if ".ln_" in name or name.startswith("ln_") or name.endswith("_norm.weight"):  # LayerNorm and RMSNorm gains
         return torch.ones(shape)
     std = cfg.init_std
     if _is_residual_projection(name):
@@ -422,28 +436,44 @@ def initial_value(name: str, placement: Placement, cfg: ModelConfig, seed: int) 
     return placement.shard(init_tensor(name, placement.shape, cfg, seed))
 
 
-def _block_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of one block's matmuls: q, k, v and the output projection, and the MLP (SwiGLU has three)."""
+def _block_matmul_params(cfg: ModelConfig, layer: int = 0, active: bool = True) -> int:
+    """Weights of block ``layer``'s matmuls: q, k, v and the output projection, and the MLP (SwiGLU has three). A
+    sparse layer's MLP: the router, the shared experts and the top-k routed experts a token meets (``active``), or
+    all of them."""
     d, f, dh = cfg.d_model, cfg.ffn_dim, cfg.head_dim
     attention = d * cfg.n_heads * dh + 2 * d * cfg.kv_heads * dh + cfg.n_heads * dh * d
-    return attention + (3 if cfg.mlp == "swiglu" else 2) * d * f
+    mats = 3 if cfg.mlp == "swiglu" else 2
+    moe = cfg.moe
+    if not moe.is_sparse(layer):
+        return attention + mats * d * f
+    experts = (moe.top_k if active else moe.experts) + moe.shared_experts
+    return attention + mats * d * cfg.expert_dim * experts + moe.experts * d
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """Trainable parameters of the unpadded model (a tied embedding counted once)."""
+    """Trainable parameters of the unpadded model (a tied embedding counted once; every expert)."""
     d, f, L = cfg.d_model, cfg.ffn_dim, cfg.n_layers
     norm = 2 * d if cfg.bias and cfg.norm == "layernorm" else d
-    biases = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim + (2 * f if cfg.mlp == "swiglu" else f) + 2 * d
-    block = _block_matmul_params(cfg) + (biases if cfg.bias else 0) + 2 * norm
+    shared = cfg.moe.shared_experts * cfg.expert_dim
+    total = 0
+    for layer in range(L):
+        width = (shared if cfg.moe.is_sparse(layer) else f) if cfg.bias else 0  # the dense MLP's (biases)
+        mlp_bias = (2 * width if cfg.mlp == "swiglu" else width) + d if width else 0
+        attn_bias = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim + d
+        biases = attn_bias + mlp_bias if cfg.bias else 0
+        qk = 2 * cfg.head_dim if cfg.qk_norm else 0
+        total += _block_matmul_params(cfg, layer, active=False) + biases + 2 * norm + qk
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     positions = cfg.seq_len * d if cfg.position == "learned" else 0
-    return embeddings + positions + L * block + norm
+    return embeddings + positions + total + norm
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token: 6N for the matmul weights (grouped-query k and v at their own width, SwiGLU's three
-    matrices, the LM head included, the embedding lookups excluded) plus 12 * L * d * T for attention scores and
-    their product with v (every query head's, PaLM's convention: full, not causal)."""
+    """Training FLOPs per token: 6N for the matmul weights a token meets (grouped-query k and v at their own width,
+    SwiGLU's three matrices, a sparse layer's router, shared and top-k experts only, the LM head included, the
+    embedding lookups excluded) plus 12 * L * d * T for attention scores and their product with v (every query
+    head's, PaLM's convention: full, not causal)."""
     t = seq_len or cfg.seq_len
-    matmul_params = cfg.n_layers * _block_matmul_params(cfg) + cfg.vocab_size * cfg.d_model
+    blocks = sum(_block_matmul_params(cfg, layer) for layer in range(cfg.n_layers))
+    matmul_params = blocks + cfg.vocab_size * cfg.d_model
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.d_model * t

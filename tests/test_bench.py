@@ -256,3 +256,10 @@ def test_recompute_tables_each_policy_measured_against_the_estimate_and_timed_ag
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
     held = {p: figure(c) * units[c.split()[1]] for p, c in zip(policies, table.column("activations"), strict=True)}
     assert held["full"] < held["full/2"] < held["none"] and held["selective"] < held["none"]
+
+
+def test_moe_bench_times_the_grouped_experts_against_the_loop() -> None:
+    (table,) = bench("moe", "--shapes", "32x16x4x2", "--tokens", "64", "--precision", "fp32", "--rounds", "1",
+                     "--steps", "1", "--warmup", "1")  # fmt: skip
+    assert table.column("shape (d x f x E x k)") == ["32x16x4x2"]
+    assert_finite(table, "grouped ms", "loop ms", "loop / grouped")

@@ -16,6 +16,7 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
     python tools/bench.py checkpoint                   # step time with no save, a sync save, an async save
     python tools/bench.py recompute                    # each recomputation: activations measured and estimated,
                                                        # step time against none
+    python tools/bench.py moe                          # MoE experts: one grouped product vs a matmul per expert
 
 ``python tools/bench.py <subcommand> --help`` says what each measures. ``--out FILE`` also writes the tables.
 """
@@ -41,6 +42,7 @@ SUBCOMMANDS = (
     "gpu",
     "checkpoint",
     "recompute",
+    "moe",
 )
 
 

@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from trident.divergence import DivergencePolicy
 from trident.errors import CheckpointError, DivergenceError, is_lost_peer
 from trident.metrics import MetricsLogger, peak_memory_mb, summary_line
 from trident.models.gpt import flops_per_token
+from trident.models.moe import set_loss_multiplier, step_stats
 from trident.optim import lr_at
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import ProcessGroups
@@ -49,6 +50,7 @@ class StepResult:
     grad_norm: float
     loss_scale: float
     skipped: bool
+    moe: dict[str, float] = field(default_factory=dict)  # models/moe.py step_stats: aux loss, expert load
 
 
 class Trainer:
@@ -82,6 +84,7 @@ class Trainer:
         self.grad_step = parts.optimizer.step
         self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
+        self.moe = cfg.model.moe
         self.checkpointer, self.stop, self.after_first_step = checkpointer, stop, after_first_step
         self.make_logger = make_logger or (lambda start: None)
         gbs = train_cfg.global_batch_size
@@ -123,11 +126,16 @@ class Trainer:
     def train_step(self, step: int, micro_batches: list[Batch]) -> StepResult:
         """One optimizer step over this rank's micro-batches of the global batch."""
         scale = self.grad_step.loss_scale
+        for chunk in self.model_chunks:  # the MoE auxiliary losses' gradient per token, like the token loss's
+            set_loss_multiplier(chunk, scale / self.tokens_per_step)
         loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
         shared = self._share_loss(loss_sum)  # on the wire while the optimizer steps
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
+        # The loss-free bias moves after the step; the routing of every stage's sparse layers is in every row.
+        pp_group = self.groups.pp_group if self.groups.pp_size > 1 else None
+        moe = step_stats(self.model_chunks, self.moe, self.groups.dp_group, pp_group)
         loss = shared() / self.tokens_per_step
-        return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=skipped)
+        return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=skipped, moe=moe)
 
     def _share_loss(self, loss_sum: torch.Tensor) -> Callable[[], float]:
         """Sum the last stage's loss over dp and hand it to every pipeline stage, so every rank (the logging
@@ -386,4 +394,5 @@ class Trainer:
             row["loss_scale"] = result.loss_scale
         if result.skipped:
             row["skipped"] = True
+        row.update(result.moe)
         return row

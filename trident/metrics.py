@@ -2,8 +2,10 @@
 
 Beside the contract's keys a row carries ``data_ms`` (how long the step waited for its batches: the loader's cost on
 the critical path), ``data_read_ms`` (how long reading them took, mostly hidden behind the step before), ``data_share``
-(``data_ms`` over the step's time), and with ``data.mix`` ``tokens/<source>`` (training tokens each source gave so
-far) and, at evaluations, ``val_loss/<source>`` (``val_loss`` is then their mean weighted by the mixture's weights).
+(``data_ms`` over the step's time), with a mixture of experts ``moe/aux_loss``, ``moe/load/<layer>`` (max over mean
+tokens per expert), ``moe/z_loss`` and ``moe/dropped`` (models/moe.py ``step_stats``), and with ``data.mix``
+``tokens/<source>`` (training tokens each source gave so far) and, at evaluations, ``val_loss/<source>``
+(``val_loss`` is then their mean weighted by the mixture's weights).
 """
 
 from __future__ import annotations
@@ -193,6 +195,11 @@ class MetricsLogger:
         ]
         if "loss_scale" in row:
             parts.append(f"scale {row['loss_scale']:g}")
+        if "moe/aux_loss" in row:  # mixture of experts: the aux loss and the most loaded layer's load
+            loads = [v for k, v in row.items() if k.startswith("moe/load/")]
+            parts.append(f"aux {row['moe/aux_loss']:.4f} load {max(loads, default=0.0):.2f}")
+            if "moe/dropped" in row:
+                parts.append(f"dropped {100 * row['moe/dropped']:.1f}%")
         if row.get("data_share") is not None:
             parts.append(f"data {100 * row['data_share']:.1f}%")  # the step's wait for its batches
         parts.append(f"eta {format_duration(eta)}")

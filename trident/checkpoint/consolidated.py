@@ -113,7 +113,9 @@ def from_hf(path: Path) -> ModelWeights:
 
 def _columns(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     """The logical shape of ``name`` past dim 0: [] for a vector, else its input width."""
-    if not name.endswith(".weight") or ".ln_" in name or name.startswith("ln_"):
+    if ".experts." in name:  # every expert tensor is [experts * d_expert, d_model] (models/moe.py)
+        return (cfg.d_model,)
+    if not name.endswith(".weight") or ".ln_" in name or name.startswith("ln_") or "_norm." in name:
         return ()
     return (cfg.ffn_dim,) if name.endswith("mlp.proj.weight") else (cfg.d_model,)
 

@@ -7,6 +7,12 @@ Two Hugging Face classes hold our blocks:
     LlamaForCausalLM  model.norm=rmsnorm, model.mlp=swiglu, model.position=rope, any n_kv_heads
                       (attention_bias = mlp_bias = model.bias)
 
+and two the mixture-of-experts blocks (``model.moe``, models/moe.py) with Llama's:
+
+    MixtralForCausalLM   every layer sparse, softmax router with the top-k weights renormalised, no shared experts
+    Qwen3MoeForCausalLM  model.qk_norm=true, layers sparse every model.moe.every-th (decoder_sparse_step), softmax
+                         router, renormalised or not (norm_topk_prob), no shared experts
+
 Any other mix has no class and is refused with a line naming the key.
 
 Each of our logical tensors (one-process, unpadded, canonical name) is a ``Source``: Hugging Face tensors stacked
@@ -30,6 +36,16 @@ along our dim 0, each transposed first when it is GPT-2's ``Conv1D`` (``[in, out
 
 (T): transposed, GPT-2's Conv1D. Llama's projections are under layers.i.self_attn. and layers.i.mlp.
 
+A sparse layer's MLP (Mixtral: layers.i.block_sparse_moe.; Qwen3-MoE: layers.i.mlp.), expert e's tensors stacked
+row-wise (Hugging Face's save_pretrained writes each expert's own, in either family):
+
+    ours                     Mixtral                              Qwen3-MoE
+    layers.i.mlp.router.weight   gate.weight                      gate.weight
+    layers.i.mlp.experts.gate    [experts.e.w1.weight]            [experts.e.gate_proj.weight]
+    layers.i.mlp.experts.up      [experts.e.w3.weight]            [experts.e.up_proj.weight]
+    layers.i.mlp.experts.down    [experts.e.w2.weight (T)]        [experts.e.down_proj.weight (T)]
+    layers.i.attn.q_norm.weight  -                                self_attn.q_norm.weight (and k_norm)
+
 Our rows are laid out so that a tp block of rows holds whole heads: qkv ``(h three dh)``, kv ``(g two dh)``; the
 stacked Hugging Face rows are regrouped to that. RoPE is Hugging
 Face Llama's rotate-half convention (models/rope.py), so q_proj and k_proj need no permutation.
@@ -46,10 +62,11 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
-from trident.config import ModelConfig
+from trident.config import ModelConfig, MoEConfig
 from trident.errors import CheckpointError
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
+MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
 
 # What each class fixes, as (key, value) pairs of model.*; GPT-2's multi-head attention is checked apart.
 _BLOCKS = {
@@ -84,12 +101,35 @@ def architecture(cfg: ModelConfig) -> str:
             )
         return GPT2
     if not misses[LLAMA]:
-        return LLAMA
+        return _moe_architecture(cfg)
     cls = min(misses, key=lambda c: len(misses[c]))
     key = misses[cls][0][0]
     rest = ", ".join(f"model.{k}={v}" for k, v in have.items() if k != key)
     wants = "; ".join(f"{c} needs " + ", ".join(f"model.{k}={v}" for k, v in _BLOCKS[c]) for c in _BLOCKS)
     raise CheckpointError(f"model.{key}={have[key]} with {rest} has no Hugging Face class: {wants}")
+
+
+def _moe_architecture(cfg: ModelConfig) -> str:
+    """Llama's block, dense (LlamaForCausalLM) or with experts (Mixtral, Qwen3-MoE), or a CheckpointError naming
+    the key no class has."""
+    moe = cfg.moe
+    if not moe.enabled:
+        if cfg.qk_norm:
+            raise CheckpointError(f"model.qk_norm=true without experts has no Hugging Face class; {LLAMA} has none")
+        return LLAMA
+    cls = QWEN3_MOE if cfg.qk_norm else MIXTRAL
+    rules = [
+        ("model.moe.router", moe.router, "softmax"),
+        ("model.moe.shared_experts", moe.shared_experts, 0),
+        ("model.moe.first_dense", moe.first_dense, 0),
+        ("model.bias", cfg.bias, False),
+    ]
+    if cls == MIXTRAL:
+        rules += [("model.moe.every", moe.every, 1), ("model.moe.norm_topk", moe.norm_topk, True)]
+    for key, value, want in rules:
+        if value != want:
+            raise CheckpointError(f"{key}={value} has no Hugging Face class: {cls} needs {key}={want}")
+    return cls
 
 
 # --- config.json -------------------------------------------------------------------------------------------
@@ -125,13 +165,31 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_ids: list[int] | 
             "torch_dtype": "float32",
             **ids,
         }
+    cls = architecture(cfg)
+    moe = cfg.moe
+    extra: dict = {}
+    if cls == MIXTRAL:
+        extra = {"num_local_experts": moe.experts, "sliding_window": None, "router_jitter_noise": 0.0}
+    elif cls == QWEN3_MOE:
+        extra = {
+            "num_experts": moe.experts,
+            "moe_intermediate_size": cfg.expert_dim,
+            "decoder_sparse_step": moe.every,
+            "mlp_only_layers": [],
+            "norm_topk_prob": moe.norm_topk,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+    if cls != LLAMA:
+        extra.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef, output_router_logits=False)
     return {
-        "architectures": [LLAMA],
-        "model_type": "llama",
+        "architectures": [cls],
+        "model_type": {LLAMA: "llama", MIXTRAL: "mixtral", QWEN3_MOE: "qwen3_moe"}[cls],
+        **extra,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.context_len,  # not the window it was trained on last
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.ffn_dim,
+        "intermediate_size": cfg.expert_dim if cls == MIXTRAL else cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
@@ -224,9 +282,11 @@ def model_from_hf(config: dict, where: str) -> dict:
             "mlp": "gelu",
             "position": "learned",
             "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+            "qk_norm": False,
+            "moe": MoEConfig(),
             **_token_ids(config, where),
         }
-    if kind == "llama":
+    if kind in ("llama", "mixtral", "qwen3_moe"):
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise CheckpointError(f"{where}: hidden_act={act!r} is not supported; Llama import needs silu")
@@ -237,6 +297,8 @@ def model_from_hf(config: dict, where: str) -> dict:
             raise CheckpointError(
                 f"{where}: rope_scaling={scaling} is not supported; trident imports rope_type default and llama3"
             )
+        if config["model_type"] != "llama" and config.get("attention_bias", False):
+            raise CheckpointError(f"{where}: attention_bias=true is not supported for {config['model_type']}")
         if config.get("attention_bias", False) != config.get("mlp_bias", False):
             raise CheckpointError(
                 f"{where}: attention_bias={config.get('attention_bias')} with mlp_bias={config.get('mlp_bias')} is "
@@ -269,8 +331,39 @@ def model_from_hf(config: dict, where: str) -> dict:
             "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
             **_rope_scaling_keys(scaling if kind == "llama3" else None, where),
             **_token_ids(config, where),
+            **_moe_from_hf(config, where),
         }
-    raise CheckpointError(f"{where}: model_type={kind!r} is not supported; trident imports gpt2 and llama")
+    raise CheckpointError(
+        f"{where}: model_type={kind!r} is not supported; trident imports gpt2, llama, mixtral and qwen3_moe"
+    )
+
+
+def _moe_from_hf(config: dict, where: str) -> dict:
+    """``model.qk_norm`` and ``model.moe`` of a Mixtral or Qwen3-MoE ``config.json`` (a Llama's: none)."""
+    kind = config["model_type"]
+    if kind == "llama":
+        return {"qk_norm": False, "moe": MoEConfig()}
+    if config.get("sliding_window") is not None and config.get("use_sliding_window", kind == "mixtral"):
+        raise CheckpointError(f"{where}: sliding_window={config['sliding_window']} is not supported")
+    common = {
+        "top_k": _get(config, "num_experts_per_tok", int, where),
+        "aux_loss_coef": float(_get(config, "router_aux_loss_coef", (int, float), where, 0.0)),
+    }
+    if kind == "mixtral":
+        experts = _get(config, "num_local_experts", int, where)
+        d_expert = _get(config, "intermediate_size", int, where)
+        return {"qk_norm": False, "moe": MoEConfig(experts=experts, d_expert=d_expert, norm_topk=True, **common)}
+    if config.get("mlp_only_layers"):
+        raise CheckpointError(f"{where}: mlp_only_layers={config['mlp_only_layers']} is not supported")
+    moe = MoEConfig(
+        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+        experts=_get(config, "num_experts" if "num_experts" in config else "num_local_experts", int, where),
+        d_expert=_get(config, "moe_intermediate_size", int, where),
+        every=_get(config, "decoder_sparse_step", int, where, 1),
+        norm_topk=bool(config.get("norm_topk_prob", False)),
+        **common,
+    )
+    return {"qk_norm": True, "moe": moe}
 
 
 # --- tensors -------------------------------------------------------------------------------------------------
@@ -321,6 +414,12 @@ def sources(cfg: ModelConfig) -> dict[str, Source]:
             kv_rows = _rows("two g dh", "g two dh", two=2, g=kv, dh=dh)
             add(ours + "attn.kv", [attn + "k_proj", attn + "v_proj"], [kv * dh, kv * dh], rows=kv_rows)
         add(ours + "attn.proj", [attn + "o_proj"], [d])
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out[f"{ours}attn.{norm}.weight"] = Source((f"{attn}{norm}.weight",), (dh,))
+        if cfg.moe.is_sparse(i):
+            out.update(_expert_sources(cfg, ours + "mlp.", theirs))
+            continue
         mlp = theirs + "mlp."
         add(ours + "mlp.gate", [mlp + "gate_proj"], [f])
         add(ours + "mlp.up", [mlp + "up_proj"], [f])
@@ -331,6 +430,19 @@ def sources(cfg: ModelConfig) -> dict[str, Source]:
         out["ln_f.weight"] = Source((top + "norm.weight",), (d,))
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = Source(("lm_head.weight",), (cfg.vocab_size,))
+    return out
+
+
+def _expert_sources(cfg: ModelConfig, ours: str, theirs: str) -> dict[str, Source]:
+    """A sparse layer's router and experts (the module docstring's table), ``ours`` its ``layers.i.mlp.``."""
+    e, f = cfg.moe.experts, cfg.expert_dim
+    mixtral = architecture(cfg) == MIXTRAL
+    block = theirs + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {ours + "router.weight": Source((block + "gate.weight",), (e,))}
+    for mine, name in zip(("gate", "up", "down"), names, strict=True):
+        parts = tuple(f"{block}experts.{k}.{name}.weight" for k in range(e))
+        out[f"{ours}experts.{mine}"] = Source(parts, (f,) * e, transpose=mine == "down")
     return out
 
 

@@ -75,7 +75,7 @@ def open_source(path: str, what: str = "checkpoint.init_from") -> InitSource:
     found = find_resume_path(str(where), where, what=what)
     _, config = read_head(found)
     model = saved_model_config(config, f"checkpoint {found}")
-    saved = {**dataclasses.asdict(model), "max_seq_len": model.context_len}
+    saved = {**dataclasses.asdict(model), "max_seq_len": model.context_len, "moe": model.moe}
     return InitSource(found, "trident", {key: saved[key] for key in ("name", *ADOPTED, *CARRIED)})
 
 

@@ -33,7 +33,9 @@ from trident.checkpoint.files import (
     read_json,
     saved_model_config,
 )
+from trident.checkpoint.sharded import Sharded
 from trident.checkpoint.state import (
+    BUFFERS,
     MODEL,
     OPTIM,
     named_parameters,
@@ -43,6 +45,7 @@ from trident.checkpoint.state import (
 from trident.checkpoint.zero_state import MasterState, MomentState
 from trident.config import SHAPE_KEYS
 from trident.errors import CheckpointError, TridentError
+from trident.models.moe import balancing_state
 from trident.parallel.agree import on_every_rank, on_one_rank
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.zero.optimizer import ZeroOptimizer
@@ -86,6 +89,7 @@ class Checkpointer:
         # The weights saved are the optimizer's fp32 masters, with its AdamW state, as boxes of logical tensors.
         self.weights = MasterState(optimizer, self.params)
         self.optimizer = MomentState(optimizer, self.params)
+        self.buffers = balancing_state(modules)  # every dp and tp rank holds the same: one copy is written
         topo = groups.topology
         self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}
         # Made on every rank alike (a new process group): build_checkpointer runs at the same point on each.
@@ -120,6 +124,7 @@ class Checkpointer:
         state = {
             **{MODEL + k: v for k, v in self.weights.sharded_state().items()},
             **{OPTIM + k: v for k, v in self.optimizer.sharded_state().items()},
+            **{BUFFERS + k: Sharded.whole(v) for k, v in self.buffers.items()},
             **rng_state(self.groups.coord),
         }
         # Taken now: the trainer goes on to later steps while a background save is written.
@@ -233,6 +238,8 @@ class Checkpointer:
         # The default generators' states (dropout derives its masks and draws from none of them; they are kept so
         # that anything else random resumes exactly) belong to a coordinate of the layout that saved them; under
         # another layout they mean something else, so the freshly seeded ones are kept.
+        # A checkpoint from before a buffer existed keeps its fresh value (the bias at zero).
+        state.update({BUFFERS + k: Sharded.whole(v) for k, v in self.buffers.items() if BUFFERS + k in saved})
         restore_rng = lambda: None  # noqa: E731
         if meta.get("layout") == self.layout:
             rng, restore_rng = rng_destinations(self.groups.coord, saved)

@@ -3,6 +3,7 @@
     model/<parameter name>              the parameter's logical tensor (one-process shape, padding never saved)
     optim/<parameter name>/<state>      AdamW's exp_avg and exp_avg_sq (laid out like the parameter), step (0-d)
     rng/dp<d>.pp<p>.tp<t>/cpu|cuda      the generator states of the rank at that layout coordinate
+    buffers/<buffer name>               state outside the gradient (a sparse layer's loss-free balancing bias)
 
 Parameter names are the canonical ``named_parameters()`` names, the same under every layout, and each parameter's
 ``Placement`` says which box of the logical tensor this rank holds. A tied copy (the last pipeline stage's LM
@@ -22,7 +23,7 @@ from torch import nn
 from trident.checkpoint.sharded import Sharded
 from trident.parallel.topology import Coord
 
-MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
+MODEL, OPTIM, RNG, BUFFERS = "model/", "optim/", "rng/", "buffers/"
 
 
 def named_parameters(modules: Iterable[nn.Module]) -> dict[str, nn.Parameter]:

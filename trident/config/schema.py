@@ -9,6 +9,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(unsafe_hash=True)  # hashable, as the model's keys are (the memory estimator caches by them)
+class MoEConfig:
+    """Mixture-of-experts MLPs (models/moe.py) on the sparse layers; ``experts=0``: a dense model."""
+
+    experts: int = 0  # routed experts per sparse layer
+    top_k: int = 2  # experts each token is sent to
+    shared_experts: int = 0  # experts every token goes through (DeepSeek), one MLP of shared_experts * d_expert
+    d_expert: int | None = None  # each expert's hidden size; None: model.d_ff
+    # Which layers are sparse: layer i (from 0) when i >= first_dense and (i + 1) % every == 0 (Qwen3-MoE's
+    # decoder_sparse_step, DeepSeek's first_k_dense_replace); the others keep the dense MLP of model.d_ff.
+    every: int = 1
+    first_dense: int = 0
+    # softmax (Mixtral, Qwen3-MoE, OLMoE: softmax over all experts, then the top k) | sigmoid (DeepSeek-V3: sigmoid
+    # scores, the top k weights always normalised to sum to 1).
+    router: str = "softmax"
+    norm_topk: bool = True  # softmax router: renormalise the top-k weights to sum to 1 (Mixtral yes, Qwen3/OLMoE no)
+    aux_loss_coef: float = 0.0  # load-balancing loss (Switch / GShard: E * sum_i f_i * P_i), added to the loss
+    z_loss_coef: float = 0.0  # router z-loss (ST-MoE: mean logsumexp(logits)^2), added to the loss
+    # Loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing experts only, moved by
+    # this much after each optimizer step toward the mean load (+ when under-loaded, - when over); 0: off.
+    bias_update_rate: float = 0.0
+    # None: dropless (every token reaches its k experts). A number: each expert takes at most
+    # ceil(capacity_factor * tokens * top_k / experts) of a micro-batch's tokens, in token order; the rest dropped.
+    capacity_factor: float | None = None
+    grouped_mm: bool = True  # experts as one grouped matrix product (torch._grouped_mm) where possible, else a loop
+
+    @property
+    def enabled(self) -> bool:
+        return self.experts > 0
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.enabled and layer >= self.first_dense and (layer + 1) % self.every == 0
+
+
 @dataclass
 class ModelConfig:
     name: str = "gpt-mini"
@@ -52,6 +86,16 @@ class ModelConfig:
     # tokenizer's.
     bos_id: int | None = None
     eos_ids: list[int] | None = None
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # a saved config's section (dataclasses.asdict, config.json)
+            self.moe = MoEConfig(**self.moe)
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe.d_expert if self.moe.d_expert is not None else self.ffn_dim
 
     @property
     def ffn_dim(self) -> int:
@@ -84,6 +128,8 @@ SHAPE_KEYS = (
     "mlp",
     "position",
     "tie_embeddings",
+    "qk_norm",
+    "moe",
 )
 
 # Keys a saved config may hold under an older name.

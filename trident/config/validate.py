@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from trident.config.schema import Config, ParallelConfig, TrainConfig
+from trident.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from trident.device import device_type
 from trident.errors import ConfigError
 from trident.layout import Layout
@@ -81,6 +81,30 @@ def _batch_error(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str) -
     return None if error is None else f"{error}; change train.global_batch_size or train.micro_batch_size"
 
 
+def _check_moe(m: ModelConfig) -> None:
+    """The ``model.moe`` keys, when the model has experts."""
+    moe = m.moe
+    _need(moe.experts >= 0, f"model.moe.experts={moe.experts} must be >= 0 (0: a dense model)")
+    if not moe.enabled:
+        return
+    _need(
+        1 <= moe.top_k <= moe.experts,
+        f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={moe.experts}; "
+        f"use model.moe.top_k={min(max(moe.top_k, 1), moe.experts)}",
+    )
+    _one_of("model.moe.router", moe.router, ("softmax", "sigmoid"))
+    _need(m.expert_dim >= 1, f"model.moe.d_expert={moe.d_expert} must be >= 1")
+    _need(moe.shared_experts >= 0, f"model.moe.shared_experts={moe.shared_experts} must be >= 0")
+    _need(moe.every >= 1, f"model.moe.every={moe.every} must be >= 1")
+    _need(moe.first_dense >= 0, f"model.moe.first_dense={moe.first_dense} must be >= 0")
+    for key in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        _need(getattr(moe, key) >= 0, f"model.moe.{key}={getattr(moe, key)} must be >= 0")
+    _need(
+        moe.capacity_factor is None or moe.capacity_factor > 0,
+        f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null for dropless routing",
+    )
+
+
 def validate(cfg: Config, world_size: int) -> Layout:
     """Check every rule that can be checked before any collective; return the resolved layout (trident/layout.py).
 
@@ -135,6 +159,7 @@ def validate(cfg: Config, world_size: int) -> Layout:
         f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
         f"(use one of {', '.join(str(k) for k in range(1, m.n_heads + 1) if m.n_heads % k == 0)})",
     )
+    _check_moe(m)
 
     _need(par.tp >= 1 and par.pp >= 1, f"parallel.tp={par.tp} and parallel.pp={par.pp} must be >= 1")
     _need(par.dp is None or par.dp >= 1, f"parallel.dp={par.dp} must be >= 1")
@@ -170,6 +195,12 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _need(
         not par.sequence_parallel or par.tp > 1,
         "parallel.sequence_parallel=true needs parallel.tp > 1",
+    )
+    # Each tp rank would route only its sequence shard: the balancing losses and counts would be the shard's.
+    _need(
+        not (par.sequence_parallel and m.moe.enabled),
+        "parallel.sequence_parallel=true with model.moe.experts > 0 is not supported; set "
+        "parallel.sequence_parallel=false (the experts are held whole by every tp rank)",
     )
 
     # Divisibility rules of the model split.

@@ -1,0 +1,274 @@
+"""Mixture-of-experts MLP (``model.moe.*``): a router picks ``top_k`` of ``experts`` MLPs for each token, their
+outputs are summed with the router's weights, and ``shared_experts`` (if any) see every token.
+
+    router      logits = x W_r^T (fp32); softmax over all experts (Mixtral, Qwen3-MoE, OLMoE) or sigmoid scores
+                (DeepSeek-V3); the top k chosen on score + bias (the loss-free balancing bias, zero unless
+                ``bias_update_rate``), weighted by the scores alone, renormalised to sum 1 (``norm_topk``, always
+                with sigmoid)
+    dispatch    the (token, expert) pairs sorted by expert, stable, so each expert's tokens are one contiguous run
+                in token order; with a capacity the pairs past it are dropped, in token order
+    experts     every expert's MLP at once: ``torch._grouped_mm`` over the runs (the row offsets), or a loop of
+                one matmul per expert where the build lacks it or the widths are not 16-byte aligned
+    combine     each pair's output times its weight, added back into its token's row (``index_add_``, pairs of a
+                token in expert order)
+
+The experts' weights are three 2-D parameters, each expert a block of ``d_expert`` rows (``[E * f, d]``): ``gate``
+and ``up`` hold W_gate and W_up (``out x in`` rows, as nn.Linear), ``down`` holds W_down transposed, so every
+expert's block is ``[f, d]``. A checkpoint sees plain matrices and a Hugging Face model's per-expert tensors
+stack into them row-wise (trident/checkpoint/hf.py). GELU experts (``model.mlp=gelu``) have no ``gate``.
+
+The auxiliary losses (load balancing, z-loss) never pass through the model's output: ``AuxLoss`` hands each its
+gradient in backward, scaled like the token loss (the runner's ``loss_multiplier`` times this micro-batch's
+tokens, set by ``set_loss_multiplier``), so every runner and pipeline schedule trains on
+``mean token loss + sum over sparse layers of (aux_loss_coef * aux + z_loss_coef * z)``, each averaged over the
+global batch's micro-batches by tokens. What the trainer logs and the loss-free bias need (tokens per expert,
+dropped pairs, the aux loss) is added up over a step's training forwards, counted once however often
+recomputation repeats a forward, and read by ``step_stats`` after the optimizer step.
+
+The experts are held whole by every tensor-parallel rank (under sequence parallelism each rank routes its own
+tokens, and the GPT marks their gradients for a sum over tp, as every replicated parameter's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trident.config import ModelConfig, MoEConfig
+from trident.parallel.placement import replicated
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on ``x``; in backward, ``aux`` receives the gradient ``scale`` (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        shape, dtype = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward: a forward now is a recomputation, whose routing is already counted."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def grouped_mm_fits(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> bool:
+    """``torch._grouped_mm`` exists in this build and takes rows of these widths (16-byte aligned strides) on this
+    device: any CPU; a GPU from compute capability 8.0 (bf16 on 9.0 has the fast kernel, the rest a fallback)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return hasattr(torch, "_grouped_mm") and all(d * size % 16 == 0 for d in dims)
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
+    """``x`` [sum(counts), k] rows grouped by expert (``counts[e]`` rows each) times each expert's ``w[e]``
+    [k, n]: [sum(counts), n]. ``grouped``: one ``torch._grouped_mm``; else one matmul per expert."""
+    if grouped:
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    return torch.cat([part @ w[e] for e, part in enumerate(x.split(counts))])
+
+
+class Experts(nn.Module):
+    """``experts`` MLPs of hidden size ``f``, their weights stacked row-wise (the module docstring's layout)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, d, f = cfg.moe.experts, cfg.d_model, cfg.expert_dim
+        self.n, self.d, self.f = e, d, f
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.gate = replicated(nn.Parameter(torch.empty(e * f, d)))
+        self.up = replicated(nn.Parameter(torch.empty(e * f, d)))
+        self.down = replicated(nn.Parameter(torch.empty(e * f, d)))
+        self.grouped = cfg.moe.grouped_mm
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x`` [sum(counts), d]: each expert's rows in one run, ``counts[e]`` of them, expert by expert."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dtype)
+        grouped = self.grouped and grouped_mm_fits((self.d, self.f), dtype, x.device)
+
+        def weight(p: torch.Tensor, transpose: bool) -> torch.Tensor:  # [E, in, out] for x @ w[e]
+            w = p.to(dtype).view(self.n, self.f, self.d)
+            return w.transpose(-2, -1) if transpose else w
+
+        up = expert_matmul(x, weight(self.up, True), counts, grouped)
+        if self.swiglu:
+            h = F.silu(expert_matmul(x, weight(self.gate, True), counts, grouped)) * up
+        else:
+            h = F.gelu(up, approximate="tanh")
+        return expert_matmul(h, weight(self.down, False), counts, grouped)
+
+
+class Router(nn.Module):
+    """Scores tokens against experts and picks each token's top k (the module docstring's rules). The loss-free
+    balancing bias is a buffer: it moves outside the gradient, after each optimizer step (``step_stats``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.moe = cfg.moe
+        self.weight = replicated(nn.Parameter(torch.empty(cfg.moe.experts, cfg.d_model)))
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe.experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` [N, d] -> (logits [N, E] fp32, scores [N, E] fp32, top-k experts [N, k], their weights [N, k])."""
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32 whatever the compute dtype
+            logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if self.moe.router == "softmax" else logits.sigmoid()
+        choose = scores + self.expert_bias if self.moe.bias_update_rate > 0 else scores
+        chosen = choose.topk(self.moe.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.moe.router == "sigmoid" or self.moe.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, scores, chosen, weights
+
+
+class MoE(nn.Module):
+    """The sparse MLP of one layer: router, routed experts and, with ``shared_experts``, a dense MLP beside them."""
+
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.moe = cfg.moe
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared = shared
+        # The gradient the auxiliary losses get per token of a micro-batch: set by the runner (set_loss_multiplier).
+        self.loss_multiplier = 0.0
+        # A step's sums (training forwards only, each counted once): tokens per expert (before any drop), dropped
+        # pairs, tokens, and token-weighted aux and z losses.
+        self.register_buffer("step_counts", torch.zeros(cfg.moe.experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("step_sums", torch.zeros(4, dtype=torch.float64), persistent=False)
+
+    def capacity(self, tokens: int) -> int | None:
+        """The most (token, expert) pairs an expert takes from ``tokens`` tokens; None: dropless."""
+        if self.moe.capacity_factor is None:
+            return None
+        return math.ceil(self.moe.capacity_factor * tokens * self.moe.top_k / self.moe.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n, k, e = x.shape[0], self.moe.top_k, self.moe.experts
+        logits, scores, chosen, weights = self.router(x)
+
+        # Dispatch: the pairs sorted by expert (stable: each expert's tokens in token order).
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=e)
+        cap = self.capacity(n)
+        if cap is not None:  # a pair's place in its expert's run decides whether it is kept
+            starts = counts.cumsum(0) - counts
+            place = torch.arange(n * k, device=x.device) - starts[flat[order]]
+            order = order[place < cap]
+            kept = counts.clamp(max=cap)
+        else:
+            kept = counts
+        token = order // k
+        y = self.experts(x[token], kept.tolist())
+        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(n, shape[-1], dtype=y.dtype, device=x.device).index_add_(0, token, y).to(x.dtype)
+
+        # Load balancing (Switch / GShard): E * sum_i f_i P_i, f_i the share of the pairs expert i was chosen for,
+        # P_i its mean (normalised) score; and the router z-loss.
+        probs = scores if self.moe.router == "softmax" else scores / scores.sum(-1, keepdim=True)
+        aux = e * (counts.float() / (n * k) * probs.mean(0)).sum()
+        z = logits.logsumexp(-1).square().mean()
+        if self.training and not _in_backward():
+            with torch.no_grad():
+                self.step_counts += counts.double()
+                dropped = (counts - kept).sum().double()
+                self.step_sums += torch.stack([dropped, dropped.new_tensor(float(n)), n * aux.double(), n * z.double()])
+        extra = self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z
+        if self.training and torch.is_grad_enabled() and self.loss_multiplier and extra.requires_grad:
+            out = AuxLoss.apply(out, extra, self.loss_multiplier * n)
+        out = out.reshape(shape)
+        return out + self.shared(x.reshape(shape)) if self.shared is not None else out
+
+
+def moe_layers(modules: list[nn.Module]) -> dict[int, MoE]:
+    """The sparse MLPs in these model chunks by global layer index."""
+    out = {}
+    for chunk in modules:
+        for name, module in chunk.named_modules():
+            if isinstance(module, MoE):
+                out[int(name.split(".")[1])] = module  # layers.<i>.mlp
+    return out
+
+
+def balancing_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The loss-free balancing biases of the sparse layers in these model chunks, by name: state a checkpoint
+    keeps beside the parameters (``buffers/<name>``), the same on every dp and tp rank."""
+    return {f"layers.{i}.mlp.router.expert_bias": m.router.expert_bias for i, m in moe_layers(modules).items()}
+
+
+def set_loss_multiplier(model: nn.Module, multiplier: float) -> None:
+    """What a runner multiplies the summed token loss by before backward: the auxiliary losses' gradient per
+    token (``MoE.loss_multiplier``). A dense model has nothing to set."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.loss_multiplier = multiplier
+
+
+@torch.no_grad()
+def step_stats(
+    modules: list[nn.Module],
+    moe: MoEConfig,
+    dp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """After the optimizer step: the step's routing summed over dp (one all-reduce), the loss-free bias moved by
+    it, and the metrics of every sparse layer (gathered over the pipeline stages, ``pp_group``): ``moe/aux_loss``
+    (mean over the sparse layers, token-weighted over the step), ``moe/z_loss``, ``moe/load/<layer>`` (max over
+    mean tokens per expert) and, with a capacity, ``moe/dropped`` (the share of (token, expert) pairs dropped). The
+    sums start again from zero. Every rank calls it; a dense model returns an empty row (no collective)."""
+    if not moe.enabled:
+        return {}
+    layers = moe_layers(modules)
+    per_layer: dict[int, tuple[float, float, float, float, float]] = {}  # aux, z, dropped, pairs, load
+    if layers:
+        stacked = torch.cat([torch.cat([m.step_sums, m.step_counts]) for m in layers.values()])
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(stacked, group=dp_group)
+        offset = 0
+        for layer, m in sorted(layers.items()):
+            sums, counts = stacked[offset : offset + 4], stacked[offset + 4 : offset + 4 + m.moe.experts]
+            offset += 4 + m.moe.experts
+            tokens, mean = max(float(sums[1]), 1.0), counts.mean()
+            load = float(counts.max() / mean) if mean > 0 else 0.0
+            per_layer[layer] = (
+                float(sums[2]) / tokens,
+                float(sums[3]) / tokens,
+                float(sums[0]),
+                tokens * m.moe.top_k,
+                load,
+            )
+            if m.moe.bias_update_rate > 0:  # DeepSeek-V3: under-loaded experts up, over-loaded down
+                m.router.expert_bias += m.moe.bias_update_rate * torch.sign(mean - counts).float()
+            m.step_counts.zero_()
+            m.step_sums.zero_()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:  # a stage may hold no sparse layer
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather_object(gathered, per_layer, group=pp_group)
+        per_layer = {layer: v for stage in gathered for layer, v in stage.items()}
+    if not per_layer:
+        return {}
+    row = {f"moe/load/{layer}": v[4] for layer, v in sorted(per_layer.items())}
+    row["moe/aux_loss"] = sum(v[0] for v in per_layer.values()) / len(per_layer)
+    if moe.z_loss_coef > 0:
+        row["moe/z_loss"] = sum(v[1] for v in per_layer.values()) / len(per_layer)
+    if moe.capacity_factor is not None:
+        dropped, pairs = sum(v[2] for v in per_layer.values()), sum(v[3] for v in per_layer.values())
+        row["moe/dropped"] = dropped / max(pairs, 1.0)
+    return row

@@ -1,0 +1,166 @@
+"""Hugging Face mixture-of-experts models both ways, one process: Mixtral and Qwen3-MoE models that transformers
+itself wrote with save_pretrained read back with its logits (fp32, within 1e-5) and its greedy tokens, and our
+models export to the class that loads them with ours."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file
+
+from tests.helpers.layouts import make_config, train_rank
+from tests.helpers.tools import run_tool
+from tests.test_init_from import adopted, first_batch, run_args
+from trident.checkpoint.consolidated import ModelWeights, load_weights
+from trident.checkpoint.export import write_hf
+from trident.checkpoint.hf import architecture
+from trident.config import model_config_from_dict
+from trident.errors import CheckpointError
+from trident.models.gpt import GPT
+from trident.models.moe import MoE
+from trident.parallel.placement import placement_of
+from trident.ranks import run_distributed
+
+SHAPE = dict(
+    vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=32, num_experts_per_tok=2, tie_word_embeddings=False,
+)  # fmt: skip
+FAMILIES = {
+    # Every layer sparse, the top-2 weights renormalised.
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**SHAPE, intermediate_size=16, num_local_experts=4, rope_theta=500.0)
+    ),
+    # Layer 0 dense (decoder_sparse_step 2), layer 1 sparse; the top-k weights not renormalised; q/k norms.
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            **SHAPE,
+            intermediate_size=40,
+            moe_intermediate_size=16,
+            num_experts=4,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+            head_dim=8,
+        )  # fmt: skip
+    ),
+}
+
+
+def saved(family: str, out: Path) -> Path:
+    """A random model of ``family`` as transformers writes it, gains and routers moved off their init."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.rand(p.shape) * 0.5)
+            elif "gate.weight" in name and "experts" not in name:  # Qwen3's router starts at zero: ties
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    return out
+
+
+def ours(weights: ModelWeights) -> GPT:
+    cfg = model_config_from_dict(weights.config["model"])
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(placement_of(p).shard(weights.tensors[name]))
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_transformers_moe_model_reads_back_with_its_logits_and_greedy_tokens(family, tmp_path):
+    source = saved(family, tmp_path / "src")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    model = ours(load_weights(source))
+    assert any(isinstance(m, MoE) for m in model.modules())
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() <= 1e-5
+        prompt, tokens = ids[:1, :4], []
+        for _ in range(12):
+            tokens.append(int(model(torch.cat([prompt, torch.tensor([tokens], dtype=torch.long)], 1))[0, -1].argmax()))
+        theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert tokens == theirs[0, 4:].tolist() and len(set(tokens)) > 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_export_loads_in_transformers_with_our_logits(family, tmp_path):
+    weights = load_weights(saved(family, tmp_path / "src"))
+    model = ours(weights)
+    with torch.no_grad():  # our own weights now, away from transformers' file
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    tensors = {name: placement_of(p).real_part(p.detach()) for name, p in model.named_parameters()}
+    write_hf(dataclasses.replace(weights, tensors=tensors, tokenizer=None), tmp_path / "hf")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # every weight came from the file
+    assert type(hf).__name__ == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (model(ids) - hf.eval()(ids).logits).abs().max() <= 1e-5
+
+
+def test_hf_to_trident_to_hf_leaves_every_tensor_equal(tmp_path, monkeypatch, capsys):
+    source = saved("qwen3_moe", tmp_path / "src")
+    ck, out = tmp_path / "ck", tmp_path / "back"
+    for args in ([str(source), "--from", "hf", "--out", str(ck)], [str(ck), "--to", "hf", "--out", str(out)]):
+        code, _, err = run_tool("convert_checkpoint", *args, monkeypatch=monkeypatch, capsys=capsys)
+        assert code == 0, err
+    before, after = (load_file(d / "model.safetensors") for d in (source, out))
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_experts"], config["decoder_sparse_step"], config["norm_topk_prob"]) == (4, 2, False)
+
+
+@pytest.mark.multiprocess
+def test_a_qwen3_moe_model_starts_a_tp2_pp2_run_at_its_own_loss_and_trains(tiny_dataset, tmp_path):
+    """Each rank reads its experts and router from the Hugging Face files; the first stage holds no sparse layer."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=176, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=True, tie_word_embeddings=False,
+        initializer_range=0.1,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "src")
+    overrides = run_args(tiny_dataset, "parallel.tp=2", "parallel.pp=2", "train.steps=4")
+    cfg = adopted(tmp_path / "run", [*overrides, f"checkpoint.init_from={tmp_path / 'src'}"])
+    assert cfg.model.qk_norm and cfg.model.moe.experts == 4 and not cfg.model.moe.is_sparse(0)
+    histories = run_distributed(train_rank, 4, cfg, tmp_path / "run", timeout_s=300)
+    losses = [row["loss"] for row in histories[0]]
+    x, y = first_batch(cfg)
+    with torch.no_grad():
+        expected = F.cross_entropy(model.eval()(x).logits.flatten(0, 1).double(), y.flatten()).item()
+    assert abs(losses[0] - expected) <= 1e-5 * expected, (losses[0], expected)
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert set(histories[0][0]) >= {"moe/aux_loss", "moe/load/1"}
+
+
+@pytest.mark.parametrize(
+    "moe, line",
+    [
+        ({"router": "sigmoid"}, "model.moe.router=sigmoid has no Hugging Face class: MixtralForCausalLM needs"),
+        ({"shared_experts": 1}, "model.moe.shared_experts=1 has no Hugging Face class"),
+        ({"norm_topk": False}, "model.moe.norm_topk=False has no Hugging Face class: MixtralForCausalLM needs"),
+        ({"every": 2}, "model.moe.every=2 has no Hugging Face class: MixtralForCausalLM needs model.moe.every=1"),
+    ],
+)
+def test_an_expert_block_no_class_holds_is_refused_naming_the_key(moe, line):
+    cfg = make_config("model=moe-tiny").model
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe))
+    with pytest.raises(CheckpointError, match=line):
+        architecture(cfg)
+    if "norm_topk" in moe or "every" in moe:  # what Qwen3-MoE has (decoder_sparse_step, norm_topk_prob)
+        assert architecture(dataclasses.replace(cfg, qk_norm=True)) == "Qwen3MoeForCausalLM"
