@@ -55,15 +55,23 @@ def unsplit_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return gathered.index_select(dim, order.argsort())
 
 
-def attended_pairs(seq_len: int, documents: torch.Tensor | None = None) -> torch.Tensor:
-    """How many keys each query attends to, ``[B or 1, T]``: its index + 1, or its place in its document + 1."""
-    index = torch.arange(seq_len, device=None if documents is None else documents.device)
+def positions_in_window(
+    seq_len: int, documents: torch.Tensor | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """Each token's position, ``[B or 1, T]``: its index in the window, or with document ids ``[B, T]`` its place in
+    its document (models/documents.py's, computed here on the whole window before it is split)."""
+    index = torch.arange(seq_len, device=device if documents is None else documents.device)
     if documents is None:
-        return (index + 1).unsqueeze(0)
+        return index.unsqueeze(0)
     opens = torch.ones_like(documents, dtype=torch.bool)
     opens[:, 1:] = documents[:, 1:] != documents[:, :-1]
     starts = torch.where(opens, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - starts + 1
+    return index - starts
+
+
+def attended_pairs(seq_len: int, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """How many keys each query attends to, ``[B or 1, T]``: its position (in the window or its document) + 1."""
+    return positions_in_window(seq_len, documents) + 1
 
 
 def pairs_per_rank(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> list[int]:

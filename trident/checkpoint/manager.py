@@ -87,7 +87,7 @@ class Checkpointer:
         self.weights = MasterState(optimizer, self.params)
         self.optimizer = MomentState(optimizer, self.params)
         topo = groups.topology
-        self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}
+        self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp} | ({"cp": topo.cp} if topo.cp > 1 else {})
         # Made on every rank alike (a new process group): build_checkpointer runs at the same point on each.
         self.background = BackgroundSave(timeout_s) if background else None
 
