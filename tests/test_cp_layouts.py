@@ -44,11 +44,46 @@ def test_cp2_with_packed_documents_and_grouped_query_attention(tiny_dataset, tmp
     [
         ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
         ("parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=allgather"),
+        (
+            "parallel.cp=2",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "train.activation_checkpointing=selective",
+            "train.recompute_modules=[attn_core]",
+        ),
     ],
-    ids=["cp2-tp2-sp", "cp2-pp2"],
+    ids=["cp2-tp2-sp", "cp2-pp2", "cp2-pp2-interleaved-selective"],
 )
 def test_cp_composes_with_tensor_and_pipeline_parallelism(tiny_dataset, tmp_path, references, extra):
     base = four_layers(tiny_dataset, 6)
     reference = references.history(base)
     for history in train_in_process(tmp_path, [*base, *extra], world=4):
         assert_same_curve(reference, history)
+
+
+@pytest.mark.parametrize(
+    "world,extra",
+    [
+        (4, ("parallel.cp=4",)),
+        (4, ("parallel.cp=2", "parallel.dp=2", "parallel.zero=3", "train.micro_batch_size=4")),
+    ],
+    ids=["cp4", "cp2-dp2-zero3"],
+)
+def test_cp4_and_cp_with_data_parallel_zero3(tiny_dataset, tmp_path, references, world, extra):
+    reference = references.history(_steps(tiny_dataset))
+    for history in train_in_process(tmp_path, _steps(tiny_dataset, *extra), world=world):
+        assert_same_curve(reference, history)
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1_and_cp4_with_the_uninterrupted_losses(tiny_dataset, tmp_path, references):
+    reference = references.history(_steps(tiny_dataset))
+    saved = tmp_path / "cp2"
+    histories = train_in_process(saved, _steps(tiny_dataset, "parallel.cp=2", "checkpoint.every=3"), world=2)
+    assert_same_curve(reference, histories[0])
+    checkpoint = saved / "checkpoints" / "step_00000003"
+    for cp in (1, 4):
+        resumed = train_in_process(
+            tmp_path / f"cp{cp}", _steps(tiny_dataset, f"parallel.cp={cp}", f"checkpoint.resume={checkpoint}"), world=cp
+        )
+        for rows in resumed:
+            assert_same_curve(histories[0][3:], rows)
