@@ -4,6 +4,8 @@ with sequence parallelism and pipeline parallelism; and ``metrics.jsonl`` record
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers.layouts import assert_same_curve, four_layers, tiny, train_in_process
@@ -73,6 +75,12 @@ def test_cp4_and_cp_with_data_parallel_zero3(tiny_dataset, tmp_path, references,
     reference = references.history(_steps(tiny_dataset))
     for history in train_in_process(tmp_path, _steps(tiny_dataset, *extra), world=world):
         assert_same_curve(reference, history)
+    # ZeRO shards over dp x cp: the estimator's model states of the largest shard (memory.json, beside the
+    # measured) are the most any rank holds.
+    report = json.loads((tmp_path / "memory.json").read_text())
+    (stage,) = report["estimate"]["stages"]
+    for kind in ("params", "grads", "optimizer"):
+        assert report["max"][kind] == stage["model_states"][kind], kind
 
 
 def test_a_cp2_checkpoint_resumes_at_cp1_and_cp4_with_the_uninterrupted_losses(tiny_dataset, tmp_path, references):

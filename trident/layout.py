@@ -80,6 +80,11 @@ class Layout:
         return self.dp * self.cp * self.tp * self.pp
 
     @property
+    def grad_ranks(self) -> int:
+        """The ranks holding the same parameters, over which gradients reduce and ZeRO shards: dp x cp."""
+        return self.dp * self.cp
+
+    @property
     def chunks(self) -> int:
         """Model chunks (virtual pipeline stages) in all: pp x vpp."""
         return self.pp * self.vpp
