@@ -256,3 +256,16 @@ def test_recompute_tables_each_policy_measured_against_the_estimate_and_timed_ag
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
     held = {p: figure(c) * units[c.split()[1]] for p, c in zip(policies, table.column("activations"), strict=True)}
     assert held["full"] < held["full/2"] < held["none"] and held["selective"] < held["none"]
+
+
+@pytest.mark.multiprocess
+def test_cp_tables_each_exchange_against_one_process_and_dp() -> None:
+    (table,) = bench(
+        "cp", "--model", "gpt-tiny", "--seq-len", "64", "--global-batch", "2", "--layouts", "cp=1", "dp=2", "cp=2",
+        "--rounds", "1",
+    )  # fmt: skip
+    assert table.column("layout") == ["cp=1", "dp=2", "cp=2 ring", "cp=2 allgather", "cp=2 ulysses"]
+    assert table.column("vs cp=1")[0] == "1.00" and table.column("vs dp=2")[1] == "1.00x"
+    assert table.column("cp_balance")[2:] == ["1.000"] * 3
+    assert_finite(table, "s/step", "tokens/s", "vs cp=1")
+    assert all(figure(c) < 1 for c in table.column("vs cp=1")[2:])  # each cp rank keeps less than one process
