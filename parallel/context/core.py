@@ -64,6 +64,17 @@ def block_forward(
     """(out [B, H, T_q, D], lse [B, H, T_q]), both in the accumulation dtype. ``mask``: bool [B or 1, T_q, T_k]."""
     if _uses_kernel(q):
         return _kernel_forward(q, k, v, mask, scale)
+    with _no_autocast(q):
+        return _plain_forward(q, k, v, mask, scale)
+
+
+def _no_autocast(q: torch.Tensor) -> torch.autocast:
+    # Under 16-bit autocast the matmuls would run, and the log-sum-exp come out, in 16 bits: the plain path computes
+    # in the accumulation dtype it casts to.
+    return torch.autocast(q.device.type, enabled=False)
+
+
+def _plain_forward(q, k, v, mask, scale):
     b, h, t, d = q.shape
     acc = accumulation_dtype(q.dtype)
     s = _scores(q, k, mask, scale)
@@ -86,6 +97,11 @@ def block_backward(
     ``dout`` (over every key block they attended to)."""
     if _uses_kernel(q):
         return _kernel_backward(q, k, v, mask, out, lse, dout, scale)
+    with _no_autocast(q):
+        return _plain_backward(q, k, v, mask, out, lse, dout, scale)
+
+
+def _plain_backward(q, k, v, mask, out, lse, dout, scale):
     b, h, t, d = q.shape
     g = k.shape[1]
     acc = accumulation_dtype(q.dtype)
