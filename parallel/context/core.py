@@ -162,8 +162,11 @@ def merge(
 
 def _bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     b, h, tq, _ = q.shape
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    return bias[:, None].expand(b, h, tq, k.shape[-2])
+    tk = k.shape[-2]
+    # The kernel wants the bias' rows 16-element aligned (as SDPA pads it): a padded buffer, viewed to the keys.
+    bias = torch.zeros(*mask.shape[:-1], tk + (-tk % 16), dtype=q.dtype, device=q.device)[..., :tk]
+    bias.masked_fill_(~mask, float("-inf"))
+    return bias[:, None].expand(b, h, tq, tk)
 
 
 def _expand_kv(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
