@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from trident.parallel.context import core
 from trident.parallel.context.attention import CP_COMMS, context_attention
 from trident.parallel.context.core import block_attention, block_backward, block_forward, default_scale, merge
 from trident.parallel.context.span import Span
@@ -185,3 +186,23 @@ def test_refusals_name_the_key_and_a_value_that_works():
     assert heads_error(8, 2, 4) is None and heads_error(8, 8, 2, tp=2) is None
     assert "model.n_heads=6" in heads_error(6, 6, 4) and "parallel.cp_comm=ring" in heads_error(6, 6, 4)
     assert "model.n_kv_heads=6" in heads_error(12, 6, 4)
+
+
+def test_the_plain_core_and_the_kernel_agree_with_rows_that_see_no_key():
+    """The plain PyTorch core (CUDA in fp32, other devices) against the CPU kernel's, both directions, in float64:
+    grouped kv heads, packed documents, and query rows whose keys all lie in another block (output 0, lse -inf)."""
+    q, k, v, dy = _inputs(2, torch.float64)
+    docs = _documents()
+    queries, keys = Span(torch.arange(8), docs[:, :8]), Span(torch.arange(16, 32), docs[:, 16:])
+    mask = queries.mask(keys)
+    assert not mask.any(dim=-1).all()  # some rows see nothing here
+    args = (q[:, :, :8], k[:, :, 16:], v[:, :, 16:], mask, default_scale(D))
+    out, lse = core._plain_forward(*args)
+    kernel_out, kernel_lse = core._cpu_forward(*args)
+    assert torch.allclose(out, kernel_out, rtol=0, atol=1e-12)
+    assert torch.equal(lse.isinf(), kernel_lse.isinf()) and torch.allclose(lse, kernel_lse, rtol=0, atol=1e-12)
+    assert (out[lse.isinf()] == 0).all()
+    plain = core._plain_backward(*args[:4], out, lse, dy[:, :, :8], args[4])
+    kernel = core._cpu_backward(*args[:4], out, lse, dy[:, :, :8], args[4])
+    for name, a, b in zip(NAMES[1:], plain, kernel, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name

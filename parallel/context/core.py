@@ -13,9 +13,11 @@ ring), the block's share of the gradients, flash-attention style (``P = exp(s - 
 Grouped-query attention: k and v have G heads, q has H = G r; query head h reads kv head ``h // r`` (Hugging Face's
 order), and the kv gradients sum over the r query heads of each group.
 
-On a CPU this is plain PyTorch in the accumulation dtype (fp32 for fp16/bf16/fp32 inputs). On CUDA in fp16/bf16
-the memory-efficient SDPA kernel computes both directions (it takes the mask as an additive bias and returns the
-log-sum-exp); it is not exercised by the CPU tests.
+SDPA's kernels compute both directions where they can, the mask as an additive bias and the log-sum-exp returned
+(grouped kv heads repeated to the query heads): on a CPU its flash kernel (any float dtype; the tests run it), on
+CUDA in fp16/bf16 the memory-efficient one (not exercised by the CPU tests). Elsewhere (CUDA in fp32, other
+devices) the same math in plain PyTorch, in the accumulation dtype (``_plain_forward``, ``_plain_backward``).
+Either way a row that sees no key gets output 0 and log-sum-exp -inf.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def default_scale(head_dim: int) -> float:
 
 def _uses_kernel(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in _CUDA_DTYPES
+
+
+def _uses_cpu_kernel(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype.is_floating_point
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -65,6 +71,8 @@ def block_forward(
     if _uses_kernel(q):
         return _kernel_forward(q, k, v, mask, scale)
     with _no_autocast(q):
+        if _uses_cpu_kernel(q):
+            return _cpu_forward(q, k, v, mask, scale)
         return _plain_forward(q, k, v, mask, scale)
 
 
@@ -98,6 +106,8 @@ def block_backward(
     if _uses_kernel(q):
         return _kernel_backward(q, k, v, mask, out, lse, dout, scale)
     with _no_autocast(q):
+        if _uses_cpu_kernel(q):
+            return _cpu_backward(q, k, v, mask, out, lse, dout, scale)
         return _plain_backward(q, k, v, mask, out, lse, dout, scale)
 
 
@@ -157,6 +167,37 @@ def merge(
     return out * a + block_out * b, new_lse
 
 
+# CPU: SDPA's flash kernel, which takes an additive bias and returns the log-sum-exp (0 for a row that sees no key).
+
+
+def _grouped_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, T, D] gradients of kv repeated to the query heads -> [B, G, T, D], summed over each group."""
+    b, h, t, d = x.shape
+    return x.view(b, kv_heads, h // kv_heads, t, d).sum(dim=2)
+
+
+def _cpu_forward(q, k, v, mask, scale):
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = op(q, _expand_kv(q, k), _expand_kv(q, v), 0.0, False, attn_mask=_cpu_bias(mask, q), scale=scale)
+    acc = accumulation_dtype(q.dtype)
+    return out.to(acc), torch.where(mask.any(dim=-1)[:, None], lse.to(acc), float("-inf"))
+
+
+def _cpu_backward(q, k, v, mask, out, lse, dout, scale):
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    acc, g = accumulation_dtype(q.dtype), k.shape[1]
+    dq, dk, dv = op(
+        dout.to(q.dtype), q, _expand_kv(q, k), _expand_kv(q, v), out.to(q.dtype), lse.to(acc).nan_to_num(neginf=0.0),
+        0.0, False, attn_mask=_cpu_bias(mask, q), scale=scale,
+    )  # fmt: skip
+    return dq.to(acc), _grouped_sum(dk, g).to(acc), _grouped_sum(dv, g).to(acc)
+
+
+def _cpu_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The mask as an additive bias [B or 1, 1, T_q, T_k] in q's dtype (the kernel takes no boolean one)."""
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None]
+
+
 # CUDA: the memory-efficient SDPA kernel, which takes an additive bias and returns the log-sum-exp.
 
 
@@ -196,8 +237,5 @@ def _kernel_backward(q, k, v, mask, out, lse, dout, scale):
         dout.to(q.dtype), q, kx, vx, _bias(mask, q, k), out.to(q.dtype), padded, zero, zero, 0.0,
         [True, True, True, False], False, scale=scale,
     )  # fmt: skip
-    g = k.shape[1]
-    acc = accumulation_dtype(q.dtype)
-    dk = dk.view(b, g, h // g, *dk.shape[2:]).sum(dim=2)
-    dv = dv.view(b, g, h // g, *dv.shape[2:]).sum(dim=2)
-    return dq.to(acc), dk.to(acc), dv.to(acc)
+    g, acc = k.shape[1], accumulation_dtype(q.dtype)
+    return dq.to(acc), _grouped_sum(dk, g).to(acc), _grouped_sum(dv, g).to(acc)
