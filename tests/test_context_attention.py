@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from trident.parallel.context import core
 from trident.parallel.context.attention import CP_COMMS, context_attention
-from trident.parallel.context.core import block_attention, block_backward, block_forward, default_scale, merge
+from trident.parallel.context.core import block_attention, default_scale
+from trident.parallel.context.ring import block_grads, fold_block, joined
 from trident.parallel.context.span import Span
 from trident.parallel.context.split import (
     balance,
@@ -75,22 +76,26 @@ def _ring_twin(q, k, v, dy, docs, cp, rank):
     qs, ks, vs, dys = ([_local(x, cp, r) for r in range(cp)] for x in (q, k, v, dy))
     outs, lses = [], []
     for r in range(cp):
-        out = lse = None
+        parts = [(None, None)] * 2
         for step in range(cp):
             o = (r - step) % cp
-            out, lse = merge(out, lse, *block_forward(qs[r], ks[o], vs[o], spans[r].mask(spans[o]), scale))
+            parts = fold_block(qs[r], ks[o], vs[o], spans[r], spans[o], scale, parts)
+        out, lse = joined(parts, qs[r])
         outs.append(out)
         lses.append(lse)
 
-    def share(r, o):
-        return block_backward(qs[r], ks[o], vs[o], spans[r].mask(spans[o]), outs[r], lses[r], dys[r], scale)
+    def grads(r, o):
+        return block_grads(qs[r], ks[o], vs[o], spans[r], spans[o], outs[r], lses[r], dys[r], scale)
 
     dq = torch.zeros_like(qs[rank])
     for step in range(cp):
-        dq += share(rank, (rank - step) % cp)[0]
+        for part, _, bq, _, _ in grads(rank, (rank - step) % cp):
+            dq[:, :, part] += bq
     dkv = torch.zeros(2, *ks[rank].shape, dtype=k.dtype)
     for step in range(cp):  # the owner's running sum visits ranks owner, owner+1, ...
-        dkv = dkv + torch.stack(share((rank + step) % cp, rank)[1:])
+        for _, part, _, bk, bv in grads((rank + step) % cp, rank):
+            dkv[0, :, :, part] += bk
+            dkv[1, :, :, part] += bv
     return outs[rank], dq, dkv[0], dkv[1]
 
 

@@ -10,6 +10,10 @@ Backward walks the ring again: at step s rank r holds the K/V of rank r-s and th
 owner, adds its queries' share (core.block_backward, from the merged output and log-sum-exp) and passes both on;
 after cp steps the sums arrive home at their owner. dQ stays with its rank. The summation order of every
 gradient is thus fixed by the ring, whatever the timing.
+
+Each (query block, key block) pair is computed as its four (query half, key half) quarters, the two chunks of the
+head-tail split: under the causal mask a quarter whose keys all come after its queries is skipped, and about a
+quarter of the pairs is (half of them in every step but the first).
 """
 
 from __future__ import annotations
@@ -50,6 +54,70 @@ def _wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
+def _halves(n: int) -> list[slice]:
+    return [slice(0, n // 2), slice(n // 2, n)] if n > 1 else [slice(0, n)]
+
+
+def _quarters(queries: Span, keys: Span) -> list[tuple[int, slice, slice, torch.Tensor]]:
+    """(query half's number, its tokens, the key half's tokens, their mask) of every quarter whose mask is not
+    empty, in the order they are computed."""
+    out = []
+    for i, qs in enumerate(_halves(len(queries))):
+        for ks in _halves(len(keys)):
+            mask = queries.part(qs).mask(keys.part(ks))
+            if mask.any():
+                out.append((i, qs, ks, mask))
+    return out
+
+
+Partial = tuple[torch.Tensor | None, torch.Tensor | None]  # a query half's running (out, lse)
+
+
+def fold_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: Span, keys: Span, scale: float, parts: list[Partial]
+) -> list[Partial]:
+    """Each query half's running (out, lse) with one key block merged in, quarter by quarter."""
+    parts = list(parts)
+    for i, qs, ks, mask in _quarters(queries, keys):
+        parts[i] = merge(*parts[i], *block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, scale))
+    return parts
+
+
+def block_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    queries: Span,
+    keys: Span,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    scale: float,
+) -> list[tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(query tokens, key tokens, dq, dk, dv) of each quarter of one key block that is not masked out."""
+    return [
+        (qs, ks, *block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, out[:, :, qs], lse[:, :, qs],
+                                 dout[:, :, qs], scale))
+        for _, qs, ks, mask in _quarters(queries, keys)
+    ]  # fmt: skip
+
+
+def joined(parts: list[Partial], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query halves' (out, lse) as one; a half that saw no key at all: 0 and -inf."""
+    outs, lses = [], []
+    for (out, lse), qs in zip(parts, _halves(like.shape[2]), strict=True):
+        if out is None:
+            shape = (*like.shape[:2], qs.stop - qs.start)
+            acc = accumulation_dtype(like.dtype)
+            out, lse = (
+                like.new_zeros((*shape, like.shape[3]), dtype=acc),
+                like.new_full(shape, float("-inf"), dtype=acc),
+            )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, index, documents, group, scale):
@@ -57,16 +125,16 @@ class RingAttention(torch.autograd.Function):
         spans = _rank_spans(span, group)
         ring = _Ring(group)
         kv = torch.stack([k, v])
-        out = lse = None
+        parts: list[Partial] = [(None, None)] * len(_halves(len(span)))
         for step in range(ring.size):
             if step < ring.size - 1:
                 arriving, works = ring.pass_on(kv, _KV)
             owner = (ring.rank - step) % ring.size
-            block_out, block_lse = block_forward(q, kv[0], kv[1], span.mask(spans[owner]), scale)
-            out, lse = merge(out, lse, block_out, block_lse)
+            parts = fold_block(q, kv[0], kv[1], span, spans[owner], scale, parts)
             if step < ring.size - 1:
                 _wait(works)
                 kv = arriving
+        out, lse = joined(parts, q)
         ctx.save_for_backward(q, k, v, index, documents, out, lse)
         ctx.group, ctx.scale, ctx.spans = group, scale, spans
         return out.to(q.dtype)
@@ -84,10 +152,13 @@ class RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 arriving, kv_works = ring.pass_on(kv, _KV)
             owner = (ring.rank - step) % ring.size
-            bq, bk, bv = block_backward(q, kv[0], kv[1], span.mask(spans[owner]), out, lse, dout, ctx.scale)
-            dq += bq
+            grads = block_grads(q, kv[0], kv[1], span, spans[owner], out, lse, dout, ctx.scale)
+            for qs, _, bq, _, _ in grads:
+                dq[:, :, qs] += bq
             _wait(dkv_works)
-            dkv = dkv + torch.stack([bk, bv])
+            for _, ks, _, bk, bv in grads:
+                dkv[0, :, :, ks] += bk
+                dkv[1, :, :, ks] += bv
             # On to the next rank, which holds this owner's K/V at the next step; after the last step, home.
             dkv, dkv_works = ring.pass_on(dkv, _DKV)
             if step < ring.size - 1:

@@ -21,6 +21,10 @@ class Span:
     def __len__(self) -> int:
         return self.index.shape[0]
 
+    def part(self, part: slice) -> Span:
+        """The tokens ``part`` of this span's."""
+        return Span(self.index[part], None if self.documents is None else self.documents[:, part])
+
     def mask(self, keys: Span) -> torch.Tensor:
         """Which of ``keys`` each query of this span sees: bool ``[B or 1, T_q, T_k]``."""
         seen = (keys.index[None, :] <= self.index[:, None]).unsqueeze(0)

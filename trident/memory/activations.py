@@ -179,15 +179,15 @@ class _Shape:
         mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole sequence (a kv head repeated when
         cp does not divide them) and the mask [b or 1, cp s, cp s]; none of the projections' outputs."""
         sb, whole = self.s * self.b, self.s * self.cp
-        # The core's fp32 output and the projection's input in the compute dtype. CPU: the flash kernel's output (and
-        # the ring's merge of such) is laid out [b, s, heads, d], so the projection's input is a view of it, the
-        # same storage in fp32 (ulysses' comes back through the all-to-all: a copy).
+        # The core's fp32 output and the projection's input in the compute dtype. CPU: the flash kernel's output is
+        # laid out [b, s, heads, d], so allgather's projection input is a view of it, the same storage in fp32 (the
+        # ring's joins its query halves, ulysses' comes back through the all-to-all: copies).
         out = sb * self.q * (self.e + FP32)
         shared = sb * self.q * FP32 if self.e == FP32 and self.device == "cpu" else 0
         per_sample = self.b if self.documents else 1
         if self.cp_comm == "ring":
             spans = 8 * whole + (4 * self.b * whole if self.documents else 0)
-            return self.attention(False) + sb * self.q * FP32 - shared + spans
+            return self.attention(False) + sb * self.q * FP32 + spans
         if self.cp_comm == "allgather":
             q = 3 * self.q if self.fused_qkv and not self.rope else self.q
             return out - shared + sb * q * self.e + 2 * self.b * whole * self.kv * self.e + per_sample * self.s * whole
