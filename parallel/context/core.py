@@ -178,7 +178,8 @@ def _grouped_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def _cpu_forward(q, k, v, mask, scale):
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = op(q, _expand_kv(q, k), _expand_kv(q, v), 0.0, False, attn_mask=_cpu_bias(mask, q), scale=scale)
+    causal, bias = _cpu_mask(mask, q)
+    out, lse = op(q, _expand_kv(q, k), _expand_kv(q, v), 0.0, causal, attn_mask=bias, scale=scale)
     acc = accumulation_dtype(q.dtype)
     return out.to(acc), torch.where(mask.any(dim=-1)[:, None], lse.to(acc), float("-inf"))
 
@@ -186,16 +187,24 @@ def _cpu_forward(q, k, v, mask, scale):
 def _cpu_backward(q, k, v, mask, out, lse, dout, scale):
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     acc, g = accumulation_dtype(q.dtype), k.shape[1]
+    causal, bias = _cpu_mask(mask, q)
     dq, dk, dv = op(
         dout.to(q.dtype), q, _expand_kv(q, k), _expand_kv(q, v), out.to(q.dtype), lse.to(acc).nan_to_num(neginf=0.0),
-        0.0, False, attn_mask=_cpu_bias(mask, q), scale=scale,
+        0.0, causal, attn_mask=bias, scale=scale,
     )  # fmt: skip
     return dq.to(acc), _grouped_sum(dk, g).to(acc), _grouped_sum(dv, g).to(acc)
 
 
-def _cpu_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The mask as an additive bias [B or 1, 1, T_q, T_k] in q's dtype (the kernel takes no boolean one)."""
-    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None]
+def _cpu_mask(mask: torch.Tensor, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """The kernel's (is_causal, attn_mask) for ``mask``: no mask where every key is seen, its own causal mask for
+    a lower triangle (it then skips the blocks above the diagonal: a ring's block of a chunk with itself), else the
+    mask as an additive bias [B or 1, 1, T_q, T_k] in q's dtype (it takes no boolean one)."""
+    if mask.all():
+        return False, None
+    tq, tk = mask.shape[-2:]
+    if tq == tk and torch.equal(mask, torch.ones(tq, tk, dtype=torch.bool, device=mask.device).tril().expand_as(mask)):
+        return True, None
+    return False, torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None]
 
 
 # CUDA: the memory-efficient SDPA kernel, which takes an additive bias and returns the log-sum-exp.
