@@ -11,7 +11,9 @@ length for every layout. Per layout:
   activations  the storages one micro-batch's forward and loss leave alive on a rank (trident/memory/measure.py
                ``held_by_forward``, parameters and batch left out), the largest rank's; and its ratio to cp=1's
   s/step       the median over --rounds of a training step (forward, backward, gradient reduction, optimizer),
-               after --warmup steps; tokens/s the global batch's tokens over it, and its ratio to dp=2's
+               after --warmup steps; tokens/s the global batch's tokens over it, and its ratio to dp=2's; CPU-s/step
+               the CPU time a step costs all ranks together (compute and gloo threads), which other load on the
+               machine hardly changes, and dp=2's over it
   cp_balance   the most attended (query, key) pairs a cp rank computes over their mean (1.0 for causal windows
                under the head-tail split; packed documents are not drawn here)
 """
@@ -33,7 +35,8 @@ from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
 
-HEADER = ["layout", "ranks", "activations/rank", "vs cp=1", "s/step", "spread", "tokens/s", "vs dp=2", "cp_balance"]
+HEADER = ["layout", "ranks", "activations/rank", "vs cp=1", "s/step", "spread", "tokens/s", "vs dp=2", "CPU-s/step"]
+HEADER += ["CPU vs dp=2", "cp_balance"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,15 +81,16 @@ def _rank(rank: int, world: int, cfg: Config, warmup: int, rounds: int) -> dict:
     loss, held = held_by_forward(forward, [*model.parameters(), *inputs])
     loss.backward()  # frees the graph; the step below starts from zeroed gradients
     model.zero_grad(set_to_none=False)
-    times = []
+    times, cpu = [], []
     for step in range(warmup + rounds):
         batches = trainer.micro_batches(step)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         trainer.train_step(step, batches)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     parts.optimizer.remove_hooks()
     balance = cp_balance(trainer.micro_batches(0)) if layout.cp > 1 else None
-    return {"held": held, "times": times[warmup:], "balance": balance}
+    return {"held": held, "times": times[warmup:], "cpu": cpu[warmup:], "balance": balance}
 
 
 def run(args: argparse.Namespace) -> list[Table]:
@@ -108,6 +112,9 @@ def run(args: argparse.Namespace) -> list[Table]:
     def step_time(run: dict) -> list[float]:  # the slowest rank's time of each step
         return [max(ts) for ts in zip(*(r["times"] for r in run["per_rank"]), strict=True)]
 
+    def step_cpu(run: dict) -> float:  # the median step's CPU time, all ranks together
+        return statistics.median(sum(cs) for cs in zip(*(r["cpu"] for r in run["per_rank"]), strict=True))
+
     t = Table(
         f"{args.model} at {args.seq_len} tokens, global batch {args.global_batch} sequences, {args.precision} on "
         f"CPU (gloo, one thread a rank); {args.rounds} timed steps after {args.warmup}",
@@ -125,6 +132,8 @@ def run(args: argparse.Namespace) -> list[Table]:
             spread(step_time(run)),
             number(tokens / s),
             f"{statistics.median(step_time(dp2[1])) / s:.2f}x" if dp2 and ranks == dp2[0] else None,
+            number(step_cpu(run), ".3f"),
+            f"{step_cpu(dp2[1]) / step_cpu(run):.2f}x" if dp2 and ranks == dp2[0] else None,
             number(run["per_rank"][0]["balance"], ".3f"),
         )
     t.notes.append(
