@@ -53,8 +53,9 @@ def test_cp2_with_packed_documents_and_grouped_query_attention(tiny_dataset, tmp
             "train.activation_checkpointing=selective",
             "train.recompute_modules=[attn_core]",
         ),
+        ("parallel.cp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zb-v", "parallel.cp_comm=ulysses"),
     ],
-    ids=["cp2-tp2-sp", "cp2-pp2", "cp2-pp2-interleaved-selective"],
+    ids=["cp2-tp2-sp", "cp2-pp2", "cp2-pp2-interleaved-selective", "cp2-pp2-zb-v-ulysses"],
 )
 def test_cp_composes_with_tensor_and_pipeline_parallelism(tiny_dataset, tmp_path, references, extra):
     base = four_layers(tiny_dataset, 6)
