@@ -47,6 +47,7 @@ from einops import rearrange
 from torch import nn
 
 from trident.config import ModelConfig
+from trident.models.context_window import ContextWindow
 from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache
 from trident.models.moe import MoE
@@ -306,9 +307,14 @@ class GPT(nn.Module):
         layers: Sequence[int] | None = None,
         first: bool = True,
         last: bool = True,
+        cp_group: dist.ProcessGroup | None = None,
+        cp_comm: str = "ring",
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = rank_and_size(tp_group)
+        # Context parallelism: this rank holds part of each sequence, attention exchanges K/V over the cp group.
+        self.cp_group = cp_group if rank_and_size(cp_group)[1] > 1 else None
+        self.cp_comm = cp_comm
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         check_tp_split(cfg, self.tp_size, self.sequence_parallel)
         self.cfg, self.tp_group, self.rng = cfg, tp_group, rng
@@ -369,14 +375,24 @@ class GPT(nn.Module):
         return (self.lm_head if hasattr(self, "lm_head") else self.wte).logits(self.ln_f(x))
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids on the first stage, else the residual stream from the stage before. ``cache`` (generation,
         one process): the keys and values of the tokens before ``x``, which this call extends. ``documents``
         ``[B, T]``: the document ids of packed windows (parallel/batch.py ``document_ids``), which keep
-        attention inside each document and restart positions at each; every stage takes the micro-batch's."""
+        attention inside each document and restart positions at each; every stage takes the micro-batch's.
+        Under context parallelism, ``x`` and ``documents`` are this cp rank's part of the windows and
+        ``positions`` ``[B, T / cp]`` its tokens' positions (parallel/context/batch.py)."""
         docs = None
-        if documents is not None:  # a dense mask when dropout needs the probabilities spelled out
+        if self.cp_group is not None:
+            if positions is None:
+                raise ValueError("under context parallelism a micro-batch carries its tokens' positions")
+            docs = ContextWindow.of(positions, documents, self.cp_group, self.cp_comm)
+        elif documents is not None:  # a dense mask when dropout needs the probabilities spelled out
             docs = Documents.of(documents, "dense" if self.training and self.cfg.dropout > 0 else "auto")
         if self.is_first:
             x = self.embed(x, cache.length if cache is not None else 0, None if docs is None else docs.positions)

@@ -16,14 +16,21 @@ class Batch(NamedTuple):
     # Document ids [B, T] of a packed window (data.document_mask): attention stays inside each one, and positions
     # restart at each (models/documents.py). None: the window is one sequence.
     documents: torch.Tensor | None = None
+    # Context parallelism (parallel/context/batch.py): this cp rank's part of the windows, each token's position
+    # [B, T / cp] computed on the whole window before the split, and the attended (query, key) pairs of every cp
+    # rank (cp_balance). None without context parallelism.
+    positions: torch.Tensor | None = None
+    cp_pairs: tuple[int, ...] | None = None
 
     def to(self, device: torch.device) -> Batch:
-        """Tokens, targets and documents on ``device``; the sample ids stay where they are read from."""
+        """Tokens, targets, documents and positions on ``device``; the sample ids stay where they are read from."""
         documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
+        positions = None if self.positions is None else self.positions.to(device, non_blocking=True)
         return self._replace(
             tokens=self.tokens.to(device, non_blocking=True),
             targets=self.targets.to(device, non_blocking=True),
             documents=documents,
+            positions=positions,
         )
 
 

@@ -29,6 +29,10 @@ class ProcessGroups:
     model_parallel_group: dist.ProcessGroup
     embedding_group: dist.ProcessGroup | None  # None on middle pipeline stages
     pp_ranks: tuple[int, ...]  # global ranks of this rank's pipeline, first stage first
+    # Context parallelism: the ranks that split one sequence, and dp x cp, over which gradients reduce and ZeRO
+    # shards (at cp=1 the dp group itself). None: built by hand without them (cp=1).
+    cp_group: dist.ProcessGroup | None = None
+    dp_cp_group: dist.ProcessGroup | None = None
 
     @property
     def coord(self) -> Coord:
@@ -41,6 +45,27 @@ class ProcessGroups:
     @property
     def dp_size(self) -> int:
         return self.topology.dp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord.cp
+
+    @property
+    def cp_size(self) -> int:
+        return self.topology.cp
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup:
+        """The ranks holding the same piece of the model, which sum its gradients and shard ZeRO: dp x cp."""
+        return self.dp_group if self.dp_cp_group is None else self.dp_cp_group
+
+    @property
+    def grad_rank(self) -> int:
+        return self.coord.dp * self.topology.cp + self.coord.cp
+
+    @property
+    def grad_size(self) -> int:
+        return self.topology.dp * self.topology.cp
 
     @property
     def tp_rank(self) -> int:
@@ -84,11 +109,18 @@ def _build(
 
 
 def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> ProcessGroups:
-    """Build the dp, tp, pp, model-parallel and embedding groups. The default group must exist."""
+    """Build the dp, tp, pp, model-parallel and embedding groups, and with cp > 1 the cp and dp x cp groups. The
+    default group must exist."""
     topology.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=timeout_s)
     pp_ranks = next(g for g in topology.pp_groups() if rank in g)
+    context = {}
+    if topology.cp > 1:
+        context = {
+            "cp_group": _build(topology.cp_groups(), rank, timeout),
+            "dp_cp_group": _build(topology.dp_cp_groups(), rank, timeout),
+        }
     return ProcessGroups(
         topology=topology,
         rank=rank,
@@ -99,6 +131,7 @@ def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> Proces
         model_parallel_group=_build(topology.model_parallel_groups(), rank, timeout),
         embedding_group=_build(topology.embedding_groups(), rank, timeout, required=False),
         pp_ranks=tuple(pp_ranks),
+        **context,
     )
 
 

@@ -36,7 +36,7 @@ def counts_here(placement: Placement, groups: ProcessGroups, dp_sharded: bool) -
         return False
     if placement.split_dim is None and groups.tp_rank != 0:
         return False
-    return dp_sharded or groups.dp_rank == 0
+    return dp_sharded or groups.grad_rank == 0  # one of the dp x cp ranks that hold the same reduced gradient
 
 
 class GlobalGradNorm:
@@ -56,7 +56,7 @@ class GlobalGradNorm:
         self.counted = [g for g, p in grads if counts_here(p, groups, dp_sharded or replicated)]
         self.others = [g for g, p in grads if not counts_here(p, groups, dp_sharded or replicated)]
         self.device = grads[0][0].device if grads else torch.device("cpu")
-        self.replicas = groups.dp_size if replicated else 1
+        self.replicas = groups.grad_size if replicated else 1
         # Each collective is a hand-off to gloo's thread, and at dp > 1 a meeting of every rank.
         self.group = groups.world_group if groups.topology.world_size > 1 and not replicated else None
 

@@ -1,7 +1,8 @@
-"""Pure rank arithmetic for a dp x pp x tp layout. No torch.distributed here.
+"""Pure rank arithmetic for a dp x cp x pp x tp layout. No torch.distributed here.
 
-Ranks are laid out as ``arange(world).view(pp, dp, tp)``: tp varies fastest so a tensor-parallel
-group sits on neighbouring ranks (one NVLink island), dp next, pp slowest (Megatron's order).
+Ranks are laid out as ``arange(world).view(pp, dp, cp, tp)``: tp varies fastest so a tensor-parallel
+group sits on neighbouring ranks (one NVLink island), then cp (context parallelism exchanges keys and values
+every layer), dp next, pp slowest (Megatron's order). At cp=1 the layout is ``view(pp, dp, tp)``.
 With 16 ranks, tp=2, pp=4, dp=2:
 
     tp groups:   [0, 1] [2, 3] [4, 5] ... [14, 15]
@@ -9,6 +10,10 @@ With 16 ranks, tp=2, pp=4, dp=2:
     pp groups:   [0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]
     embedding:   [0, 12] [1, 13] [2, 14] [3, 15]      (first + last stage of each pp group)
     model-par.:  [0, 1, 4, 5, 8, 9, 12, 13] [2, 3, 6, 7, 10, 11, 14, 15]   (tp x pp, one dp replica)
+
+With 8 ranks, dp=2, cp=2, tp=2: cp groups [0, 2] [1, 3] [4, 6] [5, 7], dp groups [0, 4] [1, 5] [2, 6] [3, 7],
+and the dp x cp groups that reduce gradients and shard ZeRO [0, 2, 4, 6] [1, 3, 5, 7] (every rank holding the
+same piece of the model: cp ranks hold the whole model and see different tokens, like dp ranks).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class Coord(NamedTuple):
     dp: int
     pp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -30,39 +36,42 @@ class Topology:
     dp: int
     pp: int
     tp: int
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "pp", "tp"):
+        for axis in ("dp", "pp", "tp", "cp"):
             if getattr(self, axis) < 1:
                 raise ConfigError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
+            cp = f" x cp {self.cp}" if self.cp > 1 else ""
             raise ConfigError(
-                f"world size {world_size} != dp {self.dp} x tp {self.tp} x pp {self.pp} = {self.world_size}; "
+                f"world size {world_size} != dp {self.dp}{cp} x tp {self.tp} x pp {self.pp} = {self.world_size}; "
                 f"set parallel.dp or launch {self.world_size} processes"
             )
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp):
-            raise ValueError(f"coordinate (dp={dp}, pp={pp}, tp={tp}) is outside {self}")
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp and 0 <= cp < self.cp):
+            raise ValueError(f"coordinate (dp={dp}, pp={pp}, tp={tp}, cp={cp}) is outside {self}")
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def coord(self, rank: int) -> Coord:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
-        return Coord(dp=dp, pp=pp, tp=tp)
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
+        return Coord(dp=dp, pp=pp, tp=tp, cp=cp)
 
     def _groups_varying(self, axes: tuple[str, ...]) -> list[list[int]]:
         """Groups of ranks that share every coordinate except those in ``axes``."""
-        fixed = [a for a in ("dp", "pp", "tp") if a not in axes]
+        fixed = [a for a in ("dp", "pp", "tp", "cp") if a not in axes]
         groups: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.world_size):
             c = self.coord(rank)
@@ -78,8 +87,15 @@ class Topology:
     def pp_groups(self) -> list[list[int]]:
         return self._groups_varying(("pp",))
 
+    def cp_groups(self) -> list[list[int]]:
+        return self._groups_varying(("cp",))
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """dp x cp: every rank that holds the same piece of the model (gradients reduce, ZeRO shards over them)."""
+        return self._groups_varying(("dp", "cp"))
+
     def model_parallel_groups(self) -> list[list[int]]:
-        """tp x pp: every rank that holds a piece of one model replica."""
+        """tp x pp: every rank that holds a piece of one model replica (and sees the same tokens)."""
         return self._groups_varying(("pp", "tp"))
 
     def embedding_groups(self) -> list[list[int]]:
@@ -94,5 +110,5 @@ class Topology:
 
     @property
     def logging_rank(self) -> int:
-        """The one rank that writes metrics: it holds the loss (last stage) of dp replica 0, tp rank 0."""
-        return self.rank_of(dp=0, pp=self.pp - 1, tp=0)
+        """The one rank that writes metrics: it holds the loss (last stage) of dp replica 0, tp rank 0, cp rank 0."""
+        return self.rank_of(dp=0, pp=self.pp - 1, tp=0, cp=0)

@@ -263,3 +263,14 @@ def test_moe_bench_times_the_grouped_experts_against_the_loop() -> None:
                      "--steps", "1", "--warmup", "1")  # fmt: skip
     assert table.column("shape (d x f x E x k)") == ["32x16x4x2"]
     assert_finite(table, "grouped ms", "loop ms", "loop / grouped")
+@pytest.mark.multiprocess
+def test_cp_tables_each_exchange_against_one_process_and_dp() -> None:
+    (table,) = bench(
+        "cp", "--model", "gpt-tiny", "--seq-len", "64", "--global-batch", "2", "--layouts", "cp=1", "dp=2", "cp=2",
+        "--rounds", "1",
+    )  # fmt: skip
+    assert table.column("layout") == ["cp=1", "dp=2", "cp=2 ring", "cp=2 allgather", "cp=2 ulysses"]
+    assert table.column("vs cp=1")[0] == "1.00" and table.column("vs dp=2")[1] == "1.00x"
+    assert table.column("cp_balance")[2:] == ["1.000"] * 3
+    assert_finite(table, "s/step", "tokens/s", "vs cp=1", "CPU-s/step")
+    assert all(figure(c) < 1 for c in table.column("vs cp=1")[2:])  # each cp rank keeps less than one process

@@ -56,6 +56,8 @@ VALID = [
     pytest.param({"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, 1, id="sequence-parallel"),
     pytest.param({"train.precision": "bf16", "train.activation_checkpointing": "selective"}, 1, 1, id="bf16"),
     pytest.param({"optim.min_lr": 1e-3, "optim.warmup_steps": 0, "optim.grad_clip": 0.0}, 1, 1, id="edges"),
+    pytest.param({"parallel.cp": 2}, 4, 2, id="cp2-dp-inferred"),
+    pytest.param({"parallel.cp": 2, "parallel.tp": 2, "parallel.cp_comm": "ulysses"}, 4, 1, id="cp2-tp2-ulysses"),
 ]
 
 
@@ -243,6 +245,49 @@ INVALID = [
     pytest.param({"checkpoint.resume": ""}, 1, ["checkpoint.resume"], id="resume-empty"),
     pytest.param({"logging.interval": 0}, 1, ["logging.interval=0"], id="log-interval"),
     pytest.param({"logging.peak_tflops": 0.0}, 1, ["logging.peak_tflops"], id="peak_tflops"),
+    # Context parallelism: the head-tail split, the heads ulysses spreads, the fit to the world.
+    pytest.param(
+        {"parallel.cp": 4, "model.seq_len": 100},
+        4,
+        ["model.seq_len=100 does not split into 2 x parallel.cp=4 equal chunks; set model.seq_len=96"],
+        id="cp-seq-len",
+    ),
+    pytest.param(
+        {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True, "model.seq_len": 68},
+        4,
+        ["model.seq_len=68 does not split", "set model.seq_len=64"],
+        id="cp-sp-seq-len",
+    ),
+    pytest.param(
+        {"parallel.cp": 8, "parallel.cp_comm": "ulysses", "model.seq_len": 256},
+        8,
+        ["parallel.cp_comm=ulysses spreads model.n_heads=4", "set parallel.cp_comm=ring"],
+        id="cp-ulysses-heads",
+    ),
+    pytest.param(
+        {
+            "parallel.cp": 4,
+            "parallel.cp_comm": "ulysses",
+            "model.d_model": 384,
+            "model.n_heads": 12,
+            "model.n_kv_heads": 6,
+        },
+        4,
+        [
+            "parallel.cp_comm=ulysses cannot spread 6 kv heads per tp rank (model.n_kv_heads=6)",
+            "set parallel.cp_comm=ring",
+        ],
+        id="cp-ulysses-kv-heads",
+    ),
+    pytest.param({"parallel.cp": 2, "parallel.cp_comm": "x"}, 2, ["parallel.cp_comm='x' is not valid"], id="cp-comm"),
+    pytest.param({"parallel.cp": 0}, 1, ["parallel.cp=0 must be >= 1"], id="cp-0"),
+    pytest.param({"parallel.cp": 2, "model.dropout": 0.1}, 2, ["model.dropout=0.1 with parallel.cp=2"], id="cp-drop"),
+    pytest.param(
+        {"parallel.cp": 2, "parallel.tp": 2},
+        6,
+        ["world size 6 is not divisible by tp 2 x pp 1 x cp 2 = 4", "parallel.tp / parallel.pp / parallel.cp"],
+        id="cp-world",
+    ),
 ]
 
 

@@ -93,3 +93,11 @@ def test_a_launch_of_two_ranks_says_which_layout_once(tiny_dataset: Path, tmp_pa
     assert len(lines) == 1 and "dp1 tp2 pp1" in lines[0] and "with parallel.tp=2" in lines[0]
     assert "cpu (nominal)" in lines[0]
     assert "world 2 (dp 1 x tp 2 x pp 1)" in stdout
+
+
+def test_parallel_auto_refuses_context_parallelism_it_does_not_plan() -> None:
+    cfg = make_config("model=gpt-tiny", "train.global_batch_size=16", "parallel.auto=true", "parallel.cp=2")
+    with pytest.raises(
+        ConfigError, match=r"parallel.auto=true does not plan context parallelism yet \(parallel.cp=2\)"
+    ):
+        auto.choose(cfg, 4)

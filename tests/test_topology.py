@@ -90,6 +90,46 @@ def test_golden_coords_16_ranks() -> None:
     assert [r for r in range(16) if topo.is_last_stage(r)] == [12, 13, 14, 15]
 
 
+# With context parallelism: arange(world).view(pp, dp, cp, tp), cp between tp and dp.
+GOLDEN_CP = {
+    Topology(dp=2, pp=1, tp=2, cp=2): dict(
+        tp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        cp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        dp_cp=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        pp=[[0], [1], [2], [3], [4], [5], [6], [7]],
+        model_parallel=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        logging_rank=0,
+    ),
+    Topology(dp=1, pp=2, tp=1, cp=2): dict(
+        tp=[[0], [1], [2], [3]],
+        cp=[[0, 1], [2, 3]],
+        dp=[[0], [1], [2], [3]],
+        dp_cp=[[0, 1], [2, 3]],
+        pp=[[0, 2], [1, 3]],
+        model_parallel=[[0, 2], [1, 3]],
+        logging_rank=2,
+    ),
+}
+CP_GROUP_METHODS = {
+    "tp": Topology.tp_groups,
+    "cp": Topology.cp_groups,
+    "dp": Topology.dp_groups,
+    "dp_cp": Topology.dp_cp_groups,
+    "pp": Topology.pp_groups,
+    "model_parallel": Topology.model_parallel_groups,
+}
+
+
+@pytest.mark.parametrize("topo", GOLDEN_CP, ids=str)
+def test_golden_groups_with_context_parallelism(topo: Topology) -> None:
+    for kind, groups_of in CP_GROUP_METHODS.items():
+        assert groups_of(topo) == GOLDEN_CP[topo][kind], kind
+    assert topo.logging_rank == GOLDEN_CP[topo]["logging_rank"]
+    for rank in range(topo.world_size):
+        assert topo.rank_of(*topo.coord(rank)[:3], cp=topo.coord(rank).cp) == rank
+
+
 # Every layout with each axis in 1..4, plus a few with odd or larger sizes.
 LAYOUTS = [Topology(dp=d, pp=p, tp=t) for d, p, t in itertools.product(range(1, 5), repeat=3)] + [
     Topology(dp=3, pp=2, tp=5),

@@ -17,6 +17,8 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
     python tools/bench.py recompute                    # each recomputation: activations measured and estimated,
                                                        # step time against none
     python tools/bench.py moe                          # MoE experts: one grouped product vs a matmul per expert
+    python tools/bench.py cp                           # context parallelism: cp 1, 2, 4 with each exchange vs dp=2,
+                                                       # activation bytes per rank and tokens/s
 
 ``python tools/bench.py <subcommand> --help`` says what each measures. ``--out FILE`` also writes the tables.
 """
@@ -43,6 +45,7 @@ SUBCOMMANDS = (
     "checkpoint",
     "recompute",
     "moe",
+    "cp",
 )
 
 

@@ -67,7 +67,8 @@ def model_chunks(
     chunks = []
     placement = stage_placement(layout.schedule)
     for c in range(layout.vpp):
-        chunk = chunk_model(m, layout, stage_of(c, groups.pp_rank, layout.pp, placement), groups.tp_group, rng)
+        stage = stage_of(c, groups.pp_rank, layout.pp, placement)
+        chunk = chunk_model(m, layout, stage, groups.tp_group, rng, groups.cp_group)
         init_weights(chunk, m, train.seed)
         chunk.to(device)
         if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
@@ -85,12 +86,14 @@ def chunk_model(
     stage: int,
     tp_group: ProcessGroup | GroupShape | None,
     rng: RNGTracker | None = None,
+    cp_group: ProcessGroup | None = None,
 ) -> GPT:
     """The GPT of virtual stage ``stage``, as constructed (parameters zero): its layers (parallel/pipeline/stages.py),
     the embedding on stage 0, the final norm and LM head on the last. The memory estimator (trident/memory/params.py)
     builds it on the meta device, a ``GroupShape`` standing for the tp group."""
     layers = stage_layers(m.n_layers, layout.pp, layout.vpp, stage)
-    return GPT(m, tp_group, layout.sequence_parallel, rng, layers, stage == 0, stage == layout.chunks - 1)
+    last = stage == layout.chunks - 1
+    return GPT(m, tp_group, layout.sequence_parallel, rng, layers, stage == 0, last, cp_group, layout.cp_comm)
 
 
 @dataclass
@@ -118,7 +121,8 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     policy = precision_policy(layout.precision)
     per_chunk, isolate = _trainable(chunks)
     params = [p for ps in per_chunk for p in ps]
-    dp_group, device = groups.dp_group, params[0].device
+    # Gradients reduce, and ZeRO shards, over every rank holding these parameters: dp x cp.
+    dp_group, dp_size, device = groups.grad_group, groups.grad_size, params[0].device
 
     sharding: ParameterSharding | None = None
     if zero <= 1:
@@ -126,11 +130,11 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
         reducer = kind(params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
         flat = reducer.layout
     elif zero == 2:
-        flat, _ = flat_layout(chunks, layout, groups.dp_size)
+        flat, _ = flat_layout(chunks, layout, dp_size)
         reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device)
     else:
         units_of = [(chunk, list(chunk.layers.values())) for chunk in chunks]
-        flat, units = flat_layout(chunks, layout, groups.dp_size)
+        flat, units = flat_layout(chunks, layout, dp_size)
         # One launch order per chunk: a pipeline rank runs its chunks' backward passes interleaved.
         chains = [[s.index for s in [*reversed(u.blocks), *u.root]] for u in units]
         reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device, chains=chains)
@@ -138,7 +142,7 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     def make_store() -> FlatParams | ShardedParams:
         if zero == 3:
             return ShardedParams(flat, policy.param_dtype, dp_group)
-        return FlatParams(flat, policy.param_dtype, dp_group, shards=groups.dp_size if zero >= 1 else 1)
+        return FlatParams(flat, policy.param_dtype, dp_group, shards=dp_size if zero >= 1 else 1)
 
     adamw = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
     ratio = layout.offloaded_fraction

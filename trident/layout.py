@@ -50,6 +50,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     vpp: int = 1
+    cp: int = 1  # context parallelism: ranks splitting each sequence (parallel/context/)
+    cp_comm: str = "ring"  # how they exchange keys and values: ring | allgather | ulysses
     schedule: str | None = None  # the pipeline schedule; None exactly when pp == 1 (gradient accumulation)
     zero: int = 0
     zero3_gather: str = "micro_batch"  # ZeRO-3 only: re-gather per micro-batch, or keep for the step
@@ -75,7 +77,12 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks holding the same parameters, over which gradients reduce and ZeRO shards: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def chunks(self) -> int:
@@ -111,7 +118,12 @@ class Layout:
 
     def short(self) -> str:
         """``dp4 tp2 pp2 1f1b zero1 mbs2``, naming only what differs from the defaults."""
-        words = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        words = [
+            f"dp{self.dp}",
+            *([f"cp{self.cp}", self.cp_comm] if self.cp > 1 else []),
+            f"tp{self.tp}",
+            f"pp{self.pp}",
+        ]
         if self.vpp > 1:
             words.append(f"vpp{self.vpp}")
         if self.schedule is not None:

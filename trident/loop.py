@@ -44,6 +44,12 @@ from trident.runner import Batch
 from trident.signals import Stopped, StopRequest, stop_line
 
 
+def cp_balance(micro_batches: list[Batch]) -> float:
+    """The most attended (query, key) pairs a cp rank computed this step over their mean (parallel/context/)."""
+    per_rank = [sum(pairs) for pairs in zip(*(b.cp_pairs for b in micro_batches), strict=True)]
+    return max(per_rank) * len(per_rank) / sum(per_rank)
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -112,6 +118,8 @@ class Trainer:
             self.device,
             eos_id if layout.document_mask else None,
             prefetch,
+            groups.cp_rank,
+            groups.cp_size,
         )
         self.divergence = DivergencePolicy(train_cfg.max_skipped_steps, train_cfg.max_nonfinite_losses)
         self.step = 0  # optimizer steps completed
@@ -141,10 +149,10 @@ class Trainer:
         """Sum the last stage's loss over dp and hand it to every pipeline stage, so every rank (the logging
         rank among them) knows the step's loss and can act on it alike; the call returned waits for it. With one
         stage the sum is started now, asynchronously, and travels while the optimizer steps."""
-        if self.groups.pp_size > 1 or self.groups.dp_size == 1:
+        if self.groups.pp_size > 1 or self.groups.grad_size == 1:
             return lambda: self._share(loss_sum).item()
         # Held until the next step's replaces it (see GradReducer.finish on dropping a finished work).
-        self._loss_work = dist.all_reduce(loss_sum, group=self.groups.dp_group, async_op=True)
+        self._loss_work = dist.all_reduce(loss_sum, group=self.groups.grad_group, async_op=True)
 
         def wait() -> float:
             self._loss_work.wait()
@@ -153,9 +161,10 @@ class Trainer:
         return wait
 
     def _share(self, sums: torch.Tensor) -> torch.Tensor:
-        """``sums`` summed over dp, from the last pipeline stage (a group of one rank: no collective)."""
-        if self.groups.dp_size > 1:
-            dist.all_reduce(sums, group=self.groups.dp_group)
+        """``sums`` summed over dp (and cp: each cp rank's is its tokens' part), from the last pipeline stage (a group
+        of one rank: no collective)."""
+        if self.groups.grad_size > 1:
+            dist.all_reduce(sums, group=self.groups.grad_group)
         if self.groups.pp_size > 1:
             dist.broadcast(sums, src=self.loss_rank, group=self.groups.pp_group)
         return sums
@@ -319,6 +328,8 @@ class Trainer:
             row = self._row(result, step, elapsed)
             row.update(data_ms=1e3 * waited, data_read_ms=1e3 * self.loader.last_read_s, data_share=waited / elapsed)
             row.update({f"tokens/{name}": n for name, n in self.tokens_per_source(self.step).items()})
+            if batches[0].cp_pairs is not None:
+                row["cp_balance"] = cp_balance(batches)
             if self.cfg.eval_every and (self.step % self.cfg.eval_every == 0 or self.step == total):
                 row.update(self._val_row(self.evaluate_sources()))
             history.append(row)

@@ -40,7 +40,8 @@ def announce_run(
     n_params = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
     print(
         f"trident: {cfg.model.name} ({n_params / 1e6:.2f}M params on this rank), world {topology.world_size} "
-        f"(dp {topology.dp} x tp {topology.tp} x pp {topology.pp}), {dist.get_backend()} on {device.type}, "
+        f"(dp {topology.dp}{f' x cp {topology.cp}' if topology.cp > 1 else ''} x tp {topology.tp} x pp {topology.pp}), "
+        f"{dist.get_backend()} on {device.type}, "
         f"{train_windows} train windows, run dir {run_dir}",
         flush=True,
     )

@@ -31,5 +31,5 @@ def load_config(conf_dir: Path | str, overrides: Iterable[str] = ()) -> Config:
 
 
 def default_world(cfg: Config) -> int:
-    """The world size ``cfg`` asks for: parallel.dp x tp x pp, dp 1 when left out (to the world)."""
-    return (cfg.parallel.dp or 1) * cfg.parallel.tp * cfg.parallel.pp
+    """The world size ``cfg`` asks for: parallel.dp x cp x tp x pp, dp 1 when left out (to the world)."""
+    return (cfg.parallel.dp or 1) * cfg.parallel.cp * cfg.parallel.tp * cfg.parallel.pp

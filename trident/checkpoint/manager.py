@@ -91,7 +91,7 @@ class Checkpointer:
         self.optimizer = MomentState(optimizer, self.params)
         self.buffers = balancing_state(modules)  # every dp and tp rank holds the same: one copy is written
         topo = groups.topology
-        self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}
+        self.layout = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp} | ({"cp": topo.cp} if topo.cp > 1 else {})
         # Made on every rank alike (a new process group): build_checkpointer runs at the same point on each.
         self.background = BackgroundSave(timeout_s) if background else None
 

@@ -2,7 +2,7 @@
 
     model/<parameter name>              the parameter's logical tensor (one-process shape, padding never saved)
     optim/<parameter name>/<state>      AdamW's exp_avg and exp_avg_sq (laid out like the parameter), step (0-d)
-    rng/dp<d>.pp<p>.tp<t>/cpu|cuda      the generator states of the rank at that layout coordinate
+    rng/dp<d>.pp<p>.tp<t>[.cp<c>]/cpu|cuda  the generator states of the rank at that layout coordinate
     buffers/<buffer name>               state outside the gradient (a sparse layer's loss-free balancing bias)
 
 Parameter names are the canonical ``named_parameters()`` names, the same under every layout, and each parameter's
@@ -38,7 +38,8 @@ def named_parameters(modules: Iterable[nn.Module]) -> dict[str, nn.Parameter]:
 
 
 def rng_key(coord: Coord) -> str:
-    return f"{RNG}dp{coord.dp}.pp{coord.pp}.tp{coord.tp}/"
+    cp = f".cp{coord.cp}" if coord.cp else ""  # cp rank 0's key is the one a layout without cp has
+    return f"{RNG}dp{coord.dp}.pp{coord.pp}.tp{coord.tp}{cp}/"
 
 
 def rng_state(coord: Coord) -> dict[str, Sharded]:

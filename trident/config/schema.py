@@ -161,6 +161,10 @@ class ParallelConfig:
     zero3_gather: str = "micro_batch"
     zero3_prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the running one (0: none)
     sequence_parallel: bool = False
+    # Context parallelism: each sequence split head-tail over cp ranks (parallel/context/), which exchange keys and
+    # values by cp_comm: ring (K/V blocks passed around), allgather (K/V gathered) or ulysses (heads all-to-all).
+    cp: int = 1
+    cp_comm: str = "ring"
     backend: str = "auto"  # auto | nccl | gloo
     bucket_mb: float = 25.0  # gradient all-reduce bucket size
     timeout_s: int = 600  # collective timeout: a stuck rank fails instead of hanging forever

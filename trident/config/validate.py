@@ -12,6 +12,9 @@ from trident.device import device_type
 from trident.errors import ConfigError
 from trident.layout import Layout
 from trident.models.checkpointing import MODULES, POLICIES, SELECTIVE_MODULES
+from trident.parallel.context.attention import CP_COMMS
+from trident.parallel.context.split import split_error
+from trident.parallel.context.ulysses import heads_error
 from trident.parallel.pipeline.schedules import SCHEDULES, resolve_schedule, schedule_error
 from trident.parallel.tensor import kv_heads_error, tp_split_error
 from trident.parallel.zero.stage3 import GATHER_MODES
@@ -42,12 +45,13 @@ def resolve_dp(par: ParallelConfig, world_size: int, batch_error: str | None = N
     """dp may be left out: it is world_size / (tp * pp). ``batch_error``: what is wrong with the batch arithmetic
     of an explicit dp, if anything; then relaunching for that dp is not offered, as it would fix nothing."""
     _need(par.tp >= 1 and par.pp >= 1, f"parallel.tp={par.tp} and parallel.pp={par.pp} must be >= 1")
-    mp = par.tp * par.pp
+    mp = par.tp * par.pp * par.cp
+    cp, cp_key = (f" x cp {par.cp}", " / parallel.cp") if par.cp > 1 else ("", "")
     if par.dp is None:
         _need(
             world_size % mp == 0,
-            f"world size {world_size} is not divisible by tp {par.tp} x pp {par.pp} = {mp}; "
-            f"launch a multiple of {mp} processes or change parallel.tp / parallel.pp",
+            f"world size {world_size} is not divisible by tp {par.tp} x pp {par.pp}{cp} = {mp}; "
+            f"launch a multiple of {mp} processes or change parallel.tp / parallel.pp{cp_key}",
         )
         return world_size // mp
     _need(par.dp >= 1, f"parallel.dp={par.dp} must be >= 1")
@@ -58,7 +62,7 @@ def resolve_dp(par: ParallelConfig, world_size: int, batch_error: str | None = N
         fixes.append(f"leave parallel.dp out and launch a multiple of {mp} processes")
     _need(
         par.dp * mp == world_size,
-        f"world size {world_size} != dp {par.dp} x tp {par.tp} x pp {par.pp} = {par.dp * mp}; {' or '.join(fixes)}",
+        f"world size {world_size} != dp {par.dp} x tp {par.tp} x pp {par.pp}{cp} = {par.dp * mp}; {' or '.join(fixes)}",
     )
     return par.dp
 
@@ -202,6 +206,12 @@ def validate(cfg: Config, world_size: int) -> Layout:
         "parallel.sequence_parallel=true with model.moe.experts > 0 is not supported; set "
         "parallel.sequence_parallel=false (the experts are held whole by every tp rank)",
     )
+    # Likewise each cp rank would route only its part of the sequence.
+    _need(
+        not (par.cp > 1 and m.moe.enabled),
+        f"parallel.cp={par.cp} with model.moe.experts > 0 is not supported yet; set parallel.cp=1",
+    )
+    _context_rules(m, par)
 
     # Divisibility rules of the model split.
     chunks = par.pp * par.vpp
@@ -212,7 +222,7 @@ def validate(cfg: Config, world_size: int) -> Layout:
     )
     # Heads (and with them d_model), the MLP width and, under sequence parallelism, the sequence split over tp.
     split = [("model.n_heads", m.n_heads), ("model.d_ff", m.ffn_dim)]
-    if par.sequence_parallel:
+    if par.sequence_parallel and par.cp == 1:
         split.append(("model.seq_len", m.seq_len))
     for key, value in split:
         error = tp_split_error(key, value, par.tp)
@@ -288,6 +298,32 @@ def validate(cfg: Config, world_size: int) -> Layout:
     return _resolve(cfg, dp, schedule)
 
 
+def _context_rules(m: ModelConfig, par: ParallelConfig) -> None:
+    """Context parallelism (parallel/context/): the head-tail split, the exchange, and what does not compose yet."""
+    _need(par.cp >= 1, f"parallel.cp={par.cp} must be >= 1")
+    _one_of("parallel.cp_comm", par.cp_comm, CP_COMMS)
+    if par.cp == 1:
+        return
+    error = split_error(m.seq_len, par.cp)
+    _need(error is None, error or "")
+    if par.sequence_parallel:  # each cp rank's tokens are split again over tp
+        step = 2 * par.cp * par.tp
+        fit = max(step, m.seq_len // step * step)
+        _need(
+            m.seq_len % step == 0,
+            f"model.seq_len={m.seq_len} does not split into 2 x parallel.cp={par.cp} chunks, each rank's split again "
+            f"over parallel.tp={par.tp} (sequence parallelism); set model.seq_len={fit}",
+        )
+    if par.cp_comm == "ulysses":
+        error = heads_error(m.n_heads, m.kv_heads, par.cp, par.tp)
+        _need(error is None, error or "")
+    _need(
+        m.dropout == 0,
+        f"model.dropout={m.dropout} with parallel.cp={par.cp}: dropout on split attention is not supported yet; "
+        "set model.dropout=0",
+    )
+
+
 def _resolve(cfg: Config, dp: int, schedule: str) -> Layout:
     """The layout a valid config launches with dp ranks: settings that do not apply take Layout's defaults, so one
     launch has one layout (no schedule at pp = 1, no gather mode below ZeRO 3, no ratio without offload)."""
@@ -298,6 +334,8 @@ def _resolve(cfg: Config, dp: int, schedule: str) -> Layout:
         tp=par.tp,
         pp=par.pp,
         vpp=par.vpp,
+        cp=par.cp,
+        cp_comm=par.cp_comm if par.cp > 1 else default.cp_comm,
         schedule=schedule if par.pp > 1 else None,
         zero=par.zero,
         zero3_gather=par.zero3_gather if zero3 else default.zero3_gather,

@@ -13,6 +13,7 @@ from trident.data.dataset import TokenWindows
 from trident.data.mixture import MixedWindows
 from trident.data.sampler import Batches
 from trident.parallel.batch import Batch, document_ids
+from trident.parallel.context.batch import context_part
 
 Windows = TokenWindows | MixedWindows
 
@@ -38,8 +39,11 @@ class BatchLoader:
         device: torch.device,
         eos_id: int | None = None,
         prefetch: bool = True,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ) -> None:
         self.windows, self.sampler, self.device, self.eos_id = windows, sampler, device, eos_id
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.dp_rank, self.dp_size, self.micro_batch_size = dp_rank, dp_size, micro_batch_size
         self.prefetch = prefetch
         self.cuda = device.type == "cuda"
@@ -50,12 +54,14 @@ class BatchLoader:
 
     def build(self, x: torch.Tensor, y: torch.Tensor, sample_ids: torch.Tensor, step: int) -> Batch:
         """One micro-batch on the device, with its document ids when ``eos_id`` is set (the hook of
-        ``data.document_mask``)."""
+        ``data.document_mask``); under context parallelism this cp rank's part of it (parallel/context/batch.py)."""
         if self.cuda:
             x, y = x.pin_memory(), y.pin_memory()
         batch = Batch(x, y, sample_ids, step).to(self.device)
         if self.eos_id is not None:
             batch = batch._replace(documents=document_ids(batch.tokens, self.eos_id))
+        if self.cp_size > 1:
+            batch = context_part(batch, self.cp_size, self.cp_rank)
         return batch
 
     def read(self, step: int, windows: Windows | None = None, sampler: Batches | None = None) -> list[Batch]:
@@ -87,7 +93,7 @@ class BatchLoader:
                 main = torch.cuda.current_stream(self.device)
                 main.wait_event(event)
                 for b in batches:
-                    for t in (b.tokens, b.targets, b.documents):
+                    for t in (b.tokens, b.targets, b.documents, b.positions):
                         if t is not None:
                             t.record_stream(main)
             waited = time.perf_counter() - start

@@ -46,6 +46,11 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   under recomputation: the bool mask b s^2 and the int64 positions 8 b s its
                                   arguments keep; the learned position ids are per sample (b x). On CUDA flex
                                   attention's block mask, whose few block indices are not counted.
+    context parallelism (cp)      s is a rank's seq_len / cp tokens; attention keeps what its exchange keeps
+                                  (``_Shape.context_attention``: the core's fp32 output, and the ring's gathered
+                                  spans, allgather's gathered k, v and mask, ulysses' head-split q, k, v and mask)
+                                  instead of the fused kernel's; RoPE's tables per sample; the batch's positions.
+                                  Checked to the byte on a CPU without recomputation (tests/test_cp_memory.py).
 
 For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
 without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
@@ -90,7 +95,7 @@ POLICIES = ("none", "attention", "selective", "full/2", "full")
 @dataclass(frozen=True)
 class _Shape:
     b: int  # sequences per micro-batch
-    s: int  # tokens per sequence
+    s: int  # tokens per sequence a rank holds: seq_len / cp
     h: int
     f: int
     a: int
@@ -106,6 +111,8 @@ class _Shape:
     rope: bool
     head_dim: int
     documents: bool  # packed documents: a mask and positions per sample
+    cp: int = 1  # context parallelism: the ranks a sequence is split over (parallel/context/)
+    cp_comm: str = "ring"
 
     @classmethod
     def of(cls, m: ModelConfig, layout: Layout) -> _Shape:
@@ -113,7 +120,7 @@ class _Shape:
         heads, kv_heads = local_heads(m, layout.tp)
         return cls(
             b=layout.micro_batch_size,
-            s=m.seq_len,
+            s=m.seq_len // layout.cp,
             h=m.d_model,
             f=m.ffn_dim,
             a=m.n_heads,
@@ -129,6 +136,8 @@ class _Shape:
             rope=m.position == "rope",
             head_dim=m.head_dim,
             documents=layout.document_mask,
+            cp=layout.cp,
+            cp_comm=layout.cp_comm,
         )
 
     def layer_norm(self) -> int:
@@ -156,14 +165,41 @@ class _Shape:
 
     def rope_tables(self) -> int:
         """RoPE's cos and sin, fp32 [s, head_dim], kept by the rotations' multiplies; in a 16-bit model each of q
-        and k gets its own 16-bit cast of them: the same bytes. Packed documents: one pair per sample [b, s, hd]."""
-        per_sample = self.b if self.documents else 1
+        and k gets its own 16-bit cast of them: the same bytes. Packed documents, and context parallelism (whose
+        batches carry positions): one pair per sample [b, s, hd]."""
+        per_sample = self.b if self.documents or self.cp > 1 else 1
         return 2 * per_sample * self.s * self.head_dim * FP32 if self.rope else 0
+
+    def context_attention(self) -> int:
+        """Under context parallelism, in place of ``attention``: what the exchange (parallel/context/) keeps of q,
+        k, v and the output per layer, its fp32 log-sum-exp aside (the same as the fused kernel's). Every exchange
+        keeps the output (the projection's input) and the core's own fp32 copy of it. ring: q, k and v as the fused
+        kernel does, and the gathered spans (int64 indices, int32 document ids) of the whole sequence. allgather:
+        q's storage (the fused qkv output without RoPE), the gathered k and v of the whole sequence and the bool
+        mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole sequence (a kv head repeated when
+        cp does not divide them) and the mask [b or 1, cp s, cp s]; none of the projections' outputs."""
+        sb, whole = self.s * self.b, self.s * self.cp
+        # The core's fp32 output and the projection's input in the compute dtype. CPU: the flash kernel's output is
+        # laid out [b, s, heads, d], so allgather's projection input is a view of it, the same storage in fp32 (the
+        # ring's joins its query halves, ulysses' comes back through the all-to-all: copies).
+        out = sb * self.q * (self.e + FP32)
+        shared = sb * self.q * FP32 if self.e == FP32 and self.device == "cpu" else 0
+        per_sample = self.b if self.documents else 1
+        if self.cp_comm == "ring":
+            spans = 8 * whole + (4 * self.b * whole if self.documents else 0)
+            return self.attention(False) + sb * self.q * FP32 + spans
+        if self.cp_comm == "allgather":
+            q = 3 * self.q if self.fused_qkv and not self.rope else self.q
+            return out - shared + sb * q * self.e + 2 * self.b * whole * self.kv * self.e + per_sample * self.s * whole
+        kv_heads = self.kv // self.head_dim
+        kv = self.kv // self.cp if kv_heads % self.cp == 0 else self.head_dim
+        return out + sb * self.q * self.e + 2 * self.b * whole * kv * self.e + per_sample * whole * whole
 
     def document_mask(self) -> int:
         """Packed documents on a CPU: the dense bool mask [b, 1, s, s], whole on every tp rank (attention sees
-        the whole sequence). On CUDA flex attention's block mask, whose few block indices are left out."""
-        return self.b * self.s * self.s if self.documents and self.device == "cpu" else 0
+        the whole sequence). On CUDA flex attention's block mask, whose few block indices are left out. Under
+        context parallelism the exchange's own mask instead (``context_attention``)."""
+        return self.b * self.s * self.s if self.documents and self.device == "cpu" and self.cp == 1 else 0
 
 
 def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
@@ -191,7 +227,7 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
     return (
         2 * x.layer_norm()
         + 2 * sbh * x.e  # qkv (or q and kv) and fc (or gate and up) inputs
-        + x.attention(explicit)
+        + (x.context_attention() if x.cp > 1 else x.attention(explicit))
         + x.rope_tables()
         + mlp
         + core
@@ -243,12 +279,21 @@ def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) ->
     return x.document_mask() + (0 if shared else 8 * x.b * x.s)
 
 
+def context_window_bytes(m: ModelConfig, layout: Layout) -> int:
+    """What a chunk's context window (models/context_window.py) keeps per micro-batch under context parallelism:
+    the ring keeps its tokens' int64 global indices for backward (the other exchanges only a mask built from them)."""
+    x = _Shape.of(m, layout)
+    return 8 * x.s if x.cp > 1 and x.cp_comm == "ring" else 0
+
+
 def embed_bytes(m: ModelConfig, layout: Layout) -> int:
     """What the first stage's embedding keeps per micro-batch: with learned positions the int64 position ids (this
     rank's share of them under sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64
     local ids; the embedding dropout's mask."""
     x = _Shape.of(m, layout)
     out = 8 * x.s // x.t_sp * (x.b if x.documents else 1) if m.position == "learned" else 0
+    if x.cp > 1 and m.position == "learned":  # the batch's positions (parallel/context/batch.py), sliced under SP
+        out = 8 * x.b * x.s // x.t_sp if x.t_sp > 1 else 0
     if x.t > 1:
         out += x.b * x.s * (1 + 8)
     if m.dropout > 0:
@@ -290,6 +335,7 @@ def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | N
             + (embed_bytes(m, layout) if c == 0 else 0)
             + (head_bytes(m, layout) if c == last else 0)
             + documents_bytes(m, layout, policy if recomputed else "none", c == 0)
+            + context_window_bytes(m, layout)
         )
     placement = stage_placement(layout.schedule)
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)

@@ -106,6 +106,8 @@ def log_model_states(
     states = measure_model_states(grad_step.model_state_tensors())
     coord = groups.coord
     row = {"rank": groups.rank, "dp": coord.dp, "tp": coord.tp, "pp": coord.pp, **states, **(mine or {})}
+    if groups.cp_size > 1:
+        row["cp"] = coord.cp
     rows: list[dict | None] = [None] * dist.get_world_size(groups.world_group)
     dist.all_gather_object(rows, row, group=groups.world_group)
     per_rank = [r for r in rows if r is not None]

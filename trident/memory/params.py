@@ -78,9 +78,10 @@ class StageParams:
     def flat(self, layout: Layout) -> tuple[FlatLayout, list[ChunkUnits]]:
         """The flat layout of these parameters at ``layout``'s ZeRO stage, dp and buckets, as trident/build.py lays
         them out, and at stage 3 each chunk's buckets."""
-        key = (layout.dp, True) if layout.zero == 3 else (layout.dp, False, layout.bucket_mb, layout.precision)
+        n = layout.grad_ranks  # the buckets are padded to split over dp x cp
+        key = (n, True) if layout.zero == 3 else (n, False, layout.bucket_mb, layout.precision)
         if key not in self._flat:
-            self._flat[key] = flat_layout(self.chunks, layout, layout.dp)
+            self._flat[key] = flat_layout(self.chunks, layout, n)
         return self._flat[key]
 
 

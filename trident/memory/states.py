@@ -57,9 +57,9 @@ class ModelStates:
 def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states that dp rank ``dp_rank`` (None: the largest) holds for
     a stage's ``params`` in the flat layout trident/build.py lays them out in (``StageParams.flat``), held as its
-    optimizer holds them. B is the flat layout's numel (parameters plus bucket padding), S the shards (dp at stages
-    1-3, else 1), p the parameter dtype's bytes. Every stage, 0 included, is ZeRO's optimizer over this rank's 1/S
-    of every bucket, cut into pieces per parameter:
+    optimizer holds them. B is the flat layout's numel (parameters plus bucket padding), S the shards (dp x cp at
+    stages 1-3, else 1), p the parameter dtype's bytes. Every stage, 0 included, is ZeRO's optimizer over this
+    rank's 1/S of every bucket, cut into pieces per parameter:
 
                           parameters  p B (stages 0-2: one flat buffer), p B / S (stage 3: the shards)
                           gradients   4 B (stages 0-1: the reducer's buffer), 4 B / S (stages 2-3: the shard)
@@ -77,7 +77,7 @@ def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None
     ``zero3_gather=step``).
     """
     flat, chunk_units = params.flat(layout)
-    ranks = range(layout.dp if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
+    ranks = range(layout.grad_ranks if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
     # Stage 3: each chunk's (its blocks' bucket numels, its root buckets' numels).
     units = [([s.numel for s in u.blocks], [s.numel for s in u.root]) for u in chunk_units]
     # Each chunk's blocks stay gathered from I to W under the split backward, but for stage 0's (I is all of it).
@@ -125,7 +125,7 @@ def _rank_states(
     pb = precision_policy(layout.precision).param_dtype.itemsize
     ratio = layout.offloaded_fraction
 
-    shards = layout.dp if layout.zero >= 1 else 1
+    shards = layout.grad_ranks if layout.zero >= 1 else 1  # ZeRO shards over dp x cp
     rank = dp_rank if layout.zero >= 1 else 0
     shard = flat.numel // shards
     host_numel = round(ratio * flat.numel / shards)

@@ -75,6 +75,11 @@ def _matches(p: Prediction, given: dict[str, str]) -> bool:
 def choose(cfg: Config, world: int, given: Iterable[str] = ()) -> tuple[Config, str]:
     """The config with the planner's best layout for ``world`` ranks that keeps the ``given`` overrides' layout keys,
     and the one line that says which and why. Raises ConfigError when no layout fits."""
+    if cfg.parallel.cp > 1:  # the planner's space has no cp yet: say so before it plans layouts that ignore it
+        raise ConfigError(
+            f"parallel.auto=true does not plan context parallelism yet (parallel.cp={cfg.parallel.cp}); "
+            "set parallel.cp=1, or leave parallel.auto out and give the layout"
+        )
     profile = auto_profile(cfg, world)
     keys = _given(given)
     result: Plan = plan(cfg, world, profile)

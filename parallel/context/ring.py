@@ -1,0 +1,184 @@
+"""``parallel.cp_comm=ring``: K/V blocks passed around the cp ring, each rank merging partial outputs by their
+log-sum-exp.
+
+Forward, at step s = 0 .. cp-1 rank r holds the K/V of rank r-s: it starts sending them on to rank r+1 (and
+receiving the next block from r-1), attends its queries to the held block meanwhile, then waits. The partial
+outputs are merged in the accumulation dtype (core.merge), in step order. Only one extra K/V block is held at a
+time, whatever cp.
+
+Backward walks the ring again: at step s rank r holds the K/V of rank r-s and the running dK/dV of that block's
+owner, adds its queries' share (core.block_backward, from the merged output and log-sum-exp) and passes both on;
+after cp steps the sums arrive home at their owner. dQ stays with its rank. The summation order of every
+gradient is thus fixed by the ring, whatever the timing.
+
+Each (query block, key block) pair is computed as its four (query half, key half) quarters, the two chunks of the
+head-tail split: under the causal mask a quarter whose keys all come after its queries is skipped, and about a
+quarter of the pairs is (half of them in every step but the first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trident.parallel.context.allgather import gather_span
+from trident.parallel.context.core import accumulation_dtype, block_backward, block_forward, merge
+from trident.parallel.context.span import Span
+
+_KV, _DKV = 0, 1  # message tags
+
+
+class _Ring:
+    """This rank's neighbours on the ring of ``group``, and a started transfer of one tensor to the next."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def pass_on(self, x: torch.Tensor, tag: int) -> tuple[torch.Tensor, list[dist.Work]]:
+        """Send ``x`` to the next rank and receive the previous rank's into a new tensor; wait on the works.
+        ``tag`` keeps K/V and their gradients apart when both are in flight."""
+        x = x.contiguous()
+        received = torch.empty_like(x)
+        ops = [
+            dist.P2POp(dist.isend, x, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, received, self.prev, self.group, tag),
+        ]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _halves(n: int) -> list[slice]:
+    return [slice(0, n // 2), slice(n // 2, n)] if n > 1 else [slice(0, n)]
+
+
+def _quarters(queries: Span, keys: Span) -> list[tuple[int, slice, slice, torch.Tensor]]:
+    """(query half's number, its tokens, the key half's tokens, their mask) of every quarter whose mask is not
+    empty, in the order they are computed."""
+    out = []
+    for i, qs in enumerate(_halves(len(queries))):
+        for ks in _halves(len(keys)):
+            mask = queries.part(qs).mask(keys.part(ks))
+            if mask.any():
+                out.append((i, qs, ks, mask))
+    return out
+
+
+Partial = tuple[torch.Tensor | None, torch.Tensor | None]  # a query half's running (out, lse)
+
+
+def fold_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: Span, keys: Span, scale: float, parts: list[Partial]
+) -> list[Partial]:
+    """Each query half's running (out, lse) with one key block merged in, quarter by quarter."""
+    parts = list(parts)
+    for i, qs, ks, mask in _quarters(queries, keys):
+        parts[i] = merge(*parts[i], *block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, scale))
+    return parts
+
+
+def block_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    queries: Span,
+    keys: Span,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    scale: float,
+) -> list[tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(query tokens, key tokens, dq, dk, dv) of each quarter of one key block that is not masked out."""
+    return [
+        (qs, ks, *block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, out[:, :, qs], lse[:, :, qs],
+                                 dout[:, :, qs], scale))
+        for _, qs, ks, mask in _quarters(queries, keys)
+    ]  # fmt: skip
+
+
+def joined(parts: list[Partial], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query halves' (out, lse) as one; a half that saw no key at all: 0 and -inf."""
+    outs, lses = [], []
+    for (out, lse), qs in zip(parts, _halves(like.shape[2]), strict=True):
+        if out is None:
+            shape = (*like.shape[:2], qs.stop - qs.start)
+            acc = accumulation_dtype(like.dtype)
+            out, lse = (
+                like.new_zeros((*shape, like.shape[3]), dtype=acc),
+                like.new_full(shape, float("-inf"), dtype=acc),
+            )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, index, documents, group, scale):
+        span = Span(index, documents)
+        spans = _rank_spans(span, group)
+        ring = _Ring(group)
+        kv = torch.stack([k, v])
+        parts: list[Partial] = [(None, None)] * len(_halves(len(span)))
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                arriving, works = ring.pass_on(kv, _KV)
+            owner = (ring.rank - step) % ring.size
+            parts = fold_block(q, kv[0], kv[1], span, spans[owner], scale, parts)
+            if step < ring.size - 1:
+                _wait(works)
+                kv = arriving
+        out, lse = joined(parts, q)
+        ctx.save_for_backward(q, k, v, index, documents, out, lse)
+        ctx.group, ctx.scale, ctx.spans = group, scale, spans
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, index, documents, out, lse = ctx.saved_tensors
+        span, spans, ring = Span(index, documents), ctx.spans, _Ring(ctx.group)
+        acc = accumulation_dtype(q.dtype)
+        kv = torch.stack([k, v])
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # the running sum of the held block's owner
+        dkv_works: list[dist.Work] = []
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                arriving, kv_works = ring.pass_on(kv, _KV)
+            owner = (ring.rank - step) % ring.size
+            grads = block_grads(q, kv[0], kv[1], span, spans[owner], out, lse, dout, ctx.scale)
+            for qs, _, bq, _, _ in grads:
+                dq[:, :, qs] += bq
+            _wait(dkv_works)
+            for _, ks, _, bk, bv in grads:
+                dkv[0, :, :, ks] += bk
+                dkv[1, :, :, ks] += bv
+            # On to the next rank, which holds this owner's K/V at the next step; after the last step, home.
+            dkv, dkv_works = ring.pass_on(dkv, _DKV)
+            if step < ring.size - 1:
+                _wait(kv_works)
+                kv = arriving
+        _wait(dkv_works)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _rank_spans(span: Span, group: dist.ProcessGroup) -> list[Span]:
+    """Every rank's span (the keys of each block that will pass by), from one small all-gather up front."""
+    gathered, n = gather_span(span, group), len(span)
+    size = dist.get_world_size(group)
+    cut = [slice(r * n, (r + 1) * n) for r in range(size)]
+    docs = gathered.documents
+    return [Span(gathered.index[c], None if docs is None else docs[:, c]) for c in cut]
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span, group: dist.ProcessGroup, scale: float
+) -> torch.Tensor:
+    """This rank's queries ``[B, H, T/cp, D]`` against every rank's keys and values, passed around the ring."""
+    return RingAttention.apply(q, k, v, span.index, span.documents, group, scale)

@@ -1,0 +1,47 @@
+"""Which tokens of the whole sequence a block holds, and the attention mask between two blocks.
+
+A block of a rank's sequence is no longer contiguous once the sequence is split head-tail (split.py), so the mask
+is not a triangle of local indices: it is read from each token's global ``index`` (its place in the sequence) and,
+with packed documents (``data.document_mask``), its document id. Query i sees key j iff ``index[j] <= index[i]``
+and both lie in the same document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Span:
+    index: torch.Tensor  # [T] int64: each token's place in the whole sequence (the same for every sample)
+    documents: torch.Tensor | None = None  # [B, T]: each token's document id, or None (one causal sequence)
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+    def part(self, part: slice) -> Span:
+        """The tokens ``part`` of this span's."""
+        return Span(self.index[part], None if self.documents is None else self.documents[:, part])
+
+    def mask(self, keys: Span) -> torch.Tensor:
+        """Which of ``keys`` each query of this span sees: bool ``[B or 1, T_q, T_k]``."""
+        seen = (keys.index[None, :] <= self.index[:, None]).unsqueeze(0)
+        if self.documents is not None:
+            assert keys.documents is not None, "queries with document ids need keys with document ids"
+            seen = seen & (self.documents[:, :, None] == keys.documents[:, None, :])
+        return seen
+
+    @classmethod
+    def cat(cls, spans: list[Span]) -> Span:
+        """The spans one after another (the order of a gathered sequence)."""
+        index = torch.cat([s.index for s in spans])
+        documents = None if spans[0].documents is None else torch.cat([s.documents for s in spans], dim=1)
+        return cls(index, documents)
+
+    @classmethod
+    def whole(cls, seq_len: int, documents: torch.Tensor | None = None, device: torch.device | None = None) -> Span:
+        """The whole sequence in order."""
+        device = documents.device if documents is not None else device
+        return cls(torch.arange(seq_len, device=device), documents)

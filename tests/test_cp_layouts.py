@@ -1,0 +1,98 @@
+"""Context parallelism in the stack: each cp layout gives the one-process run's curve (loss, gradient norm,
+validation loss), with each K/V exchange, packed documents with a grouped-query Llama block, tensor parallelism
+with sequence parallelism and pipeline parallelism; and ``metrics.jsonl`` records the balance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.layouts import assert_same_curve, four_layers, tiny, train_in_process
+from tests.helpers.processes import read_metrics
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _steps(dataset, *extra: str) -> list[str]:
+    """6 steps of gpt-tiny (seq_len 64: chunks of 16 at cp=2), micro-batches of 8."""
+    return tiny(dataset, "train.steps=6", "train.micro_batch_size=8", *extra)
+
+
+@pytest.mark.parametrize("comm", ["ring", "allgather", "ulysses"])
+def test_cp2_gives_the_one_process_curve_with_each_exchange(tiny_dataset, tmp_path, references, comm):
+    reference = references.history(_steps(tiny_dataset))
+    histories = train_in_process(tmp_path, _steps(tiny_dataset, "parallel.cp=2", f"parallel.cp_comm={comm}"), world=2)
+    for history in histories:  # both cp ranks know the step's loss and norm
+        assert_same_curve(reference, history)
+    rows = read_metrics(tmp_path)
+    assert [row["cp_balance"] for row in rows] == [1.0] * 6  # causal windows: the head-tail split is exact
+
+
+def test_cp2_with_packed_documents_and_grouped_query_attention(tiny_dataset, tmp_path, references):
+    """Llama (RoPE positions restarting per document, 2 kv heads for 4 query heads): positions and document ids
+    are computed on the whole window before the split."""
+    base = _steps(tiny_dataset, "model=llama-tiny", "data.document_mask=true")
+    reference = references.history(base)
+    histories = train_in_process(tmp_path, [*base, "parallel.cp=2"], world=2)
+    for history in histories:
+        assert_same_curve(reference, history)
+    balances = [row["cp_balance"] for row in read_metrics(tmp_path)]
+    assert all(1.0 <= b < 1.5 for b in balances) and any(b > 1.0 for b in balances), balances
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
+        ("parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=allgather"),
+        (
+            "parallel.cp=2",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "train.activation_checkpointing=selective",
+            "train.recompute_modules=[attn_core]",
+        ),
+        ("parallel.cp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zb-v", "parallel.cp_comm=ulysses"),
+    ],
+    ids=["cp2-tp2-sp", "cp2-pp2", "cp2-pp2-interleaved-selective", "cp2-pp2-zb-v-ulysses"],
+)
+def test_cp_composes_with_tensor_and_pipeline_parallelism(tiny_dataset, tmp_path, references, extra):
+    base = four_layers(tiny_dataset, 6)
+    reference = references.history(base)
+    for history in train_in_process(tmp_path, [*base, *extra], world=4):
+        assert_same_curve(reference, history)
+
+
+@pytest.mark.parametrize(
+    "world,extra",
+    [
+        (4, ("parallel.cp=4",)),
+        (4, ("parallel.cp=2", "parallel.dp=2", "parallel.zero=3", "train.micro_batch_size=4")),
+    ],
+    ids=["cp4", "cp2-dp2-zero3"],
+)
+def test_cp4_and_cp_with_data_parallel_zero3(tiny_dataset, tmp_path, references, world, extra):
+    reference = references.history(_steps(tiny_dataset))
+    for history in train_in_process(tmp_path, _steps(tiny_dataset, *extra), world=world):
+        assert_same_curve(reference, history)
+    # ZeRO shards over dp x cp: the estimator's model states of the largest shard (memory.json, beside the
+    # measured) are the most any rank holds.
+    report = json.loads((tmp_path / "memory.json").read_text())
+    (stage,) = report["estimate"]["stages"]
+    for kind in ("params", "grads", "optimizer"):
+        assert report["max"][kind] == stage["model_states"][kind], kind
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1_and_cp4_with_the_uninterrupted_losses(tiny_dataset, tmp_path, references):
+    reference = references.history(_steps(tiny_dataset))
+    saved = tmp_path / "cp2"
+    histories = train_in_process(saved, _steps(tiny_dataset, "parallel.cp=2", "checkpoint.every=3"), world=2)
+    assert_same_curve(reference, histories[0])
+    checkpoint = saved / "checkpoints" / "step_00000003"
+    for cp in (1, 4):
+        resumed = train_in_process(
+            tmp_path / f"cp{cp}", _steps(tiny_dataset, f"parallel.cp={cp}", f"checkpoint.resume={checkpoint}"), world=cp
+        )
+        for rows in resumed:
+            assert_same_curve(histories[0][3:], rows)
