@@ -263,6 +263,8 @@ def test_moe_bench_times_the_grouped_experts_against_the_loop() -> None:
                      "--steps", "1", "--warmup", "1")  # fmt: skip
     assert table.column("shape (d x f x E x k)") == ["32x16x4x2"]
     assert_finite(table, "grouped ms", "loop ms", "loop / grouped")
+
+
 @pytest.mark.multiprocess
 def test_cp_tables_each_exchange_against_one_process_and_dp() -> None:
     (table,) = bench(
