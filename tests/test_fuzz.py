@@ -87,6 +87,14 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
         "data.tokenizer": {"DATASET_TOKENIZER"},
         "data.document_mask": {"true"},
         "data.mix": {f"[MIX_FIRST:{w},MIX_SECOND:{round(1 - w, 1)}]" for w in (0.5, 0.7, 0.9)},
+        "parallel.cp": {"2", "4", "3"},
+        "parallel.cp_comm": {"ring", "allgather", "ulysses"},
+        "model.moe.experts": {"2", "4"},
+        "model.moe.top_k": {"1", "2", "3"},
+        "model.moe.router": {"softmax", "sigmoid"},
+        "model.moe.capacity_factor": {"null", "1.0"},
+        "model.moe.bias_update_rate": {"0.0", "0.001"},
+        "model.moe.every": {"1", "2"},
     }
     for key, values in expected.items():
         assert values <= seen[key], (key, seen[key])

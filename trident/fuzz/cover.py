@@ -79,6 +79,14 @@ SINGLES = (
     *_words("data.tokenizer given", (True, False)),
     *_words("data.document_mask", (True, False)),
     *_words("data.mix", (None, 0.5, 0.7, 0.9)),  # the first source's weight
+    *_words("parallel.cp", (1, 2, 4)),
+    *_words("parallel.cp_comm", ("ring", "allgather", "ulysses")),  # with cp > 1
+    *_words("model.moe.experts", (0, 2, 4)),
+    *_words("model.moe.router", ("softmax", "sigmoid")),  # these with experts only
+    *_words("model.moe.top_k", (1, 2)),
+    *_words("model.moe.capacity_factor", (None, 1.0)),
+    "model.moe.bias_update_rate>0",
+    "model.moe.every=2",
 )
 
 # Pairs that meet in the code: each must be exercised by one trained case.
@@ -121,6 +129,16 @@ PAIRS = (
     ("checkpoint.async=true", "pp>1"),
     ("checkpoint.async=true", "parallel.zero=3"),
     ("parallel.auto=true", "world>1"),
+    # Context parallelism with what meets its split: the other dimensions, documents' masks and positions, ZeRO.
+    *(("cp>1", f"{axis}>1") for axis in ("dp", "tp", "pp")),
+    ("cp>1", "data.document_mask=true"),
+    ("cp>1", "parallel.sequence_parallel=true"),
+    ("cp>1", "sharded"),
+    ("cp>1", "model.n_kv_heads=1"),  # grouped-query heads gathered or spread
+    # Experts over stages (a stage may have no sparse layer), beside tp, and sharded with their balancing state.
+    *(("experts", f"{axis}>1") for axis in ("dp", "tp", "pp")),
+    ("experts", "sharded"),
+    ("experts", "train.activation_checkpointing=full"),  # routing counted once under recomputation
 )
 
 REQUIRED: tuple[tuple[str, ...], ...] = (
@@ -190,6 +208,13 @@ def exercised(drawn: Drawn) -> frozenset[str]:
     if model.rope_scaling is not None:
         keys += ["rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len"]
     facts |= {_is(f"model.{key}", getattr(model, key)) for key in keys}
+    moe = model.moe
+    facts.add(_is("model.moe.experts", moe.experts))
+    if moe.enabled:
+        facts |= {"experts", _is("model.moe.router", moe.router), _is("model.moe.top_k", moe.top_k)}
+        facts.add(_is("model.moe.capacity_factor", moe.capacity_factor))
+        facts |= {"model.moe.bias_update_rate>0"} if moe.bias_update_rate > 0 else set()
+        facts |= {"model.moe.every=2"} if moe.every == 2 else set()
     if cfg.parallel.auto:
         return frozenset(facts)
     facts |= {_is(f"parallel.{key}", getattr(layout, key)) for key in ("tp", "pp", "vpp", "zero", "sequence_parallel")}
@@ -201,7 +226,10 @@ def exercised(drawn: Drawn) -> frozenset[str]:
     facts.add(_is("parallel.offload.optimizer", layout.offload))
     facts.add("parallel.dp given" if cfg.parallel.dp is not None else "parallel.dp from the world")
     facts.add("micro-batches>1" if layout.micro_batches > 1 else "micro-batches=1")
-    facts |= {f"{axis}>1" for axis in ("dp", "tp", "pp") if getattr(layout, axis) > 1}
+    facts |= {f"{axis}>1" for axis in ("dp", "tp", "pp", "cp") if getattr(layout, axis) > 1}
+    facts.add(_is("parallel.cp", layout.cp))
+    if layout.cp > 1:
+        facts.add(_is("parallel.cp_comm", layout.cp_comm))
     facts |= {"sharded"} if layout.zero >= 1 and layout.dp > 1 else set()
     if layout.schedule is not None:
         facts.add(_is("parallel.schedule", layout.schedule))

@@ -60,8 +60,29 @@ REFUSALS: tuple[Unsupported, ...] = (
         r"train\.global_batch_size=\d+ is not divisible by micro_batch_size \d+ x dp \d+",
     ),
     Unsupported(
-        "a world size other than `dp` x `tp` x `pp` (with `dp` left out: not a multiple of `tp` x `pp`)",
+        "a world size other than `dp` x `cp` x `tp` x `pp` (with `dp` left out: not a multiple of `cp` x `tp` x `pp`)",
         r"world size \d+ (!= dp|is not divisible by tp)",
+    ),
+    Unsupported(
+        "context parallelism with a sequence length that 2 x `cp` (x `tp` with sequence parallelism) does not divide",
+        r"model\.seq_len=\d+ does not split into 2 x parallel\.cp",
+    ),
+    Unsupported(
+        "`parallel.cp_comm=ulysses` with heads or key/value heads that `tp` x `cp` ranks cannot spread",
+        r"parallel\.cp_comm=ulysses (spreads|cannot spread)",
+    ),
+    Unsupported(
+        "dropout with context parallelism (`model.dropout` > 0 with `parallel.cp` > 1)",
+        r"model\.dropout=[\d.]+ with parallel\.cp=\d+",
+    ),
+    Unsupported(
+        "experts under sequence or context parallelism (`model.moe.experts` > 0 with "
+        "`parallel.sequence_parallel=true` or `parallel.cp` > 1)",
+        r"parallel\.sequence_parallel=true with model\.moe\.experts|parallel\.cp=\d+ with model\.moe\.experts",
+    ),
+    Unsupported(
+        "a top-k outside 1 to the expert count (`model.moe.top_k`)",
+        r"model\.moe\.top_k=\d+ must be between 1 and",
     ),
     Unsupported(
         "`parallel.auto=true` on a world size no layout of the model and batch can use",

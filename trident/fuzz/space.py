@@ -181,11 +181,61 @@ MIX_FIRST, MIX_SECOND = "MIX_FIRST", "MIX_SECOND"
 SECOND_PACKAGES = ("unittest", "http")
 
 
+CP_COMMS = ("ring", "allgather", "ulysses")
+
+
+def _draw_context(rng: random.Random, mistake: float, world: int) -> tuple[int, dict[str, Any]]:
+    """Context parallelism (issue 30) for about a quarter of the cases: cp ranks more for the same layout (within
+    the machine's 8), each exchange. With probability ``mistake`` a cp of 3 (64 tokens do not split into 6 chunks)
+    or a world left as drawn (a cp that does not fit it)."""
+    if rng.random() >= 0.25:
+        return world, {}
+    cp = _weighted(rng, {2: 0.75, 4: 0.25}) if rng.random() >= mistake else 3
+    knobs = {"parallel.cp": cp, "parallel.cp_comm": _weighted(rng, {"ring": 0.35, "allgather": 0.3, "ulysses": 0.35})}
+    if rng.random() < mistake:
+        return world, knobs
+    return (world * cp, knobs) if world * cp <= MAX_WORLD else (world, {})
+
+
+def _draw_experts(rng: random.Random, mistake: float) -> dict[str, Any]:
+    """A mixture-of-experts MLP (issue 31) in about a fifth of the cases: each router, top-k, the balancing
+    losses, the loss-free bias, a capacity, every or every second layer sparse. With probability ``mistake`` a
+    top-k above the expert count."""
+    if rng.random() >= 0.2:
+        return {}
+    experts = rng.choice([2, 4])
+    return {
+        "model.moe.experts": experts,
+        "model.moe.top_k": rng.choice([1, 2]) if rng.random() >= mistake else experts + 1,
+        "model.moe.d_expert": rng.choice([32, 64]),
+        "model.moe.router": rng.choice(["softmax", "sigmoid"]),
+        "model.moe.aux_loss_coef": rng.choice([0.0, 0.01]),
+        "model.moe.z_loss_coef": rng.choice([0.0, 0.001]),
+        "model.moe.bias_update_rate": rng.choice([0.0, 0.001]),
+        "model.moe.capacity_factor": rng.choice(["null", 1.0]),
+        "model.moe.every": rng.choice([1, 2]),
+    }
+
+
 def draw_case(seed: int, index: int) -> Case:
     """The case ``index`` of sweep ``seed``: the same on every machine and Python run (string seeds hash alike).
-    The block and the data knobs come from streams of their own, so adding them changed no other knob."""
+    The block, the data, context parallelism and the experts come from streams of their own, so adding them
+    changed no other knob (except what a new one rules out, below)."""
     world, knobs = _draw_knobs(random.Random(f"fuzz:{seed}:{index}"), MISTAKE)
     block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
+    extra_rng = random.Random(f"fuzz-cp-moe:{seed}:{index}")
+    experts = _draw_experts(extra_rng, MISTAKE)
+    # What the validator refuses beside them (experts under sequence or context parallelism, dropout on split
+    # attention) is kept only as a mistake.
+    context: dict[str, Any] = {}
+    if not experts or extra_rng.random() < MISTAKE:
+        world, context = _draw_context(extra_rng, MISTAKE, world)
+    if context and extra_rng.random() >= MISTAKE:
+        knobs["model.dropout"] = 0.0
+    if experts and knobs.get("parallel.sequence_parallel") and extra_rng.random() >= MISTAKE:
+        knobs["parallel.sequence_parallel"] = False
+    knobs = {**knobs, **context}
+    block = {**block, **experts}
     data_rng = random.Random(f"fuzz-data:{seed}:{index}")
     data: dict[str, Any] = {"data.tokenizer": DATASET_TOKENIZER} if data_rng.random() < 0.2 else {}
     if data_rng.random() < 0.25:  # packed documents: it changes the math, so the reference and a resume keep it
@@ -197,6 +247,7 @@ def draw_case(seed: int, index: int) -> Case:
     # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out.
     if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
         knobs = {k: v for k, v in knobs.items() if k not in PLANNED_KEYS} | {"parallel.auto": True}
+        knobs = {k: v for k, v in knobs.items() if not k.startswith("parallel.cp")}  # the planner has no cp yet
     return Case(seed, index, world, _overrides({**block, **data, **knobs}))
 
 
