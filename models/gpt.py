@@ -262,6 +262,7 @@ class Block(nn.Module):
         sequence_parallel: bool,
         rng: RNGTracker | None,
         layer: int,
+        ep_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg)
@@ -270,7 +271,7 @@ class Block(nn.Module):
         if cfg.moe.is_sparse(layer):
             shared = cfg.moe.shared_experts * cfg.expert_dim
             dense = MLP(dataclasses.replace(cfg, d_ff=shared), tp_group, sequence_parallel) if shared else None
-            self.mlp: nn.Module = MoE(cfg, dense)
+            self.mlp: nn.Module = MoE(cfg, dense, ep_group)
         else:
             self.mlp = MLP(cfg, tp_group, sequence_parallel)
         self.drop_attn = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, ATTENTION_RESIDUAL))
@@ -295,6 +296,9 @@ class GPT(nn.Module):
     A pipeline stage: ``layers`` (global indices; default all), ``first`` (holds the embedding and takes token
     ids) and ``last`` (holds the final norm and LM head and returns logits); a stage that is not last returns
     its residual stream [B, T, d] (under sequence parallelism [B, T / tp, d]).
+
+    ``ep_group``: the expert-parallel group; each rank holds experts / ep of every sparse layer's experts and
+    exchanges tokens with the others by all-to-all (models/moe.py). None: every expert here.
     """
 
     def __init__(
@@ -306,6 +310,7 @@ class GPT(nn.Module):
         layers: Sequence[int] | None = None,
         first: bool = True,
         last: bool = True,
+        ep_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = rank_and_size(tp_group)
@@ -322,7 +327,7 @@ class GPT(nn.Module):
                 self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
                 replicated(self.wpe.weight)
             self.drop = _residual_dropout(cfg, tp_group, sp, rng, (EMBEDDING_LAYER, EMBEDDING))
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng, i) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng, i, ep_group) for i in layers})
         if last:
             self.ln_f = make_norm(cfg)
             if not (first and cfg.tie_embeddings):

@@ -29,6 +29,8 @@ class ProcessGroups:
     model_parallel_group: dist.ProcessGroup
     embedding_group: dist.ProcessGroup | None  # None on middle pipeline stages
     pp_ranks: tuple[int, ...]  # global ranks of this rank's pipeline, first stage first
+    ep_group: dist.ProcessGroup | None = None  # the experts' all-to-all (None at ep = 1)
+    expert_dp_group: dist.ProcessGroup | None = None  # where expert gradients reduce (the dp group at ep = 1)
 
     @property
     def coord(self) -> Coord:
@@ -41,6 +43,14 @@ class ProcessGroups:
     @property
     def dp_size(self) -> int:
         return self.topology.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.topology.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.coord.dp % self.topology.ep
 
     @property
     def tp_rank(self) -> int:
@@ -84,21 +94,27 @@ def _build(
 
 
 def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> ProcessGroups:
-    """Build the dp, tp, pp, model-parallel and embedding groups. The default group must exist."""
+    """Build the dp, tp, pp, model-parallel, embedding and (at ep > 1) ep and expert-dp groups. The default group
+    must exist."""
     topology.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=timeout_s)
     pp_ranks = next(g for g in topology.pp_groups() if rank in g)
+    dp_group = _build(topology.dp_groups(), rank, timeout)
+    ep_group = _build(topology.ep_groups(), rank, timeout) if topology.ep > 1 else None
+    expert_dp_group = _build(topology.expert_dp_groups(), rank, timeout) if topology.ep > 1 else dp_group
     return ProcessGroups(
         topology=topology,
         rank=rank,
         world_group=dist.group.WORLD,
-        dp_group=_build(topology.dp_groups(), rank, timeout),
+        dp_group=dp_group,
         tp_group=_build(topology.tp_groups(), rank, timeout),
         pp_group=_build(topology.pp_groups(), rank, timeout),
         model_parallel_group=_build(topology.model_parallel_groups(), rank, timeout),
         embedding_group=_build(topology.embedding_groups(), rank, timeout, required=False),
         pp_ranks=tuple(pp_ranks),
+        ep_group=ep_group,
+        expert_dp_group=expert_dp_group,
     )
 
 

@@ -9,6 +9,14 @@ With 16 ranks, tp=2, pp=4, dp=2:
     pp groups:   [0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]
     embedding:   [0, 12] [1, 13] [2, 14] [3, 15]      (first + last stage of each pp group)
     model-par.:  [0, 1, 4, 5, 8, 9, 12, 13] [2, 3, 6, 7, 10, 11, 14, 15]   (tp x pp, one dp replica)
+
+Expert parallelism (``ep``, dividing dp) cuts each dp group into runs of ep consecutive members: an ep group holds
+one copy of all the experts, E / ep on each rank (ep rank = dp % ep); the ranks holding the same experts (same
+dp % ep) are an expert-data-parallel group, over which expert gradients reduce. With 8 ranks, dp=4, tp=2, ep=2:
+
+    dp groups:         [0, 2, 4, 6] [1, 3, 5, 7]
+    ep groups:         [0, 2] [4, 6] [1, 3] [5, 7]
+    expert-dp groups:  [0, 4] [2, 6] [1, 5] [3, 7]
 """
 
 from __future__ import annotations
@@ -30,11 +38,14 @@ class Topology:
     dp: int
     pp: int
     tp: int
+    ep: int = 1  # expert parallelism: divides dp
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "pp", "tp"):
+        for axis in ("dp", "pp", "tp", "ep"):
             if getattr(self, axis) < 1:
                 raise ConfigError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
+        if self.dp % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} does not divide dp {self.dp}; use parallel.ep=1")
 
     @property
     def world_size(self) -> int:
@@ -77,6 +88,14 @@ class Topology:
 
     def pp_groups(self) -> list[list[int]]:
         return self._groups_varying(("pp",))
+
+    def ep_groups(self) -> list[list[int]]:
+        """Runs of ep consecutive members of each dp group: together they hold every expert once."""
+        return sorted(g[i : i + self.ep] for g in self.dp_groups() for i in range(0, self.dp, self.ep))
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """The members of each dp group holding the same experts (the same dp % ep): expert gradients reduce here."""
+        return sorted(g[i :: self.ep] for g in self.dp_groups() for i in range(self.ep))
 
     def model_parallel_groups(self) -> list[list[int]]:
         """tp x pp: every rank that holds a piece of one model replica."""

@@ -67,7 +67,8 @@ def model_chunks(
     chunks = []
     placement = stage_placement(layout.schedule)
     for c in range(layout.vpp):
-        chunk = chunk_model(m, layout, stage_of(c, groups.pp_rank, layout.pp, placement), groups.tp_group, rng)
+        stage = stage_of(c, groups.pp_rank, layout.pp, placement)
+        chunk = chunk_model(m, layout, stage, groups.tp_group, rng, groups.ep_group)
         init_weights(chunk, m, train.seed)
         chunk.to(device)
         if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
@@ -85,12 +86,15 @@ def chunk_model(
     stage: int,
     tp_group: ProcessGroup | GroupShape | None,
     rng: RNGTracker | None = None,
+    ep_group: ProcessGroup | None = None,
 ) -> GPT:
     """The GPT of virtual stage ``stage``, as constructed (parameters zero): its layers (parallel/pipeline/stages.py),
     the embedding on stage 0, the final norm and LM head on the last. The memory estimator (trident/memory/params.py)
-    builds it on the meta device, a ``GroupShape`` standing for the tp group."""
+    builds it on the meta device, a ``GroupShape`` standing for the tp group. ``ep_group``: the experts' all-to-all
+    group (each rank holds experts / ep of them; None: all)."""
     layers = stage_layers(m.n_layers, layout.pp, layout.vpp, stage)
-    return GPT(m, tp_group, layout.sequence_parallel, rng, layers, stage == 0, stage == layout.chunks - 1)
+    last = stage == layout.chunks - 1
+    return GPT(m, tp_group, layout.sequence_parallel, rng, layers, stage == 0, last, ep_group=ep_group)
 
 
 @dataclass
@@ -121,9 +125,14 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     dp_group, device = groups.dp_group, params[0].device
 
     sharding: ParameterSharding | None = None
-    if zero <= 1:
-        kind = ScatterReducer if zero == 1 else GradReducer
-        reducer = kind(params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
+    if layout.ep > 1 and zero > 0:
+        raise ValueError(f"parallel.ep={layout.ep} runs at parallel.zero=0 only (validate refuses the rest)")
+    if zero == 0:  # expert weights (ep > 1) reduce over the expert-data-parallel group
+        args = (params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
+        reducer = GradReducer(*args, expert_group=groups.expert_dp_group)
+        flat = reducer.layout
+    elif zero == 1:
+        reducer = ScatterReducer(params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
         flat = reducer.layout
     elif zero == 2:
         flat, _ = flat_layout(chunks, layout, groups.dp_size)

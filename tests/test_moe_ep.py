@@ -1,0 +1,62 @@
+"""Expert parallelism (parallel.ep): the experts divided over ep of the data-parallel ranks, tokens exchanged by
+all-to-all (models/moe.py), expert gradients reduced over the expert-data-parallel group: the one-process curve,
+and checkpoints that move between ep layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
+from trident.config import validate
+from trident.errors import ConfigError
+from trident.parallel.topology import Topology
+
+
+def test_ep_groups_are_runs_of_each_dp_group():
+    t = Topology(dp=4, pp=1, tp=2, ep=2)
+    assert t.dp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert t.ep_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t.expert_dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    t = Topology(dp=4, pp=2, tp=1, ep=4)
+    assert t.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert t.expert_dp_groups() == [[0], [1], [2], [3], [4], [5], [6], [7]]
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            ["model.moe.experts=4", "parallel.ep=3"],
+            6,
+            "parallel.ep=3 does not divide model.moe.experts=4; use parallel.ep=2",
+        ),
+        (["parallel.ep=4"], 2, "parallel.ep=4 does not divide the 2 data-parallel ranks; use parallel.ep=2"),
+        (["model=gpt-tiny", "parallel.ep=2"], 2, "parallel.ep=2 needs a model with experts"),
+        (["parallel.ep=2", "parallel.zero=1"], 2, "parallel.zero=1 with parallel.ep=2 is not supported yet"),
+    ],
+)
+def test_ep_is_refused_in_one_line(overrides, world, message):
+    cfg = make_config("model=moe-tiny", "train.global_batch_size=24", "train.micro_batch_size=2", *overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:
+        validate(cfg, world)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.multiprocess
+def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1(tiny_dataset, references, tmp_path):
+    """ep=2 (dp=2: each rank two of the four experts) and ep=2 x tp=2 on four ranks (dp=2), capacity and balancing
+    bias on: the one-process losses and loads; the ep=2 checkpoint resumes at ep=1 on one process."""
+    balancing = ("model.moe.z_loss_coef=1e-3", "model.moe.bias_update_rate=0.05", "model.moe.capacity_factor=1.5")
+    overrides = tiny(
+        tiny_dataset, "model=moe-tiny", "train.steps=6", "train.eval_every=0", "optim.lr=3e-3", *balancing,
+        "train.micro_batch_size=4", "checkpoint.every=3",
+    )  # fmt: skip
+    one = references.history(overrides)
+    ep2 = train_in_process(tmp_path / "ep2", [*overrides, "parallel.ep=2"], world=2)
+    for history in ep2:
+        assert_same_curve(one, history)
+        for mine, theirs in zip(one, history, strict=True):
+            assert mine["moe/load/1"] == pytest.approx(theirs["moe/load/1"])
+    checkpoint = tmp_path / "ep2" / "checkpoints" / "step_00000003"
+    (resumed,) = train_in_process(tmp_path / "resumed", [*overrides, f"checkpoint.resume={checkpoint}"])
+    assert_same_curve(ep2[0][3:], resumed)
