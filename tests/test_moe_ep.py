@@ -4,6 +4,8 @@ and checkpoints that move between ep layouts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
@@ -57,6 +59,40 @@ def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1(tiny_dat
         assert_same_curve(one, history)
         for mine, theirs in zip(one, history, strict=True):
             assert mine["moe/load/1"] == pytest.approx(theirs["moe/load/1"])
+    # Each rank holds half of the experts: 2 layers x 3 matrices x 4 experts x 64 x 64 fp32, half of them fewer.
+    held = [_param_bytes(d) for d in (references.run_dir(overrides), tmp_path / "ep2")]
+    assert held[0] - held[1] == 2 * 3 * 4 * 64 * 64 * 4 // 2
     checkpoint = tmp_path / "ep2" / "checkpoints" / "step_00000003"
     (resumed,) = train_in_process(tmp_path / "resumed", [*overrides, f"checkpoint.resume={checkpoint}"])
     assert_same_curve(ep2[0][3:], resumed)
+
+
+def _param_bytes(run_dir) -> int:
+    params = json.loads((run_dir / "memory.json").read_text())["max"]["params"]
+    return params["device"] + params["host"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.ep=2", "parallel.tp=2"],
+        ["parallel.ep=2", "parallel.pp=2"],
+        ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "train.activation_checkpointing=full"],
+        ["parallel.ep=4"],
+    ],
+    ids=["ep2-tp2", "ep2-pp2", "ep2-pp2-interleaved-recompute", "ep4"],
+)
+def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, references, tmp_path, layout):
+    """Four ranks: sparse layers 1 and 3 of four (one per pipeline stage), experts whole on each tp rank, the
+    all-to-all in the recomputed forward too; ep=4 holds one expert per rank."""
+    overrides = tiny(
+        tiny_dataset, "model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "train.steps=3", "train.eval_every=0",
+        "train.micro_batch_size=2", "model.moe.bias_update_rate=0.05", "model.moe.z_loss_coef=1e-3",
+    )  # fmt: skip
+    one = references.history(overrides)
+    for history in train_in_process(tmp_path / "run", [*overrides, *layout], world=4):
+        assert_same_curve(one, history)
+        for mine, theirs in zip(one, history, strict=True):
+            for key in ("moe/aux_loss", "moe/load/1", "moe/load/3"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
