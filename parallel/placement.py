@@ -163,6 +163,12 @@ def placement_of(param: torch.Tensor) -> Placement:
     return placement
 
 
+def is_expert(param: nn.Parameter) -> bool:
+    """An expert weight split over the ep group: its gradient and ZeRO shards live on the expert-dp group."""
+    placement = getattr(param, "placement", None)
+    return placement is not None and placement.expert_split
+
+
 def replicated(param: nn.Parameter) -> nn.Parameter:
     """A parameter every tp rank holds whole."""
     return set_placement(param, Placement(tuple(param.shape)))

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trident.parallel.layout import BucketSpan, FlatLayout
-from trident.parallel.placement import placement_of
+from trident.parallel.placement import is_expert
 
 
 @dataclass(eq=False)
@@ -69,7 +69,7 @@ class GradReducer:
         params = [p for p in params if p.requires_grad]
         if not params:
             raise ValueError("GradReducer needs at least one trainable parameter")
-        experts = {id(p) for p in params if getattr(p, "placement", None) and placement_of(p).expert_split}
+        experts = {id(p) for p in params if is_expert(p)}
         if experts and expert_group is None:
             raise ValueError("expert weights split over ep need the expert-data-parallel group (expert_group)")
         isolate = [*isolate, *(p for p in params if id(p) in experts)]

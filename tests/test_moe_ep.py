@@ -34,7 +34,7 @@ def test_ep_groups_are_runs_of_each_dp_group():
         ),
         (["parallel.ep=4"], 2, "parallel.ep=4 does not divide the 2 data-parallel ranks; use parallel.ep=2"),
         (["model=gpt-tiny", "parallel.ep=2"], 2, "parallel.ep=2 needs a model with experts"),
-        (["parallel.ep=2", "parallel.zero=1"], 2, "parallel.zero=1 with parallel.ep=2 is not supported yet"),
+        (["parallel.ep=2", "parallel.zero=2"], 2, "parallel.zero=2 with parallel.ep=2 is not supported yet"),
     ],
 )
 def test_ep_is_refused_in_one_line(overrides, world, message):
@@ -46,15 +46,15 @@ def test_ep_is_refused_in_one_line(overrides, world, message):
 
 @pytest.mark.multiprocess
 def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1(tiny_dataset, references, tmp_path):
-    """ep=2 (dp=2: each rank two of the four experts) and ep=2 x tp=2 on four ranks (dp=2), capacity and balancing
-    bias on: the one-process losses and loads; the ep=2 checkpoint resumes at ep=1 on one process."""
+    """ep=2 (dp=2: each rank two of the four experts) under ZeRO-1 (the dense states sharded over dp), capacity and
+    balancing bias on: the one-process losses and loads; its checkpoint resumes at ep=1 on one process."""
     balancing = ("model.moe.z_loss_coef=1e-3", "model.moe.bias_update_rate=0.05", "model.moe.capacity_factor=1.5")
     overrides = tiny(
         tiny_dataset, "model=moe-tiny", "train.steps=6", "train.eval_every=0", "optim.lr=3e-3", *balancing,
         "train.micro_batch_size=4", "checkpoint.every=3",
     )  # fmt: skip
     one = references.history(overrides)
-    ep2 = train_in_process(tmp_path / "ep2", [*overrides, "parallel.ep=2"], world=2)
+    ep2 = train_in_process(tmp_path / "ep2", [*overrides, "parallel.ep=2", "parallel.zero=1"], world=2)
     for history in ep2:
         assert_same_curve(one, history)
         for mine, theirs in zip(one, history, strict=True):
@@ -79,13 +79,16 @@ def _param_bytes(run_dir) -> int:
         ["parallel.ep=2", "parallel.tp=2"],
         ["parallel.ep=2", "parallel.pp=2"],
         ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "train.activation_checkpointing=full"],
-        ["parallel.ep=4"],
+        ["parallel.ep=4", "parallel.zero=1"],
+        ["parallel.ep=2"],
+        ["parallel.ep=2", "parallel.zero=1"],
     ],
-    ids=["ep2-tp2", "ep2-pp2", "ep2-pp2-interleaved-recompute", "ep4"],
+    ids=["ep2-tp2", "ep2-pp2", "ep2-pp2-interleaved-recompute", "ep4-zero1", "ep2-dp4", "ep2-dp4-zero1"],
 )
 def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, references, tmp_path, layout):
     """Four ranks: sparse layers 1 and 3 of four (one per pipeline stage), experts whole on each tp rank, the
-    all-to-all in the recomputed forward too; ep=4 holds one expert per rank."""
+    all-to-all in the recomputed forward too; ep=4 holds one expert per rank; ZeRO-1 shards the expert states over
+    their expert-dp group (of one at ep=4, of two at ep=2 on dp=4) and the dense ones over dp."""
     overrides = tiny(
         tiny_dataset, "model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "train.steps=3", "train.eval_every=0",
         "train.micro_batch_size=2", "model.moe.bias_update_rate=0.05", "model.moe.z_loss_coef=1e-3",

@@ -125,14 +125,14 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     dp_group, device = groups.dp_group, params[0].device
 
     sharding: ParameterSharding | None = None
-    if layout.ep > 1 and zero > 0:
-        raise ValueError(f"parallel.ep={layout.ep} runs at parallel.zero=0 only (validate refuses the rest)")
-    if zero == 0:  # expert weights (ep > 1) reduce over the expert-data-parallel group
+    # Expert weights (ep > 1) reduce, and are sharded, over the expert-data-parallel group.
+    expert_group = groups.expert_dp_group if layout.ep > 1 else None
+    if layout.ep > 1 and zero > 1:
+        raise ValueError(f"parallel.ep={layout.ep} runs at parallel.zero 0 or 1 (validate refuses the rest)")
+    if zero <= 1:
+        kind = ScatterReducer if zero == 1 else GradReducer
         args = (params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
-        reducer = GradReducer(*args, expert_group=groups.expert_dp_group)
-        flat = reducer.layout
-    elif zero == 1:
-        reducer = ScatterReducer(params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
+        reducer = kind(*args, expert_group=expert_group)
         flat = reducer.layout
     elif zero == 2:
         flat, _ = flat_layout(chunks, layout, groups.dp_size)
@@ -147,11 +147,14 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     def make_store() -> FlatParams | ShardedParams:
         if zero == 3:
             return ShardedParams(flat, policy.param_dtype, dp_group)
-        return FlatParams(flat, policy.param_dtype, dp_group, shards=groups.dp_size if zero >= 1 else 1)
+        shards = groups.dp_size if zero >= 1 else 1
+        return FlatParams(flat, policy.param_dtype, dp_group, shards, expert_group)
 
     adamw = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
     ratio = layout.offloaded_fraction
-    optimizer = ZeroOptimizer(flat, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio)
+    optimizer = ZeroOptimizer(
+        flat, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio, expert_group=expert_group
+    )
     if zero == 3:
         sharding = ParameterSharding(units_of, units, optimizer.store, layout.zero3_gather, layout.zero3_prefetch)
         reducer.on_reduced, reducer.on_finish = sharding.released, sharding.end_step

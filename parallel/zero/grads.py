@@ -50,15 +50,19 @@ class ScatterReducer(GradReducer):
         reduce_dtype: torch.dtype = torch.float32,
         isolate: Collection[nn.Parameter] = (),
         chunks: Sequence[Collection[nn.Parameter]] = (),
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
-        super().__init__(params, dp_group, bucket_mb, reduce_dtype, isolate, chunks)
-        rank = dist.get_rank(dp_group)
-        # Made once and kept, like the bucket views (a collective's tensors must outlive its work).
-        self._shards = [self.buffer[slice(*span.shard(rank, self.dp_size))] for span in self.layout.spans]
+        super().__init__(params, dp_group, bucket_mb, reduce_dtype, isolate, chunks, expert_group)
+        # Made once and kept, like the bucket views (a collective's tensors must outlive its work). An expert
+        # bucket is sharded over the expert-dp group it reduces over (its padding to dp divides that group too).
+        self._shards = [
+            self.buffer[slice(*b.span.shard(dist.get_rank(b.group), dist.get_world_size(b.group)))]
+            for b in self.buckets
+        ]
 
     def reduce_bucket(self, bucket: Bucket) -> dist.Work:
         return dist.reduce_scatter_single(
-            self._shards[bucket.span.index], bucket.grads, group=self.dp_group, async_op=True
+            self._shards[bucket.span.index], bucket.grads, group=bucket.group, async_op=True
         )
 
     def reduced_grad(self, span: BucketSpan) -> torch.Tensor:
