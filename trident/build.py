@@ -45,7 +45,7 @@ from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.schedules import stage_of, stage_placement
 from trident.parallel.pipeline.stages import stage_layers
-from trident.parallel.placement import placement_of
+from trident.parallel.placement import is_expert, placement_of
 from trident.parallel.precision import LossScaler, precision_policy
 from trident.parallel.random import RNGTracker, model_parallel_rng
 from trident.parallel.reducer import GradReducer, bucket_numel
@@ -127,8 +127,8 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     sharding: ParameterSharding | None = None
     # Expert weights (ep > 1) reduce, and are sharded, over the expert-data-parallel group.
     expert_group = groups.expert_dp_group if layout.ep > 1 else None
-    if layout.ep > 1 and zero > 1:
-        raise ValueError(f"parallel.ep={layout.ep} runs at parallel.zero 0 or 1 (validate refuses the rest)")
+    if layout.ep > 1 and zero > 2:
+        raise ValueError(f"parallel.ep={layout.ep} runs at parallel.zero 0-2 (validate refuses ZeRO-3)")
     if zero <= 1:
         kind = ScatterReducer if zero == 1 else GradReducer
         args = (params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
@@ -136,7 +136,7 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
         flat = reducer.layout
     elif zero == 2:
         flat, _ = flat_layout(chunks, layout, groups.dp_size)
-        reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device)
+        reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device, expert_group=expert_group)
     else:
         units_of = [(chunk, list(chunk.layers.values())) for chunk in chunks]
         flat, units = flat_layout(chunks, layout, groups.dp_size)
@@ -164,11 +164,13 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
 
 
 def _trainable(chunks: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
-    """Each chunk's trainable parameters, and those whose gradients are summed across pipeline stages after the dp
-    reduction (the tied embedding's two copies, placement ``grad_sums`` "embedding"): each gets a bucket of its own,
-    so its shards line up on the ranks that sum them."""
+    """Each chunk's trainable parameters, and those each given a bucket of its own: those whose gradients are summed
+    across pipeline stages after the dp reduction (the tied embedding's two copies, placement ``grad_sums``
+    "embedding"), so its shards line up on the ranks that sum them, and the expert weights split over ep, which
+    reduce over another group (expert-dp)."""
     per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
-    return per_chunk, [p for ps in per_chunk for p in ps if "embedding" in placement_of(p).grad_sums]
+    own = [p for ps in per_chunk for p in ps if "embedding" in placement_of(p).grad_sums or is_expert(p)]
+    return per_chunk, own
 
 
 def flat_layout(chunks: list[GPT], layout: Layout, dp_size: int) -> tuple[FlatLayout, list[ChunkUnits]]:

@@ -114,7 +114,7 @@ def _check_ep(ep: int, zero: int, offload: str, m: ModelConfig) -> None:
     _need(experts > 0, f"parallel.ep={ep} needs a model with experts (model.moe.experts > 0); set parallel.ep=1")
     fits = max(k for k in range(1, ep + 1) if experts % k == 0)
     _need(experts % ep == 0, f"parallel.ep={ep} does not divide model.moe.experts={experts}; use parallel.ep={fits}")
-    _need(zero <= 1, f"parallel.zero={zero} with parallel.ep={ep} is not supported yet; set parallel.zero=1")
+    _need(zero <= 2, f"parallel.zero={zero} with parallel.ep={ep} is not supported yet; set parallel.zero=2")
     _need(
         offload == "none",
         f"parallel.offload.optimizer={offload} with parallel.ep={ep} is not supported yet; set "
