@@ -47,7 +47,8 @@ def test_ep_is_refused_in_one_line(overrides, world, message):
 @pytest.mark.multiprocess
 def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1(tiny_dataset, references, tmp_path):
     """ep=2 (dp=2: each rank two of the four experts) under ZeRO-1 (the dense states sharded over dp), capacity and
-    balancing bias on: the one-process losses and loads; its checkpoint resumes at ep=1 on one process."""
+    balancing bias on: the one-process losses and loads, the model states the estimator predicts; its checkpoint
+    resumes at ep=1 on one process."""
     balancing = ("model.moe.z_loss_coef=1e-3", "model.moe.bias_update_rate=0.05", "model.moe.capacity_factor=1.5")
     overrides = tiny(
         tiny_dataset, "model=moe-tiny", "train.steps=6", "train.eval_every=0", "optim.lr=3e-3", *balancing,
@@ -62,9 +63,20 @@ def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1(tiny_dat
     # Each rank holds half of the experts: 2 layers x 3 matrices x 4 experts x 64 x 64 fp32, half of them fewer.
     held = [_param_bytes(d) for d in (references.run_dir(overrides), tmp_path / "ep2")]
     assert held[0] - held[1] == 2 * 3 * 4 * 64 * 64 * 4 // 2
+    _assert_estimate_exact(tmp_path / "ep2")
     checkpoint = tmp_path / "ep2" / "checkpoints" / "step_00000003"
     (resumed,) = train_in_process(tmp_path / "resumed", [*overrides, f"checkpoint.resume={checkpoint}"])
     assert_same_curve(ep2[0][3:], resumed)
+
+
+def _assert_estimate_exact(run_dir) -> None:
+    """The estimator's model states of each rank's pipeline stage (the largest dp rank's) are what it measured."""
+    report = json.loads((run_dir / "memory.json").read_text())
+    assert report["estimate"]["layout"]["ep"] > 1
+    for kind in ("params", "grads", "optimizer"):
+        for stage in report["estimate"]["stages"]:
+            measured = max(sum(r[kind].values()) for r in report["ranks"] if r["pp"] == stage["stage"])
+            assert measured == sum(stage["model_states"][kind].values()), (kind, stage["stage"])
 
 
 def _param_bytes(run_dir) -> int:
@@ -100,3 +112,4 @@ def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, 
         for mine, theirs in zip(one, history, strict=True):
             for key in ("moe/aux_loss", "moe/load/1", "moe/load/3"):
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
+    _assert_estimate_exact(tmp_path / "run")

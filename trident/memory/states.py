@@ -19,6 +19,7 @@ from trident.memory.measure import KINDS, PLACES, Figures
 from trident.memory.params import StageParams
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.schedules import I, W
+from trident.parallel.placement import is_expert
 from trident.parallel.precision import precision_policy
 from trident.parallel.zero.grads import ShardedGradReducer
 from trident.parallel.zero.optimizer import shard_segments
@@ -127,7 +128,9 @@ def _rank_states(
 
     shards = layout.dp if layout.zero >= 1 else 1
     rank = dp_rank if layout.zero >= 1 else 0
-    shard = flat.numel // shards
+    # Expert weights (ep > 1, buckets of their own) are sharded over their expert-dp group: dp / ep ranks.
+    expert = (rank // layout.ep, shards // layout.ep) if layout.ep > 1 and shards > 1 else None
+    shard = sum(s.numel // (expert[1] if expert and is_expert(s.params[0]) else shards) for s in flat.spans)
     host_numel = round(ratio * flat.numel / shards)
     fig["params"]["device"] = (shard if layout.zero == 3 else flat.numel) * pb
     fig["grads"]["device"] = (shard if layout.zero >= 2 else flat.numel) * FP32
@@ -136,7 +139,7 @@ def _rank_states(
     if pb != FP32:
         fig["optimizer"]["device"] = (shard - host_numel) * FP32
     checkpoint = 0
-    for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel):
+    for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel, expert):
         pieces = flat.pieces(span, start, stop)
         place = "host" if on_host else "device"
         fig["optimizer"][place] += sum(p.numel for p in pieces) * ADAM_MOMENTS * FP32 + len(pieces) * STEP_COUNTER
