@@ -263,3 +263,14 @@ def test_moe_bench_times_the_grouped_experts_against_the_loop() -> None:
                      "--steps", "1", "--warmup", "1")  # fmt: skip
     assert table.column("shape (d x f x E x k)") == ["32x16x4x2"]
     assert_finite(table, "grouped ms", "loop ms", "loop / grouped")
+
+
+@pytest.mark.multiprocess
+def test_moe_bench_trains_at_ep1_and_ep2_on_two_ranks() -> None:
+    """``--ep 2``: the same steps at ep 1 and ep 2 (the same last loss), each with its tokens/s and ratio to dp."""
+    _, table = bench("moe", "--shapes", "32x16x4x2", "--tokens", "64", "--precision", "fp32", "--rounds", "1",
+                     "--steps", "1", "--warmup", "1", "--ep", "2", "--global-batch", "8")  # fmt: skip
+    assert table.column("variant") == ["ep 1", "ep 2"]
+    assert_finite(table, "tokens/s", "x dp")
+    first, second = (float(v) for v in table.column("last loss"))
+    assert first == pytest.approx(second, rel=2e-4)
