@@ -34,7 +34,11 @@ def test_ep_groups_are_runs_of_each_dp_group():
         ),
         (["parallel.ep=4"], 2, "parallel.ep=4 does not divide the 2 data-parallel ranks; use parallel.ep=2"),
         (["model=gpt-tiny", "parallel.ep=2"], 2, "parallel.ep=2 needs a model with experts"),
-        (["parallel.ep=2", "parallel.zero=3"], 2, "parallel.zero=3 with parallel.ep=2 is not supported yet"),
+        (
+            ["parallel.ep=2", "parallel.zero=1", "parallel.offload.optimizer=cpu"],
+            2,
+            "parallel.offload.optimizer=cpu with parallel.ep=2 is not supported yet",
+        ),
     ],
 )
 def test_ep_is_refused_in_one_line(overrides, world, message):
@@ -95,12 +99,24 @@ def _param_bytes(run_dir) -> int:
         ["parallel.ep=2"],
         ["parallel.ep=2", "parallel.zero=1"],
         ["parallel.ep=2", "parallel.zero=2"],
+        ["parallel.ep=2", "parallel.zero=3"],
+        ["parallel.ep=2", "parallel.zero=3", "parallel.pp=2", "train.activation_checkpointing=full"],
     ],
-    ids=["ep2-tp2", "ep2-pp2", "ep2-pp2-vpp2-full", "ep4-zero1", "ep2-dp4", "ep2-dp4-zero1", "ep2-dp4-zero2"],
+    ids=[
+        "ep2-tp2",
+        "ep2-pp2",
+        "ep2-pp2-vpp2-full",
+        "ep4-zero1",
+        "ep2-dp4",
+        "ep2-dp4-zero1",
+        "ep2-dp4-zero2",
+        "ep2-dp4-zero3",
+        "ep2-pp2-zero3-full",
+    ],
 )
 def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, references, tmp_path, layout):
     """Four ranks: sparse layers 1 and 3 of four (one per pipeline stage), experts whole on each tp rank, the
-    all-to-all in the recomputed forward too; ep=4 holds one expert per rank; ZeRO-1/2 shard the expert states over
+    all-to-all in the recomputed forward too; ep=4 holds one expert per rank; ZeRO 1-3 shard the expert states over
     their expert-dp group (of one at ep=4, of two at ep=2 on dp=4) and the dense ones over dp."""
     overrides = tiny(
         tiny_dataset, "model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "train.steps=3", "train.eval_every=0",

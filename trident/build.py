@@ -127,8 +127,6 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     sharding: ParameterSharding | None = None
     # Expert weights (ep > 1) reduce, and are sharded, over the expert-data-parallel group.
     expert_group = groups.expert_dp_group if layout.ep > 1 else None
-    if layout.ep > 1 and zero > 2:
-        raise ValueError(f"parallel.ep={layout.ep} runs at parallel.zero 0-2 (validate refuses ZeRO-3)")
     if zero <= 1:
         kind = ScatterReducer if zero == 1 else GradReducer
         args = (params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
@@ -142,11 +140,13 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
         flat, units = flat_layout(chunks, layout, groups.dp_size)
         # One launch order per chunk: a pipeline rank runs its chunks' backward passes interleaved.
         chains = [[s.index for s in [*reversed(u.blocks), *u.root]] for u in units]
-        reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device, chains=chains)
+        reducer = ShardedGradReducer(
+            flat, dp_group, policy.reduce_dtype, device, chains=chains, expert_group=expert_group
+        )
 
     def make_store() -> FlatParams | ShardedParams:
         if zero == 3:
-            return ShardedParams(flat, policy.param_dtype, dp_group)
+            return ShardedParams(flat, policy.param_dtype, dp_group, expert_group)
         shards = groups.dp_size if zero >= 1 else 1
         return FlatParams(flat, policy.param_dtype, dp_group, shards, expert_group)
 

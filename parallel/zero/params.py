@@ -82,16 +82,24 @@ class FlatParams:
 class ShardedParams:
     """Stage 3: each bucket's parameters live as this rank's shard and are gathered only while in use."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        dtype: torch.dtype,
+        dp_group: dist.ProcessGroup,
+        expert_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``expert_group``: where the buckets of expert weights (ep > 1) are sharded and gathered instead of dp."""
         self.layout, self.dp_group = layout, dp_group
-        rank, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        experts = expert_group is not None
+        self._groups = [expert_group if experts and is_expert(s.params[0]) else dp_group for s in layout.spans]
         device = layout.params[0].device
         self._full: list[torch.Tensor] = []
         self._shards: list[torch.Tensor] = []
-        for span in layout.spans:
+        for span, group in zip(layout.spans, self._groups, strict=True):
             full = torch.zeros(span.numel, dtype=dtype, device=device)
             _fill(full, span.params, [layout.offset[p] - span.offset for p in span.params])
-            start, stop = span.shard(rank, size)
+            start, stop = span.shard(dist.get_rank(group), dist.get_world_size(group))
             self._shards.append(full[start - span.offset : stop - span.offset].clone())
             self._full.append(full)
         self._nbytes = [full.untyped_storage().nbytes() for full in self._full]
@@ -127,7 +135,8 @@ class ShardedParams:
         i = span.index
         if not self._gathered[i]:
             self._full[i].untyped_storage().resize_(self._nbytes[i])
-            self._work[i] = dist.all_gather_single(self._full[i], self._shards[i], group=self.dp_group, async_op=True)
+            shard, group = self._shards[i], self._groups[i]
+            self._work[i] = dist.all_gather_single(self._full[i], shard, group=group, async_op=True)
             self._gathered[i] = self._in_flight[i] = True
             self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes())
         if wait:
