@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.config import validate
 from trident.errors import ConfigError
+from trident.parallel.placement import Placement
 from trident.parallel.topology import Topology
 
 
@@ -22,6 +24,15 @@ def test_ep_groups_are_runs_of_each_dp_group():
     t = Topology(dp=4, pp=2, tp=1, ep=4)
     assert t.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert t.expert_dp_groups() == [[0], [1], [2], [3], [4], [5], [6], [7]]
+
+
+def test_an_expert_placement_is_a_block_of_rows_per_ep_rank():
+    full = torch.arange(8 * 3 * 2.0).view(8 * 3, 2)  # 8 experts of 3 rows
+    p = Placement((24, 2), ep_rank=1, ep_size=4)
+    assert p.local_shape == p.chunk_sizes == (6, 2) and p.offsets == (6, 0)
+    assert torch.equal(p.shard(full), full[6:12]) and p.replicated_over_tp and p.expert_split
+    with pytest.raises(ValueError):
+        Placement((24, 2), split_dim=1, tp_size=2, ep_size=2)  # experts are whole on each tp rank
 
 
 @pytest.mark.parametrize(
