@@ -45,11 +45,6 @@ def test_an_expert_placement_is_a_block_of_rows_per_ep_rank():
         ),
         (["parallel.ep=4"], 2, "parallel.ep=4 does not divide the 2 data-parallel ranks; use parallel.ep=2"),
         (["model=gpt-tiny", "parallel.ep=2"], 2, "parallel.ep=2 needs a model with experts"),
-        (
-            ["parallel.ep=2", "parallel.zero=1", "parallel.offload.optimizer=cpu"],
-            2,
-            "parallel.offload.optimizer=cpu with parallel.ep=2 is not supported yet",
-        ),
     ],
 )
 def test_ep_is_refused_in_one_line(overrides, world, message):
@@ -114,7 +109,7 @@ def _param_bytes(run_dir) -> int:
         ["parallel.ep=4", "parallel.zero=1"],
         ["parallel.ep=2"],
         ["parallel.ep=2", "parallel.zero=1"],
-        ["parallel.ep=2", "parallel.zero=2"],
+        ["parallel.ep=2", "parallel.zero=2", "parallel.offload.optimizer=cpu", "parallel.offload.ratio=0.5"],
         ["parallel.ep=2", "parallel.zero=3"],
         ["parallel.ep=2", "parallel.zero=3", "parallel.pp=2", "train.activation_checkpointing=full"],
     ],
@@ -125,7 +120,7 @@ def _param_bytes(run_dir) -> int:
         "ep4-zero1",
         "ep2-dp4",
         "ep2-dp4-zero1",
-        "ep2-dp4-zero2",
+        "ep2-dp4-zero2-offload",
         "ep2-dp4-zero3",
         "ep2-pp2-zero3-full",
     ],

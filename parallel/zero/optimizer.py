@@ -125,7 +125,8 @@ class ZeroOptimizer:
         expert = (dist.get_rank(expert_group), dist.get_world_size(expert_group)) if expert_group is not None else None
         expert = expert if self.dp_sharded else None
         device = layout.params[0].device
-        runs = shard_segments(layout, rank, shards, round(offload_ratio * layout.numel / shards), expert)
+        shard_numel = sum(stop - start for _, start, stop, _ in shard_segments(layout, rank, shards, 0, expert))
+        runs = shard_segments(layout, rank, shards, round(offload_ratio * shard_numel), expert)
         alias = param_dtype == torch.float32  # fp32 parameters on the accelerator are their own masters
 
         numel = {side: sum(stop - start for _, start, stop, on_host in runs if on_host == side) for side in (0, 1)}

@@ -162,7 +162,7 @@ class ParallelConfig:
     zero3_prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the running one (0: none)
     sequence_parallel: bool = False
     # Expert parallelism: each sparse layer's experts divided over ep ranks drawn from the data-parallel ones (ep
-    # divides dp and model.moe.experts), tokens exchanged by all-to-all (models/moe.py); no optimizer offload yet.
+    # divides dp and model.moe.experts), tokens exchanged by all-to-all (models/moe.py).
     ep: int = 1
     backend: str = "auto"  # auto | nccl | gloo
     bucket_mb: float = 25.0  # gradient all-reduce bucket size

@@ -105,7 +105,7 @@ def _check_moe(m: ModelConfig) -> None:
     )
 
 
-def _check_ep(ep: int, offload: str, m: ModelConfig) -> None:
+def _check_ep(ep: int, m: ModelConfig) -> None:
     """``parallel.ep`` against the model (that it divides dp is checked once dp is known)."""
     _need(ep >= 1, f"parallel.ep={ep} must be >= 1")
     if ep == 1:
@@ -114,11 +114,6 @@ def _check_ep(ep: int, offload: str, m: ModelConfig) -> None:
     _need(experts > 0, f"parallel.ep={ep} needs a model with experts (model.moe.experts > 0); set parallel.ep=1")
     fits = max(k for k in range(1, ep + 1) if experts % k == 0)
     _need(experts % ep == 0, f"parallel.ep={ep} does not divide model.moe.experts={experts}; use parallel.ep={fits}")
-    _need(
-        offload == "none",
-        f"parallel.offload.optimizer={offload} with parallel.ep={ep} is not supported yet; set "
-        "parallel.offload.optimizer=none",
-    )
 
 
 def validate(cfg: Config, world_size: int) -> Layout:
@@ -219,7 +214,7 @@ def validate(cfg: Config, world_size: int) -> Layout:
         "parallel.sequence_parallel=false (the experts are held whole by every tp rank)",
     )
 
-    _check_ep(par.ep, par.offload.optimizer, m)
+    _check_ep(par.ep, m)
 
     # Divisibility rules of the model split.
     chunks = par.pp * par.vpp

@@ -66,7 +66,7 @@ def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None
                           gradients   4 B (stages 0-1: the reducer's buffer), 4 B / S (stages 2-3: the shard)
                           masters     4 B / S in fp32 (none where fp32 parameters are their own masters)
                           moments     2 x 4 per parameter element of the shard (padding has none), a step per piece
-        offload ratio r   the shard's first round(r B / S) elements keep masters and moments on the host, and a
+        offload ratio r   the shard's first round(r x its numel) elements keep masters and moments on the host, and a
                           host copy of their gradients (4 bytes each)
 
     Transient, above these: stages 2-3 stage each bucket's fp32 gradients while it fills and until its
@@ -131,7 +131,7 @@ def _rank_states(
     # Expert weights (ep > 1, buckets of their own) are sharded over their expert-dp group: dp / ep ranks.
     expert = (rank // layout.ep, shards // layout.ep) if layout.ep > 1 and shards > 1 else None
     shard = sum(s.numel // (expert[1] if expert and is_expert(s.params[0]) else shards) for s in flat.spans)
-    host_numel = round(ratio * flat.numel / shards)
+    host_numel = round(ratio * shard)
     fig["params"]["device"] = (shard if layout.zero == 3 else flat.numel) * pb
     fig["grads"]["device"] = (shard if layout.zero >= 2 else flat.numel) * FP32
     fig["grads"]["host"] = host_numel * FP32
