@@ -104,7 +104,6 @@ def _param_bytes(run_dir) -> int:
     "layout",
     [
         ["parallel.ep=2", "parallel.tp=2"],
-        ["parallel.ep=2", "parallel.pp=2"],
         ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "train.activation_checkpointing=full"],
         ["parallel.ep=4", "parallel.zero=1"],
         ["parallel.ep=2"],
@@ -115,7 +114,6 @@ def _param_bytes(run_dir) -> int:
     ],
     ids=[
         "ep2-tp2",
-        "ep2-pp2",
         "ep2-pp2-vpp2-full",
         "ep4-zero1",
         "ep2-dp4",
