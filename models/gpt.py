@@ -51,7 +51,7 @@ from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache
 from trident.models.moe import MoE
 from trident.models.rope import apply_rope, rope_frequencies, rope_tables
-from trident.parallel.comm import rank_and_size
+from trident.parallel.comm import GroupShape, rank_and_size
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
 from trident.parallel.random import (
     ATTENTION,
@@ -262,7 +262,7 @@ class Block(nn.Module):
         sequence_parallel: bool,
         rng: RNGTracker | None,
         layer: int,
-        ep_group: dist.ProcessGroup | None = None,
+        ep_group: dist.ProcessGroup | GroupShape | None = None,
     ) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg)
@@ -310,7 +310,7 @@ class GPT(nn.Module):
         layers: Sequence[int] | None = None,
         first: bool = True,
         last: bool = True,
-        ep_group: dist.ProcessGroup | None = None,
+        ep_group: dist.ProcessGroup | GroupShape | None = None,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = rank_and_size(tp_group)

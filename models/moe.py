@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.config import ModelConfig, MoEConfig
-from trident.parallel.comm import all_to_all, rank_and_size
+from trident.parallel.comm import GroupShape, all_to_all, rank_and_size
 from trident.parallel.placement import Placement, replicated, set_placement
 
 
@@ -153,7 +153,10 @@ class MoE(nn.Module):
     """The sparse MLP of one layer: router, routed experts and, with ``shared_experts``, a dense MLP beside them."""
 
     def __init__(
-        self, cfg: ModelConfig, shared: nn.Module | None = None, ep_group: dist.ProcessGroup | None = None
+        self,
+        cfg: ModelConfig,
+        shared: nn.Module | None = None,
+        ep_group: dist.ProcessGroup | GroupShape | None = None,
     ) -> None:
         super().__init__()
         self.moe = cfg.moe

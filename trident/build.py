@@ -86,12 +86,12 @@ def chunk_model(
     stage: int,
     tp_group: ProcessGroup | GroupShape | None,
     rng: RNGTracker | None = None,
-    ep_group: ProcessGroup | None = None,
+    ep_group: ProcessGroup | GroupShape | None = None,
 ) -> GPT:
     """The GPT of virtual stage ``stage``, as constructed (parameters zero): its layers (parallel/pipeline/stages.py),
     the embedding on stage 0, the final norm and LM head on the last. The memory estimator (trident/memory/params.py)
     builds it on the meta device, a ``GroupShape`` standing for the tp group. ``ep_group``: the experts' all-to-all
-    group (each rank holds experts / ep of them; None: all)."""
+    group (each rank holds experts / ep of them; None: all), a ``GroupShape`` for the estimator."""
     layers = stage_layers(m.n_layers, layout.pp, layout.vpp, stage)
     last = stage == layout.chunks - 1
     return GPT(m, tp_group, layout.sequence_parallel, rng, layers, stage == 0, last, ep_group=ep_group)
