@@ -55,10 +55,10 @@ def test_ep_is_refused_in_one_line(overrides, world, message):
 
 
 @pytest.mark.multiprocess
-def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1(tiny_dataset, references, tmp_path):
+def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1_and_ep4_pp2(tiny_dataset, references, tmp_path):
     """ep=2 (dp=2: each rank two of the four experts) under ZeRO-1 (the dense states sharded over dp), capacity and
     balancing bias on: the one-process losses and loads, the model states the estimator predicts; its checkpoint
-    resumes at ep=1 on one process, and the one-process checkpoint at ep=2."""
+    resumes at ep=1 on one process, and at ep=4 x pp=2 under ZeRO-3 on eight."""
     balancing = ("model.moe.z_loss_coef=1e-3", "model.moe.bias_update_rate=0.05", "model.moe.capacity_factor=1.5")
     overrides = tiny(
         tiny_dataset, "model=moe-tiny", "train.steps=6", "train.eval_every=0", "optim.lr=3e-3", *balancing,
@@ -77,11 +77,11 @@ def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1(tiny_dat
     checkpoint = tmp_path / "ep2" / "checkpoints" / "step_00000003"
     (resumed,) = train_in_process(tmp_path / "resumed", [*overrides, f"checkpoint.resume={checkpoint}"])
     assert_same_curve(ep2[0][3:], resumed)
-    # And the other way: the one-process checkpoint resumes at ep 2 under ZeRO-3 (each rank reads its experts).
-    checkpoint = references.run_dir(overrides) / "checkpoints" / "step_00000003"
-    layout = ["parallel.ep=2", "parallel.zero=3", f"checkpoint.resume={checkpoint}"]
-    for history in train_in_process(tmp_path / "resumed-ep2", [*overrides, *layout], world=2):
-        assert_same_curve(one[3:], history)
+    # And on 8 ranks at ep 4 x pp 2 under ZeRO-3: each rank reads its one expert's weights and optimizer shard.
+    layout = ["parallel.ep=4", "parallel.pp=2", "parallel.zero=3"]
+    for history in train_in_process(tmp_path / "ep4pp2", [*overrides, *layout, f"checkpoint.resume={checkpoint}"], 8):
+        if history:  # the last stage's ranks log the loss
+            assert_same_curve(one[3:], history)
 
 
 def _assert_estimate_exact(run_dir) -> None:
