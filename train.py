@@ -67,7 +67,7 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
                 print(line, flush=True)
         tr, layout = cfg.train, validate(cfg, world)
         init_from = check_init_from(cfg, run_dir)  # None when resuming this run's own checkpoint
-        topology = Topology(dp=layout.dp, pp=layout.pp, tp=layout.tp, cp=layout.cp)
+        topology = Topology(dp=layout.dp, pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep)
         device = pick_device(tr.device)
         use_tensor_cores(device)
         eval_batches = tr.eval_batches if tr.eval_every else None

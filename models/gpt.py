@@ -52,7 +52,7 @@ from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache
 from trident.models.moe import MoE
 from trident.models.rope import apply_rope, rope_frequencies, rope_tables
-from trident.parallel.comm import rank_and_size
+from trident.parallel.comm import GroupShape, rank_and_size
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
 from trident.parallel.random import (
     ATTENTION,
@@ -263,6 +263,7 @@ class Block(nn.Module):
         sequence_parallel: bool,
         rng: RNGTracker | None,
         layer: int,
+        ep_group: dist.ProcessGroup | GroupShape | None = None,
     ) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg)
@@ -271,7 +272,7 @@ class Block(nn.Module):
         if cfg.moe.is_sparse(layer):
             shared = cfg.moe.shared_experts * cfg.expert_dim
             dense = MLP(dataclasses.replace(cfg, d_ff=shared), tp_group, sequence_parallel) if shared else None
-            self.mlp: nn.Module = MoE(cfg, dense)
+            self.mlp: nn.Module = MoE(cfg, dense, ep_group)
         else:
             self.mlp = MLP(cfg, tp_group, sequence_parallel)
         self.drop_attn = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, ATTENTION_RESIDUAL))
@@ -296,6 +297,9 @@ class GPT(nn.Module):
     A pipeline stage: ``layers`` (global indices; default all), ``first`` (holds the embedding and takes token
     ids) and ``last`` (holds the final norm and LM head and returns logits); a stage that is not last returns
     its residual stream [B, T, d] (under sequence parallelism [B, T / tp, d]).
+
+    ``ep_group``: the expert-parallel group; each rank holds experts / ep of every sparse layer's experts and
+    exchanges tokens with the others by all-to-all (models/moe.py). None: every expert here.
     """
 
     def __init__(
@@ -309,6 +313,7 @@ class GPT(nn.Module):
         last: bool = True,
         cp_group: dist.ProcessGroup | None = None,
         cp_comm: str = "ring",
+        ep_group: dist.ProcessGroup | GroupShape | None = None,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = rank_and_size(tp_group)
@@ -328,7 +333,7 @@ class GPT(nn.Module):
                 self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
                 replicated(self.wpe.weight)
             self.drop = _residual_dropout(cfg, tp_group, sp, rng, (EMBEDDING_LAYER, EMBEDDING))
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng, i) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng, i, ep_group) for i in layers})
         if last:
             self.ln_f = make_norm(cfg)
             if not (first and cfg.tie_embeddings):

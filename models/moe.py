@@ -27,6 +27,13 @@ recomputation repeats a forward, and read by ``step_stats`` after the optimizer 
 
 The experts are held whole by every tensor-parallel rank (under sequence parallelism each rank routes its own
 tokens, and the GPT marks their gradients for a sum over tp, as every replicated parameter's).
+
+Expert parallelism (``ep_group`` of ep ranks, parallel.ep): ep rank r holds experts ``[r*E/ep, (r+1)*E/ep)`` (their
+rows of the stacked weights; placement ``ep_size``, so init, checkpoints, the norm and the reducer read it). Each
+rank routes its own tokens as above; its pairs, already sorted by expert, go in one run per owning rank by
+all-to-all (with each expert's count, a second small all-to-all); the received rows, source by source, are put
+expert-major (stable over sources), computed, put back, and returned by the reverse all-to-all, each pair's output
+to the row it left from. Only the order of the rows the experts see changes, so the result is the one-process one.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.config import ModelConfig, MoEConfig
-from trident.parallel.placement import replicated
+from trident.parallel.comm import GroupShape, all_to_all, rank_and_size
+from trident.parallel.placement import Placement, replicated, set_placement
 
 
 class AuxLoss(torch.autograd.Function):
@@ -81,17 +89,23 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: 
 
 
 class Experts(nn.Module):
-    """``experts`` MLPs of hidden size ``f``, their weights stacked row-wise (the module docstring's layout)."""
+    """``experts`` MLPs of hidden size ``f``, their weights stacked row-wise (the module docstring's layout); under
+    expert parallelism the ``experts / ep_size`` of ep rank ``ep_rank``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> None:
         super().__init__()
         e, d, f = cfg.moe.experts, cfg.d_model, cfg.expert_dim
-        self.n, self.d, self.f = e, d, f
+        self.n, self.d, self.f = e // ep_size, d, f
+
+        def stacked() -> nn.Parameter:
+            placement = Placement((e * f, d), ep_rank=ep_rank, ep_size=ep_size)
+            return set_placement(nn.Parameter(torch.empty(placement.local_shape)), placement)
+
         self.swiglu = cfg.mlp == "swiglu"
         if self.swiglu:
-            self.gate = replicated(nn.Parameter(torch.empty(e * f, d)))
-        self.up = replicated(nn.Parameter(torch.empty(e * f, d)))
-        self.down = replicated(nn.Parameter(torch.empty(e * f, d)))
+            self.gate = stacked()
+        self.up = stacked()
+        self.down = stacked()
         self.grouped = cfg.moe.grouped_mm
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -138,11 +152,18 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """The sparse MLP of one layer: router, routed experts and, with ``shared_experts``, a dense MLP beside them."""
 
-    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shared: nn.Module | None = None,
+        ep_group: dist.ProcessGroup | GroupShape | None = None,
+    ) -> None:
         super().__init__()
         self.moe = cfg.moe
         self.router = Router(cfg)
-        self.experts = Experts(cfg)
+        self.ep_rank, self.ep_size = rank_and_size(ep_group)
+        self.ep_group = ep_group
+        self.experts = Experts(cfg, self.ep_rank, self.ep_size)
         self.shared = shared
         # The gradient the auxiliary losses get per token of a micro-batch: set by the runner (set_loss_multiplier).
         self.loss_multiplier = 0.0
@@ -176,7 +197,7 @@ class MoE(nn.Module):
         else:
             kept = counts
         token = order // k
-        y = self.experts(x[token], kept.tolist())
+        y = self.experts(x[token], kept.tolist()) if self.ep_size == 1 else self._exchange(x[token], kept)
         y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros(n, shape[-1], dtype=y.dtype, device=x.device).index_add_(0, token, y).to(x.dtype)
 
@@ -195,6 +216,29 @@ class MoE(nn.Module):
             out = AuxLoss.apply(out, extra, self.loss_multiplier * n)
         out = out.reshape(shape)
         return out + self.shared(x.reshape(shape)) if self.shared is not None else out
+
+    def _exchange(self, rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """``rows`` sorted by expert (``kept[e]`` of expert e) through the experts, their owners holding them: each
+        owner's run sent by all-to-all, put expert-major, computed, put back and sent home (module docstring)."""
+        ep, local = self.ep_size, self.n_local
+        send_counts = kept.view(ep, local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source, local expert]
+        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        got = all_to_all(rows, send, recv, self.ep_group)  # source-major, each source's rows expert-major
+        counts = recv_counts.tolist()
+        starts = (recv_counts.reshape(-1).cumsum(0) - recv_counts.reshape(-1)).view(ep, local).tolist()
+        spans = [range(starts[s][e], starts[s][e] + counts[s][e]) for e in range(local) for s in range(ep)]
+        perm = torch.tensor([i for span in spans for i in span], dtype=torch.long, device=rows.device)
+        y = self.experts(got[perm], recv_counts.sum(0).tolist())
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.numel(), device=perm.device)
+        return all_to_all(y[back], recv, send, self.ep_group)
+
+    @property
+    def n_local(self) -> int:
+        """The experts this rank holds."""
+        return self.moe.experts // self.ep_size
 
 
 def moe_layers(modules: list[nn.Module]) -> dict[int, MoE]:

@@ -9,6 +9,7 @@ per-rank pieces; these functions are its borders:
     split_last_dim           keep own slice       | all-gather last dim
     gather_sequence          all-gather sequence  | reduce-scatter      sequence parallelism: shard -> whole
     reduce_scatter_sequence  reduce-scatter seq.  | all-gather          sequence parallelism: partial -> shard
+    all_to_all               rows to each rank    | the reverse         expert parallelism: dispatch / combine
 
 Activations are ``[batch, seq, ...]``, so the sequence dim is dim 1. Tensors travel flat and contiguous, the
 one form every backend accepts (gloo takes all-gather and reduce-scatter only as a flat concatenation).
@@ -190,3 +191,27 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else ReduceScatterSequence.apply(x, group)
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows ``[sum(send), ...]`` of ``x``: the first ``send[0]`` to rank 0 of ``group``, the next to rank 1, ...;
+    returns the ``sum(recv)`` rows received, rank 0's first. Backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    return AllToAll.apply(x, send, recv, group)

@@ -33,6 +33,8 @@ class ProcessGroups:
     # shards (at cp=1 the dp group itself). None: built by hand without them (cp=1).
     cp_group: dist.ProcessGroup | None = None
     dp_cp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None  # the experts' all-to-all (None at ep = 1)
+    expert_dp_group: dist.ProcessGroup | None = None  # where expert gradients reduce (the dp group at ep = 1)
 
     @property
     def coord(self) -> Coord:
@@ -66,6 +68,14 @@ class ProcessGroups:
     @property
     def grad_size(self) -> int:
         return self.topology.dp * self.topology.cp
+
+    @property
+    def ep_size(self) -> int:
+        return self.topology.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.coord.dp % self.topology.ep
 
     @property
     def tp_rank(self) -> int:
@@ -109,8 +119,8 @@ def _build(
 
 
 def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> ProcessGroups:
-    """Build the dp, tp, pp, model-parallel and embedding groups, and with cp > 1 the cp and dp x cp groups. The
-    default group must exist."""
+    """Build the dp, tp, pp, model-parallel and embedding groups, with cp > 1 the cp and dp x cp groups, and with
+    ep > 1 the ep and expert-dp groups. The default group must exist."""
     topology.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -121,17 +131,22 @@ def build_process_groups(topology: Topology, timeout_s: float = 600.0) -> Proces
             "cp_group": _build(topology.cp_groups(), rank, timeout),
             "dp_cp_group": _build(topology.dp_cp_groups(), rank, timeout),
         }
+    dp_group = _build(topology.dp_groups(), rank, timeout)
+    ep_group = _build(topology.ep_groups(), rank, timeout) if topology.ep > 1 else None
+    expert_dp_group = _build(topology.expert_dp_groups(), rank, timeout) if topology.ep > 1 else dp_group
     return ProcessGroups(
         topology=topology,
         rank=rank,
         world_group=dist.group.WORLD,
-        dp_group=_build(topology.dp_groups(), rank, timeout),
+        dp_group=dp_group,
         tp_group=_build(topology.tp_groups(), rank, timeout),
         pp_group=_build(topology.pp_groups(), rank, timeout),
         model_parallel_group=_build(topology.model_parallel_groups(), rank, timeout),
         embedding_group=_build(topology.embedding_groups(), rank, timeout, required=False),
         pp_ranks=tuple(pp_ranks),
         **context,
+        ep_group=ep_group,
+        expert_dp_group=expert_dp_group,
     )
 
 

@@ -6,7 +6,9 @@ Each gradient element of the one-process model must be counted exactly once, whi
 - replicated over tp (a LayerNorm gain, a row-parallel bias): only tp rank 0 counts it;
 - a tied copy (the last pipeline stage's copy of the embedding as LM head): only the original counts;
 - replicated over dp (gradients all-reduced, ZeRO < 2): only dp rank 0 counts; sharded over dp (ZeRO 2/3):
-  every dp rank counts its shard.
+  every dp rank counts its shard;
+- an expert block (split over the ep group, reduced over the expert-dp group): each rank of the first ep group
+  (dp rank < ep) counts its own experts.
 
 Every rank adds its counted squares and one all-reduce over the whole world sums them. A piece a rank does
 not count is multiplied by zero rather than skipped, so a NaN or Inf anywhere still poisons the sum: the
@@ -36,6 +38,8 @@ def counts_here(placement: Placement, groups: ProcessGroups, dp_sharded: bool) -
         return False
     if placement.split_dim is None and groups.tp_rank != 0:
         return False
+    if placement.expert_split:  # experts (ep > 1, where cp is 1): each counted on the ranks of one ep group
+        return dp_sharded or groups.dp_rank < placement.ep_size
     return dp_sharded or groups.grad_rank == 0  # one of the dp x cp ranks that hold the same reduced gradient
 
 
@@ -51,8 +55,8 @@ class GlobalGradNorm:
         dp_sharded: bool = False,
         replicated: bool = False,
     ) -> None:
-        if replicated and (groups.tp_size > 1 or groups.pp_size > 1):
-            raise ValueError("replicated gradients: every rank must hold the whole model (tp = pp = 1)")
+        if replicated and (groups.tp_size > 1 or groups.pp_size > 1 or groups.ep_size > 1):
+            raise ValueError("replicated gradients: every rank must hold the whole model (tp = pp = ep = 1)")
         self.counted = [g for g, p in grads if counts_here(p, groups, dp_sharded or replicated)]
         self.others = [g for g, p in grads if not counts_here(p, groups, dp_sharded or replicated)]
         self.device = grads[0][0].device if grads else torch.device("cpu")

@@ -19,6 +19,14 @@ that is what a checkpoint saves, at its global offset, so a checkpoint never dep
     wte.weight, logical [600, 64], split_dim 0, padded 640, tp 2:
         tp rank 0 holds rows [0, 320)   all real
         tp rank 1 holds rows [320, 640) real rows [320, 600), then 40 zero padding rows
+
+Expert weights (``ep_size`` > 1, models/moe.py) are split along dim 0, the expert dim of their stacked rows, over
+the expert-parallel group instead: ep rank r holds the contiguous block ``[r*k, (r+1)*k)``, k = rows / ep_size,
+whole on every tp rank (no ``split_dim``). Their gradients reduce over the expert-data-parallel group, not dp.
+
+    experts.up, logical [8 * 32, 64] (8 experts of 32 rows), ep 2:
+        ep rank 0 holds rows [0, 128)     experts 0-3
+        ep rank 1 holds rows [128, 256)   experts 4-7
 """
 
 from __future__ import annotations
@@ -41,11 +49,17 @@ class Placement:
     padded: int | None = None  # size of split_dim after padding; None: no padding
     tied_to: str | None = None  # canonical name of the parameter this one is a copy of (same values)
     grad_sums: tuple[str, ...] = ()  # groups its gradient is summed over after the dp reduction: "tp", "embedding"
+    ep_rank: int = 0
+    ep_size: int = 1  # > 1: dim 0 split in ep_size equal blocks over the expert-parallel group (expert weights)
 
     def __post_init__(self) -> None:
         unknown = set(self.grad_sums) - set(GRAD_SUMS)
         if unknown:
             raise ValueError(f"unknown gradient sums {sorted(unknown)}; known: {', '.join(GRAD_SUMS)}")
+        if self.ep_size > 1 and (self.split_dim is not None or self.shape[0] % self.ep_size):
+            raise ValueError(f"an expert split needs dim 0 of {self.shape} divisible by {self.ep_size}, no tp split")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank {self.ep_rank} is outside ep_size {self.ep_size}")
         if self.split_dim is None:
             if self.padded is not None:
                 raise ValueError("padding needs a split_dim")
@@ -70,7 +84,14 @@ class Placement:
         return self.padded_size // self.tp_size
 
     @property
+    def expert_split(self) -> bool:
+        """Split over the expert-parallel group: its gradient reduces over the expert-data-parallel group."""
+        return self.ep_size > 1
+
+    @property
     def local_shape(self) -> tuple[int, ...]:
+        if self.expert_split:
+            return (self.shape[0] // self.ep_size, *self.shape[1:])
         if self.split_dim is None:
             return self.shape
         return tuple(self.block if d == self.split_dim else n for d, n in enumerate(self.shape))
@@ -78,6 +99,8 @@ class Placement:
     @property
     def offsets(self) -> tuple[int, ...]:
         """Where this rank's block starts in the logical tensor."""
+        if self.expert_split:
+            return (self.ep_rank * self.local_shape[0], *(0,) * (len(self.shape) - 1))
         return tuple(self.tp_rank * self.block if d == self.split_dim else 0 for d in range(len(self.shape)))
 
     @property
@@ -91,7 +114,7 @@ class Placement:
     def chunk_sizes(self) -> tuple[int, ...]:
         """Shape of the real part of this rank's block: what a checkpoint saves at ``offsets``."""
         if self.split_dim is None:
-            return self.shape
+            return self.local_shape
         return tuple(self.real if d == self.split_dim else n for d, n in enumerate(self.shape))
 
     @property
@@ -110,6 +133,8 @@ class Placement:
         """This rank's local tensor cut from the logical one-process tensor (padding rows are zero)."""
         if tuple(full.shape) != self.shape:
             raise ValueError(f"expected the logical shape {self.shape}, got {tuple(full.shape)}")
+        if self.expert_split:
+            return full.narrow(0, self.offsets[0], self.local_shape[0]).clone()
         if self.split_dim is None:
             return full.clone()
         local = torch.zeros(self.local_shape, dtype=full.dtype, device=full.device)
@@ -136,6 +161,12 @@ def placement_of(param: torch.Tensor) -> Placement:
     if placement is None:
         raise AttributeError(f"parameter of shape {tuple(param.shape)} has no placement; set one with set_placement")
     return placement
+
+
+def is_expert(param: nn.Parameter) -> bool:
+    """An expert weight split over the ep group: its gradient and ZeRO shards live on the expert-dp group."""
+    placement = getattr(param, "placement", None)
+    return placement is not None and placement.expert_split
 
 
 def replicated(param: nn.Parameter) -> nn.Parameter:

@@ -19,6 +19,9 @@ that chunk's last backward only; ``launch_chunk`` then starts whatever of the ch
 buckets are on the wire while the schedule still runs the others, and ``finish`` mostly waits.
 ``reduce_bucket`` is the one call that reduces a bucket: an all-reduce here, a reduce-scatter under ZeRO.
 The loss is pre-divided by the global token count, so the reduction is a plain SUM.
+
+Under expert parallelism (``expert_group``) the expert weights (placement ``expert_split``), each in buckets of
+their own, reduce over the expert-data-parallel group (the dp ranks holding the same experts) instead of dp.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trident.parallel.layout import BucketSpan, FlatLayout
+from trident.parallel.placement import is_expert
 
 
 @dataclass(eq=False)
@@ -41,6 +45,7 @@ class Bucket:
     grads: torch.Tensor  # the bucket's slice of the flat buffer
     span: BucketSpan  # the bucket in the layout
     chunk: int = 0  # the model chunk whose parameters the bucket holds
+    group: dist.ProcessGroup | None = None  # what it reduces over: dp, or expert-dp for expert weights
     ready: int = 0
     work: dist.Work | None = field(default=None, repr=False)
 
@@ -59,10 +64,15 @@ class GradReducer:
         reduce_dtype: torch.dtype = torch.float32,
         isolate: Collection[nn.Parameter] = (),
         chunks: Sequence[Collection[nn.Parameter]] = (),
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         params = [p for p in params if p.requires_grad]
         if not params:
             raise ValueError("GradReducer needs at least one trainable parameter")
+        experts = {id(p) for p in params if is_expert(p)}
+        if experts and expert_group is None:
+            raise ValueError("expert weights split over ep need the expert-data-parallel group (expert_group)")
+        isolate = [*isolate, *(p for p in params if id(p) in experts)]
         self.params = params
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
@@ -78,7 +88,8 @@ class GradReducer:
             # Views made once and kept: see finish() on why the reducer must own the bucket tensors.
             view = self.buffer[span.offset : span.offset + span.numel]
             chunk = chunk_of.get(id(span.params[0]), 0)
-            bucket = Bucket(span.params, span.offset, span.numel, view, span, chunk)
+            group = expert_group if id(span.params[0]) in experts else dp_group
+            bucket = Bucket(span.params, span.offset, span.numel, view, span, chunk, group=group)
             for p in bucket.params:
                 start = self.layout.offset[p]
                 self._grad[p] = self.buffer[start : start + p.numel()].view_as(p)
@@ -140,7 +151,7 @@ class GradReducer:
 
     def reduce_bucket(self, bucket: Bucket) -> dist.Work:
         """Start the reduction of one bucket over dp: the one call ZeRO turns into a reduce-scatter."""
-        return dist.all_reduce(bucket.grads, group=self.dp_group, async_op=True)
+        return dist.all_reduce(bucket.grads, group=bucket.group, async_op=True)
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.work = self.reduce_bucket(bucket)

@@ -45,7 +45,7 @@ from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.schedules import stage_of, stage_placement
 from trident.parallel.pipeline.stages import stage_layers
-from trident.parallel.placement import placement_of
+from trident.parallel.placement import is_expert, placement_of
 from trident.parallel.precision import LossScaler, precision_policy
 from trident.parallel.random import RNGTracker, model_parallel_rng
 from trident.parallel.reducer import GradReducer, bucket_numel
@@ -68,7 +68,7 @@ def model_chunks(
     placement = stage_placement(layout.schedule)
     for c in range(layout.vpp):
         stage = stage_of(c, groups.pp_rank, layout.pp, placement)
-        chunk = chunk_model(m, layout, stage, groups.tp_group, rng, groups.cp_group)
+        chunk = chunk_model(m, layout, stage, groups.tp_group, rng, groups.cp_group, groups.ep_group)
         init_weights(chunk, m, train.seed)
         chunk.to(device)
         if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
@@ -87,13 +87,15 @@ def chunk_model(
     tp_group: ProcessGroup | GroupShape | None,
     rng: RNGTracker | None = None,
     cp_group: ProcessGroup | None = None,
+    ep_group: ProcessGroup | GroupShape | None = None,
 ) -> GPT:
     """The GPT of virtual stage ``stage``, as constructed (parameters zero): its layers (parallel/pipeline/stages.py),
     the embedding on stage 0, the final norm and LM head on the last. The memory estimator (trident/memory/params.py)
-    builds it on the meta device, a ``GroupShape`` standing for the tp group."""
+    builds it on the meta device, a ``GroupShape`` standing for the tp group. ``ep_group``: the experts' all-to-all
+    group (each rank holds experts / ep of them; None: all), a ``GroupShape`` for the estimator."""
     layers = stage_layers(m.n_layers, layout.pp, layout.vpp, stage)
     last = stage == layout.chunks - 1
-    return GPT(m, tp_group, layout.sequence_parallel, rng, layers, stage == 0, last, cp_group, layout.cp_comm)
+    return GPT(m, tp_group, layout.sequence_parallel, rng, layers, stage == 0, last, cp_group, layout.cp_comm, ep_group)
 
 
 @dataclass
@@ -125,28 +127,35 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     dp_group, dp_size, device = groups.grad_group, groups.grad_size, params[0].device
 
     sharding: ParameterSharding | None = None
+    # Expert weights (ep > 1) reduce, and are sharded, over the expert-data-parallel group.
+    expert_group = groups.expert_dp_group if layout.ep > 1 else None
     if zero <= 1:
         kind = ScatterReducer if zero == 1 else GradReducer
-        reducer = kind(params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
+        args = (params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
+        reducer = kind(*args, expert_group=expert_group)
         flat = reducer.layout
     elif zero == 2:
         flat, _ = flat_layout(chunks, layout, dp_size)
-        reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device)
+        reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device, expert_group=expert_group)
     else:
         units_of = [(chunk, list(chunk.layers.values())) for chunk in chunks]
         flat, units = flat_layout(chunks, layout, dp_size)
         # One launch order per chunk: a pipeline rank runs its chunks' backward passes interleaved.
         chains = [[s.index for s in [*reversed(u.blocks), *u.root]] for u in units]
-        reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device, chains=chains)
+        reducer = ShardedGradReducer(
+            flat, dp_group, policy.reduce_dtype, device, chains=chains, expert_group=expert_group
+        )
 
     def make_store() -> FlatParams | ShardedParams:
         if zero == 3:
-            return ShardedParams(flat, policy.param_dtype, dp_group)
-        return FlatParams(flat, policy.param_dtype, dp_group, shards=dp_size if zero >= 1 else 1)
+            return ShardedParams(flat, policy.param_dtype, dp_group, expert_group)
+        return FlatParams(flat, policy.param_dtype, dp_group, dp_size if zero >= 1 else 1, expert_group)
 
     adamw = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
     ratio = layout.offloaded_fraction
-    optimizer = ZeroOptimizer(flat, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio)
+    optimizer = ZeroOptimizer(
+        flat, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio, expert_group=expert_group
+    )
     if zero == 3:
         sharding = ParameterSharding(units_of, units, optimizer.store, layout.zero3_gather, layout.zero3_prefetch)
         reducer.on_reduced, reducer.on_finish = sharding.released, sharding.end_step
@@ -156,11 +165,13 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
 
 
 def _trainable(chunks: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
-    """Each chunk's trainable parameters, and those whose gradients are summed across pipeline stages after the dp
-    reduction (the tied embedding's two copies, placement ``grad_sums`` "embedding"): each gets a bucket of its own,
-    so its shards line up on the ranks that sum them."""
+    """Each chunk's trainable parameters, and those each given a bucket of its own: those whose gradients are summed
+    across pipeline stages after the dp reduction (the tied embedding's two copies, placement ``grad_sums``
+    "embedding"), so its shards line up on the ranks that sum them, and the expert weights split over ep, which
+    reduce over another group (expert-dp)."""
     per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
-    return per_chunk, [p for ps in per_chunk for p in ps if "embedding" in placement_of(p).grad_sums]
+    own = [p for ps in per_chunk for p in ps if "embedding" in placement_of(p).grad_sums or is_expert(p)]
+    return per_chunk, own
 
 
 def flat_layout(chunks: list[GPT], layout: Layout, dp_size: int) -> tuple[FlatLayout, list[ChunkUnits]]:

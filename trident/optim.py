@@ -50,8 +50,8 @@ class GradStep:
         self.grads = update.grads()
         # Sums over tp (sequence-parallel replicas) and across stages (the tied embedding), as placed.
         self.grad_sums = GradSums(update.reducer.params, update.grad_views, groups)
-        # Stage 0 with no tp and one stage: every rank holds the same all-reduced gradient, so its own norm.
-        replicated = not update.dp_sharded and groups.tp_size == 1 and groups.pp_size == 1
+        # Stage 0 with no tp, one stage and no ep: every rank holds the same all-reduced gradient, so its own norm.
+        replicated = not update.dp_sharded and groups.tp_size == groups.pp_size == groups.ep_size == 1
         self.norm = GlobalGradNorm(self.pieces, groups, dp_sharded=update.dp_sharded, replicated=replicated)
 
     @property

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trident.parallel.layout import BucketSpan, FlatLayout
+from trident.parallel.placement import is_expert
 from trident.parallel.reducer import Bucket, GradReducer
 
 
@@ -50,15 +51,19 @@ class ScatterReducer(GradReducer):
         reduce_dtype: torch.dtype = torch.float32,
         isolate: Collection[nn.Parameter] = (),
         chunks: Sequence[Collection[nn.Parameter]] = (),
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
-        super().__init__(params, dp_group, bucket_mb, reduce_dtype, isolate, chunks)
-        rank = dist.get_rank(dp_group)
-        # Made once and kept, like the bucket views (a collective's tensors must outlive its work).
-        self._shards = [self.buffer[slice(*span.shard(rank, self.dp_size))] for span in self.layout.spans]
+        super().__init__(params, dp_group, bucket_mb, reduce_dtype, isolate, chunks, expert_group)
+        # Made once and kept, like the bucket views (a collective's tensors must outlive its work). An expert
+        # bucket is sharded over the expert-dp group it reduces over (its padding to dp divides that group too).
+        self._shards = [
+            self.buffer[slice(*b.span.shard(dist.get_rank(b.group), dist.get_world_size(b.group)))]
+            for b in self.buckets
+        ]
 
     def reduce_bucket(self, bucket: Bucket) -> dist.Work:
         return dist.reduce_scatter_single(
-            self._shards[bucket.span.index], bucket.grads, group=self.dp_group, async_op=True
+            self._shards[bucket.span.index], bucket.grads, group=bucket.group, async_op=True
         )
 
     def reduced_grad(self, span: BucketSpan) -> torch.Tensor:
@@ -83,16 +88,22 @@ class ShardedGradReducer:
         device: torch.device,
         on_reduced: Callable[[BucketSpan], None] | None = None,
         chains: Sequence[Sequence[int]] | None = None,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.layout, self.params = layout, layout.params
         self.dp_group, self.on_reduced = dp_group, on_reduced
         self.on_finish: Callable[[], None] | None = None
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        self.shard = torch.zeros(layout.numel // self.dp_size, dtype=reduce_dtype, device=device)
+        # Each bucket's group: dp, or for a bucket of expert weights (ep > 1, a bucket of their own) expert-dp.
+        experts = expert_group is not None
+        self._groups = [expert_group if experts and is_expert(s.params[0]) else dp_group for s in layout.spans]
+        self._sharded = [(dist.get_rank(g), dist.get_world_size(g)) for g in self._groups]  # (rank, shards)
+        numel = sum(span.numel // n for span, (_, n) in zip(layout.spans, self._sharded, strict=True))
+        self.shard = torch.zeros(numel, dtype=reduce_dtype, device=device)
         self._shards: list[torch.Tensor] = []
         start = 0
-        for span in layout.spans:
-            size = span.numel // self.dp_size
+        for span, (_, shards) in zip(layout.spans, self._sharded, strict=True):
+            size = span.numel // shards
             self._shards.append(self.shard[start : start + size])
             start += size
         n = len(layout.spans)
@@ -167,9 +178,9 @@ class ShardedGradReducer:
         if staging is None:  # finish() reducing a bucket none of whose parameters got a gradient
             staging = self._new_staging(span.numel)
         self._wait(i)  # the shard must hold the previous micro-batch's total before it is added in
-        start, stop = span.shard(self.dp_rank, self.dp_size)
+        start, stop = span.shard(*self._sharded[i])
         staging[start - span.offset : stop - span.offset].add_(self._shards[i])
-        self._work[i] = dist.reduce_scatter_single(self._shards[i], staging, group=self.dp_group, async_op=True)
+        self._work[i] = dist.reduce_scatter_single(self._shards[i], staging, group=self._groups[i], async_op=True)
         self._sent[i] = staging
         self._in_flight.append(i)
         # Bound the staging memory: at most MAX_IN_FLIGHT launched reductions hold a staging buffer at once.

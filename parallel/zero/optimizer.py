@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trident.parallel.layout import BucketSpan, FlatLayout, Piece
-from trident.parallel.placement import Placement, placement_of
+from trident.parallel.placement import Placement, is_expert, placement_of
 
 
 class Store(Protocol):
@@ -76,13 +76,14 @@ class Segment:
 
 
 def shard_segments(
-    layout: FlatLayout, rank: int, shards: int, host_numel: int
+    layout: FlatLayout, rank: int, shards: int, host_numel: int, expert: tuple[int, int] | None = None
 ) -> list[tuple[BucketSpan, int, int, bool]]:
     """This rank's share of every bucket as (span, start, stop, on_host) runs, the first ``host_numel`` elements
-    (in bucket order) on the host: a bucket's shard is cut in two where that count runs out."""
+    (in bucket order) on the host: a bucket's shard is cut in two where that count runs out. ``expert``: (rank,
+    shards) of the buckets of expert weights (their expert-dp group), if not ``rank`` and ``shards``."""
     out, seen = [], 0
     for span in layout.spans:
-        start, stop = span.shard(rank, shards)
+        start, stop = span.shard(*(expert if expert and is_expert(span.params[0]) else (rank, shards)))
         cut = min(stop, max(start, start + host_numel - seen))
         if cut > start:
             out.append((span, start, cut, True))
@@ -114,13 +115,18 @@ class ZeroOptimizer:
         stage: int,
         adamw: dict,
         offload_ratio: float = 0.0,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.layout, self.reducer, self.stage = layout, reducer, stage
         self.dp_sharded = stage >= 1
         shards = dist.get_world_size(dp_group) if self.dp_sharded else 1
         rank = dist.get_rank(dp_group) if self.dp_sharded else 0
+        # Expert weights (ep > 1) are sharded over their expert-dp group.
+        expert = (dist.get_rank(expert_group), dist.get_world_size(expert_group)) if expert_group is not None else None
+        expert = expert if self.dp_sharded else None
         device = layout.params[0].device
-        runs = shard_segments(layout, rank, shards, round(offload_ratio * layout.numel / shards))
+        shard_numel = sum(stop - start for _, start, stop, _ in shard_segments(layout, rank, shards, 0, expert))
+        runs = shard_segments(layout, rank, shards, round(offload_ratio * shard_numel), expert)
         alias = param_dtype == torch.float32  # fp32 parameters on the accelerator are their own masters
 
         numel = {side: sum(stop - start for _, start, stop, on_host in runs if on_host == side) for side in (0, 1)}
@@ -146,7 +152,8 @@ class ZeroOptimizer:
         if self.store.dtype != param_dtype:
             raise ValueError(f"the parameter store holds {self.store.dtype}, expected {param_dtype}")
         for seg in self.segments:
-            shard_start = seg.span.shard(rank, shards)[0]
+            sharded_as = expert if expert and is_expert(seg.span.params[0]) else (rank, shards)
+            shard_start = seg.span.shard(*sharded_as)[0]
             seg.param = self.store.shard(seg.span)[seg.start - shard_start : seg.stop - shard_start]
             seg.grad = reducer.reduced_grad(seg.span)[seg.start - shard_start : seg.stop - shard_start]
             if seg.master is None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trident.parallel.layout import BucketSpan, FlatLayout
+from trident.parallel.placement import is_expert
 
 
 def _fill(buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> None:
@@ -35,14 +36,24 @@ def _fill(buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) 
 class FlatParams:
     """Stages 0-2: the parameters as views of one flat ``dtype`` buffer; ``shards`` > 1 all-gathers updates."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: dist.ProcessGroup, shards: int) -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        dtype: torch.dtype,
+        dp_group: dist.ProcessGroup,
+        shards: int,
+        expert_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``expert_group``: where the buckets of expert weights (ep > 1) are sharded and gathered instead of dp."""
         params = layout.params
         self.dp_group, self.shards = dp_group, shards
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=params[0].device)
         _fill(self.flat, params, [layout.offset[p] for p in params])
-        rank = dist.get_rank(dp_group) if shards > 1 else 0
         self._buckets = [self.flat[span.offset : span.offset + span.numel] for span in layout.spans]
-        self._shards = [self.flat[slice(*span.shard(rank, shards))] for span in layout.spans]
+        experts = expert_group is not None
+        self._groups = [expert_group if experts and is_expert(s.params[0]) else dp_group for s in layout.spans]
+        shard_of = [(dist.get_rank(g), dist.get_world_size(g)) if shards > 1 else (0, 1) for g in self._groups]
+        self._shards = [self.flat[slice(*s.shard(*r))] for s, r in zip(layout.spans, shard_of, strict=True)]
         self._work: list[dist.Work] = []
 
     @property
@@ -58,8 +69,8 @@ class FlatParams:
             return
         # Handles kept until the next publish replaces them (see GradReducer.finish).
         self._work = [
-            dist.all_gather_single(bucket, shard, group=self.dp_group, async_op=True)
-            for bucket, shard in zip(self._buckets, self._shards, strict=True)
+            dist.all_gather_single(bucket, shard, group=group, async_op=True)
+            for bucket, shard, group in zip(self._buckets, self._shards, self._groups, strict=True)
         ]
         for work in self._work:
             work.wait()
@@ -71,16 +82,24 @@ class FlatParams:
 class ShardedParams:
     """Stage 3: each bucket's parameters live as this rank's shard and are gathered only while in use."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        dtype: torch.dtype,
+        dp_group: dist.ProcessGroup,
+        expert_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``expert_group``: where the buckets of expert weights (ep > 1) are sharded and gathered instead of dp."""
         self.layout, self.dp_group = layout, dp_group
-        rank, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        experts = expert_group is not None
+        self._groups = [expert_group if experts and is_expert(s.params[0]) else dp_group for s in layout.spans]
         device = layout.params[0].device
         self._full: list[torch.Tensor] = []
         self._shards: list[torch.Tensor] = []
-        for span in layout.spans:
+        for span, group in zip(layout.spans, self._groups, strict=True):
             full = torch.zeros(span.numel, dtype=dtype, device=device)
             _fill(full, span.params, [layout.offset[p] - span.offset for p in span.params])
-            start, stop = span.shard(rank, size)
+            start, stop = span.shard(dist.get_rank(group), dist.get_world_size(group))
             self._shards.append(full[start - span.offset : stop - span.offset].clone())
             self._full.append(full)
         self._nbytes = [full.untyped_storage().nbytes() for full in self._full]
@@ -116,7 +135,8 @@ class ShardedParams:
         i = span.index
         if not self._gathered[i]:
             self._full[i].untyped_storage().resize_(self._nbytes[i])
-            self._work[i] = dist.all_gather_single(self._full[i], self._shards[i], group=self.dp_group, async_op=True)
+            shard, group = self._shards[i], self._groups[i]
+            self._work[i] = dist.all_gather_single(self._full[i], shard, group=group, async_op=True)
             self._gathered[i] = self._in_flight[i] = True
             self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes())
         if wait:

@@ -57,14 +57,17 @@ def unit_layout(
 ) -> tuple[FlatLayout, list[ChunkUnits]]:
     """Per (chunk, its blocks): one bucket per block, last block first, then one for the chunk's other
     parameters, and one for each of those in ``isolate`` (a tied embedding summed across stages must cover the same
-    elements in every layout); an empty root has no bucket."""
+    elements in every layout); an empty root has no bucket. A block's parameters in ``isolate`` (expert weights
+    under ep, sharded over another group) join the root, each a bucket of its own: gathered for the whole of the
+    chunk's forward and backward, as the root is."""
     buckets: list[list[nn.Parameter]] = []
     counts: list[tuple[int, int]] = []  # (blocks, root buckets) per chunk
     for model, blocks in chunks:
         in_blocks = {p for block in blocks for p in block.parameters()}
         root = [p for p in model.parameters() if p not in in_blocks and p.requires_grad]
-        units = [[p for p in block.parameters() if p.requires_grad] for block in reversed(blocks)]
-        roots = [[p for p in root if p not in isolate]] + [[p] for p in root if p in isolate]
+        units = [[p for p in block.parameters() if p.requires_grad and p not in isolate] for block in reversed(blocks)]
+        moved = [p for block in blocks for p in block.parameters() if p.requires_grad and p in isolate]
+        roots = [[p for p in root if p not in isolate]] + [[p] for p in [*root, *moved] if p in isolate]
         roots = [r for r in roots if r]
         # Reverse registration order inside a bucket, as for the other stages.
         buckets += [list(reversed(u)) for u in [*units, *roots]]

@@ -165,6 +165,9 @@ class ParallelConfig:
     # values by cp_comm: ring (K/V blocks passed around), allgather (K/V gathered) or ulysses (heads all-to-all).
     cp: int = 1
     cp_comm: str = "ring"
+    # Expert parallelism: each sparse layer's experts divided over ep ranks drawn from the data-parallel ones (ep
+    # divides dp and model.moe.experts), tokens exchanged by all-to-all (models/moe.py).
+    ep: int = 1
     backend: str = "auto"  # auto | nccl | gloo
     bucket_mb: float = 25.0  # gradient all-reduce bucket size
     timeout_s: int = 600  # collective timeout: a stuck rank fails instead of hanging forever

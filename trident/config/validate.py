@@ -109,6 +109,17 @@ def _check_moe(m: ModelConfig) -> None:
     )
 
 
+def _check_ep(ep: int, m: ModelConfig) -> None:
+    """``parallel.ep`` against the model (that it divides dp is checked once dp is known)."""
+    _need(ep >= 1, f"parallel.ep={ep} must be >= 1")
+    if ep == 1:
+        return
+    experts = m.moe.experts
+    _need(experts > 0, f"parallel.ep={ep} needs a model with experts (model.moe.experts > 0); set parallel.ep=1")
+    fits = max(k for k in range(1, ep + 1) if experts % k == 0)
+    _need(experts % ep == 0, f"parallel.ep={ep} does not divide model.moe.experts={experts}; use parallel.ep={fits}")
+
+
 def validate(cfg: Config, world_size: int) -> Layout:
     """Check every rule that can be checked before any collective; return the resolved layout (trident/layout.py).
 
@@ -213,6 +224,8 @@ def validate(cfg: Config, world_size: int) -> Layout:
     )
     _context_rules(m, par)
 
+    _check_ep(par.ep, m)
+
     # Divisibility rules of the model split.
     chunks = par.pp * par.vpp
     _need(
@@ -293,6 +306,11 @@ def validate(cfg: Config, world_size: int) -> Layout:
     # The fit to the launch comes before the batch arithmetic: the arithmetic of a dp that cannot run on this
     # world (parallel.dp=3 on 2 processes) would ask for a batch change that fixes nothing.
     dp = resolve_dp(par, world_size, _batch_error(tr, par, par.dp, schedule) if par.dp is not None else None)
+    fits = max(k for k in range(1, par.ep + 1) if dp % k == 0 and m.moe.experts % k == 0)
+    _need(
+        dp % par.ep == 0,
+        f"parallel.ep={par.ep} does not divide the {dp} data-parallel ranks; use parallel.ep={fits}",
+    )
     error = _batch_error(tr, par, dp, schedule)
     _need(error is None, error or "")
     return _resolve(cfg, dp, schedule)
@@ -343,6 +361,7 @@ def _resolve(cfg: Config, dp: int, schedule: str) -> Layout:
         offload=par.offload.optimizer,
         offload_ratio=par.offload.ratio if par.offload.optimizer != "none" else default.offload_ratio,
         sequence_parallel=par.sequence_parallel,
+        ep=par.ep,
         activation_checkpointing=tr.activation_checkpointing,
         recompute_modules=tuple(tr.recompute_modules)
         if tr.activation_checkpointing == "selective"

@@ -46,10 +46,11 @@ def rank_chunks(layout: Layout, stage: int) -> list[int]:
 
 
 def chunk_models(m: ModelConfig, layout: Layout, stage: int, tp_rank: int = 0) -> list[GPT]:
-    """The model chunks tp rank ``tp_rank`` of pipeline stage ``stage`` holds, built on the meta device."""
-    group = GroupShape(tp_rank, layout.tp)
+    """The model chunks tp rank ``tp_rank`` of pipeline stage ``stage`` holds, built on the meta device (under
+    expert parallelism ep rank 0's experts: every ep rank holds as many)."""
+    group, ep_group = GroupShape(tp_rank, layout.tp), GroupShape(0, layout.ep) if layout.ep > 1 else None
     with torch.device("meta"):
-        return [chunk_model(m, layout, c, group) for c in rank_chunks(layout, stage)]
+        return [chunk_model(m, layout, c, group, ep_group=ep_group) for c in rank_chunks(layout, stage)]
 
 
 @dataclass(eq=False)
@@ -89,7 +90,8 @@ def stage_params(m: ModelConfig, layout: Layout, stage: int) -> StageParams:
     """The parameters a rank of pipeline stage ``stage`` holds under ``layout`` (built once per model, tp, pp, vpp
     and sequence parallelism)."""
     sp = layout.sequence_parallel and layout.tp > 1
-    return _stage_params(_key(m), layout.tp, layout.pp, layout.vpp, sp, stage, stage_placement(layout.schedule))
+    placement = stage_placement(layout.schedule)
+    return _stage_params(_key(m), layout.tp, layout.pp, layout.vpp, sp, stage, placement, layout.ep)
 
 
 def chunk_params(m: ModelConfig, layout: Layout, chunk: int) -> list[tuple[str, int]]:
@@ -116,9 +118,12 @@ def _key(m: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=512)
-def _stage_params(model: tuple, tp: int, pp: int, vpp: int, sp: bool, stage: int, placement: str) -> StageParams:
+def _stage_params(
+    model: tuple, tp: int, pp: int, vpp: int, sp: bool, stage: int, placement: str, ep: int = 1
+) -> StageParams:
     # One build per placement: the V's schedule stands for it (every loop-placed schedule places alike).
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, schedule="zb-v" if placement == V else None)
+    schedule = "zb-v" if placement == V else None
+    layout = Layout(dp=ep, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, schedule=schedule, ep=ep)
     return StageParams(stage, chunk_models(ModelConfig(*model), layout, stage))
 
 

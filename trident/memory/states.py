@@ -19,6 +19,7 @@ from trident.memory.measure import KINDS, PLACES, Figures
 from trident.memory.params import StageParams
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.schedules import I, W
+from trident.parallel.placement import is_expert
 from trident.parallel.precision import precision_policy
 from trident.parallel.zero.grads import ShardedGradReducer
 from trident.parallel.zero.optimizer import shard_segments
@@ -65,7 +66,7 @@ def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None
                           gradients   4 B (stages 0-1: the reducer's buffer), 4 B / S (stages 2-3: the shard)
                           masters     4 B / S in fp32 (none where fp32 parameters are their own masters)
                           moments     2 x 4 per parameter element of the shard (padding has none), a step per piece
-        offload ratio r   the shard's first round(r B / S) elements keep masters and moments on the host, and a
+        offload ratio r   the shard's first round(r x its numel) elements keep masters and moments on the host, and a
                           host copy of their gradients (4 bytes each)
 
     Transient, above these: stages 2-3 stage each bucket's fp32 gradients while it fills and until its
@@ -127,8 +128,10 @@ def _rank_states(
 
     shards = layout.grad_ranks if layout.zero >= 1 else 1  # ZeRO shards over dp x cp
     rank = dp_rank if layout.zero >= 1 else 0
-    shard = flat.numel // shards
-    host_numel = round(ratio * flat.numel / shards)
+    # Expert weights (ep > 1, buckets of their own) are sharded over their expert-dp group: dp / ep ranks.
+    expert = (rank // layout.ep, shards // layout.ep) if layout.ep > 1 and shards > 1 else None
+    shard = sum(s.numel // (expert[1] if expert and is_expert(s.params[0]) else shards) for s in flat.spans)
+    host_numel = round(ratio * shard)
     fig["params"]["device"] = (shard if layout.zero == 3 else flat.numel) * pb
     fig["grads"]["device"] = (shard if layout.zero >= 2 else flat.numel) * FP32
     fig["grads"]["host"] = host_numel * FP32
@@ -136,7 +139,7 @@ def _rank_states(
     if pb != FP32:
         fig["optimizer"]["device"] = (shard - host_numel) * FP32
     checkpoint = 0
-    for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel):
+    for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel, expert):
         pieces = flat.pieces(span, start, stop)
         place = "host" if on_host else "device"
         fig["optimizer"][place] += sum(p.numel for p in pieces) * ADAM_MOMENTS * FP32 + len(pieces) * STEP_COUNTER

@@ -1,0 +1,140 @@
+"""Expert parallelism (parallel.ep): the experts divided over ep of the data-parallel ranks, tokens exchanged by
+all-to-all (models/moe.py), expert gradients reduced over the expert-data-parallel group: the one-process curve,
+and checkpoints that move between ep layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
+from trident.config import validate
+from trident.errors import ConfigError
+from trident.parallel.placement import Placement
+from trident.parallel.topology import Topology
+
+
+def test_ep_groups_are_runs_of_each_dp_group():
+    t = Topology(dp=4, pp=1, tp=2, ep=2)
+    assert t.dp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert t.ep_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t.expert_dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    t = Topology(dp=4, pp=2, tp=1, ep=4)
+    assert t.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert t.expert_dp_groups() == [[0], [1], [2], [3], [4], [5], [6], [7]]
+
+
+def test_an_expert_placement_is_a_block_of_rows_per_ep_rank():
+    full = torch.arange(8 * 3 * 2.0).view(8 * 3, 2)  # 8 experts of 3 rows
+    p = Placement((24, 2), ep_rank=1, ep_size=4)
+    assert p.local_shape == p.chunk_sizes == (6, 2) and p.offsets == (6, 0)
+    assert torch.equal(p.shard(full), full[6:12]) and p.replicated_over_tp and p.expert_split
+    with pytest.raises(ValueError):
+        Placement((24, 2), split_dim=1, tp_size=2, ep_size=2)  # experts are whole on each tp rank
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            ["model.moe.experts=4", "parallel.ep=3"],
+            6,
+            "parallel.ep=3 does not divide model.moe.experts=4; use parallel.ep=2",
+        ),
+        (["parallel.ep=4"], 2, "parallel.ep=4 does not divide the 2 data-parallel ranks; use parallel.ep=2"),
+        (["model=gpt-tiny", "parallel.ep=2"], 2, "parallel.ep=2 needs a model with experts"),
+    ],
+)
+def test_ep_is_refused_in_one_line(overrides, world, message):
+    cfg = make_config("model=moe-tiny", "train.global_batch_size=24", "train.micro_batch_size=2", *overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:
+        validate(cfg, world)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.multiprocess
+def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1_and_ep4_pp2(tiny_dataset, references, tmp_path):
+    """ep=2 (dp=2: each rank two of the four experts) under ZeRO-1 (the dense states sharded over dp), capacity and
+    balancing bias on: the one-process losses and loads, the model states the estimator predicts; its checkpoint
+    resumes at ep=1 on one process, and at ep=4 x pp=2 under ZeRO-3 on eight."""
+    balancing = ("model.moe.z_loss_coef=1e-3", "model.moe.bias_update_rate=0.05", "model.moe.capacity_factor=1.5")
+    overrides = tiny(
+        tiny_dataset, "model=moe-tiny", "train.steps=6", "train.eval_every=0", "optim.lr=3e-3", *balancing,
+        "train.micro_batch_size=4", "checkpoint.every=3",
+    )  # fmt: skip
+    one = references.history(overrides)
+    ep2 = train_in_process(tmp_path / "ep2", [*overrides, "parallel.ep=2", "parallel.zero=1"], world=2)
+    for history in ep2:
+        assert_same_curve(one, history)
+        for mine, theirs in zip(one, history, strict=True):
+            assert mine["moe/load/1"] == pytest.approx(theirs["moe/load/1"])
+    # Each rank holds half of the experts: 2 layers x 3 matrices x 4 experts x 64 x 64 fp32, half of them fewer.
+    held = [_param_bytes(d) for d in (references.run_dir(overrides), tmp_path / "ep2")]
+    assert held[0] - held[1] == 2 * 3 * 4 * 64 * 64 * 4 // 2
+    _assert_estimate_exact(tmp_path / "ep2")
+    checkpoint = tmp_path / "ep2" / "checkpoints" / "step_00000003"
+    (resumed,) = train_in_process(tmp_path / "resumed", [*overrides, f"checkpoint.resume={checkpoint}"])
+    assert_same_curve(ep2[0][3:], resumed)
+    # And on 8 ranks at ep 4 x pp 2 under ZeRO-3: each rank reads its one expert's weights and optimizer shard.
+    layout = ["parallel.ep=4", "parallel.pp=2", "parallel.zero=3"]
+    for history in train_in_process(tmp_path / "ep4pp2", [*overrides, *layout, f"checkpoint.resume={checkpoint}"], 8):
+        if history:  # the last stage's ranks log the loss
+            assert_same_curve(one[3:], history)
+
+
+def _assert_estimate_exact(run_dir) -> None:
+    """The estimator's model states of each rank's pipeline stage (the largest dp rank's) are what it measured."""
+    report = json.loads((run_dir / "memory.json").read_text())
+    assert report["estimate"]["layout"]["ep"] > 1
+    for kind in ("params", "grads", "optimizer"):
+        for stage in report["estimate"]["stages"]:
+            measured = max(sum(r[kind].values()) for r in report["ranks"] if r["pp"] == stage["stage"])
+            assert measured == sum(stage["model_states"][kind].values()), (kind, stage["stage"])
+
+
+def _param_bytes(run_dir) -> int:
+    params = json.loads((run_dir / "memory.json").read_text())["max"]["params"]
+    return params["device"] + params["host"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.ep=2", "parallel.tp=2"],
+        ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "train.activation_checkpointing=full"],
+        ["parallel.ep=4", "parallel.zero=1"],
+        ["parallel.ep=2"],
+        ["parallel.ep=2", "parallel.zero=1"],
+        ["parallel.ep=2", "parallel.zero=2", "parallel.offload.optimizer=cpu", "parallel.offload.ratio=0.5"],
+        ["parallel.ep=2", "parallel.zero=3"],
+        ["parallel.ep=2", "parallel.zero=3", "parallel.pp=2", "train.activation_checkpointing=full"],
+    ],
+    ids=[
+        "ep2-tp2",
+        "ep2-pp2-vpp2-full",
+        "ep4-zero1",
+        "ep2-dp4",
+        "ep2-dp4-zero1",
+        "ep2-dp4-zero2-offload",
+        "ep2-dp4-zero3",
+        "ep2-pp2-zero3-full",
+    ],
+)
+def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, references, tmp_path, layout):
+    """Four ranks: sparse layers 1 and 3 of four (one per pipeline stage), experts whole on each tp rank, the
+    all-to-all in the recomputed forward too; ep=4 holds one expert per rank; ZeRO 1-3 shard the expert states over
+    their expert-dp group (of one at ep=4, of two at ep=2 on dp=4) and the dense ones over dp."""
+    overrides = tiny(
+        tiny_dataset, "model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "train.steps=3", "train.eval_every=0",
+        "train.micro_batch_size=2", "model.moe.bias_update_rate=0.05", "model.moe.z_loss_coef=1e-3",
+    )  # fmt: skip
+    one = references.history(overrides)
+    for history in train_in_process(tmp_path / "run", [*overrides, *layout], world=4):
+        assert_same_curve(one, history)
+        for mine, theirs in zip(one, history, strict=True):
+            for key in ("moe/aux_loss", "moe/load/1", "moe/load/3"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
+    _assert_estimate_exact(tmp_path / "run")
