@@ -173,7 +173,7 @@ class MoE(nn.Module):
         self.register_buffer("step_sums", torch.zeros(4, dtype=torch.float64), persistent=False)
 
     def capacity(self, tokens: int) -> int | None:
-        """The most (token, expert) pairs an expert takes from ``tokens`` tokens; None: dropless."""
+        """The most (token, expert) pairs an expert takes from a sequence of ``tokens`` tokens; None: dropless."""
         if self.moe.capacity_factor is None:
             return None
         return math.ceil(self.moe.capacity_factor * tokens * self.moe.top_k / self.moe.experts)
@@ -182,18 +182,24 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k, e = x.shape[0], self.moe.top_k, self.moe.experts
+        t = shape[-2] if len(shape) > 2 else n  # tokens per sequence
+        b = n // t
         logits, scores, chosen, weights = self.router(x)
 
-        # Dispatch: the pairs sorted by expert (stable: each expert's tokens in token order).
+        # Dispatch: the pairs sorted by expert (stable: each expert's tokens in token order, so sequence by
+        # sequence). Per sequence: which pairs a capacity keeps and the balancing statistics, so that neither
+        # depends on how sequences are grouped into micro-batches and ranks (every layout gives one curve).
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=e)
-        cap = self.capacity(n)
-        if cap is not None:  # a pair's place in its expert's run decides whether it is kept
-            starts = counts.cumsum(0) - counts
-            place = torch.arange(n * k, device=x.device) - starts[flat[order]]
+        run = flat[order] * b + order // k // t  # (expert, sequence) of each sorted pair: contiguous runs
+        per_seq = torch.bincount(run, minlength=e * b)
+        cap = self.capacity(t)
+        if cap is not None:  # a pair's place in its (expert, sequence) run decides whether it is kept
+            starts = per_seq.cumsum(0) - per_seq
+            place = torch.arange(n * k, device=x.device) - starts[run]
             order = order[place < cap]
-            kept = counts.clamp(max=cap)
+            kept = per_seq.clamp(max=cap).view(e, b).sum(1)
         else:
             kept = counts
         token = order // k
@@ -201,10 +207,12 @@ class MoE(nn.Module):
         y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros(n, shape[-1], dtype=y.dtype, device=x.device).index_add_(0, token, y).to(x.dtype)
 
-        # Load balancing (Switch / GShard): E * sum_i f_i P_i, f_i the share of the pairs expert i was chosen for,
-        # P_i its mean (normalised) score; and the router z-loss.
+        # Load balancing (Switch / GShard, per sequence as DeepSeek-V3's sequence-wise loss): E * sum_i f_i P_i,
+        # f_i the share of a sequence's pairs expert i was chosen for, P_i its mean (normalised) score over the
+        # sequence, averaged over the sequences; and the router z-loss.
         probs = scores if self.moe.router == "softmax" else scores / scores.sum(-1, keepdim=True)
-        aux = e * (counts.float() / (n * k) * probs.mean(0)).sum()
+        share = per_seq.view(e, b).t().float() / (t * k)  # [b, e]
+        aux = e * (share * probs.view(b, t, e).mean(1)).sum(-1).mean()
         z = logits.logsumexp(-1).square().mean()
         if self.training and not _in_backward():
             with torch.no_grad():

@@ -136,7 +136,8 @@ def test_the_loss_free_bias_moves_toward_the_mean_load_after_the_step():
 
 
 def test_the_auxiliary_losses_reach_the_router_gradient():
-    """The gradient with aux and z-loss equals that of token loss + coef * aux + coef * z spelled out."""
+    """The gradient with aux and z-loss equals that of token loss + coef * aux + coef * z spelled out (the balancing
+    loss per sequence, averaged over the sequences)."""
     cfg = moe_cfg(aux_loss_coef=0.1, z_loss_coef=0.01)
     tokens = torch.randint(0, 64, (2, 16))
     grads = []
@@ -154,8 +155,13 @@ def test_the_auxiliary_losses_reach_the_router_gradient():
         if explicit:
             for x, layer in zip(extra, model.layers.values(), strict=True):
                 logits, scores, chosen, _ = layer.mlp.router(x)
-                counts = torch.bincount(chosen.reshape(-1), minlength=4).float()
-                aux = 4 * (counts / (x.shape[0] * 2) * scores.mean(0)).sum()
+                # Per sequence (2 of 16 tokens): E * sum_i f_i P_i, then the mean over the sequences.
+                per_seq = []
+                for s in range(2):
+                    rows = slice(16 * s, 16 * (s + 1))
+                    counts = torch.bincount(chosen[rows].reshape(-1), minlength=4).float()
+                    per_seq.append(4 * (counts / (16 * 2) * scores[rows].mean(0)).sum())
+                aux = torch.stack(per_seq).mean()
                 z = logits.logsumexp(-1).square().mean()
                 loss = loss + (0.1 * aux + 0.01 * z)
         loss.backward()
@@ -240,3 +246,28 @@ def test_moe_gives_the_one_process_curve_at_tp2_pp2_with_recomputation(tiny_data
         for mine, theirs in zip(one, history, strict=True):
             for key in ("moe/aux_loss", "moe/load/1", "moe/load/3"):
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
+
+
+def test_balancing_and_capacity_do_not_depend_on_how_sequences_are_grouped():
+    """The balancing loss and a capacity act per sequence: one micro-batch of 4 sequences and 4 micro-batches of
+    1 (what another micro-batch size, dp or ep gives a rank) train the same router gradient, count the same aux
+    loss and drop the same pairs. Per micro-batch, the statistics of 4 sequences are not the mean of each one's."""
+    cfg = moe_cfg(aux_loss_coef=0.1, z_loss_coef=0.01, capacity_factor=0.75)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
+    results = []
+    for micro_batches in ([tokens], list(tokens.split(1))):
+        model = GPT(cfg)
+        init_weights(model, cfg, 0)
+        model.train()
+        mult = 1 / tokens.numel()
+        set_loss_multiplier(model, mult)
+        for mb in micro_batches:
+            (model.loss_sum(model(mb), mb) * mult).backward()
+        layers = list(model.layers.values())
+        grad = torch.cat([layer.mlp.router.weight.grad.flatten() for layer in layers])
+        sums = torch.stack([layer.mlp.step_sums for layer in layers])  # dropped, tokens, n * aux, n * z
+        results.append((grad, sums))
+    (grad, sums), (grad_1, sums_1) = results
+    assert sums[:, 0].sum() > 0  # the capacity drops pairs
+    torch.testing.assert_close(sums, sums_1, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, grad_1, rtol=1e-4, atol=1e-7)

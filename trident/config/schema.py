@@ -31,7 +31,7 @@ class MoEConfig:
     # this much after each optimizer step toward the mean load (+ when under-loaded, - when over); 0: off.
     bias_update_rate: float = 0.0
     # None: dropless (every token reaches its k experts). A number: each expert takes at most
-    # ceil(capacity_factor * tokens * top_k / experts) of a micro-batch's tokens, in token order; the rest dropped.
+    # ceil(capacity_factor * seq_len * top_k / experts) of a sequence's tokens, in token order; the rest dropped.
     capacity_factor: float | None = None
     grouped_mm: bool = True  # experts as one grouped matrix product (torch._grouped_mm) where possible, else a loop
 
