@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 import pytest
 
 from tests.helpers import REPO
-from trident.config import compose_config, validate
+from trident.config import Config, compose_config, validate
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, Layout, with_keys
 from trident.memory.estimate import estimate
@@ -20,7 +21,7 @@ from trident.plan.cost import RankPlacement, _chunk_reduce_end, collective_time
 from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
 from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
 from trident.plan.report import launch_overrides, plan_table
-from trident.plan.space import enumerate_layouts, grid
+from trident.plan.space import Enumeration, enumerate_layouts, grid
 
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
 
@@ -47,27 +48,68 @@ def cpu_profile(memory: float = 24e9, cores: int = 2) -> Profile:
     )
 
 
-def test_enumeration_is_the_validators_verdict_on_the_whole_grid() -> None:
-    """Every combination of the layout keys' domains (the schedule named or not, offload ratios without offload,
-    vpp and pp that do not divide, ...) goes to ``validate``; the launches it accepts, written one way, are exactly
-    the planner's accepted candidates, and the planner lists nothing twice."""
-    cfg = compose_config(REPO / "conf", TINY)
-    world = 4
+def _validators_verdict(cfg: Config, world: int, part: Callable[[dict], bool]) -> tuple[set[Layout], Enumeration]:
+    """What the validator accepts of the grid's ``part``, and the planner's enumeration."""
     accepted = set()
     for keys in grid(cfg, world):
+        if not part(keys):
+            continue
         try:
             accepted.add(validate(with_keys(cfg, keys), world))
         except ConfigError:
             continue
-    found = enumerate_layouts(cfg, world)
-    listed = [layout for layout, _ in found.accepted]
+    return accepted, enumerate_layouts(cfg, world)
+
+
+def _assert_enumeration_is(accepted: set[Layout], found: Enumeration, part: Callable[[dict], bool]) -> None:
+    listed = [layout for layout, _ in found.accepted if part(layout.keys())]
     assert len(listed) == len(set(listed)) and set(listed) == accepted
-    assert all(validate(variant, world) == layout for layout, variant in found.accepted)
+    assert all(validate(variant, 4) == layout for layout, variant in found.accepted if part(layout.keys()))
+
+
+def test_enumeration_is_the_validators_verdict_on_the_whole_grid() -> None:
+    """Every combination of the layout keys' domains (the schedule named or not, offload ratios without offload,
+    vpp and pp that do not divide, ...) without context parallelism goes to ``validate``; the launches it accepts,
+    written one way, are exactly the planner's accepted candidates, and the planner lists nothing twice."""
+    cfg = compose_config(REPO / "conf", TINY)
+    world = 4
+
+    def part(keys: dict) -> bool:
+        return keys["parallel.cp"] == 1 and keys["parallel.cp_comm"] == Layout.cp_comm
+
+    accepted, found = _validators_verdict(cfg, world, part)
+    _assert_enumeration_is(accepted, found, part)
     assert len(accepted) > 500  # the space is not trivially small: every key varies
     # What the planner refuses, the validator refuses, with its own line.
     for keys, line in found.refused[:50]:
         with pytest.raises(ConfigError, match=line[:30].replace("(", r"\(").replace(")", r"\)")):
             validate(with_keys(cfg, keys), world)
+
+
+def test_enumeration_of_context_parallelism_is_the_validators_verdict() -> None:
+    """cp and each cp_comm against every key the validator's cp rules read (tp, pp, vpp, schedule, sequence
+    parallelism; the sequence's split, ulysses' heads), the rest at one value each (the whole grid of them is the
+    test above, at cp = 1): exactly what the validator accepts, ulysses where the heads spread, and cp x tp x pp
+    at most the world."""
+    cfg = compose_config(REPO / "conf", [*TINY, "model.n_kv_heads=2"])
+    world = 4
+    rest = {
+        "parallel.zero": 0,
+        "parallel.offload.optimizer": "none",
+        "train.micro_batch_size": 1,
+        "train.activation_checkpointing": "none",
+        "parallel.zero3_gather": "micro_batch",
+    }
+
+    def part(keys: dict) -> bool:
+        return all(keys[k] == v for k, v in rest.items())
+
+    accepted, found = _validators_verdict(cfg, world, part)
+    _assert_enumeration_is(accepted, found, part)
+    cps = {(layout.cp, layout.cp_comm) for layout in accepted}
+    assert cps == {(1, "ring"), *((cp, comm) for cp in (2, 4) for comm in ("ring", "allgather", "ulysses"))}
+    assert any(layout.cp == 2 and layout.tp == 2 and layout.sequence_parallel for layout in accepted)
+    assert all(layout.world == world for layout in accepted)
 
 
 def test_plan_keeps_what_fits_and_lists_what_does_not() -> None:
