@@ -4,7 +4,8 @@
     python tools/plan.py model=gpt-mini --world 8                       # this machine (measured once, then cached)
     python tools/plan.py model=gpt-mini --world 8 --measure 6           # and check 12 of them by running them
     python tools/plan.py model=llama-8b train.global_batch_size=512 train.precision=bf16 --world 64 --device h100
-    python tools/plan.py model=llama-8b model.seq_len=131072 parallel.zero=1 --world 64 --device h100 --keep
+    python tools/plan.py model=llama-8b model.seq_len=131072 parallel.zero=1 train.micro_batch_size=1 \\
+        parallel.offload.optimizer=none parallel.sequence_parallel=true --world 64 --device h100 --keep
 
 Takes train.py's own overrides (the model, batch, precision, and any layout key, which the planner then varies).
 The first lines say what it plans for: the global batch (train.global_batch_size sequences of model.seq_len
