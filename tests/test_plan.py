@@ -371,6 +371,10 @@ def test_context_parallel_cost_grows_with_exposed_communication() -> None:
     exposed = layers * (max(0.0, step[0] - block) + max(0.0, step[1] - 2.5 * block))
     assert exposed > 0
     assert _tiny_step(ring, profile).tp_comm == pytest.approx(exposed)
+    # ulysses: four all-to-alls of a rank's [T, heads, dh] (q, k, v, the output) each way, at the measured rate.
+    spread = dataclasses.replace(gathered, cp_comm="ulysses")
+    measured = dataclasses.replace(profile, collectives=profile.collectives | {collective_key("all_to_all", 2): slow})
+    assert _tiny_step(spread, measured).tp_comm == pytest.approx(layers * 2 * 4 * slow.time(kv / 4))
     fast = dataclasses.replace(profile, collectives=profile.collectives | {collective_key("p2p", 2): Rate(0.0, 1e15)})
     assert _tiny_step(ring, fast).tp_comm == 0.0
     assert _tiny_step(ring, fast).step < _tiny_step(ring, profile).step

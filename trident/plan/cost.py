@@ -91,9 +91,10 @@ def flops_attention(b: int, heads: int, seq: int, dh: int, kind: str) -> float:
 
 
 def collective_time(p: Profile, op: str, group: int, nbytes: float, across_nodes: bool) -> float:
-    """One ``op`` of ``nbytes`` (the whole tensor: all-reduced, gathered or scattered) over ``group`` ranks: the
-    measured rate of that group size, or the ring algorithm over the link (NCCL's: 2 (n-1) / n of the bytes for an
-    all-reduce, (n-1) / n for an all-gather or reduce-scatter, (n-1) or 2 (n-1) hops of latency)."""
+    """One ``op`` of ``nbytes`` (the whole tensor: all-reduced, gathered or scattered; an all-to-all's: each rank's)
+    over ``group`` ranks: the measured rate of that group size, or the ring algorithm over the link (NCCL's: 2 (n-1)
+    / n of the bytes for an all-reduce, (n-1) / n for an all-gather, reduce-scatter or all-to-all, (n-1) or 2 (n-1)
+    hops of latency)."""
     if group <= 1:
         return 0.0
     measured = p.collectives.get(collective_key(op, group))
