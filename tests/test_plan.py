@@ -6,21 +6,31 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 import pytest
 
 from tests.helpers import REPO
-from trident.config import compose_config, validate
+from trident.config import Config, compose_config, validate
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, Layout, with_keys
 from trident.memory.estimate import estimate
 from trident.parallel.pipeline.schedules import UNIT_COSTS, bubble_formula
 from trident.plan import simulate
-from trident.plan.cost import RankPlacement, _chunk_reduce_end, collective_time
+from trident.plan.cost import (
+    Pricer,
+    RankPlacement,
+    StepTime,
+    _chunk_reduce_end,
+    collective_time,
+    flops_attention,
+    step_time,
+)
+from trident.plan.ops import Shape, layer_ops
 from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
 from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
 from trident.plan.report import launch_overrides, plan_table
-from trident.plan.space import enumerate_layouts, grid
+from trident.plan.space import Enumeration, enumerate_layouts, grid
 
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
 
@@ -47,27 +57,68 @@ def cpu_profile(memory: float = 24e9, cores: int = 2) -> Profile:
     )
 
 
-def test_enumeration_is_the_validators_verdict_on_the_whole_grid() -> None:
-    """Every combination of the layout keys' domains (the schedule named or not, offload ratios without offload,
-    vpp and pp that do not divide, ...) goes to ``validate``; the launches it accepts, written one way, are exactly
-    the planner's accepted candidates, and the planner lists nothing twice."""
-    cfg = compose_config(REPO / "conf", TINY)
-    world = 4
+def _validators_verdict(cfg: Config, world: int, part: Callable[[dict], bool]) -> tuple[set[Layout], Enumeration]:
+    """What the validator accepts of the grid's ``part``, and the planner's enumeration."""
     accepted = set()
     for keys in grid(cfg, world):
+        if not part(keys):
+            continue
         try:
             accepted.add(validate(with_keys(cfg, keys), world))
         except ConfigError:
             continue
-    found = enumerate_layouts(cfg, world)
-    listed = [layout for layout, _ in found.accepted]
+    return accepted, enumerate_layouts(cfg, world)
+
+
+def _assert_enumeration_is(accepted: set[Layout], found: Enumeration, part: Callable[[dict], bool]) -> None:
+    listed = [layout for layout, _ in found.accepted if part(layout.keys())]
     assert len(listed) == len(set(listed)) and set(listed) == accepted
-    assert all(validate(variant, world) == layout for layout, variant in found.accepted)
+    assert all(validate(variant, 4) == layout for layout, variant in found.accepted if part(layout.keys()))
+
+
+def test_enumeration_is_the_validators_verdict_on_the_whole_grid() -> None:
+    """Every combination of the layout keys' domains (the schedule named or not, offload ratios without offload,
+    vpp and pp that do not divide, ...) without context parallelism goes to ``validate``; the launches it accepts,
+    written one way, are exactly the planner's accepted candidates, and the planner lists nothing twice."""
+    cfg = compose_config(REPO / "conf", TINY)
+    world = 4
+
+    def part(keys: dict) -> bool:
+        return keys["parallel.cp"] == 1 and keys["parallel.cp_comm"] == Layout.cp_comm
+
+    accepted, found = _validators_verdict(cfg, world, part)
+    _assert_enumeration_is(accepted, found, part)
     assert len(accepted) > 500  # the space is not trivially small: every key varies
     # What the planner refuses, the validator refuses, with its own line.
     for keys, line in found.refused[:50]:
         with pytest.raises(ConfigError, match=line[:30].replace("(", r"\(").replace(")", r"\)")):
             validate(with_keys(cfg, keys), world)
+
+
+def test_enumeration_of_context_parallelism_is_the_validators_verdict() -> None:
+    """cp and each cp_comm against every key the validator's cp rules read (tp, pp, vpp, schedule, sequence
+    parallelism; the sequence's split, ulysses' heads), the rest at one value each (the whole grid of them is the
+    test above, at cp = 1): exactly what the validator accepts, ulysses where the heads spread, and cp x tp x pp
+    at most the world."""
+    cfg = compose_config(REPO / "conf", [*TINY, "model.n_kv_heads=2"])
+    world = 4
+    rest = {
+        "parallel.zero": 0,
+        "parallel.offload.optimizer": "none",
+        "train.micro_batch_size": 1,
+        "train.activation_checkpointing": "none",
+        "parallel.zero3_gather": "micro_batch",
+    }
+
+    def part(keys: dict) -> bool:
+        return all(keys[k] == v for k, v in rest.items())
+
+    accepted, found = _validators_verdict(cfg, world, part)
+    _assert_enumeration_is(accepted, found, part)
+    cps = {(layout.cp, layout.cp_comm) for layout in accepted}
+    assert cps == {(1, "ring"), *((cp, comm) for cp in (2, 4) for comm in ("ring", "allgather", "ulysses"))}
+    assert any(layout.cp == 2 and layout.tp == 2 and layout.sequence_parallel for layout in accepted)
+    assert all(layout.world == world for layout in accepted)
 
 
 def test_plan_keeps_what_fits_and_lists_what_does_not() -> None:
@@ -92,6 +143,7 @@ def test_plan_keeps_what_fits_and_lists_what_does_not() -> None:
     [
         ["model=gpt-mini", "train.global_batch_size=32"],
         ["model=llama-tiny", "train.global_batch_size=16", "train.precision=bf16"],
+        ["model=llama-tiny", "train.global_batch_size=8", "train.precision=bf16", "parallel.cp=2"],
     ],
 )
 def test_memory_predictions_are_the_estimators(overrides: list[str]) -> None:
@@ -99,7 +151,11 @@ def test_memory_predictions_are_the_estimators(overrides: list[str]) -> None:
     world = 8
     found = enumerate_layouts(cfg, world)
     memory = MemoryModel(cfg.model)
-    for accepted, variant in found.accepted[:: max(1, len(found.accepted) // 150)]:
+    accepted_layouts = found.accepted
+    if "parallel.cp=2" in overrides:  # every context-parallel layout (the others are the cases above)
+        accepted_layouts = [(layout, variant) for layout, variant in accepted_layouts if layout.cp > 1]
+        assert {layout.cp_comm for layout, _ in accepted_layouts} == {"ring", "allgather", "ulysses"}
+    for accepted, variant in accepted_layouts[:: max(1, len(accepted_layouts) // 150)]:
         for device in ("cpu", "cuda"):
             layout = dataclasses.replace(accepted, device=device)
             worst = estimate(variant.model, layout).worst
@@ -256,3 +312,83 @@ def test_recomputation_is_priced_and_the_plan_picks_the_least_that_fits() -> Non
     for budget in ("selective", "full/2"):
         best = plan(cfg, 1, cpu_profile(memory=peak[budget] / 0.9 + 1)).best
         assert best is not None and best.layout.recompute == budget
+
+
+def _tiny_step(layout: Layout, profile: Profile) -> StepTime:
+    cfg = compose_config(REPO / "conf", TINY)
+    return step_time(cfg.model, layout, profile, placement_for(profile, layout.world))
+
+
+def test_context_parallel_attention_is_a_rank_share_of_the_pairs() -> None:
+    """Under the head-tail split every cp rank attends 1 / cp of the causal pairs: its attention (ring and allgather:
+    cp causal blocks of seq / cp; ulysses: the whole sequence on heads / cp) is priced at 1 / cp of one rank's, and
+    the rest of the layer on its seq / cp tokens."""
+    m = compose_config(REPO / "conf", TINY).model
+    pricer = Pricer(cpu_profile(), "fp32", RankPlacement(4, 4))
+
+    def priced(cp: int, comm: str, kind: str) -> float:
+        shape = Shape(1, m.seq_len // cp, 1, False, "fp32", cp, comm)
+        return sum(pricer.kernels(o) for o in layer_ops(m, shape) if o.kind == kind)
+
+    whole = priced(1, "ring", "attention")
+    assert whole == pytest.approx(3.5 * flops_attention(1, m.n_heads, m.seq_len, m.head_dim, "fwd") / 1e9)
+    for cp in (2, 4):
+        for comm in ("ring", "allgather", "ulysses"):
+            assert priced(cp, comm, "attention") == pytest.approx(whole / cp)
+        assert priced(cp, "ring", "matmul") == pytest.approx(priced(1, "ring", "matmul") / cp)
+
+
+def test_context_parallel_cost_grows_with_exposed_communication() -> None:
+    """gpt-tiny at cp 2 on two ranks, one micro-batch per step and rank of 8 sequences: the exchange of every layer
+    forward and backward is the step's only cp-group communication (``tp_comm``, tp being 1). allgather: the
+    whole sequence's K/V gathered and their gradients reduce-scattered, at the profile's rate; a slower rate adds
+    exactly its extra time to the step. ring: a step's message hides behind the attention of its block; only the
+    excess is exposed, none with a link fast enough."""
+    m = compose_config(REPO / "conf", TINY).model
+    layers, kv = m.n_layers, 2 * m.seq_len * m.n_heads * m.head_dim * 4 * 8  # K and V of 8 sequences, fp32
+    profile = cpu_profile()
+    gathered = Layout(dp=1, cp=2, cp_comm="allgather", micro_batch_size=8, micro_batches=1, device="cpu")
+    base = _tiny_step(gathered, profile)
+    rate = Rate(1e-3, 1e9)  # cpu_profile's all-gather and reduce-scatter over 2
+    assert base.tp_comm == pytest.approx(layers * 2 * rate.time(kv))
+    slow = Rate(2e-3, 0.5e9)
+    slower = dataclasses.replace(
+        profile,
+        collectives=profile.collectives | {collective_key(op, 2): slow for op in ("all_gather", "reduce_scatter")},
+    )
+    worse = _tiny_step(gathered, slower)
+    extra = layers * 2 * (slow.time(kv) - rate.time(kv))
+    assert worse.tp_comm == pytest.approx(base.tp_comm + extra)
+    # The gradient all-reduce over dp x cp runs on the slower rates too: only the exchange is compared on the step.
+    assert worse.step - worse.dp_comm - worse.optimizer == pytest.approx(
+        base.step - base.dp_comm - base.optimizer + extra
+    )
+
+    ring = dataclasses.replace(gathered, cp_comm="ring")
+    block = flops_attention(8, m.n_heads, m.seq_len // 2, m.head_dim, "fwd") / 1e9  # one step's block, forward
+    p2p = Rate(1e-3, 1e9)
+    step = p2p.time(kv / 2), p2p.time(kv / 2 * 2)  # forward: K/V; backward: K/V and their fp32 gradients
+    exposed = layers * (max(0.0, step[0] - block) + max(0.0, step[1] - 2.5 * block))
+    assert exposed > 0
+    assert _tiny_step(ring, profile).tp_comm == pytest.approx(exposed)
+    # ulysses: four all-to-alls of a rank's [T, heads, dh] (q, k, v, the output) each way, at the measured rate.
+    spread = dataclasses.replace(gathered, cp_comm="ulysses")
+    measured = dataclasses.replace(profile, collectives=profile.collectives | {collective_key("all_to_all", 2): slow})
+    assert _tiny_step(spread, measured).tp_comm == pytest.approx(layers * 2 * 4 * slow.time(kv / 4))
+    fast = dataclasses.replace(profile, collectives=profile.collectives | {collective_key("p2p", 2): Rate(0.0, 1e15)})
+    assert _tiny_step(ring, fast).tp_comm == 0.0
+    assert _tiny_step(ring, fast).step < _tiny_step(ring, profile).step
+
+
+def test_a_sequence_only_context_parallelism_fits_is_planned_with_it() -> None:
+    """A long sequence on two ranks with room for only a context-parallel layout's activations: the plan ranks
+    only cp layouts, and its best is one."""
+    cfg = compose_config(REPO / "conf", ["model=gpt-tiny", "model.seq_len=1024", "train.global_batch_size=2"])
+    roomy = plan(cfg, 2, cpu_profile())
+    least = {cp: min(sum(p.peak.values()) for p in roomy.ranked if p.layout.cp == cp) for cp in (1, 2)}
+    assert least[2] < least[1]
+    budget = (least[1] + least[2]) / 2 * 2 / 0.9  # two ranks share the node's memory
+    tight = plan(cfg, 2, cpu_profile(memory=budget))
+    assert tight.ranked and all(p.layout.cp == 2 for p in tight.ranked)
+    assert any(p.layout.cp == 1 for p in tight.unfit)
+    assert tight.best is not None and "cp2" in tight.best.label

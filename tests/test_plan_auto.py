@@ -95,9 +95,16 @@ def test_a_launch_of_two_ranks_says_which_layout_once(tiny_dataset: Path, tmp_pa
     assert "world 2 (dp 1 x tp 2 x pp 1)" in stdout
 
 
-def test_parallel_auto_refuses_context_parallelism_it_does_not_plan() -> None:
-    cfg = make_config("model=gpt-tiny", "train.global_batch_size=16", "parallel.auto=true", "parallel.cp=2")
-    with pytest.raises(
-        ConfigError, match=r"parallel.auto=true does not plan context parallelism yet \(parallel.cp=2\)"
-    ):
-        auto.choose(cfg, 4)
+def test_auto_keeps_a_given_context_parallelism_or_chooses_it(profile: Profile) -> None:
+    """parallel.cp given with parallel.auto=true stays as given (with its exchange, if given too); without it, the
+    plan's best is launched whatever its cp, and cp layouts are among those ranked."""
+    cfg = make_config("model=gpt-tiny", "train.global_batch_size=16", "parallel.auto=true")
+    ranked = plan(cfg, 4, profile).ranked
+    assert any(p.layout.cp > 1 for p in ranked)
+    kept, line = auto.choose(cfg, 4, ["parallel.cp=2", "parallel.cp_comm=ulysses"])
+    assert kept.parallel.cp == 2 and kept.parallel.cp_comm == "ulysses"
+    with_given = [p for p in ranked if p.layout.cp == 2 and p.layout.cp_comm == "ulysses"]
+    assert validate(kept, 4) == dataclasses.replace(with_given[0].layout, device="cpu")
+    assert "with parallel.cp=2 parallel.cp_comm=ulysses" in line
+    chosen, _ = auto.choose(cfg, 4)
+    assert validate(chosen, 4) == dataclasses.replace(ranked[0].layout, device="cpu")

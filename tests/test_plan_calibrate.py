@@ -81,7 +81,7 @@ def test_p2p_is_missing_at_group_two_only() -> None:
     needs = Needs(groups={2, 4})
     assert needs.missing(profile).groups == {2, 4}
     profile.collectives = {
-        collective_key(op, 4): Rate(1e-5, 1e9) for op in ("all_reduce", "all_gather", "reduce_scatter")
+        collective_key(op, 4): Rate(1e-5, 1e9) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
     }
     assert needs.missing(profile).groups == {2}
     profile.collectives |= {collective_key(op, 2): Rate(1e-5, 1e9) for op in COLLECTIVES}
@@ -163,7 +163,7 @@ def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.
     needs = Needs(matmuls={SMALL}, groups={2, 3, 4}, precisions={"fp32"})
     profile = calibrate(needs, 4, cache=cache, log=lambda _: None, accept_busy=True)
     expected = {collective_key(op, 2) for op in COLLECTIVES}
-    expected |= {collective_key(op, 4) for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    expected |= {collective_key(op, 4) for op in COLLECTIVES if op != "p2p"}
     assert set(profile.collectives) == expected
     assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.collectives.values())
     # The ring formula over the intra link (6 hops over 4 ranks) gives back the measured all-reduce of 4.

@@ -4,6 +4,8 @@
     python tools/plan.py model=gpt-mini --world 8                       # this machine (measured once, then cached)
     python tools/plan.py model=gpt-mini --world 8 --measure 6           # and check 12 of them by running them
     python tools/plan.py model=llama-8b train.global_batch_size=512 train.precision=bf16 --world 64 --device h100
+    python tools/plan.py model=llama-8b model.seq_len=131072 parallel.zero=1 train.micro_batch_size=1 \\
+        parallel.offload.optimizer=none parallel.sequence_parallel=true --world 64 --device h100 --keep
 
 Takes train.py's own overrides (the model, batch, precision, and any layout key, which the planner then varies).
 The first lines say what it plans for: the global batch (train.global_batch_size sequences of model.seq_len
@@ -12,7 +14,10 @@ train.precision is given, and on a CPU train.py's default, fp32. While it works,
 the time spent and the time left; the table ends with the whole torchrun command that launches the best layout.
 The layouts are every combination of tp, pp, vpp, schedule, ZeRO stage (and ZeRO-3's gather mode), optimizer
 offload (and ratio), recomputation, micro-batch size and sequence parallelism that train.py's validator accepts,
-with dp the rest of the world; those whose predicted peak does not fit the device are dropped. ``--device`` picks
+with dp the rest of the world; those whose predicted peak does not fit the device are dropped. The layouts include
+context parallelism (parallel.cp, with each parallel.cp_comm). ``--keep`` plans only the layouts that have the layout
+keys given among the overrides, as parallel.auto=true keeps them (a large model on many ranks has hundreds of
+thousands of layouts; keeping a few keys makes its plan take minutes). ``--device`` picks
 a datasheet profile (h100, h200, a100: nodes of 8 GPUs, NVLink inside, InfiniBand between) or ``cpu``, this machine
 measured; by default the machine this runs on. ``--calibrate`` measures this machine again (for a GPU: instead of
 its datasheet). ``--measure K`` runs the K best layouts and K from the rest of the ranking through train.py here and
@@ -29,7 +34,7 @@ from pathlib import Path
 
 from trident.errors import ConfigError
 from trident.plan.machine import DEVICES, local_device, profile_for
-from trident.plan.planner import plan
+from trident.plan.planner import given_keys, plan
 from trident.plan.report import plan_table
 from trident.tool_config import load_config
 
@@ -42,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, required=True, help="processes to launch")
     p.add_argument("--nodes", type=int, help="nodes they run on (default: as many as the device's nodes need)")
     p.add_argument("--device", choices=DEVICES, help="datasheet profile, or cpu (default: this machine's)")
+    p.add_argument("--keep", action="store_true", help="plan only layouts with the layout keys given (not vary them)")
     p.add_argument("--top", type=int, default=10, help="layouts to print")
     p.add_argument("--measure", type=int, default=0, metavar="K", help="run the K best and K others here")
     p.add_argument("--calibrate", action="store_true", help="measure this machine now, replacing the cached figures")
@@ -78,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=listing,
             accept_busy=args.accept_busy,
         )
-        result = plan(cfg, args.world, profile, args.nodes, progress=Progress(sys.stderr))
+        keep = given_keys(args.overrides) if args.keep else None
+        result = plan(cfg, args.world, profile, args.nodes, progress=Progress(sys.stderr), keep=keep)
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # trident/config/validate.py imports this module to build lay
 # The config keys the planner chooses, in the order its overrides are written, and the Layout field of each.
 _PLANNED = {
     "parallel.dp": "dp",
+    "parallel.cp": "cp",
+    "parallel.cp_comm": "cp_comm",
     "parallel.tp": "tp",
     "parallel.pp": "pp",
     "parallel.vpp": "vpp",

@@ -14,11 +14,9 @@ from collections.abc import Iterable
 
 from trident.config import Config
 from trident.errors import ConfigError
-from trident.layout import PLANNED_KEYS, override_value
 from trident.memory.measure import format_bytes
-from trident.parallel.pipeline.schedules import resolve_schedule
 from trident.plan.machine import local_device, provisional
-from trident.plan.planner import Plan, Prediction, placement_for, plan
+from trident.plan.planner import Plan, given_keys, matches, placement_for, plan
 from trident.plan.profile import DATASHEETS, Profile, load_cached
 from trident.plan.report import launch_overrides
 
@@ -41,49 +39,13 @@ def auto_profile(cfg: Config, world: int) -> Profile:
     return dataclasses.replace(guess, name="cpu (nominal)", source="not calibrated: FLOPs and bytes at nominal rates")
 
 
-def _given(overrides: Iterable[str]) -> dict[str, str]:
-    """The layout keys set on the command line, and their values as written."""
-    out = {}
-    for o in overrides:
-        key, _, value = o.lstrip("+").partition("=")
-        if key in PLANNED_KEYS:
-            out[key] = value
-    return out
-
-
-def _matches(p: Prediction, given: dict[str, str]) -> bool:
-    """Whether the layout has the given keys' values; a null dp or schedule is whatever the launch resolves."""
-    mine = {key: override_value(value) for key, value in p.layout.keys().items()}
-    for key, value in given.items():
-        want = "null" if value in ("null", "None", "") else value
-        have = mine[key]
-        if want == "null" and key == "parallel.dp":
-            continue
-        if want == "null" and key == "parallel.schedule":
-            if p.layout.schedule in (None, resolve_schedule(None, p.layout.vpp)):
-                continue
-            return False
-        try:
-            same = float(have) == float(want)
-        except ValueError:
-            same = have.lower() == want.lower()
-        if not same:
-            return False
-    return True
-
-
 def choose(cfg: Config, world: int, given: Iterable[str] = ()) -> tuple[Config, str]:
     """The config with the planner's best layout for ``world`` ranks that keeps the ``given`` overrides' layout keys,
     and the one line that says which and why. Raises ConfigError when no layout fits."""
-    if cfg.parallel.cp > 1:  # the planner's space has no cp yet: say so before it plans layouts that ignore it
-        raise ConfigError(
-            f"parallel.auto=true does not plan context parallelism yet (parallel.cp={cfg.parallel.cp}); "
-            "set parallel.cp=1, or leave parallel.auto out and give the layout"
-        )
     profile = auto_profile(cfg, world)
-    keys = _given(given)
+    keys = given_keys(given)
     result: Plan = plan(cfg, world, profile)
-    options = [p for p in result.ranked if _matches(p, keys)]
+    options = [p for p in result.ranked if matches(p.layout, keys)]
     fixed = f" with {' '.join(f'{k}={v}' for k, v in keys.items())}" if keys else ""
     reasons = {line for _, line in result.refused}
     if not result.ranked and not result.unfit and len(reasons) == 1:

@@ -3,12 +3,17 @@
     compute      every op of a micro-batch's pass through a chunk (trident/plan/ops.py) at the profile's rates:
                  matmuls by shape and dtype, attention, element-wise ops by bytes and kernel count
     tp           the collectives inside each pass, by bytes and group size (not overlapped: the next op needs them)
+    cp           a rank's ``seq / cp`` tokens through every op, its share of the causal attention pairs, and the
+                 exchange of keys and values of each layer over the cp group (trident/plan/ops.py ``_cp_exchange``):
+                 allgather's and ulysses' collectives exposed, the ring's steps only where a step's message
+                 outlasts the attention of the block it overlaps
     pipeline     the schedule's own action lists run with these costs (trident/plan/simulate.py), the p2p message of
                  each stage boundary on the link between the two ranks; the bubble is what the simulation leaves idle
     sharing      ranks that share a node's cores share their compute: k busy ranks of ``threads`` threads on C cores
                  each run at min(1, C / (k threads)) of a lone rank's speed
     dp / ZeRO    the gradient reduction as the reducer runs it: buckets (``parallel.bucket_mb``) start as backward
-                 fills them during the last micro-batch's backward and queue on the dp group; under pipelines each
+                 fills them during the last micro-batch's backward and queue on the dp x cp group (the ranks
+                 holding the same parameters: ``Layout.grad_ranks``, over which ZeRO also shards); under pipelines each
                  chunk's buckets fill during its own last backward (zb-h1: its last W) in the simulated schedule
                  and queue behind the earlier chunks'. ZeRO 1-3 add the all-gather of the updated parameters,
                  ZeRO 2 reduces every micro-batch, ZeRO 3 gathers each block around its forward and backward
@@ -86,9 +91,10 @@ def flops_attention(b: int, heads: int, seq: int, dh: int, kind: str) -> float:
 
 
 def collective_time(p: Profile, op: str, group: int, nbytes: float, across_nodes: bool) -> float:
-    """One ``op`` of ``nbytes`` (the whole tensor: all-reduced, gathered or scattered) over ``group`` ranks: the
-    measured rate of that group size, or the ring algorithm over the link (NCCL's: 2 (n-1) / n of the bytes for an
-    all-reduce, (n-1) / n for an all-gather or reduce-scatter, (n-1) or 2 (n-1) hops of latency)."""
+    """One ``op`` of ``nbytes`` (the whole tensor: all-reduced, gathered or scattered; an all-to-all's: each rank's)
+    over ``group`` ranks: the measured rate of that group size, or the ring algorithm over the link (NCCL's: 2 (n-1)
+    / n of the bytes for an all-reduce, (n-1) / n for an all-gather, reduce-scatter or all-to-all, (n-1) or 2 (n-1)
+    hops of latency)."""
     if group <= 1:
         return 0.0
     measured = p.collectives.get(collective_key(op, group))
@@ -109,6 +115,8 @@ class Pricer:
     precision: str
     placement: RankPlacement
     tp_across_nodes: bool = False
+    cp: int = 1
+    cp_across_nodes: bool = False
     needs: Needs = field(default_factory=Needs)
 
     def matmul(self, m: int, n: int, k: int, layout: str = "nn") -> float:
@@ -132,9 +140,16 @@ class Pricer:
         """(compute, communication) seconds of ``op``: its kernels at the profile's rates, times the framework's
         measured overhead on them."""
         if op.kind == "collective":
-            name, _ = op.shape
-            self.needs.groups.add(tp)
-            return 0.0, op.count * collective_time(self.profile, name, tp, op.nbytes, self.tp_across_nodes)
+            name, axis, *ring = op.shape
+            group, across = (tp, self.tp_across_nodes) if axis == "tp" else (self.cp, self.cp_across_nodes)
+            self.needs.groups.add(group)
+            if name == "ring":  # each step's message behind the attention of the block held meanwhile
+                self.needs.groups.add(2)
+                message = collective_time(self.profile, "p2p", 2, op.nbytes, across)
+                block, kind = ring
+                hidden = self.attention(*block, kind) * self.profile.framework
+                return 0.0, op.count * max(0.0, message - hidden)
+            return 0.0, op.count * collective_time(self.profile, name, group, op.nbytes, across)
         return self.kernels(op) * self.profile.framework, 0.0
 
     def kernels(self, op: Op) -> float:
@@ -165,7 +180,7 @@ class StepTime:
     pipeline: float  # from the step's start to the last backward of the slowest rank
     compute: float  # compute of one rank over the step (its busy time, without communication)
     bubble: float  # fraction of the pipeline ranks' time idle in the schedule
-    tp_comm: float  # tensor-parallel collectives of one rank over the step
+    tp_comm: float  # tensor- and context-parallel collectives of one rank over the step (the ring's exposed part)
     p2p: float  # pipeline messages on the critical path (their sum on one rank, an upper bound)
     dp_comm: float  # gradient reduction and ZeRO gathers left exposed after the last backward
     optimizer: float  # the optimizer step, its offloaded part, the clip and the step's small all-reduces
@@ -202,13 +217,13 @@ def _dp_reduce(p: Profile, layout: Layout, numel: int, backward: float, across: 
     (``bucket_mb`` of fp32 each) queue on the dp group in the order backward fills them; ``overlapped``: each
     starts once backward has filled it (spread evenly over ``backward`` seconds), else all after it. A queue's
     last job ends at max over i of (arrival of i + service of i and every job after it)."""
-    if layout.dp == 1:
+    if layout.grad_ranks == 1:
         return 0.0
     op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
     per_bucket = max(1, int(layout.bucket_mb * 2**20 / 4))
     full, rest = divmod(numel, per_bucket)
     sizes = np.array([per_bucket] * full + ([rest] if rest else []), dtype=np.float64)
-    service = np.array([collective_time(p, op, layout.dp, 4 * n, across) for n in (per_bucket, rest)])
+    service = np.array([collective_time(p, op, layout.grad_ranks, 4 * n, across) for n in (per_bucket, rest)])
     times = np.full(len(sizes), service[0])
     if rest:
         times[-1] = service[1]
@@ -231,7 +246,7 @@ def _chunk_reduce_end(p: Profile, layout: Layout, chunks: list[tuple[int, float,
         for n in [per_bucket] * full + ([rest] if rest else []):
             filled += n
             if n not in service:
-                service[n] = collective_time(p, op, layout.dp, 4 * n, across)
+                service[n] = collective_time(p, op, layout.grad_ranks, 4 * n, across)
             end = max(end, start + (stop - start) * filled / numel) + service[n]
     return end
 
@@ -259,7 +274,14 @@ def step_time(
     recomputation, micro-batch) for model ``m`` on ``profile`` with ranks placed as ``placement``. ``needs``
     collects the shapes and group sizes it priced (what a calibration measures); ``cache`` keeps simulations for
     layouts that differ only in ZeRO stage and offload."""
-    pricer = Pricer(profile, layout.precision, placement, placement.spans_nodes(1, layout.tp))
+    pricer = Pricer(
+        profile,
+        layout.precision,
+        placement,
+        placement.spans_nodes(1, layout.tp),
+        layout.cp,
+        placement.spans_nodes(layout.tp, layout.cp),
+    )
     if needs is not None:
         pricer.needs = needs
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
@@ -281,14 +303,15 @@ def step_time(
 
     # Gradient reduction: per pipeline rank, each chunk's behind its own last backward (pp > 1) or behind the last
     # micro-batch's backward (pp = 1); ZeRO 2 reduces every micro-batch.
-    dp_across = placement.spans_nodes(layout.tp, layout.dp)
+    grads = layout.grad_ranks  # dp x cp: ranks of one pipeline and tp rank, consecutive ``tp`` apart
+    dp_across = placement.spans_nodes(layout.tp, grads)
     step_end = 0.0
     for r in range(pp):
         numel = _stage_numel(m, layout, r, cache)
         backward = sum(costs[(stage_of(c, r, pp, where), "B")][0] for c in range(vpp)) / all_busy
         if pp == 1:
             tail = _dp_reduce(profile, layout, numel, backward, dp_across, overlapped=True)
-        elif layout.dp == 1:
+        elif grads == 1:
             tail = 0.0
         else:
             weights = _weight_spans(spans, r, pp, where)
@@ -297,22 +320,22 @@ def step_time(
                 for c, s in weights.items()
             ]
             tail = max(0.0, _chunk_reduce_end(profile, layout, chunks, dp_across) - ends[r])
-        if layout.zero >= 2 and micro > 1 and layout.dp > 1:
+        if layout.zero >= 2 and micro > 1 and grads > 1:
             # ZeRO 2-3 reduce-scatter every micro-batch (into fresh staging buffers), pipelines or not. On a GPU
             # each overlaps the next micro-batch's work; a CPU's gloo does the reduction on the cores the ranks
             # compute on, so there it all adds up.
             staging = ew_time(profile, 4 * numel) / all_busy
             if profile.device == "cpu":
                 tail += (micro - 1) * (
-                    collective_time(profile, "reduce_scatter", layout.dp, 4 * numel, dp_across) + staging
+                    collective_time(profile, "reduce_scatter", grads, 4 * numel, dp_across) + staging
                 )
             else:
                 forward = costs[(0, "F")][0] / all_busy
                 per_micro = _dp_reduce(profile, layout, numel, backward + forward, dp_across, overlapped=True)
                 tail += (micro - 1) * (per_micro + staging)
         step_end = max(step_end, ends[r] + tail)
-    if layout.dp > 1:
-        pricer.needs.groups.add(layout.dp)
+    if grads > 1:
+        pricer.needs.groups.add(grads)
     if placement.world > 1 and placement.nodes == 1:
         pricer.needs.groups.add(placement.world)  # the step's scalar all-reduces
     dp_comm = step_end - pipeline + zero3
@@ -342,7 +365,10 @@ def _pipeline(
     m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, pricer: Pricer
 ) -> tuple[dict, list[simulate.TimedSpan], float]:
     """Per-stage action costs, the simulated schedule's spans and the p2p hop's seconds."""
-    shape = Shape(layout.micro_batch_size, m.seq_len, layout.tp, layout.sequence_parallel, layout.precision)
+    seq = m.seq_len // layout.cp  # a rank's part of each sequence
+    shape = Shape(
+        layout.micro_batch_size, seq, layout.tp, layout.sequence_parallel, layout.precision, layout.cp, layout.cp_comm
+    )
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
     layers = _layers_per_chunk(m, layout)
     stages = pp * vpp
@@ -370,14 +396,14 @@ def _pipeline(
 
     e = BYTES[layout.precision]
     message = layout.micro_batch_size * shape.seq // (layout.tp if layout.sequence_parallel else 1) * m.d_model * e
-    pp_across = placement.spans_nodes(layout.dp * layout.tp, 2) if pp > 1 else False
+    pp_across = placement.spans_nodes(layout.world // pp, 2) if pp > 1 else False
     hop = collective_time(profile, "p2p", 2, message, pp_across) if pp > 1 else 0.0
     if pp > 1:
         pricer.needs.groups.add(2)
     if placement.cores >= placement.ranks_per_node * placement.threads:
         speed = simulate.full_speed  # every rank has its own compute
     elif placement.nodes == 1:
-        busy_per_pp_rank = layout.dp * layout.tp  # the ranks of one pipeline rank compute together
+        busy_per_pp_rank = layout.world // pp  # the ranks of one pipeline rank compute together
 
         def speed(k: int) -> float:
             return placement.share(k * busy_per_pp_rank)
@@ -411,7 +437,7 @@ def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: RankPl
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
     blocks = max(1, m.n_layers // (pp * vpp))
     e = BYTES[layout.precision]
-    across = placement.spans_nodes(layout.tp, layout.dp)
+    across = placement.spans_nodes(layout.tp, layout.grad_ranks)
     depth = layout.zero3_prefetch
     worst = 0.0
     for r in range(pp):
@@ -419,8 +445,8 @@ def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: RankPl
         for c in range(vpp):
             stage = stage_of(c, r, pp, stage_placement(layout.schedule))
             numel = sum(n for _, n in chunk_params(m, layout, stage)) / blocks
-            gather = collective_time(p, "all_gather", layout.dp, numel * e, across)
-            scatter = collective_time(p, "reduce_scatter", layout.dp, numel * 4, across)
+            gather = collective_time(p, "all_gather", layout.grad_ranks, numel * e, across)
+            scatter = collective_time(p, "reduce_scatter", layout.grad_ranks, numel * 4, across)
             f, b = costs[(stage, "F")][0] / blocks, costs[(stage, "B")][0] / blocks
             forward = gather + (blocks - 1) * max(0.0, gather - depth * f)
             if layout.zero3_gather == "step":
@@ -446,7 +472,7 @@ def _optimizer_time(
     updated parameters all-gathered under ZeRO 1-2 (3: at the next forward); zeroing the gradient buffer; and the
     step's scalar all-reduces (loss, gradient norm, finite check) over the world."""
     numel = max(_stage_numel(m, layout, s, cache) for s in range(layout.pp))
-    shard = numel / (layout.dp if layout.zero >= 1 else 1)
+    shard = numel / (layout.grad_ranks if layout.zero >= 1 else 1)
     e = BYTES[layout.precision]
     ratio = layout.offload_ratio if layout.offload == "cpu" else 0.0
     device_part = (1 - ratio) * shard / p.adam
@@ -457,8 +483,8 @@ def _optimizer_time(
     if e != 4:
         other += 6 * shard / ew.bandwidth  # masters cast back to the parameters' dtype
     gather = 0.0
-    if layout.zero in (1, 2) and layout.dp > 1:
-        gather = collective_time(p, "all_gather", layout.dp, numel * e, dp_across)
+    if layout.zero in (1, 2) and layout.grad_ranks > 1:
+        gather = collective_time(p, "all_gather", layout.grad_ranks, numel * e, dp_across)
     world = placement.world
     scalars = 3 * collective_time(p, "all_reduce", world, 8, placement.nodes > 1) if world > 1 else 0.0
     if p.device == "cpu":  # the "host" is the same cores the ranks share

@@ -11,7 +11,13 @@ schedules run I and W together as B). Classes:
                  RoPE, the loss's passes over the logits; a backward moves about twice a forward's bytes. Shape
                  ``("transcendental",)`` marks those bound by arithmetic: GELU, SiLU, the loss's exponentials
     collective   tensor parallelism's all-reduce (or under sequence parallelism all-gather and reduce-scatter) of
-                 a [T, d] activation, twice per layer each way, and the vocab-parallel embedding's and loss's
+                 a [T, d] activation, twice per layer each way, and the vocab-parallel embedding's and loss's;
+                 context parallelism's exchange of keys and values over the cp group (``_cp_exchange``)
+
+Under context parallelism (parallel/context/) a rank holds ``seq / cp`` tokens of each sequence, so every op above
+is on its tokens; its attention is its share of the causal (query, key) pairs, which the head-tail split makes
+1 / cp of them all: ``cp`` causal blocks of ``seq / cp`` (ring and allgather: the ring skips the empty quarters,
+so each step is about one such block), or under ulysses the whole sequence on ``1 / cp`` of the heads.
 
 The list follows models/gpt.py operator by operator (a block is norm, qkv (or q and kv), RoPE, attention, proj,
 residual, norm, fc (or gate and up), GELU (or SiLU and a product), proj, residual); recomputation adds the
@@ -59,6 +65,8 @@ class Shape:
     tp: int
     sequence_parallel: bool
     precision: str
+    cp: int = 1  # context parallelism: ``seq`` is this rank's part of the sequence, 1 / cp of it
+    cp_comm: str = "ring"
 
     @property
     def tokens(self) -> int:
@@ -125,10 +133,7 @@ def layer_parts(m: ModelConfig, s: Shape) -> dict[str, list[Op]]:
     q_bytes, k_bytes = t * heads * dh * e, t * kv * dh * e
     # x * cos + cat(-x2, x1) * sin on q and k: five kernels over each
     parts["rope"] = _elementwise(5 * 2 * (q_bytes + k_bytes), 10) if m.position == "rope" else []
-    parts["attn_core"] = [
-        Op("attention", "F", (s.batch, heads, kv, s.seq, dh)),
-        Op("attention", "I", (s.batch, heads, kv, s.seq, dh)),
-    ]
+    parts["attn_core"] = _attention(s, heads, kv, dh)
     parts["copy"] = _elementwise(2 * q_bytes, 1)  # the output's [b, h, T, d] -> [b, T, h d] copy
     parts["projections"] += _linear(s, d, heads * dh)
     if m.mlp == "swiglu":
@@ -142,6 +147,56 @@ def layer_parts(m: ModelConfig, s: Shape) -> dict[str, list[Op]]:
         parts["bias"] = [Op("elementwise", "W", (), t * (3 * heads * dh + d + f + d) * e, 4)]
     parts["collectives"] = _tp_collectives(m, s, 2)
     return parts
+
+
+def _attention(s: Shape, heads: int, kv: int, dh: int) -> list[Op]:
+    """The attention core of one layer on this rank: its share of the causal pairs (module docstring) and, under
+    context parallelism, the exchange that brings it the keys and values (recomputed with it)."""
+    if s.cp == 1:
+        shape = (s.batch, heads, kv, s.seq, dh)
+        return [Op("attention", "F", shape), Op("attention", "I", shape)]
+    if s.cp_comm == "ulysses":
+        # All-to-all to the whole sequence on heads / cp (kv heads split, or repeated where fewer than cp).
+        local_kv = kv // s.cp if kv % s.cp == 0 else 1
+        shape = (s.batch, heads // s.cp, local_kv, s.seq * s.cp, dh)
+        core = [Op("attention", "F", shape), Op("attention", "I", shape)]
+    else:
+        shape = (s.batch, heads, kv, s.seq, dh)
+        core = [Op("attention", "F", shape, count=s.cp), Op("attention", "I", shape, count=s.cp)]
+    return core + _cp_exchange(s, heads, kv, dh, shape)
+
+
+def _cp_exchange(s: Shape, heads: int, kv: int, dh: int, block: tuple) -> list[Op]:
+    """The cp group's messages of one layer, forward (F) and backward (I), by ``parallel.cp_comm``:
+
+    ring       cp - 1 steps passing a rank's K/V block on ([2, T, kv, dh]), each overlapped with the attention
+               of the block held (``block``, the attention shape of one step); backward cp - 1 steps passing K/V
+               and the running dK/dV (fp32) on, overlapped likewise (the dK/dV's last trip home, which nothing
+               overlaps, is left out); the op's shape names the block and its pass, which a recomputed forward keeps
+    allgather  an all-gather of the whole sequence's K/V before attention; backward the reduce-scatter of
+               their gradients (the gathered K/V are kept for backward)
+    ulysses    all-to-alls of q, k, v (sequence-split to head-split) and of the output back, each a rank's
+               [T, heads, dh] tensor (k, v: at least cp heads); backward the same four the other way
+    """
+    kv_block = 2 * s.tokens * kv * dh * s.e
+    if s.cp_comm == "ring":
+        return [
+            Op("collective", "F", ("ring", "cp", block, "fwd"), kv_block, s.cp - 1),
+            Op("collective", "I", ("ring", "cp", block, "bwd"), kv_block * (1 + 4 / s.e), s.cp - 1),
+        ]
+    if s.cp_comm == "allgather":
+        whole = kv_block * s.cp
+        return [
+            Op("collective", "F", ("all_gather", "cp"), whole),
+            Op("collective", "I", ("reduce_scatter", "cp"), whole),
+        ]
+    # kv heads fewer than cp are repeated to cp before the all-to-all (parallel/context/ulysses.py)
+    q_bytes, k_bytes = s.tokens * heads * dh * s.e, s.tokens * max(kv, s.cp) * dh * s.e
+    return [
+        Op("collective", phase, ("all_to_all", "cp"), nbytes)
+        for phase in ("F", "I")
+        for nbytes in (q_bytes, k_bytes, k_bytes, q_bytes)
+    ]
 
 
 def layer_ops(m: ModelConfig, s: Shape) -> list[Op]:

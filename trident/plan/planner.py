@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from trident.config import Config, ModelConfig, validate
-from trident.layout import Layout
+from trident.layout import PLANNED_KEYS, Layout, override_value
 from trident.memory.estimate import Estimate, estimate
 from trident.models.gpt import flops_per_token
+from trident.parallel.pipeline.schedules import resolve_schedule
 from trident.plan.cost import RankPlacement, StepTime, step_time
 from trident.plan.profile import Needs, Profile, cpu_threads_per_rank
 from trident.plan.space import Keys, judge, key_sets
@@ -163,6 +164,52 @@ def predict(
     return _predict(layout, cfg, profile, placement, MemoryModel(cfg.model), needs, {}, force=True)
 
 
+def given_keys(overrides: Iterable[str]) -> dict[str, str]:
+    """The planned layout keys set by ``overrides``, and their values as written."""
+    out = {}
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key in PLANNED_KEYS:
+            out[key] = value
+    return out
+
+
+def _same(have: object, want: str) -> bool:
+    have = override_value(have)
+    try:
+        return float(have) == float(want)
+    except ValueError:
+        return have.lower() == want.lower()
+
+
+def _null(value: str) -> bool:
+    return value in ("null", "None", "")
+
+
+def matches(layout: Layout, given: dict[str, str]) -> bool:
+    """Whether the layout has the given keys' values; a null dp or schedule is whatever the launch resolves."""
+    mine = layout.keys()
+    for key, want in given.items():
+        if _null(want) and key == "parallel.dp":
+            continue
+        if _null(want) and key == "parallel.schedule":
+            if layout.schedule in (None, resolve_schedule(None, layout.vpp)):
+                continue
+            return False
+        if not _same(mine[key], "null" if _null(want) else want):
+            return False
+    return True
+
+
+def _may_match(keys: Keys, given: dict[str, str]) -> bool:
+    """Whether a candidate's keys can name a layout with the given values (dp and a null schedule are resolved by
+    the validator: left to ``matches``)."""
+    return all(
+        key == "parallel.dp" or (_null(want) and key == "parallel.schedule") or _same(keys[key], want)
+        for key, want in given.items()
+    )
+
+
 Progress = Callable[[int, int, float], None]  # (candidates examined, of how many, seconds so far)
 
 
@@ -173,23 +220,27 @@ def plan(
     nodes: int | None = None,
     needs: Needs | None = None,
     progress: Progress | None = None,
+    keep: dict[str, str] | None = None,
 ) -> Plan:
     """Enumerate, estimate, time and rank every layout of ``cfg`` on ``world`` ranks of ``profile``; ``progress``
-    is told after each candidate (validated, then estimated and timed if accepted)."""
+    is told after each candidate (validated, then estimated and timed if accepted). ``keep`` (planned key -> value
+    as written, ``given_keys``) limits the plan to the layouts with those values, as ``parallel.auto`` keeps the
+    keys it is given: the others are neither validated nor estimated."""
     start = time.perf_counter()
     placement = placement_for(profile, world, nodes)
     out = Plan(world=world, profile=profile, placement=placement, needs=needs or Needs())
     out.needs.precisions.add(cfg.train.precision)
     # The block a calibration runs whole: a micro-batch of one sequence, as every plan has (tp 1, micro-batch 1).
     out.needs.block = {"model": dataclasses.asdict(cfg.model), "batch": 1, "precision": cfg.train.precision}
-    candidates = list(key_sets(cfg, world))
+    keep = keep or {}
+    candidates = [keys for keys in key_sets(cfg, world) if _may_match(keys, keep)]
     cache: dict = {}
     memory = MemoryModel(cfg.model)
     for i, keys in enumerate(candidates, 1):
         verdict = judge(cfg, world, keys)
         if isinstance(verdict, str):
             out.refused.append((keys, verdict))
-        else:
+        elif matches(verdict[0], keep):
             p = _predict(*verdict, profile, placement, memory, out.needs, cache)
             (out.ranked if p.fits else out.unfit).append(p)
         if progress is not None:

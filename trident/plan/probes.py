@@ -290,7 +290,7 @@ def rank_collective_times(
     times[BUSY_KEY] = [(0, busy)]
     for g in groups:
         group = split_into_groups(rank, world_size, g)
-        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             times[collective_key(op, g)] = [
                 (nbytes, time_collective(collective(op, nbytes, group, g, device), reps, device))
                 for nbytes, reps in COLLECTIVE_SIZES
@@ -317,7 +317,8 @@ def split_into_groups(rank: int, world_size: int, size: int) -> dist.ProcessGrou
 
 def collective(op: str, nbytes: int, group: dist.ProcessGroup, size: int, device: torch.device) -> Callable[[], None]:
     """One ``op`` over ``group`` moving ``nbytes`` of fp32: all-reduce's tensor, all-gather's gathered output,
-    reduce-scatter's input (rounded down to a multiple of the group's size)."""
+    reduce-scatter's input, all-to-all's tensor on each rank (context parallelism's ulysses exchange), rounded down
+    to a multiple of the group's size."""
     numel = nbytes // 4 // size * size
     whole = torch.zeros(numel, device=device)
     shard = torch.zeros(numel // size, device=device)
@@ -327,6 +328,9 @@ def collective(op: str, nbytes: int, group: dist.ProcessGroup, size: int, device
         return lambda: _all_gather_flat(whole, shard, group=group)
     if op == "reduce_scatter":
         return lambda: _reduce_scatter_flat(shard, whole, group=group)
+    if op == "all_to_all":
+        received = torch.empty_like(whole)
+        return lambda: dist.all_to_all_single(received, whole, group=group)
     raise ValueError(f"unknown collective {op!r}")
 
 

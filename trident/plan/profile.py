@@ -34,7 +34,7 @@ from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
 VERSION = 7  # what a cached calibration measured: an entry of another version is measured again (7: conditions)
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # all_to_all: ulysses
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """The layouts a launch could use: every combination of the planned keys (trident/layout.py ``PLANNED_KEYS``), kept
 or refused by train.py's own validator (trident/config/validate.py ``validate``), never by rules of the planner's.
 
+Context parallelism (``parallel.cp``, with each ``parallel.cp_comm``) is a dimension like the others: cp ranks
+splitting each sequence, dp the world left over by cp x tp x pp.
+
 The planner's candidates are layouts: the validator resolves each combination of keys into the one ``Layout`` the
 launch would run. ``grid`` is the keys' full product over each key's domain; ``key_sets`` skips the combinations
 that only repeat another launch (a schedule named at pp = 1, an offload ratio with no offload, a gather mode below
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from trident.config import Config, validate
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, Layout, with_keys
+from trident.parallel.context.attention import CP_COMMS
 from trident.parallel.pipeline.schedules import SCHEDULES
 from trident.parallel.zero.stage3 import GATHER_MODES
 
@@ -42,7 +46,12 @@ def grid(cfg: Config, world: int) -> Iterator[Keys]:
     world)."""
     m, tr = cfg.model, cfg.train
     offloads = (("none", 1.0), *(("cpu", r) for r in OFFLOAD_RATIOS))
-    for tp, pp, vpp, schedule, zero, (offload, ratio), sp, mbs, (recompute, every), gather in itertools.product(
+    for cp, comm, tp, pp, vpp, schedule, zero, (offload, ratio), sp, mbs, (
+        recompute,
+        every,
+    ), gather in itertools.product(
+        divisors(world),
+        CP_COMMS,
         divisors(world),
         divisors(world),
         divisors(m.n_layers),
@@ -54,16 +63,19 @@ def grid(cfg: Config, world: int) -> Iterator[Keys]:
         RECOMPUTATIONS,
         GATHER_MODES,
     ):
-        yield _keys(None, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, every, gather)
+        yield _keys(None, cp, comm, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, every, gather)
 
 
 def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
-    """The grid without repeats of one launch and without what cannot name a launch of this world: tp x pp not
-    dividing it, or a micro-batch not dividing the batch each dp rank takes."""
+    """The grid without repeats of one launch and without what cannot name a launch of this world: cp x tp x pp not
+    dividing it, or a micro-batch not dividing the batch each dp rank takes. At cp = 1 the exchange is unused (the
+    validator resolves it to the default), so only the default is listed."""
     m, tr = cfg.model, cfg.train
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
+    for cp, tp in itertools.product(divisors(world), divisors(world)):
+        if world % (cp * tp):
+            continue
+        for comm, pp in itertools.product(CP_COMMS if cp > 1 else (Layout.cp_comm,), divisors(world // (cp * tp))):
+            dp = world // (cp * tp * pp)
             per_rank = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
             for vpp in divisors(m.n_layers // pp) if pp > 1 and m.n_layers % pp == 0 else [1]:
                 schedules = [None] if pp == 1 else ["gpipe", "1f1b", "zb-h1"] if vpp == 1 else ["interleaved"]
@@ -79,7 +91,21 @@ def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
                         GATHER_MODES if zero == 3 else ("micro_batch",),
                     ):
                         yield _keys(
-                            None, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, every, gather
+                            None,
+                            cp,
+                            comm,
+                            tp,
+                            pp,
+                            vpp,
+                            schedule,
+                            zero,
+                            offload,
+                            ratio,
+                            sp,
+                            mbs,
+                            recompute,
+                            every,
+                            gather,
                         )
 
 
