@@ -87,6 +87,7 @@ SINGLES = (
     *_words("model.moe.capacity_factor", (None, 1.0)),
     "model.moe.bias_update_rate>0",
     "model.moe.every=2",
+    *_words("parallel.ep", (1, 2, 4)),
 )
 
 # Pairs that meet in the code: each must be exercised by one trained case.
@@ -139,6 +140,9 @@ PAIRS = (
     *(("experts", f"{axis}>1") for axis in ("dp", "tp", "pp")),
     ("experts", "sharded"),
     ("experts", "train.activation_checkpointing=full"),  # routing counted once under recomputation
+    # Experts over ep ranks: their own gradient group beside tp and pp, and their ZeRO shards.
+    *(("ep>1", f"{axis}>1") for axis in ("tp", "pp")),
+    *(("ep>1", f"parallel.zero={z}") for z in (1, 2, 3)),
 )
 
 REQUIRED: tuple[tuple[str, ...], ...] = (
@@ -228,6 +232,7 @@ def exercised(drawn: Drawn) -> frozenset[str]:
     facts.add("micro-batches>1" if layout.micro_batches > 1 else "micro-batches=1")
     facts |= {f"{axis}>1" for axis in ("dp", "tp", "pp", "cp") if getattr(layout, axis) > 1}
     facts.add(_is("parallel.cp", layout.cp))
+    facts |= {_is("parallel.ep", layout.ep)} | ({"ep>1"} if layout.ep > 1 else set())
     if layout.cp > 1:
         facts.add(_is("parallel.cp_comm", layout.cp_comm))
     facts |= {"sharded"} if layout.zero >= 1 and layout.dp > 1 else set()

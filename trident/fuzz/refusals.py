@@ -81,6 +81,11 @@ REFUSALS: tuple[Unsupported, ...] = (
         r"parallel\.sequence_parallel=true with model\.moe\.experts|parallel\.cp=\d+ with model\.moe\.experts",
     ),
     Unsupported(
+        "expert parallelism without experts, or with an `ep` that does not divide the experts or the data-parallel "
+        "ranks (`parallel.ep`)",
+        r"parallel\.ep=\d+ (needs a model with experts|does not divide)",
+    ),
+    Unsupported(
         "a top-k outside 1 to the expert count (`model.moe.top_k`)",
         r"model\.moe\.top_k=\d+ must be between 1 and",
     ),

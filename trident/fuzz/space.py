@@ -234,6 +234,19 @@ def draw_case(seed: int, index: int) -> Case:
         knobs["model.dropout"] = 0.0
     if experts and knobs.get("parallel.sequence_parallel") and extra_rng.random() >= MISTAKE:
         knobs["parallel.sequence_parallel"] = False
+    # Expert parallelism over the data-parallel ranks (drawn last from this stream, so nothing above changed): an
+    # ep dividing dp and the experts for about half of the expert cases; as a mistake one that does not, or an ep
+    # without experts.
+    dp = int(knobs.get("parallel.dp", 0)) or world // (int(knobs["parallel.tp"]) * int(knobs["parallel.pp"]))
+    dp //= int(context.get("parallel.cp", 1)) or 1
+    if experts and extra_rng.random() < 0.5:
+        fits = [ep for ep in (2, 4) if dp % ep == 0 and experts["model.moe.experts"] % ep == 0]
+        if extra_rng.random() < MISTAKE:
+            context["parallel.ep"] = extra_rng.choice([2, 3, 4])
+        elif fits:
+            context["parallel.ep"] = extra_rng.choice(fits)
+    elif not experts and extra_rng.random() < MISTAKE / 4:
+        context["parallel.ep"] = 2
     knobs = {**knobs, **context}
     block = {**block, **experts}
     data_rng = random.Random(f"fuzz-data:{seed}:{index}")
