@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from trident.parallel.context.attention import context_attention
-from trident.parallel.context.span import Span
+from trident.parallel.context.span import TokenSpan
 from trident.parallel.context.split import rank_index
 
 
 @dataclass
 class ContextWindow:
     positions: torch.Tensor  # [B, T / cp] int64: each token's position (in the window, or in its document)
-    span: Span  # this rank's tokens: their global indices and document ids
+    span: TokenSpan  # this rank's tokens: their global indices and document ids
     group: dist.ProcessGroup
     comm: str
 
@@ -32,7 +32,7 @@ class ContextWindow:
         """From this rank's positions and document ids (None: the window is one sequence)."""
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         index = rank_index(positions.shape[-1] * cp, cp, rank, positions.device)
-        return cls(positions, Span(index, documents), group, comm)
+        return cls(positions, TokenSpan(index, documents), group, comm)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v over the whole sequence, for this rank's queries; k and v may have fewer

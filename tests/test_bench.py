@@ -278,6 +278,7 @@ def test_cp_tables_each_exchange_against_one_process_and_dp() -> None:
     assert all(figure(c) < 1 for c in table.column("vs cp=1")[2:])  # each cp rank keeps less than one process
 
 
+@pytest.mark.multiprocess
 def test_moe_bench_trains_at_ep1_and_ep2_on_two_ranks() -> None:
     """``--ep 2``: the same steps at ep 1 and ep 2 (the same last loss), each with its tokens/s and ratio to dp."""
     _, table = bench("moe", "--shapes", "32x16x4x2", "--tokens", "64", "--precision", "fp32", "--rounds", "1",

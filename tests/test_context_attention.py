@@ -13,7 +13,7 @@ from trident.parallel.context import core
 from trident.parallel.context.attention import CP_COMMS, context_attention
 from trident.parallel.context.core import block_attention, default_scale
 from trident.parallel.context.ring import block_grads, fold_block, joined
-from trident.parallel.context.span import Span
+from trident.parallel.context.span import TokenSpan
 from trident.parallel.context.split import (
     balance,
     head_tail_order,
@@ -49,7 +49,7 @@ def _local(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 def _run(comm, q, k, v, dy, docs, cp, rank, group):
     """This rank's output and q/k/v gradients from the distributed attention."""
     ql, kl, vl = (_local(x, cp, rank).requires_grad_() for x in (q, k, v))
-    span = Span(rank_index(T, cp, rank), None if docs is None else split_sequence(docs, cp, rank))
+    span = TokenSpan(rank_index(T, cp, rank), None if docs is None else split_sequence(docs, cp, rank))
     out = context_attention(ql, kl, vl, span, group, comm)
     out.backward(_local(dy, cp, rank))
     return out.detach(), ql.grad, kl.grad, vl.grad
@@ -58,7 +58,7 @@ def _run(comm, q, k, v, dy, docs, cp, rank, group):
 def _dense(q, k, v, dy, docs):
     """Plain SDPA over the whole sequence: output and gradients."""
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    whole = Span.whole(T, docs)
+    whole = TokenSpan.whole(T, docs)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=whole.mask(whole)[:, None], enable_gqa=True)
     out.backward(dy)
     return out.detach(), q.grad, k.grad, v.grad
@@ -68,7 +68,7 @@ def _dense(q, k, v, dy, docs):
 
 
 def _spans(docs, cp):
-    return [Span(rank_index(T, cp, r), None if docs is None else split_sequence(docs, cp, r)) for r in range(cp)]
+    return [TokenSpan(rank_index(T, cp, r), None if docs is None else split_sequence(docs, cp, r)) for r in range(cp)]
 
 
 def _ring_twin(q, k, v, dy, docs, cp, rank):
@@ -101,7 +101,7 @@ def _ring_twin(q, k, v, dy, docs, cp, rank):
 
 def _allgather_twin(q, k, v, dy, docs, cp, rank):
     spans = _spans(docs, cp)
-    keys = Span.cat(spans)
+    keys = TokenSpan.cat(spans)
     kg, vg = (torch.cat([_local(x, cp, r) for r in range(cp)], dim=2) for x in (k, v))
     grads_k, grads_v, mine = [], [], None
     for r in range(cp):
@@ -116,7 +116,7 @@ def _allgather_twin(q, k, v, dy, docs, cp, rank):
 
 
 def _ulysses_twin(q, k, v, dy, docs, cp, rank):
-    keys = Span.cat(_spans(docs, cp))
+    keys = TokenSpan.cat(_spans(docs, cp))
     qg, kg, vg, dyg = (torch.cat([_local(x, cp, r) for r in range(cp)], dim=2) for x in (q, k, v, dy))
     qg, kg, vg = (x.requires_grad_() for x in (qg, kg, vg))
     kx, vx = kg, vg
@@ -198,7 +198,7 @@ def test_the_plain_core_and_the_kernel_agree_with_rows_that_see_no_key():
     grouped kv heads, packed documents, and query rows whose keys all lie in another block (output 0, lse -inf)."""
     q, k, v, dy = _inputs(2, torch.float64)
     docs = _documents()
-    queries, keys = Span(torch.arange(8), docs[:, :8]), Span(torch.arange(16, 32), docs[:, 16:])
+    queries, keys = TokenSpan(torch.arange(8), docs[:, :8]), TokenSpan(torch.arange(16, 32), docs[:, 16:])
     mask = queries.mask(keys)
     assert not mask.any(dim=-1).all()  # some rows see nothing here
     args = (q[:, :, :8], k[:, :, 16:], v[:, :, 16:], mask, default_scale(D))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from trident.parallel.comm import _all_gather, _reduce_scatter
 from trident.parallel.context.core import block_attention
-from trident.parallel.context.span import Span
+from trident.parallel.context.span import TokenSpan
 
 
 class GatherKV(torch.autograd.Function):
@@ -28,15 +28,15 @@ class GatherKV(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.group, -2), None
 
 
-def gather_span(span: Span, group: dist.ProcessGroup) -> Span:
+def gather_span(span: TokenSpan, group: dist.ProcessGroup) -> TokenSpan:
     """Every rank's span one after another, rank 0 first (no gradient: indices and document ids)."""
     index = _all_gather(span.index, group, 0)
     documents = None if span.documents is None else _all_gather(span.documents, group, 1)
-    return Span(index, documents)
+    return TokenSpan(index, documents)
 
 
 def allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span, group: dist.ProcessGroup, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: TokenSpan, group: dist.ProcessGroup, scale: float
 ) -> torch.Tensor:
     """This rank's queries ``[B, H, T/cp, D]`` against the gathered keys and values."""
     keys = gather_span(span, group)

@@ -9,7 +9,7 @@ from trident.parallel.comm import rank_and_size
 from trident.parallel.context.allgather import allgather_attention
 from trident.parallel.context.core import block_attention, default_scale
 from trident.parallel.context.ring import ring_attention
-from trident.parallel.context.span import Span
+from trident.parallel.context.span import TokenSpan
 from trident.parallel.context.ulysses import ulysses_attention
 
 EXCHANGES = {"allgather": allgather_attention, "ring": ring_attention, "ulysses": ulysses_attention}
@@ -20,7 +20,7 @@ def context_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    span: Span,
+    span: TokenSpan,
     group: dist.ProcessGroup | None,
     comm: str = "ring",
     scale: float | None = None,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from trident.parallel.context.allgather import gather_span
 from trident.parallel.context.core import accumulation_dtype, block_backward, block_forward, merge
-from trident.parallel.context.span import Span
+from trident.parallel.context.span import TokenSpan
 
 _KV, _DKV = 0, 1  # message tags
 
@@ -58,7 +58,7 @@ def _halves(n: int) -> list[slice]:
     return [slice(0, n // 2), slice(n // 2, n)] if n > 1 else [slice(0, n)]
 
 
-def _quarters(queries: Span, keys: Span) -> list[tuple[int, slice, slice, torch.Tensor]]:
+def _quarters(queries: TokenSpan, keys: TokenSpan) -> list[tuple[int, slice, slice, torch.Tensor]]:
     """(query half's number, its tokens, the key half's tokens, their mask) of every quarter whose mask is not
     empty, in the order they are computed."""
     out = []
@@ -74,7 +74,13 @@ Partial = tuple[torch.Tensor | None, torch.Tensor | None]  # a query half's runn
 
 
 def fold_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: Span, keys: Span, scale: float, parts: list[Partial]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    queries: TokenSpan,
+    keys: TokenSpan,
+    scale: float,
+    parts: list[Partial],
 ) -> list[Partial]:
     """Each query half's running (out, lse) with one key block merged in, quarter by quarter."""
     parts = list(parts)
@@ -87,8 +93,8 @@ def block_grads(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    queries: Span,
-    keys: Span,
+    queries: TokenSpan,
+    keys: TokenSpan,
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
@@ -121,7 +127,7 @@ def joined(parts: list[Partial], like: torch.Tensor) -> tuple[torch.Tensor, torc
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, index, documents, group, scale):
-        span = Span(index, documents)
+        span = TokenSpan(index, documents)
         spans = _rank_spans(span, group)
         ring = _Ring(group)
         kv = torch.stack([k, v])
@@ -142,7 +148,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, index, documents, out, lse = ctx.saved_tensors
-        span, spans, ring = Span(index, documents), ctx.spans, _Ring(ctx.group)
+        span, spans, ring = TokenSpan(index, documents), ctx.spans, _Ring(ctx.group)
         acc = accumulation_dtype(q.dtype)
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -168,17 +174,17 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _rank_spans(span: Span, group: dist.ProcessGroup) -> list[Span]:
+def _rank_spans(span: TokenSpan, group: dist.ProcessGroup) -> list[TokenSpan]:
     """Every rank's span (the keys of each block that will pass by), from one small all-gather up front."""
     gathered, n = gather_span(span, group), len(span)
     size = dist.get_world_size(group)
     cut = [slice(r * n, (r + 1) * n) for r in range(size)]
     docs = gathered.documents
-    return [Span(gathered.index[c], None if docs is None else docs[:, c]) for c in cut]
+    return [TokenSpan(gathered.index[c], None if docs is None else docs[:, c]) for c in cut]
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span, group: dist.ProcessGroup, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: TokenSpan, group: dist.ProcessGroup, scale: float
 ) -> torch.Tensor:
     """This rank's queries ``[B, H, T/cp, D]`` against every rank's keys and values, passed around the ring."""
     return RingAttention.apply(q, k, v, span.index, span.documents, group, scale)

@@ -14,18 +14,18 @@ import torch
 
 
 @dataclass(frozen=True)
-class Span:
+class TokenSpan:
     index: torch.Tensor  # [T] int64: each token's place in the whole sequence (the same for every sample)
     documents: torch.Tensor | None = None  # [B, T]: each token's document id, or None (one causal sequence)
 
     def __len__(self) -> int:
         return self.index.shape[0]
 
-    def part(self, part: slice) -> Span:
+    def part(self, part: slice) -> TokenSpan:
         """The tokens ``part`` of this span's."""
-        return Span(self.index[part], None if self.documents is None else self.documents[:, part])
+        return TokenSpan(self.index[part], None if self.documents is None else self.documents[:, part])
 
-    def mask(self, keys: Span) -> torch.Tensor:
+    def mask(self, keys: TokenSpan) -> torch.Tensor:
         """Which of ``keys`` each query of this span sees: bool ``[B or 1, T_q, T_k]``."""
         seen = (keys.index[None, :] <= self.index[:, None]).unsqueeze(0)
         if self.documents is not None:
@@ -34,14 +34,16 @@ class Span:
         return seen
 
     @classmethod
-    def cat(cls, spans: list[Span]) -> Span:
+    def cat(cls, spans: list[TokenSpan]) -> TokenSpan:
         """The spans one after another (the order of a gathered sequence)."""
         index = torch.cat([s.index for s in spans])
         documents = None if spans[0].documents is None else torch.cat([s.documents for s in spans], dim=1)
         return cls(index, documents)
 
     @classmethod
-    def whole(cls, seq_len: int, documents: torch.Tensor | None = None, device: torch.device | None = None) -> Span:
+    def whole(
+        cls, seq_len: int, documents: torch.Tensor | None = None, device: torch.device | None = None
+    ) -> TokenSpan:
         """The whole sequence in order."""
         device = documents.device if documents is not None else device
         return cls(torch.arange(seq_len, device=device), documents)

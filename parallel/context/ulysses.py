@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from trident.parallel.context.allgather import gather_span
 from trident.parallel.context.core import block_attention
-from trident.parallel.context.span import Span
+from trident.parallel.context.span import TokenSpan
 
 
 def heads_error(n_heads: int, kv_heads: int, cp: int, tp: int = 1) -> str | None:
@@ -42,7 +42,7 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gat
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
-class AllToAll(torch.autograd.Function):
+class DimAllToAll(torch.autograd.Function):
     """Sequence-split <-> head-split; the backward is the same exchange the other way."""
 
     @staticmethod
@@ -57,7 +57,7 @@ class AllToAll(torch.autograd.Function):
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span, group: dist.ProcessGroup, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: TokenSpan, group: dist.ProcessGroup, scale: float
 ) -> torch.Tensor:
     """This rank's queries ``[B, H, T/cp, D]``, attended over the whole sequence one head block per rank."""
     cp, heads, kv_heads = dist.get_world_size(group), q.shape[1], k.shape[1]
@@ -67,7 +67,7 @@ def ulysses_attention(
     kv = torch.stack([k, v])  # [2, B, G, T/cp, D]
     if kv_heads % cp:
         kv = kv.repeat_interleave(cp // kv_heads, dim=2)  # kv head j // (cp / G) for rank j
-    q_heads = AllToAll.apply(q, group, 1, 2)  # [B, H/cp, T, D]
-    kv_heads_block = AllToAll.apply(kv, group, 2, 3)
+    q_heads = DimAllToAll.apply(q, group, 1, 2)  # [B, H/cp, T, D]
+    kv_heads_block = DimAllToAll.apply(kv, group, 2, 3)
     out, _ = block_attention(q_heads, kv_heads_block[0], kv_heads_block[1], keys.mask(keys), scale)
-    return AllToAll.apply(out, group, 2, 1)
+    return DimAllToAll.apply(out, group, 2, 1)
