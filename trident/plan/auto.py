@@ -14,11 +14,13 @@ from collections.abc import Iterable
 
 from trident.config import Config
 from trident.errors import ConfigError
+from trident.layout import with_keys
 from trident.memory.measure import format_bytes
 from trident.plan.machine import local_device, provisional
-from trident.plan.planner import Plan, given_keys, matches, placement_for, plan
+from trident.plan.planner import Plan, Prediction, given_keys, matches, placement_for, plan
 from trident.plan.profile import DATASHEETS, Profile, load_cached
 from trident.plan.report import launch_overrides
+from trident.plan.shared import digest, once_per_node
 
 
 def auto_profile(cfg: Config, world: int) -> Profile:
@@ -41,31 +43,51 @@ def auto_profile(cfg: Config, world: int) -> Profile:
 
 def choose(cfg: Config, world: int, given: Iterable[str] = ()) -> tuple[Config, str]:
     """The config with the planner's best layout for ``world`` ranks that keeps the ``given`` overrides' layout keys,
-    and the one line that says which and why. Raises ConfigError when no layout fits."""
+    and the one line that says which and why. Raises ConfigError when no layout fits. The ranks of a node plan
+    once between them (trident/plan/shared.py)."""
     profile = auto_profile(cfg, world)
     keys = given_keys(given)
-    result: Plan = plan(cfg, world, profile)
+    key = digest(cfg, world, sorted(keys.items()), profile.to_dict())
+    answer = once_per_node(key, lambda: _choose(cfg, world, keys, profile))
+    if "error" in answer:
+        raise ConfigError(answer["error"])
+    return with_keys(cfg, answer["keys"]), answer["line"]
+
+
+def _choose(cfg: Config, world: int, keys: dict[str, str], profile: Profile) -> dict:
+    """``choose``'s answer as JSON: the best layout's keys and its line, or the refusal's line."""
+    try:
+        best, count = _best(cfg, world, keys, profile)
+    except ConfigError as e:
+        return {"error": str(e)}
+    fixed = f" with {' '.join(f'{k}={v}' for k, v in keys.items())}" if keys else ""
+    launch = " ".join(launch_overrides(best, cfg)) or "the layout as configured"
+    line = (
+        f"parallel.auto: {best.label}, the best of {count} layouts{fixed} for {world} ranks by the planner on "
+        f"{profile.name}: {best.tokens_per_s:,.0f} tokens/s and {format_bytes(sum(best.peak.values()))} per rank "
+        f"predicted ({launch})"
+    )
+    return {"keys": best.layout.keys(), "line": line}
+
+
+def _best(cfg: Config, world: int, keys: dict[str, str], profile: Profile) -> tuple[Prediction, int]:
+    """The best of the layouts with the given keys, and how many of them fit. Only those are planned; the whole
+    space only to say why none fits."""
+    result: Plan = plan(cfg, world, profile, keep=keys)
     options = [p for p in result.ranked if matches(p.layout, keys)]
+    if options:
+        return options[0], len(options)
+    result = plan(cfg, world, profile) if keys else result
     fixed = f" with {' '.join(f'{k}={v}' for k, v in keys.items())}" if keys else ""
     reasons = {line for _, line in result.refused}
     if not result.ranked and not result.unfit and len(reasons) == 1:
         raise ConfigError(reasons.pop())  # the model or batch itself is wrong, whatever the layout
-    if not options:
-        head = f"parallel.auto=true: no layout of {world} ranks"
-        if not result.ranked and not result.unfit:
-            example = min(reasons, key=len) if reasons else "none to try"
-            why = f"is accepted for {cfg.model.name} with a global batch of {cfg.train.global_batch_size} ({example})"
-        elif not result.ranked:
-            why = f"fits {cfg.model.name} in {format_bytes(profile.usable_fraction * profile.memory_bytes)}"
-        else:
-            why = f"has{fixed.removeprefix(' with')} ({len(result.ranked)} others fit)"
-        raise ConfigError(f"{head} {why}; launch another number of processes or change the batch or the given keys")
-    best = options[0]
-    chosen = best.layout.apply(cfg)
-    launch = " ".join(launch_overrides(best, cfg)) or "the layout as configured"
-    line = (
-        f"parallel.auto: {best.label}, the best of {len(options)} layouts{fixed} for {world} ranks by the planner on "
-        f"{profile.name}: {best.tokens_per_s:,.0f} tokens/s and {format_bytes(sum(best.peak.values()))} per rank "
-        f"predicted ({launch})"
-    )
-    return chosen, line
+    head = f"parallel.auto=true: no layout of {world} ranks"
+    if not result.ranked and not result.unfit:
+        example = min(reasons, key=len) if reasons else "none to try"
+        why = f"is accepted for {cfg.model.name} with a global batch of {cfg.train.global_batch_size} ({example})"
+    elif not result.ranked:
+        why = f"fits {cfg.model.name} in {format_bytes(profile.usable_fraction * profile.memory_bytes)}"
+    else:
+        why = f"has{fixed.removeprefix(' with')} ({len(result.ranked)} others fit)"
+    raise ConfigError(f"{head} {why}; launch another number of processes or change the batch or the given keys")
