@@ -38,8 +38,8 @@ def counts_here(placement: Placement, groups: ProcessGroups, dp_sharded: bool) -
         return False
     if placement.split_dim is None and groups.tp_rank != 0:
         return False
-    if placement.expert_split:  # experts (ep > 1, where cp is 1): each counted on the ranks of one ep group
-        return dp_sharded or groups.dp_rank < placement.ep_size
+    if placement.expert_split:  # experts (ep > 1): each counted on the ranks of one ep group (of cp rank 0)
+        return dp_sharded or (groups.dp_rank < placement.ep_size and groups.cp_rank == 0)
     return dp_sharded or groups.grad_rank == 0  # one of the dp x cp ranks that hold the same reduced gradient
 
 

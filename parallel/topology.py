@@ -17,7 +17,8 @@ same piece of the model: cp ranks hold the whole model and see different tokens,
 
 Expert parallelism (``ep``, dividing dp) cuts each dp group into runs of ep consecutive members: an ep group holds
 one copy of all the experts, E / ep on each rank (ep rank = dp % ep); the ranks holding the same experts (same
-dp % ep) are an expert-data-parallel group, over which expert gradients reduce. With 8 ranks, dp=4, tp=2, ep=2:
+dp % ep, any cp rank) are an expert-data-parallel group, over which expert gradients reduce. With 8 ranks, dp=4,
+tp=2, ep=2:
 
     dp groups:         [0, 2, 4, 6] [1, 3, 5, 7]
     ep groups:         [0, 2] [4, 6] [1, 3] [5, 7]
@@ -110,8 +111,13 @@ class Topology:
         return sorted(g[i : i + self.ep] for g in self.dp_groups() for i in range(0, self.dp, self.ep))
 
     def expert_dp_groups(self) -> list[list[int]]:
-        """The members of each dp group holding the same experts (the same dp % ep): expert gradients reduce here."""
-        return sorted(g[i :: self.ep] for g in self.dp_groups() for i in range(self.ep))
+        """The members of each dp x cp group holding the same experts (the same dp % ep; every cp rank holds its dp
+        rank's): expert gradients reduce here."""
+        groups = []
+        for g in self.dp_cp_groups():  # dp-major: cp consecutive members per dp rank
+            by_dp = [g[i : i + self.cp] for i in range(0, len(g), self.cp)]
+            groups += [[r for ranks in by_dp[i :: self.ep] for r in ranks] for i in range(self.ep)]
+        return sorted(groups)
 
     def model_parallel_groups(self) -> list[list[int]]:
         """tp x pp: every rank that holds a piece of one model replica (and sees the same tokens)."""

@@ -24,6 +24,9 @@ def test_ep_groups_are_runs_of_each_dp_group():
     t = Topology(dp=4, pp=2, tp=1, ep=4)
     assert t.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert t.expert_dp_groups() == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    t = Topology(dp=2, pp=1, tp=1, cp=2, ep=2)  # ranks (dp, cp): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1)
+    assert t.ep_groups() == [[0, 2], [1, 3]]
+    assert t.expert_dp_groups() == [[0, 1], [2, 3]]  # every cp rank of a dp rank holds its experts
 
 
 def test_an_expert_placement_is_a_block_of_rows_per_ep_rank():
@@ -138,3 +141,32 @@ def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, 
             for key in ("moe/aux_loss", "moe/load/1", "moe/load/3"):
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
     _assert_estimate_exact(tmp_path / "run")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
+        ["parallel.cp=2", "parallel.ep=2", "parallel.zero=1"],
+        ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_comm=allgather"],
+    ],
+    ids=["tp2-sp-ep2", "cp2-ep2-zero1", "cp2-tp2-sp"],
+)
+def test_moe_with_a_sequence_split_over_ranks_gives_the_one_process_curve(tiny_dataset, references, tmp_path, layout):
+    """Four ranks, each sequence split over tp (sequence parallelism), cp (head-tail chunks) or both: each rank routes
+    its own tokens; the balancing loss sums its statistics over the split, the capacity keeps the pairs one process
+    keeps (by their place in the whole sequence), the expert and router gradients are summed as the layout sums
+    replicated ones; with ep the all-to-all carries each rank's own tokens."""
+    overrides = tiny(
+        tiny_dataset, "model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "train.steps=3", "train.eval_every=0",
+        "train.micro_batch_size=2", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=1e-3",
+        "model.moe.capacity_factor=1.0", "model.moe.bias_update_rate=0.05",
+    )  # fmt: skip
+    one = references.history(overrides)
+    assert all(row["moe/dropped"] > 0 for row in one)
+    for history in train_in_process(tmp_path / "run", [*overrides, *layout], world=4):
+        assert_same_curve(one, history)
+        for mine, theirs in zip(one, history, strict=True):
+            for key in ("moe/aux_loss", "moe/z_loss", "moe/dropped", "moe/load/1", "moe/load/3"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key

@@ -211,17 +211,6 @@ def validate(cfg: Config, world_size: int) -> Layout:
         not par.sequence_parallel or par.tp > 1,
         "parallel.sequence_parallel=true needs parallel.tp > 1",
     )
-    # Each tp rank would route only its sequence shard: the balancing losses and counts would be the shard's.
-    _need(
-        not (par.sequence_parallel and m.moe.enabled),
-        "parallel.sequence_parallel=true with model.moe.experts > 0 is not supported; set "
-        "parallel.sequence_parallel=false (the experts are held whole by every tp rank)",
-    )
-    # Likewise each cp rank would route only its part of the sequence.
-    _need(
-        not (par.cp > 1 and m.moe.enabled),
-        f"parallel.cp={par.cp} with model.moe.experts > 0 is not supported yet; set parallel.cp=1",
-    )
     _context_rules(m, par)
 
     _check_ep(par.ep, m)
