@@ -48,6 +48,7 @@ to the row it left from. Only the order of the rows the experts see changes, so 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.config import ModelConfig, MoEConfig
-from trident.parallel.comm import GroupShape, all_to_all, gather_sequence, rank_and_size, reduce_from_region
+from trident.parallel.comm import (
+    GroupShape,
+    Timer,
+    all_to_all,
+    gather_sequence,
+    rank_and_size,
+    reduce_from_region,
+)
 from trident.parallel.context.split import head_tail_order, rank_index
 from trident.parallel.placement import Placement, replicated, set_placement
 
@@ -227,6 +235,7 @@ class MoE(nn.Module):
         self.ep_group = ep_group
         self.experts = Experts(cfg, self.ep_rank, self.ep_size)
         self.shared = shared
+        self.timer: Timer | None = None  # a context each all-to-all of the experts runs in (tools/bench.py moe)
         # The gradient the auxiliary losses get per token of a micro-batch: set by the runner (set_loss_multiplier).
         self.loss_multiplier = 0.0
         # A step's sums (training forwards only, each counted once): tokens per expert (before any drop), dropped
@@ -307,17 +316,18 @@ class MoE(nn.Module):
         ep, local = self.ep_size, self.n_local
         send_counts = kept.view(ep, local)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source, local expert]
-        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        got = all_to_all(rows, send, recv, self.ep_group)  # source-major, each source's rows expert-major
-        counts = recv_counts.tolist()
-        starts = (recv_counts.reshape(-1).cumsum(0) - recv_counts.reshape(-1)).view(ep, local).tolist()
-        spans = [range(starts[s][e], starts[s][e] + counts[s][e]) for e in range(local) for s in range(ep)]
-        perm = torch.tensor([i for span in spans for i in span], dtype=torch.long, device=rows.device)
-        y = self.experts(got[perm], recv_counts.sum(0).tolist())
+        with self.timer(rows.device) if self.timer is not None else nullcontext():
+            dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source, local expert]
+        table = recv_counts.tolist()  # the one read on the host: the split sizes the exchanges need
+        send, recv = send_counts.sum(1).tolist(), [sum(row) for row in table]
+        got = all_to_all(rows, send, recv, self.ep_group, self.timer)  # source-major, each source's expert-major
+        # Each received row's local expert; a stable sort puts them expert-major, sources in order within each.
+        expert = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+        perm = expert.argsort(stable=True)
+        y = self.experts(got[perm], [sum(column) for column in zip(*table, strict=True)])
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
-        return all_to_all(y[back], recv, send, self.ep_group)
+        return all_to_all(y[back], recv, send, self.ep_group, self.timer)
 
     @property
     def n_local(self) -> int:
