@@ -19,8 +19,8 @@ only: every rank all the experts) against each ``--ep`` (each rank experts / ep,
 in alternating rounds from the same weights on the same batches; tokens/s, the ep row over the dp row (the issue's
 target: ep 2 at least 0.8x of dp 2), the time rank 0 spent inside the experts' all-to-alls per step (the counts,
 the dispatch and the combine, forward and backward: ``ExchangeTimer`` around each call, so waiting for the other
-ranks is in it) and its share of the step, and each variant's last loss (equal: the same step). ``--shapes`` with
-no value leaves the grouped-product table out.
+ranks is in it) and its share of the step, rank 0's CPU time per step, and each variant's last loss (equal: the
+same step). ``--shapes`` with no value leaves the grouped-product table out.
 """
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ def run(args: argparse.Namespace) -> list[Table]:
     return [*tables, ep_table(args)] if args.ep else tables
 
 
-EP_HEADER = ["variant", "ranks", "tokens/s", "spread", "x dp", "all-to-all ms/step", "of the step", "last loss"]
+EP_HEADER = [
+    "variant", "ranks", "tokens/s", "spread", "x dp", "all-to-all ms/step", "of the step", "CPU ms/step", "last loss",
+]  # fmt: skip
 
 
 def ep_table(args: argparse.Namespace) -> Table:
@@ -148,7 +150,7 @@ def ep_table(args: argparse.Namespace) -> Table:
         wall, exchange = Stat.of(result[name]["wall"]).median, Stat.of(result[name]["exchange"]).median
         t.add(name, world, number(rate.median), spread(result[name]["wall"]),
               ratio(rate.median, rates["ep 1"].median), number(1e3 * exchange, ".1f"), f"{100 * exchange / wall:.0f}%",
-              f"{result[name]['last_loss']:.6f}")  # fmt: skip
+              number(1e3 * Stat.of(result[name]["cpu"]).median, ".1f"), f"{result[name]['last_loss']:.6f}")  # fmt: skip
     return t
 
 
@@ -232,5 +234,10 @@ def _ep_rank(rank: int, world: int, job: EpJob) -> dict:
     for name in trainers:
         timed = exchange[name][job.warmup :]  # per step, in order: each round's steps, averaged per round
         rounds = [sum(timed[r * job.steps : (r + 1) * job.steps]) / job.steps for r in range(job.rounds)]
-        out[name] = {"wall": timings[name].wall, "exchange": rounds, "last_loss": losses[name][-1]}
+        out[name] = {
+            "wall": timings[name].wall,
+            "cpu": timings[name].cpu,
+            "exchange": rounds,
+            "last_loss": losses[name][-1],
+        }
     return out
