@@ -83,6 +83,21 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None
 
 
+class Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` whose inverse is ``inverse``: backward gathers the gradient by the
+    inverse, where indexing's backward would scatter-add it (an accumulating index_put, slow on a CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward: a forward now is a recomputation, whose routing is already counted."""
     return torch._C._current_graph_task_id() != -1
@@ -324,10 +339,10 @@ class MoE(nn.Module):
         # Each received row's local expert; a stable sort puts them expert-major, sources in order within each.
         expert = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
         perm = expert.argsort(stable=True)
-        y = self.experts(got[perm], [sum(column) for column in zip(*table, strict=True)])
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
-        return all_to_all(y[back], recv, send, self.ep_group, self.timer)
+        y = self.experts(Permute.apply(got, perm, back), [sum(column) for column in zip(*table, strict=True)])
+        return all_to_all(Permute.apply(y, back, perm), recv, send, self.ep_group, self.timer)
 
     @property
     def n_local(self) -> int:
