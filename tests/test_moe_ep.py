@@ -24,9 +24,16 @@ def test_ep_groups_are_runs_of_each_dp_group():
     t = Topology(dp=4, pp=2, tp=1, ep=4)
     assert t.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert t.expert_dp_groups() == [[0], [1], [2], [3], [4], [5], [6], [7]]
-    t = Topology(dp=2, pp=1, tp=1, cp=2, ep=2)  # ranks (dp, cp): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1)
-    assert t.ep_groups() == [[0, 2], [1, 3]]
-    assert t.expert_dp_groups() == [[0, 1], [2, 3]]  # every cp rank of a dp rank holds its experts
+    # ep drawn from dp x cp, cp fastest: ranks (dp, cp) 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1) at tp=1.
+    t = Topology(dp=2, pp=1, tp=1, cp=2, ep=2)
+    assert t.ep_groups() == [[0, 1], [2, 3]] and t.expert_dp_groups() == [[0, 2], [1, 3]]
+    t = Topology(dp=2, pp=1, tp=2, cp=2, ep=4)  # dp x cp groups [0, 2, 4, 6] [1, 3, 5, 7]
+    assert t.ep_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert t.expert_dp_groups() == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    t = Topology(dp=1, pp=1, tp=1, cp=4, ep=2)
+    assert t.ep_groups() == [[0, 1], [2, 3]] and t.expert_dp_groups() == [[0, 2], [1, 3]]
+    cfg = make_config("model=moe-tiny", "train.global_batch_size=24", "parallel.cp=2", "parallel.ep=2")
+    assert validate(cfg, 2).ep == 2  # on dp 1: both ranks are one sequence's cp ranks
 
 
 def test_an_expert_placement_is_a_block_of_rows_per_ep_rank():
@@ -47,6 +54,11 @@ def test_an_expert_placement_is_a_block_of_rows_per_ep_rank():
             "parallel.ep=3 does not divide model.moe.experts=4; use parallel.ep=2",
         ),
         (["parallel.ep=4"], 2, "parallel.ep=4 does not divide the 2 data-parallel ranks; use parallel.ep=2"),
+        (
+            ["parallel.cp=2", "parallel.ep=4"],
+            2,
+            "parallel.ep=4 does not divide the 2 ranks of dp 1 x cp 2; use parallel.ep=2",
+        ),
         (["model=gpt-tiny", "parallel.ep=2"], 2, "parallel.ep=2 needs a model with experts"),
     ],
 )
@@ -147,16 +159,17 @@ def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, 
     "layout",
     [
         ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
-        ["parallel.cp=2", "parallel.ep=2", "parallel.zero=1"],
+        ["parallel.cp=2", "parallel.ep=4", "parallel.zero=1"],
         ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_comm=allgather"],
     ],
-    ids=["tp2-sp-ep2", "cp2-ep2-zero1", "cp2-tp2-sp"],
+    ids=["tp2-sp-ep2", "cp2-ep4-zero1", "cp2-tp2-sp"],
 )
 def test_moe_with_a_sequence_split_over_ranks_gives_the_one_process_curve(tiny_dataset, references, tmp_path, layout):
     """Four ranks, each sequence split over tp (sequence parallelism), cp (head-tail chunks) or both: each rank routes
     its own tokens; the balancing loss sums its statistics over the split, the capacity keeps the pairs one process
     keeps (by their place in the whole sequence), the expert and router gradients are summed as the layout sums
-    replicated ones; with ep the all-to-all carries each rank's own tokens."""
+    replicated ones; with ep the all-to-all carries each rank's own tokens (at cp 2 x dp 2, ep 4 is drawn from both:
+    one expert per rank, a sequence's tokens exchanged between its cp ranks too)."""
     overrides = tiny(
         tiny_dataset, "model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "train.steps=3", "train.eval_every=0",
         "train.micro_batch_size=2", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=1e-3",

@@ -77,7 +77,7 @@ REFUSALS: tuple[Unsupported, ...] = (
     ),
     Unsupported(
         "expert parallelism without experts, or with an `ep` that does not divide the experts or the data-parallel "
-        "ranks (`parallel.ep`)",
+        "(x `cp`) ranks (`parallel.ep`)",
         r"parallel\.ep=\d+ (needs a model with experts|does not divide)",
     ),
     Unsupported(
