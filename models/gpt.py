@@ -50,7 +50,7 @@ from trident.config import ModelConfig
 from trident.models.context_window import ContextWindow
 from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache
-from trident.models.moe import MoE
+from trident.models.moe import MoE, TokenSplit
 from trident.models.rope import apply_rope, rope_frequencies, rope_tables
 from trident.parallel.comm import GroupShape, rank_and_size
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
@@ -264,6 +264,7 @@ class Block(nn.Module):
         rng: RNGTracker | None,
         layer: int,
         ep_group: dist.ProcessGroup | GroupShape | None = None,
+        split: TokenSplit | None = None,
     ) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg)
@@ -272,7 +273,7 @@ class Block(nn.Module):
         if cfg.moe.is_sparse(layer):
             shared = cfg.moe.shared_experts * cfg.expert_dim
             dense = MLP(dataclasses.replace(cfg, d_ff=shared), tp_group, sequence_parallel) if shared else None
-            self.mlp: nn.Module = MoE(cfg, dense, ep_group)
+            self.mlp: nn.Module = MoE(cfg, dense, ep_group, split)
         else:
             self.mlp = MLP(cfg, tp_group, sequence_parallel)
         self.drop_attn = _residual_dropout(cfg, tp_group, sequence_parallel, rng, (layer, ATTENTION_RESIDUAL))
@@ -299,7 +300,8 @@ class GPT(nn.Module):
     its residual stream [B, T, d] (under sequence parallelism [B, T / tp, d]).
 
     ``ep_group``: the expert-parallel group; each rank holds experts / ep of every sparse layer's experts and
-    exchanges tokens with the others by all-to-all (models/moe.py). None: every expert here.
+    exchanges tokens with the others by all-to-all (models/moe.py). None: every expert here. Under sequence or
+    context parallelism each rank routes its own tokens, the balancing statistics summed over the split.
     """
 
     def __init__(
@@ -333,7 +335,9 @@ class GPT(nn.Module):
                 self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
                 replicated(self.wpe.weight)
             self.drop = _residual_dropout(cfg, tp_group, sp, rng, (EMBEDDING_LAYER, EMBEDDING))
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng, i, ep_group) for i in layers})
+        # The ranks each sequence is split over (cp, and tp under sequence parallelism): the experts' statistics.
+        split = TokenSplit(self.cp_group, tp_group if sp else None)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng, i, ep_group, split) for i in layers})
         if last:
             self.ln_f = make_norm(cfg)
             if not (first and cfg.tie_embeddings):

@@ -28,6 +28,15 @@ recomputation repeats a forward, and read by ``step_stats`` after the optimizer 
 The experts are held whole by every tensor-parallel rank (under sequence parallelism each rank routes its own
 tokens, and the GPT marks their gradients for a sum over tp, as every replicated parameter's).
 
+A sequence split over ranks (``TokenSplit``: context parallelism's head-tail chunks over cp, and under sequence
+parallelism each rank's part cut in tp contiguous shards): routing is token-wise, so each rank routes and computes
+its own tokens; what is per sequence is summed over the split. The balancing statistics (each sequence's pairs
+per expert, the scores summed over its tokens) go in one all-reduce over each group (identity backward: every rank
+computes the same aux loss and its gradient reaches each rank's own tokens, whose router gradients the layout
+sums, over tp as SP's replicated parameters, over cp with dp). With a capacity, which pairs are kept depends on
+the order of the whole sequence: every rank gathers the sequence's chosen experts (k small integers a token) and
+keeps its own pairs by their place in the whole sequence, as one process does.
+
 Expert parallelism (``ep_group`` of ep ranks, parallel.ep): ep rank r holds experts ``[r*E/ep, (r+1)*E/ep)`` (their
 rows of the stacked weights; placement ``ep_size``, so init, checkpoints, the norm and the reducer read it). Each
 rank routes its own tokens as above; its pairs, already sorted by expert, go in one run per owning rank by
@@ -39,6 +48,7 @@ to the row it left from. Only the order of the rows the experts see changes, so 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -46,7 +56,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.config import ModelConfig, MoEConfig
-from trident.parallel.comm import GroupShape, all_to_all, rank_and_size
+from trident.parallel.comm import (
+    GroupShape,
+    Timer,
+    all_to_all,
+    gather_sequence,
+    rank_and_size,
+    reduce_from_region,
+)
+from trident.parallel.context.split import head_tail_order, rank_index
 from trident.parallel.placement import Placement, replicated, set_placement
 
 
@@ -63,6 +81,21 @@ class AuxLoss(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
         shape, dtype = ctx.aux_meta
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None
+
+
+class Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` whose inverse is ``inverse``: backward gathers the gradient by the
+    inverse, where indexing's backward would scatter-add it (an accumulating index_put, slow on a CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
 
 
 def _in_backward() -> bool:
@@ -149,6 +182,56 @@ class Router(nn.Module):
         return logits, scores, chosen, weights
 
 
+class TokenSplit:
+    """The ranks one sequence's tokens are spread over: cp (head-tail chunks, parallel/context/split.py), then under
+    sequence parallelism tp (each cp rank's part cut in tp contiguous shards). None for a group not split over."""
+
+    def __init__(self, cp_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None) -> None:
+        self.cp_group, self.tp_group = cp_group, tp_group
+        self.cp_rank, self.cp = rank_and_size(cp_group)
+        self.tp_rank, self.tp = rank_and_size(tp_group)
+        self.parts = self.cp * self.tp
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        return [g for g, size in ((self.tp_group, self.tp), (self.cp_group, self.cp)) if g is not None and size > 1]
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks of the split (identity backward: each rank's part has slope 1)."""
+        for group in self.groups():
+            x = reduce_from_region(x, group)
+        return x
+
+    def index(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """The places in the whole sequence of this rank's ``tokens`` tokens, in its order."""
+        whole = tokens * self.parts
+        part = rank_index(whole, self.cp, self.cp_rank, device) if self.cp > 1 else torch.arange(whole, device=device)
+        return part[self.tp_rank * tokens : (self.tp_rank + 1) * tokens]
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` [b, tokens, ...] (no gradient) together: [b, tokens * parts, ...] in sequence order."""
+        for group in self.groups():  # tp's shards make each cp rank's part, the parts the sequence in rank order
+            x = gather_sequence(x, group)
+        if self.cp == 1:
+            return x
+        out = torch.empty_like(x)
+        out[:, head_tail_order(x.shape[1], self.cp, x.device)] = x
+        return out
+
+
+def _places(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chosen`` [b, t, k]: the experts of b sequences' tokens. Each pair's place among its sequence's pairs of the
+    same expert, in token order [b, t, k], and the pairs per (expert, sequence) [experts * b]."""
+    b, t, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    run = flat[order] * b + order // k // t  # (expert, sequence) of each sorted pair: contiguous runs
+    per_seq = torch.bincount(run, minlength=experts * b)
+    starts = per_seq.cumsum(0) - per_seq
+    place = torch.empty_like(flat)
+    place[order] = torch.arange(flat.numel(), device=flat.device) - starts[run]
+    return place.view(b, t, k), per_seq
+
+
 class MoE(nn.Module):
     """The sparse MLP of one layer: router, routed experts and, with ``shared_experts``, a dense MLP beside them."""
 
@@ -157,14 +240,17 @@ class MoE(nn.Module):
         cfg: ModelConfig,
         shared: nn.Module | None = None,
         ep_group: dist.ProcessGroup | GroupShape | None = None,
+        split: TokenSplit | None = None,
     ) -> None:
         super().__init__()
         self.moe = cfg.moe
+        self.split = split if split is not None and split.parts > 1 else None  # a sequence split over ranks
         self.router = Router(cfg)
         self.ep_rank, self.ep_size = rank_and_size(ep_group)
         self.ep_group = ep_group
         self.experts = Experts(cfg, self.ep_rank, self.ep_size)
         self.shared = shared
+        self.timer: Timer | None = None  # a context each all-to-all of the experts runs in (tools/bench.py moe)
         # The gradient the auxiliary losses get per token of a micro-batch: set by the runner (set_loss_multiplier).
         self.loss_multiplier = 0.0
         # A step's sums (training forwards only, each counted once): tokens per expert (before any drop), dropped
@@ -182,8 +268,10 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k, e = x.shape[0], self.moe.top_k, self.moe.experts
-        t = shape[-2] if len(shape) > 2 else n  # tokens per sequence
+        t = shape[-2] if len(shape) > 2 else n  # this rank's tokens per sequence
         b = n // t
+        split = self.split
+        parts = 1 if split is None else split.parts  # the ranks each sequence is split over
         logits, scores, chosen, weights = self.router(x)
 
         # Dispatch: the pairs sorted by expert (stable: each expert's tokens in token order, so sequence by
@@ -192,16 +280,17 @@ class MoE(nn.Module):
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=e)
-        run = flat[order] * b + order // k // t  # (expert, sequence) of each sorted pair: contiguous runs
-        per_seq = torch.bincount(run, minlength=e * b)
-        cap = self.capacity(t)
-        if cap is not None:  # a pair's place in its (expert, sequence) run decides whether it is kept
-            starts = per_seq.cumsum(0) - per_seq
-            place = torch.arange(n * k, device=x.device) - starts[run]
-            order = order[place < cap]
-            kept = per_seq.clamp(max=cap).view(e, b).sum(1)
-        else:
+        cap = self.capacity(t * parts)
+        if cap is None:
+            run = flat[order] * b + order // k // t  # (expert, sequence) of each sorted pair: contiguous runs
+            per_seq = torch.bincount(run, minlength=e * b)
             kept = counts
+        else:  # a pair's place in its (expert, sequence) run, in the whole sequence, decides whether it is kept
+            place, per_seq = _places(chosen.view(b, t, k) if split is None else split.whole(chosen.view(b, t, k)), e)
+            if split is not None:
+                place = place[:, split.index(t, x.device)]
+            order = order[place.reshape(-1)[order] < cap]
+            kept = torch.bincount(flat[order], minlength=e)
         token = order // k
         y = self.experts(x[token], kept.tolist()) if self.ep_size == 1 else self._exchange(x[token], kept)
         y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
@@ -209,17 +298,28 @@ class MoE(nn.Module):
 
         # Load balancing (Switch / GShard, per sequence as DeepSeek-V3's sequence-wise loss): E * sum_i f_i P_i,
         # f_i the share of a sequence's pairs expert i was chosen for, P_i its mean (normalised) score over the
-        # sequence, averaged over the sequences; and the router z-loss.
+        # sequence, averaged over the sequences; and the router z-loss. A split sequence's sums are the split's.
         probs = scores if self.moe.router == "softmax" else scores / scores.sum(-1, keepdim=True)
-        share = per_seq.view(e, b).t().float() / (t * k)  # [b, e]
-        aux = e * (share * probs.view(b, t, e).mean(1)).sum(-1).mean()
+        if split is None:
+            mean = probs.view(b, t, e).mean(1)
+        else:
+            sums = probs.view(b, t, e).sum(1).flatten()
+            if cap is None:  # the counts travel with the scores, in one all-reduce
+                per_seq, sums = split.total(torch.cat([per_seq.to(sums.dtype), sums])).split([e * b, b * e])
+            else:
+                sums = split.total(sums)
+            mean, per_seq = sums.view(b, e) / (t * parts), per_seq.detach()
+        share = per_seq.view(e, b).t().float() / (t * parts * k)  # [b, e]
+        aux = e * (share * mean).sum(-1).mean()
         z = logits.logsumexp(-1).square().mean()
         if self.training and not _in_backward():
             with torch.no_grad():
                 self.step_counts += counts.double()
                 dropped = (counts - kept).sum().double()
                 self.step_sums += torch.stack([dropped, dropped.new_tensor(float(n)), n * aux.double(), n * z.double()])
-        extra = self.moe.aux_loss_coef * aux + self.moe.z_loss_coef * z
+        # The gradient is the runner's multiplier times this rank's tokens: the z-loss is theirs alone, the aux loss
+        # the whole sequence's (every rank of a split holds it whole and passes each its own tokens' share).
+        extra = self.moe.aux_loss_coef * parts * aux + self.moe.z_loss_coef * z
         if self.training and torch.is_grad_enabled() and self.loss_multiplier and extra.requires_grad:
             out = AuxLoss.apply(out, extra, self.loss_multiplier * n)
         out = out.reshape(shape)
@@ -231,17 +331,18 @@ class MoE(nn.Module):
         ep, local = self.ep_size, self.n_local
         send_counts = kept.view(ep, local)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source, local expert]
-        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        got = all_to_all(rows, send, recv, self.ep_group)  # source-major, each source's rows expert-major
-        counts = recv_counts.tolist()
-        starts = (recv_counts.reshape(-1).cumsum(0) - recv_counts.reshape(-1)).view(ep, local).tolist()
-        spans = [range(starts[s][e], starts[s][e] + counts[s][e]) for e in range(local) for s in range(ep)]
-        perm = torch.tensor([i for span in spans for i in span], dtype=torch.long, device=rows.device)
-        y = self.experts(got[perm], recv_counts.sum(0).tolist())
+        with self.timer(rows.device) if self.timer is not None else nullcontext():
+            dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source, local expert]
+        table = recv_counts.tolist()  # the one read on the host: the split sizes the exchanges need
+        send, recv = send_counts.sum(1).tolist(), [sum(row) for row in table]
+        got = all_to_all(rows, send, recv, self.ep_group, self.timer)  # source-major, each source's expert-major
+        # Each received row's local expert; a stable sort puts them expert-major, sources in order within each.
+        expert = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+        perm = expert.argsort(stable=True)
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
-        return all_to_all(y[back], recv, send, self.ep_group)
+        y = self.experts(Permute.apply(got, perm, back), [sum(column) for column in zip(*table, strict=True)])
+        return all_to_all(Permute.apply(y, back, perm), recv, send, self.ep_group, self.timer)
 
     @property
     def n_local(self) -> int:
@@ -279,20 +380,24 @@ def step_stats(
     moe: MoEConfig,
     dp_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """After the optimizer step: the step's routing summed over dp (one all-reduce), the loss-free bias moved by
-    it, and the metrics of every sparse layer (gathered over the pipeline stages, ``pp_group``): ``moe/aux_loss``
-    (mean over the sparse layers, token-weighted over the step), ``moe/z_loss``, ``moe/load/<layer>`` (max over
-    mean tokens per expert) and, with a capacity, ``moe/dropped`` (the share of (token, expert) pairs dropped). The
-    sums start again from zero. Every rank calls it; a dense model returns an empty row (no collective)."""
+    """After the optimizer step: the step's routing summed over dp (one all-reduce; ``dp_group`` is dp x cp under
+    context parallelism, and under sequence parallelism a second over ``tp_group``: every rank routed its own tokens),
+    the loss-free bias moved by it, and the metrics of every sparse layer (gathered over the pipeline stages,
+    ``pp_group``): ``moe/aux_loss`` (mean over the sparse layers, token-weighted over the step), ``moe/z_loss``,
+    ``moe/load/<layer>`` (max over mean tokens per expert) and, with a capacity, ``moe/dropped`` (the share of (token,
+    expert) pairs dropped). The sums start again from zero. Every rank calls it; a dense model returns an empty row (no
+    collective)."""
     if not moe.enabled:
         return {}
     layers = moe_layers(modules)
     per_layer: dict[int, tuple[float, float, float, float, float]] = {}  # aux, z, dropped, pairs, load
     if layers:
         stacked = torch.cat([torch.cat([m.step_sums, m.step_counts]) for m in layers.values()])
-        if dp_group is not None and dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(stacked, group=dp_group)
+        for group in (dp_group, tp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(stacked, group=group)
         offset = 0
         for layer, m in sorted(layers.items()):
             sums, counts = stacked[offset : offset + 4], stacked[offset + 4 : offset + 4 + m.moe.experts]

@@ -19,12 +19,16 @@ to several consumers (an add's backward gives the same tensor to both operands).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 SEQ_DIM = 1
+
+Timer = Callable[[torch.device], AbstractContextManager]  # a context per collective call, on that device
 
 # torch renamed the flat collectives; pyproject allows torch >= 2.4, which has only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -195,16 +199,21 @@ def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
 
 class AllToAll(torch.autograd.Function):
     """Rows ``[sum(send), ...]`` of ``x``: the first ``send[0]`` to rank 0 of ``group``, the next to rank 1, ...;
-    returns the ``sum(recv)`` rows received, rank 0's first. Backward sends the gradients back the same way."""
+    returns the ``sum(recv)`` rows received, rank 0's first. Backward sends the gradients back the same way.
+    ``timer``: called with the device, a context each exchange runs in, forward and backward (the bench's)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all(x, send, recv, group)
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None
+    ) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.timer = send, recv, group, timer
+        with timer(x.device) if timer is not None else nullcontext():
+            return _all_to_all(x, send, recv, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        with ctx.timer(grad.device) if ctx.timer is not None else nullcontext():
+            return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -213,5 +222,7 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.P
     return out
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    return AllToAll.apply(x, send, recv, group)
+def all_to_all(
+    x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
+) -> torch.Tensor:
+    return AllToAll.apply(x, send, recv, group, timer)

@@ -75,7 +75,7 @@ class ProcessGroups:
 
     @property
     def ep_rank(self) -> int:
-        return self.coord.dp % self.topology.ep
+        return self.grad_rank % self.topology.ep
 
     @property
     def tp_rank(self) -> int:

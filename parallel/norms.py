@@ -8,7 +8,7 @@ Each gradient element of the one-process model must be counted exactly once, whi
 - replicated over dp (gradients all-reduced, ZeRO < 2): only dp rank 0 counts; sharded over dp (ZeRO 2/3):
   every dp rank counts its shard;
 - an expert block (split over the ep group, reduced over the expert-dp group): each rank of the first ep group
-  (dp rank < ep) counts its own experts.
+  (dp x cp rank < ep) counts its own experts.
 
 Every rank adds its counted squares and one all-reduce over the whole world sums them. A piece a rank does
 not count is multiplied by zero rather than skipped, so a NaN or Inf anywhere still poisons the sum: the
@@ -38,8 +38,8 @@ def counts_here(placement: Placement, groups: ProcessGroups, dp_sharded: bool) -
         return False
     if placement.split_dim is None and groups.tp_rank != 0:
         return False
-    if placement.expert_split:  # experts (ep > 1, where cp is 1): each counted on the ranks of one ep group
-        return dp_sharded or groups.dp_rank < placement.ep_size
+    if placement.expert_split:  # experts (ep > 1): each counted on the ranks of one ep group
+        return dp_sharded or groups.grad_rank < placement.ep_size
     return dp_sharded or groups.grad_rank == 0  # one of the dp x cp ranks that hold the same reduced gradient
 
 

@@ -154,7 +154,8 @@ class GradReducer:
         return dist.all_reduce(bucket.grads, group=bucket.group, async_op=True)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.work = self.reduce_bucket(bucket)
+        if bucket.group is None or dist.get_world_size(bucket.group) > 1:  # expert-dp of one (ep = dp): summed
+            bucket.work = self.reduce_bucket(bucket)
         self._next[bucket.chunk] += 1
 
     def finish(self) -> None:
@@ -168,7 +169,8 @@ class GradReducer:
             # finished work frees its tensors, which takes the GIL; on gloo's worker thread that aborts
             # the process if the interpreter is shutting down ("terminate called without an active
             # exception"). Held here, the last reference is always dropped on this thread.
-            bucket.work.wait()
+            if bucket.work is not None:
+                bucket.work.wait()
             bucket.ready = 0
         self._next = dict.fromkeys(self._chunks, 0)
 

@@ -15,13 +15,18 @@ With 8 ranks, dp=2, cp=2, tp=2: cp groups [0, 2] [1, 3] [4, 6] [5, 7], dp groups
 and the dp x cp groups that reduce gradients and shard ZeRO [0, 2, 4, 6] [1, 3, 5, 7] (every rank holding the
 same piece of the model: cp ranks hold the whole model and see different tokens, like dp ranks).
 
-Expert parallelism (``ep``, dividing dp) cuts each dp group into runs of ep consecutive members: an ep group holds
-one copy of all the experts, E / ep on each rank (ep rank = dp % ep); the ranks holding the same experts (same
-dp % ep) are an expert-data-parallel group, over which expert gradients reduce. With 8 ranks, dp=4, tp=2, ep=2:
+Expert parallelism (``ep``, dividing dp x cp) cuts each dp x cp group (the ranks holding the same piece of the
+model, in the order of their gradient rank dp * cp + cp_rank) into runs of ep consecutive members: an ep group holds
+one copy of all the experts, E / ep on each rank (ep rank = gradient rank % ep); the ranks holding the same experts
+(the same gradient rank % ep) are an expert-data-parallel group, over which expert gradients reduce. At cp = 1 that
+is each dp group. With 8 ranks, dp=4, tp=2, ep=2:
 
     dp groups:         [0, 2, 4, 6] [1, 3, 5, 7]
     ep groups:         [0, 2] [4, 6] [1, 3] [5, 7]
     expert-dp groups:  [0, 4] [2, 6] [1, 5] [3, 7]
+
+and with 4 ranks, dp=2, cp=2, ep=2 (ranks 0-3 are (dp, cp) = (0, 0), (0, 1), (1, 0), (1, 1)): ep groups [0, 1]
+[2, 3] (a sequence's two cp ranks), expert-dp groups [0, 2] [1, 3].
 """
 
 from __future__ import annotations
@@ -45,14 +50,14 @@ class Topology:
     pp: int
     tp: int
     cp: int = 1
-    ep: int = 1  # expert parallelism: divides dp
+    ep: int = 1  # expert parallelism: divides dp x cp
 
     def __post_init__(self) -> None:
         for axis in ("dp", "pp", "tp", "cp", "ep"):
             if getattr(self, axis) < 1:
                 raise ConfigError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
-        if self.dp % self.ep:
-            raise ConfigError(f"parallel.ep={self.ep} does not divide dp {self.dp}; use parallel.ep=1")
+        if self.dp * self.cp % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} does not divide dp x cp {self.dp * self.cp}; use parallel.ep=1")
 
     @property
     def world_size(self) -> int:
@@ -106,12 +111,13 @@ class Topology:
         return self._groups_varying(("dp", "cp"))
 
     def ep_groups(self) -> list[list[int]]:
-        """Runs of ep consecutive members of each dp group: together they hold every expert once."""
-        return sorted(g[i : i + self.ep] for g in self.dp_groups() for i in range(0, self.dp, self.ep))
+        """Runs of ep consecutive members of each dp x cp group: together they hold every expert once."""
+        return sorted(g[i : i + self.ep] for g in self.dp_cp_groups() for i in range(0, len(g), self.ep))
 
     def expert_dp_groups(self) -> list[list[int]]:
-        """The members of each dp group holding the same experts (the same dp % ep): expert gradients reduce here."""
-        return sorted(g[i :: self.ep] for g in self.dp_groups() for i in range(self.ep))
+        """The members of each dp x cp group holding the same experts (the same gradient rank % ep): expert gradients
+        reduce here."""
+        return sorted(g[i :: self.ep] for g in self.dp_cp_groups() for i in range(self.ep))
 
     def model_parallel_groups(self) -> list[list[int]]:
         """tp x pp: every rank that holds a piece of one model replica (and sees the same tokens)."""

@@ -196,11 +196,8 @@ def test_moe_keys_are_refused_in_one_line():
     cfg = make_config("model=moe-tiny", "model.moe.top_k=5")
     with pytest.raises(ConfigError, match="model.moe.top_k=5 must be between 1 and model.moe.experts=4"):
         validate(cfg, 1)
-    cfg = make_config("model=moe-tiny", "parallel.tp=2", "parallel.sequence_parallel=true")
-    with pytest.raises(
-        ConfigError, match="parallel.sequence_parallel=true with model.moe.experts > 0 is not supported"
-    ):
-        validate(cfg, 2)
+    for layout in (["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2"]):  # each routes its own
+        assert validate(make_config("model=moe-tiny", *layout), 2)
 
 
 @pytest.mark.multiprocess

@@ -24,6 +24,16 @@ def test_ep_groups_are_runs_of_each_dp_group():
     t = Topology(dp=4, pp=2, tp=1, ep=4)
     assert t.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert t.expert_dp_groups() == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    # ep drawn from dp x cp, cp fastest: ranks (dp, cp) 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1) at tp=1.
+    t = Topology(dp=2, pp=1, tp=1, cp=2, ep=2)
+    assert t.ep_groups() == [[0, 1], [2, 3]] and t.expert_dp_groups() == [[0, 2], [1, 3]]
+    t = Topology(dp=2, pp=1, tp=2, cp=2, ep=4)  # dp x cp groups [0, 2, 4, 6] [1, 3, 5, 7]
+    assert t.ep_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert t.expert_dp_groups() == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    t = Topology(dp=1, pp=1, tp=1, cp=4, ep=2)
+    assert t.ep_groups() == [[0, 1], [2, 3]] and t.expert_dp_groups() == [[0, 2], [1, 3]]
+    cfg = make_config("model=moe-tiny", "train.global_batch_size=24", "parallel.cp=2", "parallel.ep=2")
+    assert validate(cfg, 2).ep == 2  # on dp 1: both ranks are one sequence's cp ranks
 
 
 def test_an_expert_placement_is_a_block_of_rows_per_ep_rank():
@@ -44,6 +54,11 @@ def test_an_expert_placement_is_a_block_of_rows_per_ep_rank():
             "parallel.ep=3 does not divide model.moe.experts=4; use parallel.ep=2",
         ),
         (["parallel.ep=4"], 2, "parallel.ep=4 does not divide the 2 data-parallel ranks; use parallel.ep=2"),
+        (
+            ["parallel.cp=2", "parallel.ep=4"],
+            2,
+            "parallel.ep=4 does not divide the 2 ranks of dp 1 x cp 2; use parallel.ep=2",
+        ),
         (["model=gpt-tiny", "parallel.ep=2"], 2, "parallel.ep=2 needs a model with experts"),
     ],
 )
@@ -87,7 +102,6 @@ def test_moe_tiny_at_ep2_gives_the_one_process_curve_and_resumes_at_ep1_and_ep4_
 def _assert_estimate_exact(run_dir) -> None:
     """The estimator's model states of each rank's pipeline stage (the largest dp rank's) are what it measured."""
     report = json.loads((run_dir / "memory.json").read_text())
-    assert report["estimate"]["layout"]["ep"] > 1
     for kind in ("params", "grads", "optimizer"):
         for stage in report["estimate"]["stages"]:
             measured = max(sum(r[kind].values()) for r in report["ranks"] if r["pp"] == stage["stage"])
@@ -136,5 +150,36 @@ def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, 
         assert_same_curve(one, history)
         for mine, theirs in zip(one, history, strict=True):
             for key in ("moe/aux_loss", "moe/load/1", "moe/load/3"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
+    _assert_estimate_exact(tmp_path / "run")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
+        ["parallel.cp=2", "parallel.ep=4", "parallel.zero=1"],
+        ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_comm=allgather"],
+    ],
+    ids=["tp2-sp-ep2", "cp2-ep4-zero1", "cp2-tp2-sp"],
+)
+def test_moe_with_a_sequence_split_over_ranks_gives_the_one_process_curve(tiny_dataset, references, tmp_path, layout):
+    """Four ranks, each sequence split over tp (sequence parallelism), cp (head-tail chunks) or both: each rank routes
+    its own tokens; the balancing loss sums its statistics over the split, the capacity keeps the pairs one process
+    keeps (by their place in the whole sequence), the expert and router gradients are summed as the layout sums
+    replicated ones; with ep the all-to-all carries each rank's own tokens (at cp 2 x dp 2, ep 4 is drawn from both:
+    one expert per rank, a sequence's tokens exchanged between its cp ranks too)."""
+    overrides = tiny(
+        tiny_dataset, "model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "train.steps=3", "train.eval_every=0",
+        "train.micro_batch_size=2", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=1e-3",
+        "model.moe.capacity_factor=1.0", "model.moe.bias_update_rate=0.05",
+    )  # fmt: skip
+    one = references.history(overrides)
+    assert all(row["moe/dropped"] > 0 for row in one)
+    for history in train_in_process(tmp_path / "run", [*overrides, *layout], world=4):
+        assert_same_curve(one, history)
+        for mine, theirs in zip(one, history, strict=True):
+            for key in ("moe/aux_loss", "moe/z_loss", "moe/dropped", "moe/load/1", "moe/load/3"):
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
     _assert_estimate_exact(tmp_path / "run")

@@ -19,7 +19,8 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
     python tools/bench.py moe                          # MoE experts: one grouped product vs a matmul per expert
     python tools/bench.py cp                           # context parallelism: cp 1, 2, 4 with each exchange vs dp=2,
                                                        # activation bytes per rank and tokens/s
-    python tools/bench.py moe --ep 2                   # ... and training steps at ep 1 against ep 2 on 2 ranks
+    python tools/bench.py moe --ep 2                   # ... and training steps at ep 1 against ep 2 on 2 ranks,
+                                                       #     with the time in the all-to-alls
 
 ``python tools/bench.py <subcommand> --help`` says what each measures. ``--out FILE`` also writes the tables.
 """

@@ -91,6 +91,8 @@ class Trainer:
         self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
         self.moe = cfg.model.moe
+        # Under sequence parallelism each tp rank routes its own tokens: their routing is summed over tp too.
+        self.routing_tp_group = groups.tp_group if layout.sequence_parallel and groups.tp_size > 1 else None
         self.checkpointer, self.stop, self.after_first_step = checkpointer, stop, after_first_step
         self.make_logger = make_logger or (lambda start: None)
         gbs = train_cfg.global_batch_size
@@ -141,7 +143,7 @@ class Trainer:
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
         # The loss-free bias moves after the step; the routing of every stage's sparse layers is in every row.
         pp_group = self.groups.pp_group if self.groups.pp_size > 1 else None
-        moe = step_stats(self.model_chunks, self.moe, self.groups.dp_group, pp_group)
+        moe = step_stats(self.model_chunks, self.moe, self.groups.grad_group, pp_group, self.routing_tp_group)
         loss = shared() / self.tokens_per_step
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=skipped, moe=moe)
 

@@ -11,13 +11,16 @@ per expert). Each row: milliseconds per forward and backward (median over rounds
 time over the grouped one. The issue's target: the grouped path no slower.
 
     python tools/bench.py moe --ep 2 [--model moe-tiny] [--global-batch 16]   # expert parallelism, 2 ranks
+    python tools/bench.py moe --shapes --ep 2 4                                 # ep 1, 2 and 4 on 4 ranks only
 
 With ``--ep``, a second table: training steps (trident/build.py's parts and ``Trainer.train_step``, as train.py
-runs them) of ``--model`` on ``--ep`` local ranks (trident.ranks' pool) at a fixed global batch, ep = 1 (dp only:
-every rank all the experts) against ep = ``--ep`` (each rank experts / ep, tokens exchanged by all-to-all), in
-alternating rounds from the same weights on the same batches; tokens/s, the ep row over the dp row (the issue's
-target: ep 2 at least 0.8x of dp 2), and each variant's last loss (equal: the same step). Not yet measured: the
-time spent inside the all-to-all.
+runs them) of ``--model`` on max(``--ep``) local ranks (trident.ranks' pool) at a fixed global batch, ep = 1 (dp
+only: every rank all the experts) against each ``--ep`` (each rank experts / ep, tokens exchanged by all-to-all),
+in alternating rounds from the same weights on the same batches; tokens/s, the ep row over the dp row (the issue's
+target: ep 2 at least 0.8x of dp 2), the time rank 0 spent inside the experts' all-to-alls per step (the counts,
+the dispatch and the combine, forward and backward: ``ExchangeTimer`` around each call, so waiting for the other
+ranks is in it) and its share of the step, rank 0's CPU time per step, and each variant's last loss (equal: the
+same step). ``--shapes`` with no value leaves the grouped-product table out.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -45,7 +51,7 @@ from trident.build import build_parts, layout_of
 from trident.config import Config, ModelConfig, MoEConfig, compose_config
 from trident.loop import Trainer
 from trident.models.gpt import init_weights
-from trident.models.moe import MoE, grouped_mm_fits
+from trident.models.moe import MoE, grouped_mm_fits, moe_layers
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
 from trident.ranks import run_distributed
@@ -55,13 +61,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", nargs="+", default=["256x512x8x2", "512x1024x16x4"], help="d x f x experts x top_k")
+    p.add_argument("--shapes", nargs="*", default=["256x512x8x2", "512x1024x16x4"], help="d x f x experts x top_k")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward")
     p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="forward+backward per timed round")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--ep", type=int, default=0, help="also train on this many ranks at ep 1 and at this ep (0: no)")
+    p.add_argument("--ep", type=int, nargs="*", default=[], help="also train at ep 1 and at these eps, on max ranks")
     p.add_argument("--model", default="moe-tiny", help="the --ep table's preset")
     p.add_argument("--global-batch", type=int, default=16, help="the --ep table's sequences per step")
     p.add_argument("--micro-batch", type=int, default=4, help="the --ep table's sequences per micro-batch")
@@ -113,10 +119,13 @@ def run(args: argparse.Namespace) -> list[Table]:
                 ratio(loop.median, grouped.median),
                 f"{spread(timings['grouped'].wall)} / {spread(timings['loop'].wall)}",
             )
-    return [t, ep_table(args)] if args.ep > 1 else [t]
+    tables = [t] if args.shapes else []
+    return [*tables, ep_table(args)] if args.ep else tables
 
 
-EP_HEADER = ["variant", "ranks", "tokens/s", "spread", "x dp", "last loss"]
+EP_HEADER = [
+    "variant", "ranks", "tokens/s", "spread", "x dp", "all-to-all ms/step", "of the step", "CPU ms/step", "last loss",
+]  # fmt: skip
 
 
 def ep_table(args: argparse.Namespace) -> Table:
@@ -126,26 +135,61 @@ def ep_table(args: argparse.Namespace) -> Table:
         [f"model={args.model}", f"train.global_batch_size={args.global_batch}",
          f"train.micro_batch_size={args.micro_batch}", "train.steps=1000000", "optim.warmup_steps=0"],
     )  # fmt: skip
-    job = EpJob(cfg, args.ep, args.warmup, args.steps, args.rounds)
-    result = run_distributed(_ep_rank, args.ep, job, backend=pool_backend(args.ep), timeout_s=24 * 3600)[0]
+    world = max(args.ep)
+    job = EpJob(cfg, sorted(set(args.ep) - {1}), args.warmup, args.steps, args.rounds)
+    result = run_distributed(_ep_rank, world, job, backend=pool_backend(world), timeout_s=24 * 3600)[0]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     t = Table(
-        f"expert parallelism: model {cfg.model.name}, {args.ep} ranks on {result['device']}, global batch "
+        f"expert parallelism: model {cfg.model.name}, {world} ranks on {result['device']}, global batch "
         f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}; "
         f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, medians",
         EP_HEADER,
     )
     rates = {name: tokens_per_s(tokens, r["wall"]) for name, r in result.items() if name != "device"}
     for name, rate in rates.items():
-        t.add(name, args.ep, number(rate.median), spread(result[name]["wall"]),
-              ratio(rate.median, rates["ep 1"].median), f"{result[name]['last_loss']:.6f}")  # fmt: skip
+        wall, exchange = Stat.of(result[name]["wall"]).median, Stat.of(result[name]["exchange"]).median
+        t.add(name, world, number(rate.median), spread(result[name]["wall"]),
+              ratio(rate.median, rates["ep 1"].median), number(1e3 * exchange, ".1f"), f"{100 * exchange / wall:.0f}%",
+              number(1e3 * Stat.of(result[name]["cpu"]).median, ".1f"), f"{result[name]['last_loss']:.6f}")  # fmt: skip
     return t
+
+
+class ExchangeTimer:
+    """Seconds inside the experts' all-to-alls (``MoE.timer``), added up until ``take``: on a CPU the wall clock
+    around each call (gloo's collectives return when done, the wait for the other ranks included), on a GPU CUDA
+    events around it on the current stream (read by ``take``, after the step)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def __call__(self, device: torch.device) -> Iterator[None]:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+            return
+        begin = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - begin
+
+    def take(self) -> float:
+        """The seconds since the last ``take``."""
+        if self.events:
+            torch.cuda.synchronize()
+            self.seconds += sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+            self.events.clear()
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 @dataclasses.dataclass
 class EpJob:
     cfg: Config
-    ep: int
+    eps: list[int]
     warmup: int
     steps: int
     rounds: int
@@ -156,18 +200,26 @@ def _ep_rank(rank: int, world: int, job: EpJob) -> dict:
     device = rank_device(rank, world)
     cfg = job.cfg
     data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
-    trainers, losses, hooks = {}, {}, []
-    for ep in (1, job.ep):
+    trainers, losses, hooks, timers, exchange = {}, {}, [], {}, {}
+    for ep in (1, *job.eps):
+        name = f"ep {ep}"
         run_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
         groups = build_process_groups(Topology(dp=world, pp=1, tp=1, ep=ep))
         parts = build_parts(run_cfg, layout_of(run_cfg, groups), groups, device)
-        trainers[f"ep {ep}"] = Trainer(run_cfg, groups, parts, (data, data))
+        trainers[name] = Trainer(run_cfg, groups, parts, (data, data))
         hooks.append(parts.optimizer)
-        losses[f"ep {ep}"] = []
+        losses[name], exchange[name], timers[name] = [], [], ExchangeTimer()
+        for layer in moe_layers(parts.chunks).values():
+            layer.timer = timers[name]
 
     def step(name: str):
         trainer = trainers[name]
-        return lambda i: losses[name].append(trainer.train_step(i, trainer.micro_batches(i)).loss)
+
+        def one(i: int) -> None:
+            losses[name].append(trainer.train_step(i, trainer.micro_batches(i)).loss)
+            exchange[name].append(timers[name].take())
+
+        return one
 
     timings = alternate(
         {name: step(name) for name in trainers},
@@ -180,5 +232,12 @@ def _ep_rank(rank: int, world: int, job: EpJob) -> dict:
         optimizer.remove_hooks()
     out: dict = {"device": device.type}
     for name in trainers:
-        out[name] = {"wall": timings[name].wall, "last_loss": losses[name][-1]}
+        timed = exchange[name][job.warmup :]  # per step, in order: each round's steps, averaged per round
+        rounds = [sum(timed[r * job.steps : (r + 1) * job.steps]) / job.steps for r in range(job.rounds)]
+        out[name] = {
+            "wall": timings[name].wall,
+            "cpu": timings[name].cpu,
+            "exchange": rounds,
+            "last_loss": losses[name][-1],
+        }
     return out

@@ -211,17 +211,6 @@ def validate(cfg: Config, world_size: int) -> Layout:
         not par.sequence_parallel or par.tp > 1,
         "parallel.sequence_parallel=true needs parallel.tp > 1",
     )
-    # Each tp rank would route only its sequence shard: the balancing losses and counts would be the shard's.
-    _need(
-        not (par.sequence_parallel and m.moe.enabled),
-        "parallel.sequence_parallel=true with model.moe.experts > 0 is not supported; set "
-        "parallel.sequence_parallel=false (the experts are held whole by every tp rank)",
-    )
-    # Likewise each cp rank would route only its part of the sequence.
-    _need(
-        not (par.cp > 1 and m.moe.enabled),
-        f"parallel.cp={par.cp} with model.moe.experts > 0 is not supported yet; set parallel.cp=1",
-    )
     _context_rules(m, par)
 
     _check_ep(par.ep, m)
@@ -306,11 +295,10 @@ def validate(cfg: Config, world_size: int) -> Layout:
     # The fit to the launch comes before the batch arithmetic: the arithmetic of a dp that cannot run on this
     # world (parallel.dp=3 on 2 processes) would ask for a batch change that fixes nothing.
     dp = resolve_dp(par, world_size, _batch_error(tr, par, par.dp, schedule) if par.dp is not None else None)
-    fits = max(k for k in range(1, par.ep + 1) if dp % k == 0 and m.moe.experts % k == 0)
-    _need(
-        dp % par.ep == 0,
-        f"parallel.ep={par.ep} does not divide the {dp} data-parallel ranks; use parallel.ep={fits}",
-    )
+    ranks = dp * par.cp  # the ranks holding the same piece of the model, ep's to draw from
+    fits = max(k for k in range(1, par.ep + 1) if ranks % k == 0 and m.moe.experts % k == 0)
+    held = f"{dp} data-parallel ranks" if par.cp == 1 else f"{ranks} ranks of dp {dp} x cp {par.cp}"
+    _need(ranks % par.ep == 0, f"parallel.ep={par.ep} does not divide the {held}; use parallel.ep={fits}")
     error = _batch_error(tr, par, dp, schedule)
     _need(error is None, error or "")
     return _resolve(cfg, dp, schedule)

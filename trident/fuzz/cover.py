@@ -140,8 +140,11 @@ PAIRS = (
     *(("experts", f"{axis}>1") for axis in ("dp", "tp", "pp")),
     ("experts", "sharded"),
     ("experts", "train.activation_checkpointing=full"),  # routing counted once under recomputation
+    # Experts on a sequence split over ranks: the balancing statistics and a capacity over the whole sequence.
+    ("experts", "parallel.sequence_parallel=true"),
+    ("experts", "cp>1"),
     # Experts over ep ranks: their own gradient group beside tp and pp, and their ZeRO shards.
-    *(("ep>1", f"{axis}>1") for axis in ("tp", "pp")),
+    *(("ep>1", f"{axis}>1") for axis in ("tp", "pp", "cp")),
     *(("ep>1", f"parallel.zero={z}") for z in (1, 2, 3)),
 )
 

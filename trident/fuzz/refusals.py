@@ -76,13 +76,8 @@ REFUSALS: tuple[Unsupported, ...] = (
         r"model\.dropout=[\d.]+ with parallel\.cp=\d+",
     ),
     Unsupported(
-        "experts under sequence or context parallelism (`model.moe.experts` > 0 with "
-        "`parallel.sequence_parallel=true` or `parallel.cp` > 1)",
-        r"parallel\.sequence_parallel=true with model\.moe\.experts|parallel\.cp=\d+ with model\.moe\.experts",
-    ),
-    Unsupported(
         "expert parallelism without experts, or with an `ep` that does not divide the experts or the data-parallel "
-        "ranks (`parallel.ep`)",
+        "(x `cp`) ranks (`parallel.ep`)",
         r"parallel\.ep=\d+ (needs a model with experts|does not divide)",
     ),
     Unsupported(

@@ -225,20 +225,15 @@ def draw_case(seed: int, index: int) -> Case:
     block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
     extra_rng = random.Random(f"fuzz-cp-moe:{seed}:{index}")
     experts = _draw_experts(extra_rng, MISTAKE)
-    # What the validator refuses beside them (experts under sequence or context parallelism, dropout on split
-    # attention) is kept only as a mistake.
-    context: dict[str, Any] = {}
-    if not experts or extra_rng.random() < MISTAKE:
-        world, context = _draw_context(extra_rng, MISTAKE, world)
+    # What the validator refuses beside them (dropout on split attention) is kept only as a mistake.
+    world, context = _draw_context(extra_rng, MISTAKE, world)
     if context and extra_rng.random() >= MISTAKE:
         knobs["model.dropout"] = 0.0
-    if experts and knobs.get("parallel.sequence_parallel") and extra_rng.random() >= MISTAKE:
-        knobs["parallel.sequence_parallel"] = False
-    # Expert parallelism over the data-parallel ranks (drawn last from this stream, so nothing above changed): an
-    # ep dividing dp and the experts for about half of the expert cases; as a mistake one that does not, or an ep
-    # without experts.
-    dp = int(knobs.get("parallel.dp", 0)) or world // (int(knobs["parallel.tp"]) * int(knobs["parallel.pp"]))
-    dp //= int(context.get("parallel.cp", 1)) or 1
+    # Expert parallelism over the data-parallel (x cp) ranks (drawn last from this stream, so nothing above
+    # changed): an ep dividing dp x cp and the experts for about half of the expert cases; as a mistake one that
+    # does not, or an ep without experts.
+    cp = int(context.get("parallel.cp", 1)) or 1
+    dp = int(knobs.get("parallel.dp", 0)) * cp or world // (int(knobs["parallel.tp"]) * int(knobs["parallel.pp"]))
     if experts and extra_rng.random() < 0.5:
         fits = [ep for ep in (2, 4) if dp % ep == 0 and experts["model.moe.experts"] % ep == 0]
         if extra_rng.random() < MISTAKE:
