@@ -54,6 +54,7 @@ SELECTIVE_MODULES = ("norm", "mlp_act")
 _aten = torch.ops.aten
 # Matrix products and attention kernels: what a selective policy keeps unless their module is listed.
 _KERNELS = {
+    *([_aten._grouped_mm.default] if hasattr(torch, "_grouped_mm") else []),  # the experts (models/moe.py)
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,

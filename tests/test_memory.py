@@ -283,7 +283,8 @@ def _held(
 
     rope = [m.inv_freq for m in model.modules() if getattr(m, "inv_freq", None) is not None]  # RoPE's frequencies
     inputs = [x, y] if ids is None else [x, y, ids]
-    _, held = held_by_forward(forward, [*model.parameters(), *rope, *inputs])  # model state, not activations
+    state = [*model.parameters(), *model.buffers(), *rope]  # model state (the MoE statistics too), not activations
+    _, held = held_by_forward(forward, [*state, *inputs])
     return held
 
 
