@@ -51,6 +51,15 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   spans, allgather's gathered k, v and mask, ulysses' head-split q, k, v and mask)
                                   instead of the fused kernel's; RoPE's tables per sample; the batch's positions.
                                   Checked to the byte on a CPU without recomputation (tests/test_cp_memory.py).
+    sparse layers (model.moe)     the MLP's input and hidden replaced by what the router, the dispatch, the experts
+                                  and the shared experts keep (``moe_bytes``): per token routed, per (token, expert)
+                                  pair sent and per row this rank's experts receive. Routing decides the rows under
+                                  ep and with a capacity; the figure is the worst routing's (``routed_rows``: every
+                                  token's pairs on one ep rank's experts), a bound no routing exceeds, reached by
+                                  that routing; a balanced routing's is reported beside it. At ep = 1 without a
+                                  capacity every routing keeps the same bytes. Checked to the byte on a CPU for every
+                                  recomputation, tp with and without SP, and at ep 2 with the routing forced
+                                  (tests/test_moe_memory.py).
 
 For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
 without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
@@ -508,26 +517,38 @@ def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | No
     memory-bound and left out here; the planner prices it, trident/plan/ops.py). Per recomputed layer and
     micro-batch, the forward's: all its matmuls, 2 sb x the layer's matmul weights / tp, and attention's 4 sbsh /
     tp (``flops_per_token``'s convention) under ``full``; the attention core's under ``attention`` or a selective
-    list with ``attn_core``; the MLP's matmuls with ``mlp``; none under the default ``selective``. Under zb-h1 and
-    zb-v a chunk after virtual stage 0 recomputes twice (its I and its W pass)."""
+    list with ``attn_core``; the MLP's matmuls with ``mlp`` (a sparse layer's: the router's, the experts' on a
+    balanced routing's rows, the shared experts'); none under the default ``selective``. Under zb-h1 and zb-v a
+    chunk after virtual stage 0 recomputes twice (its I and its W pass)."""
     policy = policy or layout.recompute
     name, modules, every = parse_label(policy)
     if name == "none":
         return 0.0
     x = _Shape.of(m, layout)
     sb = x.s * x.b
+    mats = 3 if m.mlp == "swiglu" else 2
     core = 4.0 * sb * x.s * x.h / x.t
-    mlp = 2.0 * sb * (3 if m.mlp == "swiglu" else 2) * x.h * x.f / x.t
+    dense = 2.0 * sb * mats * x.h * x.f / x.t
     projections = 2.0 * sb * (2 * x.h * x.q + 2 * x.h * x.kv)
-    per_layer = {
-        "full": core + mlp + projections,
-        "attention": core,
-        "selective": core * ("attn_core" in modules) + mlp * ("mlp" in modules),
-    }[name]
+    sparse = 0.0
+    if m.moe.enabled:  # the router, the experts on a balanced routing's rows, the shared experts (split over tp)
+        r = routed_rows(m, layout, BALANCED)
+        shared = m.moe.shared_experts * m.expert_dim
+        sparse = 2.0 * (r.tokens * x.h * m.moe.experts + r.received * mats * x.h * m.expert_dim)
+        sparse += 2.0 * sb * mats * x.h * shared / x.t
+
+    def per_layer(mlp: float) -> float:
+        return {
+            "full": core + mlp + projections,
+            "attention": core,
+            "selective": core * ("attn_core" in modules) + mlp * ("mlp" in modules),
+        }[name]
+
     layers = m.n_layers // (layout.pp * layout.vpp)
     zero_bubble = layout.schedule in ("zb-h1", "zb-v")
-    recomputed = sum(
-        len(recomputed_layers(range(c * layers, (c + 1) * layers), name, every)) * (2 if zero_bubble and c > 0 else 1)
-        for c in rank_chunks(layout, stage)
-    )
-    return per_layer * recomputed * layout.micro_batches
+    total = 0.0
+    for c in rank_chunks(layout, stage):
+        for i in recomputed_layers(range(c * layers, (c + 1) * layers), name, every):
+            times = 2 if zero_bubble and c > 0 else 1
+            total += times * per_layer(sparse if m.moe.is_sparse(i) else dense)
+    return total * layout.micro_batches
