@@ -144,3 +144,19 @@ def test_at_ep2_the_worst_routing_is_predicted_to_the_byte_and_bounds_a_real_one
             assert rank1 <= bound and (rank1 < bound or policy == "full")
         else:
             assert max(rank0, rank1) <= bound, (precision, rank0, rank1, bound)
+
+
+def test_selective_recomputation_of_sparse_layers_gives_the_gradients_of_none() -> None:
+    """Selective recomputation keeps the experts' grouped products (models/checkpointing.py, as every other matmul;
+    the byte counts above see it): the recomputed forward reuses them, and the gradients are those of none."""
+    cfg = _moe(TINY, shared_experts=1, z_loss_coef=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, cfg.vocab_size, (2, 2, cfg.seq_len), generator=g)
+    grads = []
+    for policy in ("none", "selective"):
+        model = _model(cfg)
+        apply_activation_checkpointing(model, policy)
+        model.loss_sum(model(x), y).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
