@@ -424,3 +424,17 @@ def test_expert_parallel_layouts_are_planned_and_priced() -> None:
     forward = {o.shape for o in parts["mlp"] if o.phase == "F"}
     assert forward == {(128, 4, 64, "nt"), (256, 64, 64, "nt")}  # the router; gate, up and down on 2 x 128 rows
     assert [o.shape for o in parts["dispatch"] if o.kind == "collective"] == [("all_to_all", "ep")] * 2
+    # The expert weights' gradients reduce over dp / ep ranks, after the dense ones over dp: with an all-reduce over
+    # 2 ranks made 10^4 times slower, ep 2 (experts over 2 ranks) leaves far more exposed than ep 1 (all over 4)
+    # and ep 4 (the experts' group is one rank: nothing to reduce).
+    slow_pairs = collective_key("all_reduce", 2)
+    slow = dataclasses.replace(
+        profile, collectives=profile.collectives | {slow_pairs: Rate(rate.latency, rate.bandwidth / 1e4)}
+    )
+    exposed = []
+    for ep in (1, 2, 4):
+        variant = compose_config(REPO / "conf", ["model=moe-tiny", "train.global_batch_size=8", f"parallel.ep={ep}"])
+        timed = predict(with_keys(variant, {"train.micro_batch_size": 2}), 4, slow).time
+        assert timed is not None
+        exposed.append(timed.dp_comm)
+    assert exposed[1] > 10 * max(exposed[0], exposed[2])

@@ -234,6 +234,14 @@ def _stage_expert_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict 
     return cache[key]
 
 
+def _dense_numel(m: ModelConfig, layout: Layout, chunk: int) -> int:
+    """Parameter elements of model chunk ``chunk`` whose gradients reduce over dp x cp: all but the expert weights
+    split over ep (``_stage_expert_numel``)."""
+    rank, local = holder_of(chunk, layout.pp, stage_placement(layout.schedule))
+    model = stage_params(m, layout, rank).chunks[local]
+    return sum(p.numel() for p in model.parameters() if layout.ep == 1 or not is_expert(p))
+
+
 def _dp_reduce(
     p: Profile, layout: Layout, numel: int, backward: float, across: bool, overlapped: bool, ranks: int | None = None
 ) -> float:
@@ -348,8 +356,7 @@ def step_time(
         else:
             weights = _weight_spans(spans, r, pp, where)
             chunks = [
-                (sum(n for _, n in chunk_params(m, layout, stage_of(c, r, pp, where))), s.start, s.compute_end)
-                for c, s in weights.items()
+                (_dense_numel(m, layout, stage_of(c, r, pp, where)), s.start, s.compute_end) for c, s in weights.items()
             ]
             tail = max(0.0, _chunk_reduce_end(profile, layout, chunks, dp_across) - ends[r])
         if layout.zero >= 2 and micro > 1 and grads > 1:
