@@ -105,7 +105,6 @@ FP32 = 4
 POLICIES = ("none", "attention", "selective", "full/2", "full")
 # The sparse layers' routings the estimator reports (``routed_rows``): the worst (a bound) and a balanced one.
 WORST, BALANCED = "worst", "balanced"
-ROUTINGS = (WORST, BALANCED)
 
 
 @dataclass(frozen=True)
