@@ -13,10 +13,11 @@
                  scores, probabilities and their product with v
       mlp        the whole MLP, its matmuls too (implies mlp_act)
 
-  Its default, ``norm, mlp_act``, keeps every matrix product (the q/k/v, output and MLP projections) and the
-  attention core's output and log-sum-exp. Whatever the list, the cheap work between them is recomputed: rotary
-  embeddings, dropout (the masks redrawn), residual adds, copies and the collectives of tensor and sequence
-  parallelism; an unlisted module keeps its ops' outputs (matmuls and attention kernels only, in the core).
+  Its default, ``norm, mlp_act``, keeps every matrix product (the q/k/v, output and MLP projections, a sparse
+  MLP's router and experts' grouped products) and the attention core's output and log-sum-exp. Whatever the list,
+  the cheap work between them is recomputed: rotary embeddings, dropout (the masks redrawn), residual adds, copies,
+  the routing and the collectives of tensor, sequence and expert parallelism; an unlisted module keeps its ops'
+  outputs (matmuls and attention kernels only, in the core).
 - ``attention``: only the attention core is recomputed, as a checkpointed function whose inputs q, k, v the
   projections keep anyway (Megatron's original selective recomputation; it saves the core's s x s tensors, which
   only the explicit core of dropout has: with SDPA, its log-sum-exp).
@@ -54,6 +55,7 @@ SELECTIVE_MODULES = ("norm", "mlp_act")
 _aten = torch.ops.aten
 # Matrix products and attention kernels: what a selective policy keeps unless their module is listed.
 _KERNELS = {
+    *([_aten._grouped_mm.default] if hasattr(torch, "_grouped_mm") else []),  # the experts (models/moe.py)
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,

@@ -15,7 +15,7 @@ from torch import nn
 
 from tests.helpers.layouts import make_config, tiny, train_in_process
 from trident.build import build_parts, layout_of
-from trident.config import Config, ModelConfig, OffloadConfig, validate
+from trident.config import Config, ModelConfig, MoEConfig, OffloadConfig, validate
 from trident.layout import Layout
 from trident.memory.activations import (
     POLICIES,
@@ -29,6 +29,7 @@ from trident.memory.params import chunk_models, chunk_params, rank_chunks, stage
 from trident.memory.states import model_states
 from trident.models.checkpointing import MODULES, apply_activation_checkpointing, parse_label
 from trident.models.gpt import GPT, count_params, init_weights
+from trident.models.moe import set_loss_multiplier
 from trident.parallel.batch import Batch, document_ids
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.pipeline.schedules import build_schedule
@@ -264,8 +265,10 @@ def _held(
     if model is None:
         model = GPT(cfg, rng=rng)
         init_weights(model, cfg, 0)
-    # 16-bit parameters under autocast, as trident trains them (the ZeRO optimizer casts them at build).
+    # 16-bit parameters under autocast, as trident trains them (the ZeRO optimizer casts them at build); sparse
+    # layers keep their auxiliary losses' graph, as a runner has them (a loss multiplier set).
     model.to(PRECISION_DTYPES[precision])
+    set_loss_multiplier(model, 1.0)
     name, modules, every = parse_label(policy)
     apply_activation_checkpointing(model, name, modules=modules, every=every)
     g = torch.Generator().manual_seed(1)
@@ -283,7 +286,8 @@ def _held(
 
     rope = [m.inv_freq for m in model.modules() if getattr(m, "inv_freq", None) is not None]  # RoPE's frequencies
     inputs = [x, y] if ids is None else [x, y, ids]
-    _, held = held_by_forward(forward, [*model.parameters(), *rope, *inputs])  # model state, not activations
+    state = [*model.parameters(), *model.buffers(), *rope]  # model state (the MoE statistics too), not activations
+    _, held = held_by_forward(forward, [*state, *inputs])
     return held
 
 
@@ -503,6 +507,12 @@ def test_model_states_match_the_prediction_with_tensor_parallelism(tmp_path: Pat
     _check_states(ranks, cfg, TP_CASES, dp=world // tp, tp=tp)
 
 
+# llama-tiny with a sparse second layer: 4 experts of 64, top 2, a shared expert (tp splits it; the experts are whole).
+MOE = dataclasses.replace(
+    LLAMA, name="moe-shared", moe=MoEConfig(experts=4, top_k=2, d_expert=64, shared_experts=1, first_dense=1)
+)
+
+
 def _tp(rank: int, world: int, cfg: ModelConfig, documents: bool) -> dict:
     group = dist.group.WORLD
     out = {"params": [(n, p.numel()) for n, p in GPT(cfg, group).named_parameters()]}
@@ -523,15 +533,23 @@ def _tp(rank: int, world: int, cfg: ModelConfig, documents: bool) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "cfg,tp,documents",
-    [(SHAPES[1], 2, False), (LLAMA, 2, False), (LLAMA, 4, False), (SHAPES[1], 2, True), (LLAMA, 2, True)],
-    ids=["gpt-odd-tp2", "llama-tp2", "llama-tp4", "gpt-odd-tp2-documents", "llama-tp2-documents"],
+    [
+        (SHAPES[1], 2, False),
+        (LLAMA, 2, False),
+        (LLAMA, 4, False),
+        (SHAPES[1], 2, True),
+        (LLAMA, 2, True),
+        (MOE, 2, False),
+    ],
+    ids=["gpt-odd-tp2", "llama-tp2", "llama-tp4", "gpt-odd-tp2-documents", "llama-tp2-documents", "moe-shared-tp2"],
 )
 def test_tp_parameters_and_activations_match_the_prediction(cfg: ModelConfig, tp: int, documents: bool) -> None:
     """At tp=2 and 4 (vocab 515 padded, so the ranks' blocks differ in real rows; llama-tiny's kv heads split at
-    tp=2, replicated at tp=4): each rank's parameters are the predicted ones, and the activations of one
-    micro-batch with and without sequence parallelism are predicted to the byte on the rank with the most; also
-    with packed documents (the mask whole on every rank, the positions' shard under sequence parallelism); and
-    the vocab-parallel loss's backward transient, in fp32 and bf16."""
+    tp=2, replicated at tp=4; a sparse layer's experts whole on each rank, its shared expert split): each rank's
+    parameters are the predicted ones, and the activations of one micro-batch with and without sequence parallelism
+    are predicted to the byte on the rank with the most; also with packed documents (the mask whole on every rank,
+    the positions' shard under sequence parallelism); and the vocab-parallel loss's backward transient, in fp32 and
+    bf16."""
     ranks = run_distributed(_tp, tp, cfg, documents)
     layout = Layout(tp=tp, micro_batch_size=2, device="cpu")
     for r in ranks:

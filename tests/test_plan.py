@@ -26,7 +26,7 @@ from trident.plan.cost import (
     flops_attention,
     step_time,
 )
-from trident.plan.ops import Shape, layer_ops
+from trident.plan.ops import Shape, layer_ops, layer_parts
 from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
 from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
 from trident.plan.report import launch_overrides, plan_table
@@ -144,17 +144,21 @@ def test_plan_keeps_what_fits_and_lists_what_does_not() -> None:
         ["model=gpt-mini", "train.global_batch_size=32"],
         ["model=llama-tiny", "train.global_batch_size=16", "train.precision=bf16"],
         ["model=llama-tiny", "train.global_batch_size=8", "train.precision=bf16", "parallel.cp=2"],
+        ["model=moe-tiny", "train.global_batch_size=16", "parallel.ep=2"],
     ],
 )
 def test_memory_predictions_are_the_estimators(overrides: list[str]) -> None:
     cfg = compose_config(REPO / "conf", overrides)
-    world = 8
+    world = 4 if "parallel.ep=2" in overrides else 8  # moe-tiny's 4 experts: ep 2 and 4 on dp 4
     found = enumerate_layouts(cfg, world)
     memory = MemoryModel(cfg.model)
     accepted_layouts = found.accepted
     if "parallel.cp=2" in overrides:  # every context-parallel layout (the others are the cases above)
         accepted_layouts = [(layout, variant) for layout, variant in accepted_layouts if layout.cp > 1]
         assert {layout.cp_comm for layout, _ in accepted_layouts} == {"ring", "allgather", "ulysses"}
+    if "parallel.ep=2" in overrides:  # every expert-parallel layout: the experts' states and the routing's bound
+        accepted_layouts = [(layout, variant) for layout, variant in accepted_layouts if layout.ep > 1]
+        assert {layout.ep for layout, _ in accepted_layouts} == {2, 4}  # of 4 experts
     for accepted, variant in accepted_layouts[:: max(1, len(accepted_layouts) // 150)]:
         for device in ("cpu", "cuda"):
             layout = dataclasses.replace(accepted, device=device)
@@ -392,3 +396,45 @@ def test_a_sequence_only_context_parallelism_fits_is_planned_with_it() -> None:
     assert tight.ranked and all(p.layout.cp == 2 for p in tight.ranked)
     assert any(p.layout.cp == 1 for p in tight.unfit)
     assert tight.best is not None and "cp2" in tight.best.label
+
+
+def test_expert_parallel_layouts_are_planned_and_priced() -> None:
+    """moe-tiny on 4 ranks: ep 1, 2 and 4 (dividing dp 4 and the 4 experts) are candidates, each timed; the experts
+    are priced on the rows of their top-k pairs (the active parameters: 2 of 4 experts a token), and under ep each
+    sparse layer's dispatch and combine, forward and backward, at the measured all-to-all rate of the ep group."""
+    cfg = compose_config(REPO / "conf", ["model=moe-tiny", "train.global_batch_size=8"])
+    m = cfg.model
+    rate = Rate(1e-3, 1e9)
+    profile = cpu_profile(cores=8)
+    profile = dataclasses.replace(
+        profile, collectives=profile.collectives | {collective_key("all_to_all", g): rate for g in (2, 4)}
+    )
+    keep = {"parallel.tp": "1", "parallel.pp": "1", "parallel.zero": "0", "train.micro_batch_size": "2"}
+    keep |= {"train.activation_checkpointing": "none"}
+    found = plan(cfg, 4, profile, keep=keep)
+    by_ep = {p.layout.ep: p for p in found.ranked}
+    assert sorted(by_ep) == [1, 2, 4] and all(p.time is not None and p.tokens_per_s > 0 for p in by_ep.values())
+    # One micro-batch of 2 x 64 tokens a rank, 2 sparse layers, 4 messages each of 2 x 64 x 2 rows of 64 fp32.
+    message = 2 * 64 * 2 * 64 * 4
+    assert by_ep[1].time.tp_comm == 0
+    for ep in (2, 4):
+        assert by_ep[ep].time.tp_comm == pytest.approx(2 * 4 * rate.time(message))
+        assert ep in found.needs.groups
+    parts = layer_parts(m, Shape(2, 64, 1, False, "fp32", ep=2), sparse=True)
+    forward = {o.shape for o in parts["mlp"] if o.phase == "F"}
+    assert forward == {(128, 4, 64, "nt"), (256, 64, 64, "nt")}  # the router; gate, up and down on 2 x 128 rows
+    assert [o.shape for o in parts["dispatch"] if o.kind == "collective"] == [("all_to_all", "ep")] * 2
+    # The expert weights' gradients reduce over dp / ep ranks, after the dense ones over dp: with an all-reduce over
+    # 2 ranks made 10^4 times slower, ep 2 (experts over 2 ranks) leaves far more exposed than ep 1 (all over 4)
+    # and ep 4 (the experts' group is one rank: nothing to reduce).
+    slow_pairs = collective_key("all_reduce", 2)
+    slow = dataclasses.replace(
+        profile, collectives=profile.collectives | {slow_pairs: Rate(rate.latency, rate.bandwidth / 1e4)}
+    )
+    exposed = []
+    for ep in (1, 2, 4):
+        variant = compose_config(REPO / "conf", ["model=moe-tiny", "train.global_batch_size=8", f"parallel.ep={ep}"])
+        timed = predict(with_keys(variant, {"train.micro_batch_size": 2}), 4, slow).time
+        assert timed is not None
+        exposed.append(timed.dp_comm)
+    assert exposed[1] > 10 * max(exposed[0], exposed[2])

@@ -122,6 +122,13 @@ def report(cfg: Config, world: int, device: str) -> str:
         lines.append(f"  {'checkpoint staging (checkpoint.async)':<36} {_cell(0)} {_cell(worst.checkpoint_staging)}")
     peak = worst.peak(policy)
     lines.append(f"  {'peak (recomputation ' + policy + ')':<36} {_cell(peak['device'])} {_cell(peak['host'])}")
+    if asked.activations_are == "bound":
+        balanced = worst.activations_balanced[policy]
+        lines += [
+            "",
+            "Experts: activations are the worst routing's (every token's experts on one ep rank), a bound no routing",
+            f"exceeds; a balanced routing keeps {format_bytes(balanced)} ({policy}).",
+        ]
     lines += [
         "",
         "Not included: allocator fragmentation, communication buffers, the CUDA context.",

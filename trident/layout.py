@@ -40,6 +40,7 @@ _PLANNED = {
     "train.activation_checkpointing": "activation_checkpointing",
     "train.recompute_every": "recompute_every",
     "parallel.zero3_gather": "zero3_gather",
+    "parallel.ep": "ep",
 }
 PLANNED_KEYS = tuple(_PLANNED)
 

@@ -51,6 +51,15 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   spans, allgather's gathered k, v and mask, ulysses' head-split q, k, v and mask)
                                   instead of the fused kernel's; RoPE's tables per sample; the batch's positions.
                                   Checked to the byte on a CPU without recomputation (tests/test_cp_memory.py).
+    sparse layers (model.moe)     the MLP's input and hidden replaced by what the router, the dispatch, the experts
+                                  and the shared experts keep (``moe_bytes``): per token routed, per (token, expert)
+                                  pair sent and per row this rank's experts receive. Routing decides the rows under
+                                  ep and with a capacity; the figure is the worst routing's (``routed_rows``: every
+                                  token's pairs on one ep rank's experts), a bound no routing exceeds, reached by
+                                  that routing; a balanced routing's is reported beside it. At ep = 1 without a
+                                  capacity every routing keeps the same bytes. Checked to the byte on a CPU for every
+                                  recomputation, tp with and without SP, and at ep 2 with the routing forced
+                                  (tests/test_moe_memory.py).
 
 For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
 without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
@@ -77,19 +86,25 @@ reference to the logits themselves while backward runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.params import local_heads, rank_chunks
 from trident.models.checkpointing import parse_label, recomputed_layers
 from trident.models.gpt import padded_vocab_size
+from trident.models.moe import grouped_mm_fits
 from trident.parallel.pipeline.schedules import activation_peak, build_schedule, stage_placement
 from trident.parallel.precision import precision_policy
 
 FP32 = 4
 # The recomputations the estimator reports beside the layout's own (models/checkpointing.py ``recompute_label``).
 POLICIES = ("none", "attention", "selective", "full/2", "full")
+# The sparse layers' routings the estimator reports (``routed_rows``): the worst (a bound) and a balanced one.
+WORST, BALANCED = "worst", "balanced"
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,7 @@ class _Shape:
     documents: bool  # packed documents: a mask and positions per sample
     cp: int = 1  # context parallelism: the ranks a sequence is split over (parallel/context/)
     cp_comm: str = "ring"
+    ep: int = 1  # expert parallelism: the ranks a sparse layer's experts are divided over
 
     @classmethod
     def of(cls, m: ModelConfig, layout: Layout) -> _Shape:
@@ -138,6 +154,7 @@ class _Shape:
             documents=layout.document_mask,
             cp=layout.cp,
             cp_comm=layout.cp_comm,
+            ep=layout.ep,
         )
 
     def layer_norm(self) -> int:
@@ -202,16 +219,17 @@ class _Shape:
         return self.b * self.s * self.s if self.documents and self.device == "cpu" and self.cp == 1 else 0
 
 
-def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
+def layer_bytes(m: ModelConfig, layout: Layout, policy: str, sparse: bool = False, routing: str = WORST) -> int:
     """Activation bytes one recomputed transformer layer keeps for backward per micro-batch (see the module
-    docstring); ``policy`` a label without ``/N`` (``none``, ``attention``, ``selective[...]``, ``full``)."""
+    docstring); ``policy`` a label without ``/N`` (``none``, ``attention``, ``selective[...]``, ``full``).
+    ``sparse``: a mixture-of-experts layer, whose MLP keeps ``moe_bytes`` under ``routing``."""
     x = _Shape.of(m, layout)
     sbh, sbf = x.s * x.b * x.h, x.s * x.b * x.f
     name, modules, _ = parse_label(policy)
     if policy == "full":
         return sbh * x.e // x.t_sp
     if name == "selective":
-        return _selective_layer_bytes(m, x, set(modules))
+        return _selective_layer_bytes(m, x, set(modules), moe_bytes(m, layout, policy, routing) if sparse else None)
     masks = 2 * sbh // x.t_sp if m.dropout > 0 else 0
     core = 0  # what the attention core keeps beyond q, k, v and its output; nothing when it is recomputed
     explicit = policy == "none" and m.dropout > 0  # under attention the core is recomputed
@@ -222,11 +240,14 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
             core += x.document_mask() or x.s * x.s
         else:  # the fused kernel's fp32 logsumexp, and with packed documents its own copy of the mask as a float
             core = FP32 * x.a * x.b * x.s // x.t + x.document_mask() * x.e
-    # GELU: fc output, GELU output. SwiGLU: gate and up outputs, silu(gate), their product.
-    mlp = (4 if m.mlp == "swiglu" else 2) * sbf * x.e // x.t
+    # The fc (or gate and up) input, and GELU: fc output, GELU output; SwiGLU: gate and up outputs, silu(gate), their
+    # product. A sparse layer: what its router, experts and shared experts keep instead.
+    mlp = sbh * x.e + (4 if m.mlp == "swiglu" else 2) * sbf * x.e // x.t
+    if sparse:
+        mlp = moe_bytes(m, layout, "none", routing)
     return (
         2 * x.layer_norm()
-        + 2 * sbh * x.e  # qkv (or q and kv) and fc (or gate and up) inputs
+        + sbh * x.e  # the qkv (or q and kv) input
         + (x.context_attention() if x.cp > 1 else x.attention(explicit))
         + x.rope_tables()
         + mlp
@@ -235,14 +256,15 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
     )
 
 
-def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str]) -> int:
+def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str], sparse: int | None = None) -> int:
     """Op-level selective recomputation: the block's input and the outputs it keeps of the modules not recomputed
     (models/checkpointing.py): always the attention projections' (fused qkv, or q and kv) and the output
     projection's (whole: the partial sums before tp's reduction); the core's (SDPA's output and fp32 log-sum-exp,
     or the explicit core's scores and output) unless ``attn_core``; the MLP's matmuls unless ``mlp``; its
     activation (GELU's output, SwiGLU's silu and product) unless ``mlp_act`` or ``mlp``; the norms' outputs unless
     ``norm`` (LayerNorm's with its mean and rstd; a CPU's composite RMSNorm's fp32 rstd, normalised input and
-    its product with the gain, in fp32 before the cast back; CUDA's fused RMSNorm's output and rstd)."""
+    its product with the gain, in fp32 before the cast back; CUDA's fused RMSNorm's output and rstd). A sparse layer's
+    MLP keeps ``sparse`` bytes instead (``moe_bytes``' selective share)."""
     sb, sbh, sbf = x.s * x.b, x.s * x.b * x.h, x.s * x.b * x.f
     out = sbh * x.e // x.t_sp + sbh * x.e  # the input; the output projection
     out += sb * (3 * x.q if x.fused_qkv else x.q + 2 * x.kv) * x.e
@@ -252,7 +274,9 @@ def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str]) -> int:
         else:
             out += sb * x.q * x.e + FP32 * x.a * x.b * x.s // x.t
     hidden = (2 if m.mlp == "swiglu" else 1) * sbf * x.e // x.t
-    if "mlp" not in modules:
+    if sparse is not None:
+        out += sparse
+    elif "mlp" not in modules:
         out += hidden + sbh * x.e
         if "mlp_act" not in modules:
             out += hidden
@@ -265,6 +289,97 @@ def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str]) -> int:
         else:  # the fused kernel's output and rstd, fp32 (under 16-bit autocast too)
             out += 2 * tokens * (x.h + 1) * FP32
     return out
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The rows one sparse layer handles on a rank per micro-batch under a routing: ``tokens`` routed here, ``sent``
+    (token, expert) pairs kept (dispatched to their experts and combined back), ``received`` rows this rank's experts
+    compute (at ep = 1 the pairs sent)."""
+
+    tokens: int
+    sent: int
+    received: int
+
+
+def routed_rows(m: ModelConfig, layout: Layout, routing: str = WORST) -> Routing:
+    """Rows of a sparse layer on one rank per micro-batch (models/moe.py). The router sees b sequences of
+    t = s / t_sp tokens (under tp without sequence parallelism every tp rank routes them all); each expert keeps at
+    most c = min(t, capacity) pairs of a sequence (a token picks an expert once). ``worst``: the routing that loads
+    one rank most, every token's top k on that rank's L = E / ep experts as far as k allows, and the rest kept
+    elsewhere: it sends b min(t k, E c) pairs and receives, from each of the ep ranks, b min(t min(k, L), L c)
+    rows; routing makes no figure larger. ``balanced``: each expert t k / E of a sequence's pairs (capped), what a
+    rank sends it receives."""
+    x = _Shape.of(m, layout)
+    moe = m.moe
+    t, k, e = x.s // x.t_sp, moe.top_k, moe.experts
+    local = e // x.ep
+    cap = math.ceil(moe.capacity_factor * t * k / e) if moe.capacity_factor is not None else t
+    per_expert = min(t, cap)
+    if routing == BALANCED:
+        sent = x.b * min(t * k, e * cap)
+        return Routing(x.b * t, sent, sent)
+    sent = x.b * min(t * k, e * per_expert)
+    received = x.ep * x.b * min(t * min(k, local), local * per_expert) if x.ep > 1 else sent
+    return Routing(x.b * t, sent, received)
+
+
+def _grouped(m: ModelConfig, x: _Shape) -> bool:
+    """Whether the experts run as grouped products (models/moe.py ``grouped_mm_fits``; a GPU assumed sm80+)."""
+    dtype = torch.float32 if x.e == FP32 else torch.bfloat16
+    return m.moe.grouped_mm and grouped_mm_fits((x.h, m.expert_dim), dtype)
+
+
+def moe_bytes(m: ModelConfig, layout: Layout, policy: str = "none", routing: str = WORST) -> int:
+    """What a sparse layer's MLP (models/moe.py) keeps for backward per micro-batch in place of the dense MLP's
+    input and hidden tensors; ``policy`` ``none`` (``attention`` is the same) or a ``selective[...]`` label. With n
+    tokens routed here, S pairs sent and R rows received (``routed_rows``), E experts, L = E / ep local, k = top_k,
+    f the expert width:
+
+        router      its fp32 input 4 n h (the norm's output itself in fp32; in 16 bits a copy, and the weight's fp32
+                    copy 4 E h), the logits and scores 2 x 4 n E (z-loss's logsumexp keeps the logits), the top-k
+                    indices 8 n k, with normalised weights the gathered weights and their sum 4 n (k + 1) (a sigmoid
+                    router's balancing probabilities another 4 n), the balancing share 4 b E, the logsumexp 4 n
+        dispatch    per pair sent: its int64 order and token ids, its weight, the expert output in fp32 and weighted,
+                    S (8 + 8 + 4 + 2 x 4 h)
+        experts     per row received: its input R h e, the hidden R f e x 4 (SwiGLU: gate, up, silu, product; GELU
+                    2), under ep the int64 permutations into and out of expert order 16 R; the grouped products' int32
+                    offsets 4 L each
+        shared      a dense MLP of shared_experts x f: its hidden (as the dense MLP's) and its input sbh e where that
+                    is not the router's (16 bits, or gathered under sequence parallelism)
+
+    Selective recomputation keeps the router's logits and the experts' products (gate and up R f e each, or GELU's
+    one; down R h e), and with the activation not recomputed (``mlp_act`` unlisted) its outputs R f e (SwiGLU
+    twice), the products the routing takes: the int64 run ids 8 n k, the weighted outputs 4 S h, the share 4 b E
+    and five scalars (28 bytes); nothing with ``mlp`` listed."""
+    x = _Shape.of(m, layout)
+    moe, r = m.moe, routed_rows(m, layout, routing)
+    name, modules, _ = parse_label(policy)
+    n, e, k, f, local = r.tokens, moe.experts, moe.top_k, m.expert_dim, moe.experts // x.ep
+    mats = 3 if m.mlp == "swiglu" else 2  # the experts' matrices: gate, up, down (GELU: up, down)
+    shared_f = moe.shared_experts * f
+    shared_hidden = (mats - 1) * x.s * x.b * shared_f * x.e // x.t  # gate and up outputs (GELU: fc output)
+    if name == "selective":
+        if "mlp" in modules:
+            return 0
+        out = FP32 * n * e + r.received * ((mats - 1) * f + x.h) * x.e
+        out += shared_hidden + (x.s * x.b * x.h * x.e if shared_f else 0)
+        if "mlp_act" not in modules:
+            out += r.received * (mats - 1) * f * x.e + shared_hidden
+            out += 8 * n * k + FP32 * r.sent * x.h + FP32 * x.b * e + 28
+        return out
+    normalised = moe.router == "sigmoid" or moe.norm_topk
+    router = FP32 * n * x.h + (FP32 * e * x.h if x.e != FP32 else 0) + 2 * FP32 * n * e + 8 * n * k
+    router += FP32 * n * (k + 1) if normalised else 0
+    router += FP32 * n if moe.router == "sigmoid" else 0
+    router += FP32 * x.b * e + FP32 * n
+    dispatch = r.sent * (8 + 8 + FP32 + 2 * FP32 * x.h)
+    experts = r.received * (x.h + 2 * (mats - 1) * f) * x.e + (16 * r.received if x.ep > 1 else 0)
+    experts += FP32 * local * mats if _grouped(m, x) else 0
+    shared = 0
+    if shared_f:
+        shared = 2 * shared_hidden + (x.s * x.b * x.h * x.e if x.e != FP32 or x.t_sp > 1 else 0)
+    return router + dispatch + experts + shared
 
 
 def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) -> int:
@@ -314,24 +429,32 @@ def head_bytes(m: ModelConfig, layout: Layout) -> int:
     return x.layer_norm() + x.s * x.b * x.h * x.e + loss
 
 
-def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> int:
+def activation_bytes(
+    m: ModelConfig, layout: Layout, stage: int, policy: str | None = None, routing: str = WORST
+) -> int:
     """Peak activation bytes pipeline stage ``stage`` keeps for backward: walk its schedule, adding a chunk's
     bytes at each forward and releasing them at its backward. ``policy``: a recomputation label
-    (models/checkpointing.py ``recompute_label``), the layout's own by default."""
+    (models/checkpointing.py ``recompute_label``), the layout's own by default. ``routing``: the sparse layers'
+    (``routed_rows``): the worst, a bound, by default."""
     policy = policy or layout.recompute
     name, _, every = parse_label(policy)
     kept = policy.partition("/")[0]
     chunks = rank_chunks(layout, stage)
     layers = m.n_layers // (layout.pp * layout.vpp)
     last = layout.pp * layout.vpp - 1
-    plain = layer_bytes(m, layout, "none")
+    per_layer: dict[tuple[str, bool], int] = {}
+
+    def one(label: str, sparse: bool) -> int:
+        if (label, sparse) not in per_layer:
+            per_layer[label, sparse] = layer_bytes(m, layout, label, sparse, routing)
+        return per_layer[label, sparse]
+
     chunk_bytes = []
     for c in chunks:
         held = range(c * layers, (c + 1) * layers)  # virtual stage c's global layers (parallel/pipeline/stages.py)
-        recomputed = len(recomputed_layers(held, name, every))
+        recomputed = set(recomputed_layers(held, name, every))
         chunk_bytes.append(
-            recomputed * layer_bytes(m, layout, kept)
-            + (layers - recomputed) * plain
+            sum(one(kept if i in recomputed else "none", m.moe.is_sparse(i)) for i in held)
             + (embed_bytes(m, layout) if c == 0 else 0)
             + (head_bytes(m, layout) if c == last else 0)
             + documents_bytes(m, layout, policy if recomputed else "none", c == 0)
@@ -373,13 +496,18 @@ def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:
     return pad + cast + rows + seed
 
 
-def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None) -> int:
+def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None, routing: str = WORST) -> int:
     """Transient bytes above the held activations while backward recomputes one layer: what the layer would keep
-    without recomputation and does not under ``policy``."""
+    without recomputation and does not under ``policy`` (the larger of a dense and a sparse layer's)."""
     policy = (policy or layout.recompute).partition("/")[0]
     if policy == "none":
         return 0
-    return layer_bytes(m, layout, "none") - (0 if policy == "full" else layer_bytes(m, layout, policy))
+    kinds = {m.moe.is_sparse(i) for i in range(m.n_layers)}
+    return max(
+        layer_bytes(m, layout, "none", sparse, routing)
+        - (0 if policy == "full" else layer_bytes(m, layout, policy, sparse, routing))
+        for sparse in kinds
+    )
 
 
 def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | None = None) -> float:
@@ -388,26 +516,38 @@ def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | No
     memory-bound and left out here; the planner prices it, trident/plan/ops.py). Per recomputed layer and
     micro-batch, the forward's: all its matmuls, 2 sb x the layer's matmul weights / tp, and attention's 4 sbsh /
     tp (``flops_per_token``'s convention) under ``full``; the attention core's under ``attention`` or a selective
-    list with ``attn_core``; the MLP's matmuls with ``mlp``; none under the default ``selective``. Under zb-h1 and
-    zb-v a chunk after virtual stage 0 recomputes twice (its I and its W pass)."""
+    list with ``attn_core``; the MLP's matmuls with ``mlp`` (a sparse layer's: the router's, the experts' on a
+    balanced routing's rows, the shared experts'); none under the default ``selective``. Under zb-h1 and zb-v a
+    chunk after virtual stage 0 recomputes twice (its I and its W pass)."""
     policy = policy or layout.recompute
     name, modules, every = parse_label(policy)
     if name == "none":
         return 0.0
     x = _Shape.of(m, layout)
     sb = x.s * x.b
+    mats = 3 if m.mlp == "swiglu" else 2
     core = 4.0 * sb * x.s * x.h / x.t
-    mlp = 2.0 * sb * (3 if m.mlp == "swiglu" else 2) * x.h * x.f / x.t
+    dense = 2.0 * sb * mats * x.h * x.f / x.t
     projections = 2.0 * sb * (2 * x.h * x.q + 2 * x.h * x.kv)
-    per_layer = {
-        "full": core + mlp + projections,
-        "attention": core,
-        "selective": core * ("attn_core" in modules) + mlp * ("mlp" in modules),
-    }[name]
+    sparse = 0.0
+    if m.moe.enabled:  # the router, the experts on a balanced routing's rows, the shared experts (split over tp)
+        r = routed_rows(m, layout, BALANCED)
+        shared = m.moe.shared_experts * m.expert_dim
+        sparse = 2.0 * (r.tokens * x.h * m.moe.experts + r.received * mats * x.h * m.expert_dim)
+        sparse += 2.0 * sb * mats * x.h * shared / x.t
+
+    def per_layer(mlp: float) -> float:
+        return {
+            "full": core + mlp + projections,
+            "attention": core,
+            "selective": core * ("attn_core" in modules) + mlp * ("mlp" in modules),
+        }[name]
+
     layers = m.n_layers // (layout.pp * layout.vpp)
     zero_bubble = layout.schedule in ("zb-h1", "zb-v")
-    recomputed = sum(
-        len(recomputed_layers(range(c * layers, (c + 1) * layers), name, every)) * (2 if zero_bubble and c > 0 else 1)
-        for c in rank_chunks(layout, stage)
-    )
-    return per_layer * recomputed * layout.micro_batches
+    total = 0.0
+    for c in rank_chunks(layout, stage):
+        for i in recomputed_layers(range(c * layers, (c + 1) * layers), name, every):
+            times = 2 if zero_bubble and c > 0 else 1
+            total += times * per_layer(sparse if m.moe.is_sparse(i) else dense)
+    return total * layout.micro_batches

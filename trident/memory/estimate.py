@@ -1,7 +1,10 @@
 """The whole prediction: for every pipeline stage of a layout, the model states a rank holds (the largest dp
 shard), the transient buffers above them, and the activations at the schedule's peak under each recomputation
-policy (``estimate``). tools/estimate_memory.py prints it, train.py writes it into memory.json beside what the ranks
-measured, and the planner (trident/plan/planner.py) ranks layouts by it.
+policy (``estimate``). A mixture-of-experts model's activations depend on the routing: ``activations`` are the
+worst routing's, a bound every routing keeps within (the peak uses them), ``activations_balanced`` a balanced
+routing's (trident/memory/activations.py ``routed_rows``; empty for a dense model, whose figures are exact).
+tools/estimate_memory.py prints it, train.py writes it into memory.json beside what the ranks measured, and the
+planner (trident/plan/planner.py) ranks layouts by it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field
 from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.activations import (
+    BALANCED,
     POLICIES,
     activation_bytes,
     activation_sets,
@@ -42,6 +46,8 @@ class StageEstimate:
     loss_backward: int = 0  # transient bytes of the loss's backward (the last stage only)
     checkpoint_staging: int = 0  # checkpoint.async: host memory holding a copy of what the rank saves, for the run
     activation_sets: int = 1  # the most micro-batch x chunk activation sets held at once (the schedule's walk)
+    # A mixture-of-experts model: the activations under a balanced routing (``activations`` are the worst's, a bound).
+    activations_balanced: dict[str, int] = field(default_factory=dict)
 
     def backward_transient(self, policy: str) -> int:
         """What backward allocates above the held activations: a recomputed layer or the loss's gradients,
@@ -62,6 +68,8 @@ class Estimate:
     model: str
     layout: Layout
     total_params: int  # the model's, unpadded, tied embedding once
+    # "exact"; "bound" for a mixture-of-experts model: activations of the worst routing, which no routing exceeds
+    activations_are: str = "exact"
     stages: list[StageEstimate] = field(default_factory=list)
 
     @property
@@ -77,6 +85,7 @@ class Estimate:
 def estimate(m: ModelConfig, layout: Layout) -> Estimate:
     """Predicted per-rank bytes of every pipeline stage: model states, transient buffers and activations."""
     out = Estimate(model=m.name, layout=layout, total_params=count_params(m))
+    out.activations_are = "bound" if m.moe.enabled else "exact"
     last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))  # the loss's rank
     policies = list(dict.fromkeys((*POLICIES, layout.recompute)))  # the layout's own too
     for stage in range(layout.pp):
@@ -96,6 +105,9 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
                 loss_backward=loss_backward_bytes(m, layout) if stage == last else 0,
                 checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
                 activation_sets=activation_sets(layout, stage),
+                activations_balanced={p: activation_bytes(m, layout, stage, p, BALANCED) for p in policies}
+                if m.moe.enabled
+                else {},
             )
         )
     return out

@@ -41,6 +41,7 @@ from trident.memory.activations import stage_actions
 from trident.memory.params import chunk_params, stage_params
 from trident.models.checkpointing import recomputed_layers
 from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_grads, stage_of, stage_placement
+from trident.parallel.placement import is_expert
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, recompute_ops
 from trident.plan.profile import Needs, Profile, attention_key, collective_key, matmul_key
@@ -118,6 +119,8 @@ class Pricer:
     cp: int = 1
     cp_across_nodes: bool = False
     needs: Needs = field(default_factory=Needs)
+    ep: int = 1
+    ep_across_nodes: bool = False
 
     def matmul(self, m: int, n: int, k: int, layout: str = "nn") -> float:
         self.needs.matmuls.add((self.precision, m, n, k, layout))
@@ -141,7 +144,11 @@ class Pricer:
         measured overhead on them."""
         if op.kind == "collective":
             name, axis, *ring = op.shape
-            group, across = (tp, self.tp_across_nodes) if axis == "tp" else (self.cp, self.cp_across_nodes)
+            group, across = {
+                "tp": (tp, self.tp_across_nodes),
+                "cp": (self.cp, self.cp_across_nodes),
+                "ep": (self.ep, self.ep_across_nodes),
+            }[axis]
             self.needs.groups.add(group)
             if name == "ring":  # each step's message behind the attention of the block held meanwhile
                 self.needs.groups.add(2)
@@ -203,7 +210,7 @@ def ew_time(p: Profile, nbytes: float) -> float:
 
 def _stage_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict | None) -> int:
     """Parameter elements a rank of ``stage`` holds (its gradient buffer's, before bucket padding)."""
-    key = ("numel", layout.tp, layout.pp, layout.vpp, stage_placement(layout.schedule), stage)
+    key = ("numel", layout.tp, layout.pp, layout.vpp, layout.ep, stage_placement(layout.schedule), stage)
     if cache is None or key not in cache:
         numel = stage_params(m, layout, stage).numel
         if cache is None:
@@ -212,18 +219,45 @@ def _stage_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict | None)
     return cache[key]
 
 
-def _dp_reduce(p: Profile, layout: Layout, numel: int, backward: float, across: bool, overlapped: bool) -> float:
+def _stage_expert_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict | None) -> int:
+    """Of ``_stage_numel``, the expert weights split over ep (0 at ep = 1): their gradients reduce, and ZeRO shards
+    them, over the expert-data-parallel group, grad_ranks / ep ranks."""
+    if layout.ep == 1:
+        return 0
+    key = ("experts", layout.tp, layout.pp, layout.vpp, layout.ep, stage_placement(layout.schedule), stage)
+    if cache is None or key not in cache:
+        chunks = stage_params(m, layout, stage).chunks
+        numel = sum(p.numel() for chunk in chunks for p in chunk.parameters() if is_expert(p))
+        if cache is None:
+            return numel
+        cache[key] = numel
+    return cache[key]
+
+
+def _dense_numel(m: ModelConfig, layout: Layout, chunk: int) -> int:
+    """Parameter elements of model chunk ``chunk`` whose gradients reduce over dp x cp: all but the expert weights
+    split over ep (``_stage_expert_numel``)."""
+    rank, local = holder_of(chunk, layout.pp, stage_placement(layout.schedule))
+    model = stage_params(m, layout, rank).chunks[local]
+    return sum(p.numel() for p in model.parameters() if layout.ep == 1 or not is_expert(p))
+
+
+def _dp_reduce(
+    p: Profile, layout: Layout, numel: int, backward: float, across: bool, overlapped: bool, ranks: int | None = None
+) -> float:
     """Seconds of the gradient reduction left after the backward that fills the buckets ends. The buckets
-    (``bucket_mb`` of fp32 each) queue on the dp group in the order backward fills them; ``overlapped``: each
-    starts once backward has filled it (spread evenly over ``backward`` seconds), else all after it. A queue's
-    last job ends at max over i of (arrival of i + service of i and every job after it)."""
-    if layout.grad_ranks == 1:
+    (``bucket_mb`` of fp32 each) queue on the dp group (or ``ranks`` of it: the expert-dp group) in the order
+    backward fills them; ``overlapped``: each starts once backward has filled it (spread evenly over ``backward``
+    seconds), else all after it. A queue's last job ends at max over i of (arrival of i + service of i and every
+    job after it)."""
+    ranks = ranks or layout.grad_ranks
+    if ranks == 1 or numel == 0:
         return 0.0
     op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
     per_bucket = max(1, int(layout.bucket_mb * 2**20 / 4))
     full, rest = divmod(numel, per_bucket)
     sizes = np.array([per_bucket] * full + ([rest] if rest else []), dtype=np.float64)
-    service = np.array([collective_time(p, op, layout.grad_ranks, 4 * n, across) for n in (per_bucket, rest)])
+    service = np.array([collective_time(p, op, ranks, 4 * n, across) for n in (per_bucket, rest)])
     times = np.full(len(sizes), service[0])
     if rest:
         times[-1] = service[1]
@@ -281,6 +315,8 @@ def step_time(
         placement.spans_nodes(1, layout.tp),
         layout.cp,
         placement.spans_nodes(layout.tp, layout.cp),
+        ep=layout.ep,
+        ep_across_nodes=placement.spans_nodes(layout.tp * layout.cp, layout.ep),  # ep: runs of a dp group
     )
     if needs is not None:
         pricer.needs = needs
@@ -306,8 +342,12 @@ def step_time(
     grads = layout.grad_ranks  # dp x cp: ranks of one pipeline and tp rank, consecutive ``tp`` apart
     dp_across = placement.spans_nodes(layout.tp, grads)
     step_end = 0.0
+    expert_ranks = grads // layout.ep  # the expert-data-parallel group
+    expert_across = placement.spans_nodes(layout.tp * layout.cp * layout.ep, expert_ranks)
     for r in range(pp):
-        numel = _stage_numel(m, layout, r, cache)
+        # Expert weights (ep > 1) reduce over their own group once the dense buckets are done.
+        experts = _stage_expert_numel(m, layout, r, cache)
+        numel = _stage_numel(m, layout, r, cache) - experts
         backward = sum(costs[(stage_of(c, r, pp, where), "B")][0] for c in range(vpp)) / all_busy
         if pp == 1:
             tail = _dp_reduce(profile, layout, numel, backward, dp_across, overlapped=True)
@@ -316,8 +356,7 @@ def step_time(
         else:
             weights = _weight_spans(spans, r, pp, where)
             chunks = [
-                (sum(n for _, n in chunk_params(m, layout, stage_of(c, r, pp, where))), s.start, s.compute_end)
-                for c, s in weights.items()
+                (_dense_numel(m, layout, stage_of(c, r, pp, where)), s.start, s.compute_end) for c, s in weights.items()
             ]
             tail = max(0.0, _chunk_reduce_end(profile, layout, chunks, dp_across) - ends[r])
         if layout.zero >= 2 and micro > 1 and grads > 1:
@@ -333,6 +372,9 @@ def step_time(
                 forward = costs[(0, "F")][0] / all_busy
                 per_micro = _dp_reduce(profile, layout, numel, backward + forward, dp_across, overlapped=True)
                 tail += (micro - 1) * (per_micro + staging)
+        if experts and expert_ranks > 1:
+            tail += _dp_reduce(profile, layout, experts, 0.0, expert_across, overlapped=False, ranks=expert_ranks)
+            pricer.needs.groups.add(expert_ranks)
         step_end = max(step_end, ends[r] + tail)
     if grads > 1:
         pricer.needs.groups.add(grads)
@@ -367,7 +409,14 @@ def _pipeline(
     """Per-stage action costs, the simulated schedule's spans and the p2p hop's seconds."""
     seq = m.seq_len // layout.cp  # a rank's part of each sequence
     shape = Shape(
-        layout.micro_batch_size, seq, layout.tp, layout.sequence_parallel, layout.precision, layout.cp, layout.cp_comm
+        layout.micro_batch_size,
+        seq,
+        layout.tp,
+        layout.sequence_parallel,
+        layout.precision,
+        layout.cp,
+        layout.cp_comm,
+        layout.ep,
     )
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
     layers = _layers_per_chunk(m, layout)
@@ -376,16 +425,25 @@ def _pipeline(
     policy = layout.recompute.partition("/")[0]
     for stage in range(stages):
         held = range(stage * layers, (stage + 1) * layers)  # the chunk's global layers
-        recomputed = len(recomputed_layers(held, layout.activation_checkpointing, layout.recompute_every))
-        ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, policy, recomputed)
+        again_in = recomputed_layers(held, layout.activation_checkpointing, layout.recompute_every)
+        recomputed = len(again_in)
+        # The mixture-of-experts layers among them, and among the recomputed ones.
+        sparse = (sum(map(m.moe.is_sparse, held)), sum(map(m.moe.is_sparse, again_in)))
+        ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, policy, recomputed, sparse)
         ops.append(_accumulate(m, layout, stage))
         f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
         if layout.schedule in ("zb-h1", "zb-v") and recomputed and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
             # I's backward: W's one backward recomputes once more (not on the first stage, whose I is its whole
             # backward).
-            again = pricer.ops(recompute_ops(m, shape, policy), layout.tp, "I")
-            w = (w[0] + recomputed * again[0], w[1] + recomputed * again[1])
+            dense, sparse_again = (
+                pricer.ops(recompute_ops(m, shape, policy, kind), layout.tp, "I") for kind in (False, True)
+            )
+            k = recomputed - sparse[1]
+            w = (
+                w[0] + k * dense[0] + sparse[1] * sparse_again[0],
+                w[1] + k * dense[1] + sparse[1] * sparse_again[1],
+            )
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
 
@@ -472,7 +530,11 @@ def _optimizer_time(
     updated parameters all-gathered under ZeRO 1-2 (3: at the next forward); zeroing the gradient buffer; and the
     step's scalar all-reduces (loss, gradient norm, finite check) over the world."""
     numel = max(_stage_numel(m, layout, s, cache) for s in range(layout.pp))
-    shard = numel / (layout.grad_ranks if layout.zero >= 1 else 1)
+    experts = max(_stage_expert_numel(m, layout, s, cache) for s in range(layout.pp))
+    # ZeRO shards the dense weights' states over grad_ranks, the experts' over grad_ranks / ep.
+    shard = (
+        (numel - experts) / layout.grad_ranks + experts * layout.ep / layout.grad_ranks if layout.zero >= 1 else numel
+    )
     e = BYTES[layout.precision]
     ratio = layout.offload_ratio if layout.offload == "cpu" else 0.0
     device_part = (1 - ratio) * shard / p.adam

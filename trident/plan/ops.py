@@ -28,6 +28,8 @@ copy, and tp's collectives, which rerun), for each recomputed layer (``train.rec
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from trident.config import ModelConfig
@@ -67,6 +69,7 @@ class Shape:
     precision: str
     cp: int = 1  # context parallelism: ``seq`` is this rank's part of the sequence, 1 / cp of it
     cp_comm: str = "ring"
+    ep: int = 1  # expert parallelism: a sparse layer's experts over ep ranks, its pairs exchanged by all-to-all
 
     @property
     def tokens(self) -> int:
@@ -115,9 +118,10 @@ def _tp_collectives(m: ModelConfig, s: Shape, count: int) -> list[Op]:
     ]
 
 
-def layer_parts(m: ModelConfig, s: Shape) -> dict[str, list[Op]]:
+def layer_parts(m: ModelConfig, s: Shape, sparse: bool = False) -> dict[str, list[Op]]:
     """One transformer layer, forward and backward, without recomputation, by part: what a selective policy
-    keeps or recomputes (models/checkpointing.py) is a choice of parts."""
+    keeps or recomputes (models/checkpointing.py) is a choice of parts. ``sparse``: a mixture-of-experts layer,
+    whose MLP is ``_sparse_mlp``'s."""
     d, f, dh, tp, e = m.d_model, m.ffn_dim // s.tp, m.head_dim, s.tp, s.e
     heads, kv = local_heads(m, tp)
     t, t_sp = s.tokens, s.tokens // (tp if s.sequence_parallel else 1)
@@ -146,7 +150,44 @@ def layer_parts(m: ModelConfig, s: Shape) -> dict[str, list[Op]]:
     if m.bias:  # bias gradients: a reduction over the tokens of each linear's output
         parts["bias"] = [Op("elementwise", "W", (), t * (3 * heads * dh + d + f + d) * e, 4)]
     parts["collectives"] = _tp_collectives(m, s, 2)
+    parts["dispatch"] = []
+    if sparse:
+        parts.update(_sparse_mlp(m, s))
+        if not m.moe.shared_experts:  # only the shared experts are a tp region: the router's experts are whole
+            parts["collectives"] = _tp_collectives(m, s, 1)
     return parts
+
+
+def _sparse_mlp(m: ModelConfig, s: Shape) -> dict[str, list[Op]]:
+    """A mixture-of-experts MLP (models/moe.py) on the tokens this rank routes (all of the micro-batch's on every tp
+    rank, or its own share under sequence parallelism), priced with the active parameters: the router [E, d], the
+    experts' products on the rows of a balanced routing (each of the ``top_k`` pairs of a token: one matmul of those
+    rows, as the grouped product runs them) and the shared experts, split over tp as a dense MLP. ``dispatch``: the
+    routing's element-wise work (scores, top-k, sort, the rows gathered and the outputs combined) and under ep the
+    all-to-all of the pairs' rows there and back, forward and backward, at the calibrated all-to-all rate; a
+    selective recomputation reruns it."""
+    d, f, e, moe = m.d_model, m.expert_dim, s.e, m.moe
+    n = s.tokens // (s.tp if s.sequence_parallel else 1)
+    rows = n * moe.top_k
+    if moe.capacity_factor is not None:  # a balanced routing keeps at most a capacity of each expert's pairs
+        per_seq = s.seq // (s.tp if s.sequence_parallel else 1)
+        cap = math.ceil(moe.capacity_factor * per_seq * moe.top_k / moe.experts)
+        rows = min(rows, moe.experts * cap * s.batch)
+    routed = Shape(rows, 1, 1, False, s.precision)
+    tokens = Shape(n, 1, 1, False, s.precision)
+    shared = dataclasses.replace(m, d_ff=moe.shared_experts * f)
+    swiglu = m.mlp == "swiglu"
+    mlp = _linear(tokens, moe.experts, d)
+    mlp += (_linear(routed, f, d) * 2 if swiglu else _linear(routed, f, d)) + _linear(routed, d, f)
+    act = _elementwise(2 * rows * f * e, 1, heavy=True) + (_elementwise(3 * rows * f * e, 1) if swiglu else [])
+    if moe.shared_experts:
+        dense = layer_parts(shared, s)
+        mlp, act = mlp + dense["mlp"], act + dense["mlp_act"]
+    # Scores, top-k and sort over [n, E] fp32 (a few kernels), the rows gathered and the weighted outputs added back.
+    dispatch = _elementwise(4 * n * moe.experts * 4 + 2 * rows * d * e + 3 * rows * d * 4, 8)
+    if s.ep > 1:
+        dispatch += [Op("collective", phase, ("all_to_all", "ep"), rows * d * e, 2) for phase in ("F", "I")]
+    return {"mlp": mlp, "mlp_act": act, "dispatch": dispatch}
 
 
 def _attention(s: Shape, heads: int, kv: int, dh: int) -> list[Op]:
@@ -199,22 +240,22 @@ def _cp_exchange(s: Shape, heads: int, kv: int, dh: int, block: tuple) -> list[O
     ]
 
 
-def layer_ops(m: ModelConfig, s: Shape) -> list[Op]:
+def layer_ops(m: ModelConfig, s: Shape, sparse: bool = False) -> list[Op]:
     """One transformer layer, forward and backward, without recomputation."""
-    return [op for part in layer_parts(m, s).values() for op in part]
+    return [op for part in layer_parts(m, s, sparse).values() for op in part]
 
 
 # What every selective policy recomputes besides its modules: the cheap work between the kept matmuls (and tp's
-# collectives, which rerun: the recomputed stream needs their results).
-_ALWAYS = ("residual", "rope", "copy", "collectives")
+# collectives and ep's all-to-alls, which rerun: the recomputed stream needs their results).
+_ALWAYS = ("residual", "rope", "copy", "collectives", "dispatch")
 
 
-def recompute_ops(m: ModelConfig, s: Shape, policy: str) -> list[Op]:
+def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -> list[Op]:
     """What backward recomputes for one recomputed layer under ``policy`` (a recomputation label without ``/N``):
     every forward op (``full``), the attention core (``attention``), or selective's modules and the cheap work
     between them."""
     name, modules, _ = parse_label(policy)
-    parts = layer_parts(m, s)
+    parts = layer_parts(m, s, sparse)
     if name == "full":
         chosen = list(parts)
     elif name == "attention":
@@ -272,14 +313,25 @@ def head_ops(m: ModelConfig, s: Shape) -> list[Op]:
 
 
 def chunk_ops(
-    m: ModelConfig, s: Shape, layers: int, first: bool, last: bool, policy: str, recomputed: int | None = None
+    m: ModelConfig,
+    s: Shape,
+    layers: int,
+    first: bool,
+    last: bool,
+    policy: str,
+    recomputed: int | None = None,
+    sparse: tuple[int, int] = (0, 0),
 ) -> list[Op]:
     """One micro-batch through a chunk of ``layers`` layers (with the embedding on the first chunk, the head and
-    loss on the last), ``recomputed`` of them (default: all) under recomputation ``policy``."""
+    loss on the last), ``recomputed`` of them (default: all) under recomputation ``policy``; ``sparse``: how many
+    of the layers, and of the recomputed ones, are mixture-of-experts layers."""
     recomputed = layers if recomputed is None else recomputed
-    ops = [o.times(layers) for o in layer_ops(m, s)]
-    if recomputed:
-        ops += [o.times(recomputed) for o in recompute_ops(m, s, policy)]
+    ops = [o.times(layers - sparse[0]) for o in layer_ops(m, s)]
+    ops += [o.times(sparse[0]) for o in layer_ops(m, s, sparse=True)] if sparse[0] else []
+    if recomputed - sparse[1]:
+        ops += [o.times(recomputed - sparse[1]) for o in recompute_ops(m, s, policy)]
+    if sparse[1]:
+        ops += [o.times(sparse[1]) for o in recompute_ops(m, s, policy, sparse=True)]
     if first:
         ops += embedding_ops(m, s)
     if last:

@@ -2,7 +2,8 @@
 or refused by train.py's own validator (trident/config/validate.py ``validate``), never by rules of the planner's.
 
 Context parallelism (``parallel.cp``, with each ``parallel.cp_comm``) is a dimension like the others: cp ranks
-splitting each sequence, dp the world left over by cp x tp x pp.
+splitting each sequence, dp the world left over by cp x tp x pp. So is expert parallelism (``parallel.ep``) for a
+model with experts: every ep dividing both dp and the expert count (1 for a dense model).
 
 The planner's candidates are layouts: the validator resolves each combination of keys into the one ``Layout`` the
 launch would run. ``grid`` is the keys' full product over each key's domain; ``key_sets`` skips the combinations
@@ -49,7 +50,7 @@ def grid(cfg: Config, world: int) -> Iterator[Keys]:
     for cp, comm, tp, pp, vpp, schedule, zero, (offload, ratio), sp, mbs, (
         recompute,
         every,
-    ), gather in itertools.product(
+    ), gather, ep in itertools.product(
         divisors(world),
         CP_COMMS,
         divisors(world),
@@ -62,8 +63,9 @@ def grid(cfg: Config, world: int) -> Iterator[Keys]:
         divisors(tr.global_batch_size),
         RECOMPUTATIONS,
         GATHER_MODES,
+        divisors(world) if m.moe.enabled else (1,),
     ):
-        yield _keys(None, cp, comm, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, every, gather)
+        yield _keys(None, cp, comm, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, every, gather, ep)
 
 
 def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
@@ -76,6 +78,7 @@ def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
             continue
         for comm, pp in itertools.product(CP_COMMS if cp > 1 else (Layout.cp_comm,), divisors(world // (cp * tp))):
             dp = world // (cp * tp * pp)
+            eps = [e for e in divisors(dp) if m.moe.experts % e == 0] if m.moe.enabled else [1]
             per_rank = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
             for vpp in divisors(m.n_layers // pp) if pp > 1 and m.n_layers % pp == 0 else [1]:
                 schedules = [None] if pp == 1 else ["gpipe", "1f1b", "zb-h1"] if vpp == 1 else ["interleaved"]
@@ -83,12 +86,13 @@ def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
                     schedules.append("zb-v")
                 for schedule, zero in itertools.product(schedules, range(4)):
                     offloads = [("none", 1.0)] + ([("cpu", r) for r in OFFLOAD_RATIOS] if zero >= 1 else [])
-                    for (offload, ratio), (recompute, every), mbs, sp, gather in itertools.product(
+                    for (offload, ratio), (recompute, every), mbs, sp, gather, ep in itertools.product(
                         offloads,
                         RECOMPUTATIONS,
                         divisors(per_rank) if per_rank else [],
                         (False, True) if tp > 1 else (False,),
                         GATHER_MODES if zero == 3 else ("micro_batch",),
+                        eps,
                     ):
                         yield _keys(
                             None,
@@ -106,6 +110,7 @@ def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
                             recompute,
                             every,
                             gather,
+                            ep,
                         )
 
 
