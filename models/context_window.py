@@ -27,11 +27,18 @@ class ContextWindow:
 
     @classmethod
     def of(
-        cls, positions: torch.Tensor, documents: torch.Tensor | None, group: dist.ProcessGroup, comm: str
+        cls,
+        positions: torch.Tensor,
+        documents: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        comm: str,
+        index: torch.Tensor | None = None,
     ) -> ContextWindow:
-        """From this rank's positions and document ids (None: the window is one sequence)."""
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        index = rank_index(positions.shape[-1] * cp, cp, rank, positions.device)
+        """From this rank's positions, document ids (None: the window is one sequence) and its tokens' places in
+        the window ``[B or 1, T / cp]`` (parallel/context/batch.py; None: the head-tail split's)."""
+        if index is None:
+            rank, cp = dist.get_rank(group), dist.get_world_size(group)
+            index = rank_index(positions.shape[-1] * cp, cp, rank, positions.device)
         return cls(positions, TokenSpan(index, documents), group, comm)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -385,18 +385,20 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids on the first stage, else the residual stream from the stage before. ``cache`` (generation,
         one process): the keys and values of the tokens before ``x``, which this call extends. ``documents``
         ``[B, T]``: the document ids of packed windows (parallel/batch.py ``document_ids``), which keep
         attention inside each document and restart positions at each; every stage takes the micro-batch's.
         Under context parallelism, ``x`` and ``documents`` are this cp rank's part of the windows and
-        ``positions`` ``[B, T / cp]`` its tokens' positions (parallel/context/batch.py)."""
+        ``positions`` ``[B, T / cp]`` its tokens' positions and ``index`` ``[B or 1, T / cp]`` their places in the
+        window (parallel/context/batch.py)."""
         docs = None
         if self.cp_group is not None:
             if positions is None:
                 raise ValueError("under context parallelism a micro-batch carries its tokens' positions")
-            docs = ContextWindow.of(positions, documents, self.cp_group, self.cp_comm)
+            docs = ContextWindow.of(positions, documents, self.cp_group, self.cp_comm, index)
         elif documents is not None:  # a dense mask when dropout needs the probabilities spelled out
             docs = Documents.of(documents, "dense" if self.training and self.cfg.dropout > 0 else "auto")
         if self.is_first:

@@ -31,14 +31,15 @@ def test_cp2_gives_the_one_process_curve_with_each_exchange(tiny_dataset, tmp_pa
 
 def test_cp2_with_packed_documents_and_grouped_query_attention(tiny_dataset, tmp_path, references):
     """Llama (RoPE positions restarting per document, 2 kv heads for 4 query heads): positions and document ids
-    are computed on the whole window before the split."""
+    are computed on the whole window before the split, which deals each window's tokens to the ranks by the
+    document-aware balance (every sample its own indices)."""
     base = _steps(tiny_dataset, "model=llama-tiny", "data.document_mask=true")
     reference = references.history(base)
     histories = train_in_process(tmp_path, [*base, "parallel.cp=2"], world=2)
     for history in histories:
         assert_same_curve(reference, history)
     balances = [row["cp_balance"] for row in read_metrics(tmp_path)]
-    assert all(1.0 <= b < 1.5 for b in balances) and any(b > 1.0 for b in balances), balances
+    assert all(1.0 <= b <= 1.05 for b in balances), balances
 
 
 @pytest.mark.parametrize(

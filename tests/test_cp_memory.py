@@ -43,7 +43,7 @@ def _held(cfg: ModelConfig, group: dist.ProcessGroup, comm: str, documents: bool
 
     def forward() -> torch.Tensor:
         with autocast(precision, x.device):
-            logits = model(batch.tokens, documents=batch.documents, positions=batch.positions)
+            logits = model(batch.tokens, documents=batch.documents, positions=batch.positions, index=batch.index)
         loss = model.loss_sum(logits, batch.targets)
         # gloo's worker thread lets go of a collective's buffers a moment after the call returns (see
         # parallel/groups.py): give it that moment, or a transient buffer would count as kept.
@@ -51,7 +51,7 @@ def _held(cfg: ModelConfig, group: dist.ProcessGroup, comm: str, documents: bool
         return loss
 
     rope = [m.inv_freq for m in model.modules() if getattr(m, "inv_freq", None) is not None]
-    inputs = [t for t in (batch.tokens, batch.targets, batch.documents, batch.positions) if t is not None]
+    inputs = [t for t in (batch.tokens, batch.targets, batch.documents, batch.positions, batch.index) if t is not None]
     _, held = held_by_forward(forward, [*model.parameters(), *rope, *inputs])
     return held
 

@@ -180,7 +180,7 @@ def _rank_spans(span: TokenSpan, group: dist.ProcessGroup) -> list[TokenSpan]:
     size = dist.get_world_size(group)
     cut = [slice(r * n, (r + 1) * n) for r in range(size)]
     docs = gathered.documents
-    return [TokenSpan(gathered.index[c], None if docs is None else docs[:, c]) for c in cut]
+    return [TokenSpan(gathered.index[..., c], None if docs is None else docs[:, c]) for c in cut]
 
 
 def ring_attention(

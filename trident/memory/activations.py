@@ -174,10 +174,11 @@ class _Shape:
         """Under context parallelism, in place of ``attention``: what the exchange (parallel/context/) keeps of q,
         k, v and the output per layer, its fp32 log-sum-exp aside (the same as the fused kernel's). Every exchange
         keeps the output (the projection's input) and the core's own fp32 copy of it. ring: q, k and v as the fused
-        kernel does, and the gathered spans (int64 indices, int32 document ids) of the whole sequence. allgather:
-        q's storage (the fused qkv output without RoPE), the gathered k and v of the whole sequence and the bool
-        mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole sequence (a kv head repeated when
-        cp does not divide them) and the mask [b or 1, cp s, cp s]; none of the projections' outputs."""
+        kernel does, and the gathered spans (int64 indices, per sample with documents, and int32 document ids)
+        of the whole sequence. allgather: q's storage (the fused qkv output without RoPE), the gathered k and v of
+        the whole sequence and the bool mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole
+        sequence (a kv head repeated when cp does not divide them) and the mask [b or 1, cp s, cp s]; none of the
+        projections' outputs."""
         sb, whole = self.s * self.b, self.s * self.cp
         # The core's fp32 output and the projection's input in the compute dtype. CPU: the flash kernel's output is
         # laid out [b, s, heads, d], so allgather's projection input is a view of it, the same storage in fp32 (the
@@ -186,7 +187,7 @@ class _Shape:
         shared = sb * self.q * FP32 if self.e == FP32 and self.device == "cpu" else 0
         per_sample = self.b if self.documents else 1
         if self.cp_comm == "ring":
-            spans = 8 * whole + (4 * self.b * whole if self.documents else 0)
+            spans = 8 * per_sample * whole + (4 * self.b * whole if self.documents else 0)
             return self.attention(False) + sb * self.q * FP32 + spans
         if self.cp_comm == "allgather":
             q = 3 * self.q if self.fused_qkv and not self.rope else self.q
@@ -279,13 +280,6 @@ def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) ->
     return x.document_mask() + (0 if shared else 8 * x.b * x.s)
 
 
-def context_window_bytes(m: ModelConfig, layout: Layout) -> int:
-    """What a chunk's context window (models/context_window.py) keeps per micro-batch under context parallelism:
-    the ring keeps its tokens' int64 global indices for backward (the other exchanges only a mask built from them)."""
-    x = _Shape.of(m, layout)
-    return 8 * x.s if x.cp > 1 and x.cp_comm == "ring" else 0
-
-
 def embed_bytes(m: ModelConfig, layout: Layout) -> int:
     """What the first stage's embedding keeps per micro-batch: with learned positions the int64 position ids (this
     rank's share of them under sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64
@@ -335,7 +329,6 @@ def activation_bytes(m: ModelConfig, layout: Layout, stage: int, policy: str | N
             + (embed_bytes(m, layout) if c == 0 else 0)
             + (head_bytes(m, layout) if c == last else 0)
             + documents_bytes(m, layout, policy if recomputed else "none", c == 0)
-            + context_window_bytes(m, layout)
         )
     placement = stage_placement(layout.schedule)
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
