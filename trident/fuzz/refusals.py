@@ -72,10 +72,6 @@ REFUSALS: tuple[Unsupported, ...] = (
         r"parallel\.cp_comm=ulysses (spreads|cannot spread)",
     ),
     Unsupported(
-        "dropout with context parallelism (`model.dropout` > 0 with `parallel.cp` > 1)",
-        r"model\.dropout=[\d.]+ with parallel\.cp=\d+",
-    ),
-    Unsupported(
         "experts under sequence or context parallelism (`model.moe.experts` > 0 with "
         "`parallel.sequence_parallel=true` or `parallel.cp` > 1)",
         r"parallel\.sequence_parallel=true with model\.moe\.experts|parallel\.cp=\d+ with model\.moe\.experts",

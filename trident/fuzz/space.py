@@ -225,13 +225,11 @@ def draw_case(seed: int, index: int) -> Case:
     block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
     extra_rng = random.Random(f"fuzz-cp-moe:{seed}:{index}")
     experts = _draw_experts(extra_rng, MISTAKE)
-    # What the validator refuses beside them (experts under sequence or context parallelism, dropout on split
-    # attention) is kept only as a mistake.
+    # What the validator refuses beside them (experts under sequence or context parallelism) is kept only as a
+    # mistake.
     context: dict[str, Any] = {}
     if not experts or extra_rng.random() < MISTAKE:
         world, context = _draw_context(extra_rng, MISTAKE, world)
-    if context and extra_rng.random() >= MISTAKE:
-        knobs["model.dropout"] = 0.0
     if experts and knobs.get("parallel.sequence_parallel") and extra_rng.random() >= MISTAKE:
         knobs["parallel.sequence_parallel"] = False
     # Expert parallelism over the data-parallel ranks (drawn last from this stream, so nothing above changed): an
