@@ -50,6 +50,7 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   (``_Shape.context_attention``: the core's fp32 output, and the ring's gathered
                                   spans, allgather's gathered k, v and mask, ulysses' head-split q, k, v and mask)
                                   instead of the fused kernel's; RoPE's tables per sample; the batch's positions.
+                                  With dropout the explicit core over the gathered keys, whatever the exchange.
                                   Checked to the byte on a CPU without recomputation (tests/test_cp_memory.py).
 
 For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
@@ -196,6 +197,23 @@ class _Shape:
         kv = self.kv // self.cp if kv_heads % self.cp == 0 else self.head_dim
         return out + sb * self.q * self.e + 2 * self.b * whole * kv * self.e + per_sample * whole * whole
 
+    def dropped_context_attention(self) -> int:
+        """Under context parallelism in training with dropout (models/context_window.py ``dropped_attention``): q,
+        the gathered k and v repeated to the query heads (the matmuls' operands) and the output, as the explicit
+        core keeps them over the whole window's keys; its probabilities, their dropped copy and keep mask, and the
+        inverted bool mask [b or 1, s, cp s] (``explicit_core``)."""
+        return 2 * self.s * self.b * self.q * self.e + 2 * self.b * self.s * self.cp * self.q * self.e
+
+    def explicit_core(self) -> int:
+        """The explicit core's probabilities, their dropped copy and keep mask [b, a, s, keys], and the inverted
+        mask masked_fill keeps: the causal one, with packed documents the samples' own, under context parallelism
+        the spans' [b or 1, s, cp s]."""
+        keys = self.s * self.cp
+        core = self.b * self.a * self.s * keys // self.t * (2 * self.e + 1)
+        if self.cp > 1:
+            return core + (self.b if self.documents else 1) * self.s * keys
+        return core + (self.document_mask() or self.s * self.s)
+
     def document_mask(self) -> int:
         """Packed documents on a CPU: the dense bool mask [b, 1, s, s], whole on every tp rank (attention sees
         the whole sequence). On CUDA flex attention's block mask, whose few block indices are left out. Under
@@ -217,10 +235,8 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
     core = 0  # what the attention core keeps beyond q, k, v and its output; nothing when it is recomputed
     explicit = policy == "none" and m.dropout > 0  # under attention the core is recomputed
     if policy == "none":
-        if explicit:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
-            core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1)
-            # + the inverted mask masked_fill keeps: the causal one, or with packed documents the samples' own
-            core += x.document_mask() or x.s * x.s
+        if explicit:  # the explicit core (models/gpt.py, models/context_window.py under cp)
+            core = x.explicit_core()
         else:  # the fused kernel's fp32 logsumexp, and with packed documents its own copy of the mask as a float
             core = FP32 * x.a * x.b * x.s // x.t + x.document_mask() * x.e
     # GELU: fc output, GELU output. SwiGLU: gate and up outputs, silu(gate), their product.
@@ -228,12 +244,18 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str) -> int:
     return (
         2 * x.layer_norm()
         + 2 * sbh * x.e  # qkv (or q and kv) and fc (or gate and up) inputs
-        + (x.context_attention() if x.cp > 1 else x.attention(explicit))
+        + _attention(x, explicit)
         + x.rope_tables()
         + mlp
         + core
         + masks
     )
+
+
+def _attention(x: _Shape, explicit: bool) -> int:
+    if x.cp == 1:
+        return x.attention(explicit)
+    return x.dropped_context_attention() if explicit else x.context_attention()
 
 
 def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str]) -> int:
