@@ -110,11 +110,13 @@ def _ring_twin(q, k, v, dy, docs, cp, rank):
     for step in range(cp):
         for part, _, bq, _, _ in grads(rank, (rank - step) % cp):
             dq[:, :, part] += bq
-    dkv = torch.zeros(2, *ks[rank].shape, dtype=k.dtype)
-    for step in range(cp):  # the owner's running sum visits ranks owner, owner+1, ...
+    own, dkv = (torch.zeros(2, *ks[rank].shape, dtype=k.dtype) for _ in range(2))
+    for step in range(cp):  # the owner's own share, and the others' running sum visiting ranks owner+1, owner+2, ...
+        total = own if step == 0 else dkv
         for _, part, _, bk, bv in grads((rank + step) % cp, rank):
-            dkv[0, :, :, part] += bk
-            dkv[1, :, :, part] += bv
+            total[0, :, :, part] += bk
+            total[1, :, :, part] += bv
+    dkv = own + dkv
     return outs[rank], dq, dkv[0], dkv[1]
 
 
