@@ -169,7 +169,9 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention proper, no weights: the part selective checkpointing recomputes. ``documents``: a packed
         window's, whose mask keeps attention inside each document."""
-        if self.training and self.dropout > 0:
+        if self.training and self.dropout > 0 and isinstance(documents, ContextWindow):
+            y = documents.dropped_attention(q, k, v, self.drop)
+        elif self.training and self.dropout > 0:
             group = q.shape[1] // k.shape[1]
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
             y = self.drop(causal_attention_probs(q, k, None if documents is None else documents.mask)) @ v
@@ -240,6 +242,13 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return norm
 
 
+def _dropped(drop: nn.Module, x: torch.Tensor, documents: Documents | ContextWindow | None) -> torch.Tensor:
+    """``drop(x)``, naming under context parallelism the tokens this rank holds (its mask's rows)."""
+    if isinstance(drop, Dropout) and isinstance(documents, ContextWindow):
+        return drop(x, documents.tokens())
+    return drop(x)
+
+
 def _residual_dropout(
     cfg: ModelConfig, tp_group: dist.ProcessGroup | None, sequence_parallel: bool, rng: RNGTracker | None, site: tuple
 ) -> nn.Module:
@@ -282,8 +291,8 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, documents: Documents | None = None
     ) -> torch.Tensor:
-        x = x + self.drop_attn(self.attn(self.ln_1(x), cache, documents))
-        return x + self.drop_mlp(self.mlp(self.ln_2(x)))
+        x = x + _dropped(self.drop_attn, self.attn(self.ln_1(x), cache, documents), documents)
+        return x + _dropped(self.drop_mlp, self.mlp(self.ln_2(x)), documents)
 
 
 class GPT(nn.Module):
@@ -355,9 +364,16 @@ class GPT(nn.Module):
                 if placement_of(param).split_dim is None:
                     add_grad_sum(param, "tp")
 
-    def embed(self, idx: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self,
+        idx: torch.Tensor,
+        start: int = 0,
+        positions: torch.Tensor | None = None,
+        window: ContextWindow | None = None,
+    ) -> torch.Tensor:
         """Token (+ learned position) embeddings: what the first pipeline stage does before its blocks; ``start``:
-        the position of the first token (generation), or ``positions`` ``[B, T]`` each token's (packed documents).
+        the position of the first token (generation), or ``positions`` ``[B, T]`` each token's (packed documents);
+        ``window``: under context parallelism, the tokens this rank holds (the dropout mask's rows).
         Under sequence parallelism, this rank's shard of the sequence: tokens [r*t/tp, (r+1)*t/tp). With RoPE,
         positions enter in attention instead."""
         t = idx.shape[1]
@@ -365,17 +381,17 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {start + t} tokens is longer than model.seq_len={self.cfg.seq_len}")
         x = self.wte(idx)
         if not hasattr(self, "wpe"):
-            return self.drop(x)
+            return _dropped(self.drop, x, window)
         if not self.sequence_parallel:
             if positions is None:
                 positions = torch.arange(start, start + t, device=idx.device)
-            return self.drop(x + self.wpe(positions))
+            return _dropped(self.drop, x + self.wpe(positions), window)
         if t % self.tp_size:
             raise ValueError(f"sequence of {t} tokens does not split over tp={self.tp_size} (sequence parallelism)")
         lo, hi = self.tp_rank * (t // self.tp_size), (self.tp_rank + 1) * (t // self.tp_size)
         # Only this shard's positions (the embedding keeps its indices for backward: not a view of all of them).
         shard = torch.arange(lo, hi, device=idx.device) if positions is None else positions[..., lo:hi].contiguous()
-        return self.drop(x + self.wpe(shard))
+        return _dropped(self.drop, x + self.wpe(shard), window)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the LM head (the embedding, or lm_head): what the last pipeline stage does after its
@@ -389,22 +405,25 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids on the first stage, else the residual stream from the stage before. ``cache`` (generation,
         one process): the keys and values of the tokens before ``x``, which this call extends. ``documents``
         ``[B, T]``: the document ids of packed windows (parallel/batch.py ``document_ids``), which keep
         attention inside each document and restart positions at each; every stage takes the micro-batch's.
         Under context parallelism, ``x`` and ``documents`` are this cp rank's part of the windows and
-        ``positions`` ``[B, T / cp]`` its tokens' positions (parallel/context/batch.py)."""
+        ``positions`` ``[B, T / cp]`` its tokens' positions and ``index`` ``[B or 1, T / cp]`` their places in the
+        window (parallel/context/batch.py)."""
         docs = None
         if self.cp_group is not None:
             if positions is None:
                 raise ValueError("under context parallelism a micro-batch carries its tokens' positions")
-            docs = ContextWindow.of(positions, documents, self.cp_group, self.cp_comm)
+            docs = ContextWindow.of(positions, documents, self.cp_group, self.cp_comm, index)
         elif documents is not None:  # a dense mask when dropout needs the probabilities spelled out
             docs = Documents.of(documents, "dense" if self.training and self.cfg.dropout > 0 else "auto")
         if self.is_first:
-            x = self.embed(x, cache.length if cache is not None else 0, None if docs is None else docs.positions)
+            start, positions = cache.length if cache is not None else 0, None if docs is None else docs.positions
+            x = self.embed(x, start, positions, docs if isinstance(docs, ContextWindow) else None)
         for block in self.layers.values():
             x = block(x, cache, docs)
         if cache is not None:

@@ -21,16 +21,22 @@ class Batch(NamedTuple):
     # rank (cp_balance). None without context parallelism.
     positions: torch.Tensor | None = None
     cp_pairs: tuple[int, ...] | None = None
+    # Under context parallelism, each held token's place in its window [B or 1, T / cp] (the attention mask's).
+    index: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        """Tokens, targets, documents and positions on ``device``; the sample ids stay where they are read from."""
-        documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
-        positions = None if self.positions is None else self.positions.to(device, non_blocking=True)
+        """Tokens, targets, documents, positions and indices on ``device``; the sample ids stay where they are read
+        from."""
+
+        def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
         return self._replace(
-            tokens=self.tokens.to(device, non_blocking=True),
-            targets=self.targets.to(device, non_blocking=True),
-            documents=documents,
-            positions=positions,
+            tokens=moved(self.tokens),
+            targets=moved(self.targets),
+            documents=moved(self.documents),
+            positions=moved(self.positions),
+            index=moved(self.index),
         )
 
 

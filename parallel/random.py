@@ -6,13 +6,15 @@ A site's mask is defined on the logical (one-process) tensor of one sample: ``[T
 and the embeddings, ``[n_heads, T, T]`` for the attention probabilities. A rank draws that whole tensor from a
 generator seeded by a hash of those numbers, on the activation's device, and keeps the part it holds: its heads
 under tensor parallelism, its sequence shard under sequence parallelism, everything where the activation is
-replicated over tp (every tp rank then drops the same elements, as the copies must). So:
+replicated over tp (every tp rank then drops the same elements, as the copies must). Under context parallelism a
+rank holds some tokens of each sample, not a block: it keeps the mask's rows (and for the attention probabilities
+its queries' rows and the gathered keys' columns) at those tokens' places in the window, each sample's own. So:
 
 - no generator state needs saving: a checkpoint resumes exactly under any layout;
 - pipeline stages hold different layers, hence different sites, and never repeat one another's masks;
 - recomputation (full or selective activation checkpointing, a split backward that recomputes twice) redraws the
   same masks, once ``checkpoint_contexts`` has put back the micro-batch the forward ran on;
-- every layout (dp, tp, pp, sequence parallelism, micro-batch size) drops exactly what one process drops.
+- every layout (dp, tp, pp, cp, sequence parallelism, micro-batch size) drops exactly what one process drops.
 
 The cost: at tp > 1 each rank draws the full logical mask of its samples and keeps 1/tp of it (for the attention
 probabilities, tp x the RNG work of a per-rank stream). A counter-based draw of just the slice (a Philox offset
@@ -72,11 +74,14 @@ class RNGTracker:
         logical_shape: Sequence[int],
         shard: tuple[int, int, int] | None,
         device: torch.device,
+        picked: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Which elements dropout keeps, for the running micro-batch: bool ``[batch, *held]``.
 
         ``logical_shape``: one sample's tensor in one process. ``shard``: ``(dim, rank, parts)`` when this rank
-        holds block ``rank`` of ``parts`` along ``dim`` of it, None when it holds all of it."""
+        holds block ``rank`` of ``parts`` along ``dim`` of it, None when it holds all of it. ``picked``: ``{dim:
+        indices}`` when along ``dim`` it holds the elements at ``indices`` (``[batch or 1, n]``, each sample's or
+        one for all; context parallelism's tokens), on ``device``."""
         if self.sample_ids is None or self.step is None:
             raise RuntimeError(
                 "dropout in training needs the micro-batch's step and sample ids: run the forward inside "
@@ -89,9 +94,13 @@ class RNGTracker:
             index = (slice(None),) * dim + (slice(rank * size, (rank + 1) * size),)
         gen = self._generator(device)
         masks = []
-        for sample in self.sample_ids:
+        picked = {dim: rows.reshape(-1, rows.shape[-1]) for dim, rows in (picked or {}).items()}
+        for i, sample in enumerate(self.sample_ids):
             gen.manual_seed(mask_seed(self.seed, self.step, sample, layer, kind))
-            masks.append(torch.rand(logical_shape, generator=gen, device=device)[index] >= p)
+            mask = torch.rand(logical_shape, generator=gen, device=device)[index]
+            for dim, rows in picked.items():
+                mask = mask.index_select(dim, rows[i if len(rows) > 1 else 0])
+            masks.append(mask >= p)
         return torch.stack(masks)
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -137,7 +146,9 @@ class Dropout(nn.Module):
 
     ``x`` is ``[batch, *held]``: this rank's part of ``batch`` samples' logical tensors, which are
     ``held`` with dim ``shard_dim`` (of one sample) multiplied by ``parts`` when sharded (this rank's block is
-    ``rank``), or ``held`` itself when ``shard_dim`` is None."""
+    ``rank``), or ``held`` itself when ``shard_dim`` is None. Under context parallelism the call names the tokens
+    held (``tokens``: ``{dim: (logical size, indices [batch or 1, n])}``); a shard of the same dim (sequence
+    parallelism) is then this rank's block of those indices. At ``p`` 0 it returns ``x`` as it is."""
 
     def __init__(
         self,
@@ -153,15 +164,21 @@ class Dropout(nn.Module):
         self.p, self.rng, self.layer, self.kind = p, rng, layer, kind
         self.shard = None if shard_dim is None or parts == 1 else (shard_dim, rank, parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: dict[int, tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
         if self.rng is None:
             raise RuntimeError("dropout in training needs the model's RNG tracker (rng=model_parallel_rng(seed))")
-        logical = list(x.shape[1:])
-        if self.shard is not None:
-            logical[self.shard[0]] *= self.shard[2]
-        keep = self.rng.keep_mask(self.p, self.layer, self.kind, logical, self.shard, x.device)
+        logical, shard, picked = list(x.shape[1:]), self.shard, {}
+        for dim, (size, index) in (tokens or {}).items():
+            if shard is not None and shard[0] == dim:
+                _, rank, parts = shard
+                n = index.shape[-1] // parts
+                index, shard = index[..., rank * n : (rank + 1) * n], None
+            logical[dim], picked[dim] = size, index
+        if shard is not None:
+            logical[shard[0]] *= shard[2]
+        keep = self.rng.keep_mask(self.p, self.layer, self.kind, logical, shard, x.device, picked)
         if len(keep) != len(x):
             raise ValueError(f"a micro-batch of {len(x)} samples has {len(keep)} sample ids")
         return x * keep * (1.0 / (1.0 - self.p))

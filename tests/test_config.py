@@ -281,7 +281,6 @@ INVALID = [
     ),
     pytest.param({"parallel.cp": 2, "parallel.cp_comm": "x"}, 2, ["parallel.cp_comm='x' is not valid"], id="cp-comm"),
     pytest.param({"parallel.cp": 0}, 1, ["parallel.cp=0 must be >= 1"], id="cp-0"),
-    pytest.param({"parallel.cp": 2, "model.dropout": 0.1}, 2, ["model.dropout=0.1 with parallel.cp=2"], id="cp-drop"),
     pytest.param(
         {"parallel.cp": 2, "parallel.tp": 2},
         6,

@@ -1,6 +1,8 @@
 """Context parallelism in the stack: each cp layout gives the one-process run's curve (loss, gradient norm,
 validation loss), with each K/V exchange, packed documents with a grouped-query Llama block, tensor parallelism
-with sequence parallelism and pipeline parallelism; and ``metrics.jsonl`` records the balance."""
+with sequence parallelism and pipeline parallelism, ZeRO-3, fp16's loss scale; a checkpoint saved in the background
+resumes at other cp; and ``metrics.jsonl`` records the balance. (Elsewhere under cp: dropout in test_dropout.py,
+ZeRO with offload in test_zero.py, mixtures in test_mixture.py, ``init_from`` Hugging Face in test_init_from.py.)"""
 
 from __future__ import annotations
 
@@ -31,14 +33,15 @@ def test_cp2_gives_the_one_process_curve_with_each_exchange(tiny_dataset, tmp_pa
 
 def test_cp2_with_packed_documents_and_grouped_query_attention(tiny_dataset, tmp_path, references):
     """Llama (RoPE positions restarting per document, 2 kv heads for 4 query heads): positions and document ids
-    are computed on the whole window before the split."""
+    are computed on the whole window before the split, which deals each window's tokens to the ranks by the
+    document-aware balance (every sample its own indices)."""
     base = _steps(tiny_dataset, "model=llama-tiny", "data.document_mask=true")
     reference = references.history(base)
     histories = train_in_process(tmp_path, [*base, "parallel.cp=2"], world=2)
     for history in histories:
         assert_same_curve(reference, history)
     balances = [row["cp_balance"] for row in read_metrics(tmp_path)]
-    assert all(1.0 <= b < 1.5 for b in balances) and any(b > 1.0 for b in balances), balances
+    assert all(1.0 <= b <= 1.05 for b in balances), balances
 
 
 @pytest.mark.parametrize(
@@ -85,9 +88,11 @@ def test_cp4_and_cp_with_data_parallel_zero3(tiny_dataset, tmp_path, references,
 
 
 def test_a_cp2_checkpoint_resumes_at_cp1_and_cp4_with_the_uninterrupted_losses(tiny_dataset, tmp_path, references):
+    """Saved in the background (checkpoint.async): what both cp ranks hold, written while the next steps run."""
     reference = references.history(_steps(tiny_dataset))
     saved = tmp_path / "cp2"
-    histories = train_in_process(saved, _steps(tiny_dataset, "parallel.cp=2", "checkpoint.every=3"), world=2)
+    overrides = _steps(tiny_dataset, "parallel.cp=2", "checkpoint.every=3", "checkpoint.async=true")
+    histories = train_in_process(saved, overrides, world=2)
     assert_same_curve(reference, histories[0])
     checkpoint = saved / "checkpoints" / "step_00000003"
     for cp in (1, 4):
@@ -96,3 +101,14 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_cp4_with_the_uninterrupted_losses(t
         )
         for rows in resumed:
             assert_same_curve(histories[0][3:], rows)
+
+
+def test_cp2_in_fp16_gives_the_one_process_fp16_curve(tiny_dataset, tmp_path, references):
+    """fp16 with its dynamic loss scale: the same scale each step as one process (no step skipped), the losses and
+    norms within 16-bit rounding of its own (attention's sums run in another order)."""
+    base = _steps(tiny_dataset, "train.precision=fp16")
+    reference = references.history(base)
+    for history in train_in_process(tmp_path, [*base, "parallel.cp=2"], world=2):
+        assert [r["loss_scale"] for r in history] == [r["loss_scale"] for r in reference]
+        assert not any(r.get("skipped") for r in history)
+        assert_same_curve(reference, history, rel=2e-3)

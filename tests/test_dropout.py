@@ -1,7 +1,7 @@
 """Dropout masks derived from (seed, step, sample, site): a tp rank's slice is its part of the one-process mask,
 the same context redraws the same mask and any other context another one, recomputation redraws them, pipeline
-stages differ; and with dropout on, every layout gives the one-process curve and a checkpoint resumes exactly
-under another layout."""
+stages differ, a cp rank's mask is the one-process mask at its tokens; and with dropout on, every layout (context
+parallelism too) gives the one-process curve and a checkpoint resumes exactly under another layout."""
 
 from __future__ import annotations
 
@@ -33,6 +33,31 @@ def test_a_tp_ranks_slice_is_its_part_of_the_one_process_mask():
         shard = _mask(Dropout(P, rng, 0, MLP_RESIDUAL, shard_dim=0, rank=rank, parts=2), (4, 6))
         assert torch.equal(shard, sequence[:, 4 * rank : 4 * rank + 4])
     assert 0.3 < heads.float().mean() < 0.7
+
+
+def test_a_cp_ranks_mask_is_the_one_process_masks_rows_and_columns_at_its_tokens():
+    """Context parallelism: a rank holds some tokens of each sample (its own per sample with documents), and under
+    sequence parallelism its tp block of them."""
+    rng = RNGTracker(seed=5)
+    heads = _mask(Dropout(P, rng, 0, ATTENTION), (4, 8, 8))
+    sequence = _mask(Dropout(P, rng, 0, MLP_RESIDUAL), (8, 6))
+    mine = torch.tensor([[0, 1, 6, 7], [2, 3, 5, 6]])  # each sample's tokens on this rank
+    keys = torch.tensor([[0, 1, 6, 7, 2, 3, 4, 5]])  # the gathered keys, the same order for both samples
+    pick = [(b, mine[b]) for b in range(2)]
+    rows = _mask_of(Dropout(P, rng, 0, MLP_RESIDUAL), (4, 6), {0: (8, mine)})
+    assert all(torch.equal(rows[b], sequence[b, t]) for b, t in pick)
+    probs = _mask_of(
+        Dropout(P, rng, 0, ATTENTION, shard_dim=0, rank=1, parts=2), (2, 4, 8), {1: (8, mine), 2: (8, keys)}
+    )
+    assert all(torch.equal(probs[b], heads[b, 2:][:, t][:, :, keys[0]]) for b, t in pick)
+    for rank in range(2):  # sequence parallelism: this tp rank's block of the tokens
+        shard = _mask_of(Dropout(P, rng, 0, MLP_RESIDUAL, shard_dim=0, rank=rank, parts=2), (2, 6), {0: (8, mine)})
+        assert all(torch.equal(shard[b], sequence[b, t[2 * rank : 2 * rank + 2]]) for b, t in pick)
+
+
+def _mask_of(drop: Dropout, shape: tuple[int, ...], tokens: dict) -> torch.Tensor:
+    with drop.rng.context(3, (10, 11)):
+        return drop(torch.ones(2, *shape), tokens) != 0
 
 
 def test_the_same_context_draws_the_same_mask_and_any_other_another():
@@ -160,6 +185,21 @@ LAYOUTS = [
         2,
         ["parallel.pp=2", "parallel.schedule=zb-h1", "train.activation_checkpointing=selective"],
         id="pp2-zbh1-selective",
+    ),
+    # Context parallelism: each rank keeps the masks' rows at the tokens it holds (head-tail), and the attention
+    # probabilities' columns at the gathered keys; with tp and sequence parallelism its heads and its tp block of
+    # those tokens, the selective replay redrawing them.
+    pytest.param(2, ["parallel.cp=2"], id="cp2"),
+    pytest.param(
+        4,
+        [
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "train.activation_checkpointing=selective",
+            "train.recompute_modules=[attn_core]",
+        ],
+        id="cp2-tp2-sp-selective",
     ),
 ]
 

@@ -94,11 +94,18 @@ def first_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_a_hugging_face_model_starts_a_tp2_pp2_run_at_its_own_loss_and_trains(kind, tiny_dataset, tmp_path):
+@pytest.mark.parametrize(
+    "kind,world,layout",
+    [
+        ("gpt2", 4, ["parallel.tp=2", "parallel.pp=2"]),
+        ("llama", 4, ["parallel.tp=2", "parallel.pp=2"]),
+        ("llama", 2, ["parallel.cp=2"]),  # RoPE positions and the head-tail split of the window
+    ],
+    ids=["gpt2-tp2-pp2", "llama-tp2-pp2", "llama-cp2"],
+)
+def test_a_hugging_face_model_starts_a_run_at_its_own_loss_and_trains(kind, world, layout, tiny_dataset, tmp_path):
     source = hf_model(kind, tmp_path / kind)
-    layout = ["parallel.tp=2", "parallel.pp=2", "train.steps=4"]
-    overrides = run_args(tiny_dataset, *layout, f"checkpoint.init_from={source}")
+    overrides = run_args(tiny_dataset, *layout, "train.steps=4", f"checkpoint.init_from={source}")
     cfg = adopted(tmp_path / "run", overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
     m = cfg.model
@@ -107,7 +114,7 @@ def test_a_hugging_face_model_starts_a_tp2_pp2_run_at_its_own_loss_and_trains(ki
     )  # fmt: skip
     assert m.tie_embeddings == (kind == "gpt2") and m.norm == ("layernorm" if kind == "gpt2" else "rmsnorm")
 
-    histories = run_distributed(train_rank, 4, cfg, tmp_path / "run", timeout_s=300)
+    histories = run_distributed(train_rank, world, cfg, tmp_path / "run", timeout_s=300)
     losses = [row["loss"] for row in histories[0]]
     assert [row["step"] for row in histories[0]] == [1, 2, 3, 4]  # step 0: a fresh start
     x, y = first_batch(cfg)

@@ -246,8 +246,12 @@ def test_metrics_carry_tokens_and_validation_loss_per_source(tiny_dataset, secon
 
 
 @pytest.mark.multiprocess
-def test_a_mixture_gives_the_one_process_curve_at_dp2(tiny_dataset, second_dataset, tmp_path, mix_reference):
-    overrides = _mix(tiny_dataset, second_dataset, "train.steps=8", "train.micro_batch_size=4")
+@pytest.mark.parametrize("layout", ["parallel.dp=2", "parallel.cp=2"])
+def test_a_mixture_gives_the_one_process_curve_at_dp2_and_cp2(
+    tiny_dataset, second_dataset, tmp_path, mix_reference, layout
+):
+    """Both ranks of cp=2 read the same windows of each source (and count each source's tokens once)."""
+    overrides = _mix(tiny_dataset, second_dataset, "train.steps=8", "train.micro_batch_size=4", layout)
     for history in train_in_process(tmp_path, overrides, world=2):
         assert_same_sources(mix_reference[1], history)
 

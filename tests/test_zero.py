@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (with tp, offload, activation checkpointing) give the one-process curve, keep only what their
+"""ZeRO stages 1-3 (with tp, cp, offload, activation checkpointing) give the one-process curve, keep only what their
 stage says, and their checkpoints resume under other stages and dp sizes with the uninterrupted losses."""
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ LAYOUTS = [
             "train.activation_checkpointing=full",
         ],
     ),
+    # Context parallelism: ZeRO shards over dp x cp, here the two cp ranks of one sequence, half offloaded.
+    (2, ["parallel.cp=2", "parallel.zero=2", "parallel.offload.optimizer=cpu", "parallel.offload.ratio=0.5"]),
 ]
 
 

@@ -30,7 +30,7 @@ class GatherKV(torch.autograd.Function):
 
 def gather_span(span: TokenSpan, group: dist.ProcessGroup) -> TokenSpan:
     """Every rank's span one after another, rank 0 first (no gradient: indices and document ids)."""
-    index = _all_gather(span.index, group, 0)
+    index = _all_gather(span.index, group, -1)
     documents = None if span.documents is None else _all_gather(span.documents, group, 1)
     return TokenSpan(index, documents)
 

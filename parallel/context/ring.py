@@ -6,10 +6,12 @@ receiving the next block from r-1), attends its queries to the held block meanwh
 outputs are merged in the accumulation dtype (core.merge), in step order. Only one extra K/V block is held at a
 time, whatever cp.
 
-Backward walks the ring again: at step s rank r holds the K/V of rank r-s and the running dK/dV of that block's
-owner, adds its queries' share (core.block_backward, from the merged output and log-sum-exp) and passes both on;
-after cp steps the sums arrive home at their owner. dQ stays with its rank. The summation order of every
-gradient is thus fixed by the ring, whatever the timing.
+Backward walks the ring again: at step s rank r holds the K/V of rank r-s and computes its queries' share of that
+block's dK/dV (core.block_backward, from the merged output and log-sum-exp). Its own block's share (step 0) stays
+home; from step 1 on the other ranks' shares of a block travel as one running sum, started by rank r+1 at step 1,
+added to by each rank it passes and home after step cp-1, where the owner adds it to its own share: cp-1
+transfers of dK/dV, as of K/V. dQ stays with its rank. The summation order of every gradient is thus fixed by
+the ring, whatever the timing.
 
 Each (query block, key block) pair is computed as its four (query half, key half) quarters, the two chunks of the
 head-tail split: under the causal mask a quarter whose keys all come after its queries is skipped, and about a
@@ -152,8 +154,8 @@ class RingAttention(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # the running sum of the held block's owner
-        dkv_works: list[dist.Work] = []
+        own = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's share of its own block's dK/dV
+        dkv, dkv_works = own, []  # the running sum of the held block's owner, from step 1 on
         for step in range(ring.size):
             if step < ring.size - 1:
                 arriving, kv_works = ring.pass_on(kv, _KV)
@@ -161,16 +163,20 @@ class RingAttention(torch.autograd.Function):
             grads = block_grads(q, kv[0], kv[1], span, spans[owner], out, lse, dout, ctx.scale)
             for qs, _, bq, _, _ in grads:
                 dq[:, :, qs] += bq
+            if step == 1:
+                dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
             _wait(dkv_works)
             for _, ks, _, bk, bv in grads:
                 dkv[0, :, :, ks] += bk
                 dkv[1, :, :, ks] += bv
-            # On to the next rank, which holds this owner's K/V at the next step; after the last step, home.
-            dkv, dkv_works = ring.pass_on(dkv, _DKV)
+            if step > 0:  # on to the next rank, which holds this owner's K/V at the next step; after the last, home
+                dkv, dkv_works = ring.pass_on(dkv, _DKV)
             if step < ring.size - 1:
                 _wait(kv_works)
                 kv = arriving
         _wait(dkv_works)
+        if ring.size > 1:
+            dkv = own + dkv
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
@@ -180,7 +186,7 @@ def _rank_spans(span: TokenSpan, group: dist.ProcessGroup) -> list[TokenSpan]:
     size = dist.get_world_size(group)
     cut = [slice(r * n, (r + 1) * n) for r in range(size)]
     docs = gathered.documents
-    return [TokenSpan(gathered.index[c], None if docs is None else docs[:, c]) for c in cut]
+    return [TokenSpan(gathered.index[..., c], None if docs is None else docs[:, c]) for c in cut]
 
 
 def ring_attention(

@@ -1,17 +1,26 @@
-"""The head-tail split of a sequence over cp ranks, its inverse, and the causal balance it gives.
+"""How a window is split over cp ranks: each rank's tokens, in its local order, and the causal balance it gives.
 
-The sequence is cut into 2 cp equal chunks and rank r holds chunks r and 2cp-1-r, one from the head and one from
-the tail. Under a causal mask a query attends to as many keys as its index, so a rank with a late chunk alone
-would do most of the work; head-tail gives every rank the same number of attended (query, key) pairs. With cp=2
-and 8 tokens::
+Causal windows are split head-tail: the sequence is cut into 2 cp equal chunks and rank r holds chunks r and
+2cp-1-r, one from the head and one from the tail. Under a causal mask a query attends to as many keys as its index,
+so a rank with a late chunk alone would do most of the work; head-tail gives every rank the same number of attended
+(query, key) pairs. With cp=2 and 8 tokens::
 
     chunks   [0 1] [2 3] [4 5] [6 7]
     rank 0:  [0 1]             [6 7]      pairs 1+2 + 7+8 = 18
     rank 1:        [2 3] [4 5]            pairs 3+4 + 5+6 = 18
 
-Positions (RoPE, learned), labels and document ids are computed on the whole sequence first and split the same
-way, so every token keeps what one process gives it. With packed documents a query attends only inside its
-document, so the pairs per rank follow the document lengths; ``balance`` measures what a batch really gives.
+With packed documents (``data.document_mask``) a query attends only inside its document, so the pairs a chunk
+holds follow the document lengths and head-tail may be far from even. Each window (sample) then gets its own split
+(``balanced_order``): its chunks are sorted by the pairs they hold and dealt out in a snake, ranks 0..cp-1 then
+cp-1..0, each rank taking its chunks in window order. For a causal window that is head-tail itself; any deal leaves
+the ranks at most one chunk's pairs apart, so when that is more than ``TOLERANCE`` of the mean the chunks are
+halved and dealt again, down to single tokens if need be: no rule on document lengths, no padding. (torch's
+per-document head-tail needs every document length divisible by 2 cp, Megatron's THD pads each to it; torch's
+round-robin balancer for block masks deals sorted blocks the same way, at a fixed block size.)
+
+Positions (RoPE, learned), labels and document ids are computed on the whole window first and taken by the same
+indices, so every token keeps what one process gives it; attention reads each token's global index and document
+id (span.py), whatever the order a rank holds them in.
 """
 
 from __future__ import annotations
@@ -74,10 +83,77 @@ def attended_pairs(seq_len: int, documents: torch.Tensor | None = None) -> torch
     return positions_in_window(seq_len, documents) + 1
 
 
-def pairs_per_rank(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> list[int]:
-    """Attended (query, key) pairs each rank computes under the head-tail split, summed over the batch."""
+TOLERANCE = 1.01  # the most attended pairs a rank may hold over their mean before the chunks are halved
+
+
+def _deal(pairs: torch.Tensor, cp: int, chunks: int) -> torch.Tensor:
+    """Each window's token indices ``[B, T]``, rank 0's then rank 1's ..., each rank's in window order: the
+    ``chunks`` equal chunks of each window sorted by the pairs they hold (``pairs`` ``[B, T]``, most first) and
+    dealt to the ranks in a snake, 0..cp-1 then cp-1..0 (every rank gets chunks / cp of them)."""
+    b, t = pairs.shape
+    size = t // chunks
+    work = pairs.view(b, chunks, size).sum(dim=-1)
+    heaviest = work.argsort(dim=1, descending=True, stable=True)  # [B, chunks]: chunk ids, most pairs first
+    slot = torch.arange(chunks, device=pairs.device)
+    turn, seat = slot // cp, slot % cp
+    dealt = torch.where(turn % 2 == 0, seat, cp - 1 - seat)  # the rank the j-th heaviest chunk goes to
+    owner = torch.empty_like(heaviest).scatter_(1, heaviest, dealt.expand(b, chunks))
+    chunk_order = (owner * chunks + slot).argsort(dim=1)  # rank 0's chunks in window order, then rank 1's ...
+    return (chunk_order[:, :, None] * size + torch.arange(size, device=pairs.device)).view(b, t)
+
+
+def _rank_sums(pairs: torch.Tensor, order: torch.Tensor, cp: int) -> torch.Tensor:
+    """Attended pairs of each rank ``[B, cp]`` under ``order``."""
+    return pairs.gather(1, order).view(order.shape[0], cp, -1).sum(dim=-1)
+
+
+def balanced_order(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """The split of each window: ``[B or 1, T]`` global token indices, rank r's ``T / cp`` in its local order at
+    ``[:, r T/cp : (r+1) T/cp]``. Causal windows (no ``documents``): head-tail, the same for every window. With
+    document ids ``[B, T]``: per window, the coarsest snake deal of 2 cp x 2^k chunks whose most loaded rank is
+    within ``TOLERANCE`` of the mean (single tokens at the finest)."""
+    if error := split_error(seq_len, cp):
+        raise ValueError(error)
+    if documents is None:
+        return head_tail_order(seq_len, cp).unsqueeze(0)
     pairs = attended_pairs(seq_len, documents)
-    return [int(split_sequence(pairs, cp, r).sum()) for r in range(cp)]
+    chunks = 2 * cp
+    order = _deal(pairs, cp, chunks)
+    done = _within(_rank_sums(pairs, order, cp))
+    while not bool(done.all()) and seq_len % (2 * chunks) == 0:
+        chunks *= 2
+        finer = _deal(pairs, cp, chunks)
+        order = torch.where(done[:, None], order, finer)
+        done = done | _within(_rank_sums(pairs, finer, cp))
+    return order
+
+
+def _within(sums: torch.Tensor) -> torch.Tensor:
+    """Which windows' rank sums ``[B, cp]`` are balanced to ``TOLERANCE``."""
+    return sums.max(dim=1).values * sums.shape[1] <= TOLERANCE * sums.sum(dim=1)
+
+
+def rank_part(order: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s global indices ``[B or 1, T / cp]`` of a ``balanced_order``."""
+    n = order.shape[1] // cp
+    return order[:, rank * n : (rank + 1) * n]
+
+
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, T]`` at the per-window token indices ``index`` ``[B or 1, T']``: ``[B, T']``."""
+    return x.gather(1, index.expand(x.shape[0], -1))
+
+
+def pairs_from_order(pairs: torch.Tensor, order: torch.Tensor, cp: int) -> list[int]:
+    """Attended pairs each rank computes under ``order``, summed over the batch (``pairs``: ``attended_pairs``)."""
+    n = max(pairs.shape[0], order.shape[0])
+    return [int(s) for s in _rank_sums(pairs.expand(n, -1), order.expand(n, -1), cp).sum(dim=0)]
+
+
+def pairs_per_rank(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> list[int]:
+    """Attended (query, key) pairs each rank computes under the split (``balanced_order``), summed over the
+    batch."""
+    return pairs_from_order(attended_pairs(seq_len, documents), balanced_order(seq_len, cp, documents), cp)
 
 
 def balance(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> float:

@@ -75,9 +75,10 @@ def _rank(rank: int, world: int, cfg: Config, warmup: int, rounds: int) -> dict:
     model, batch = parts.chunks[0], trainer.micro_batches(0)[0]
 
     def forward() -> torch.Tensor:
-        return model.loss_sum(model(batch.tokens, documents=batch.documents, positions=batch.positions), batch.targets)
+        logits = model(batch.tokens, documents=batch.documents, positions=batch.positions, index=batch.index)
+        return model.loss_sum(logits, batch.targets)
 
-    inputs = [t for t in (batch.tokens, batch.targets, batch.documents, batch.positions) if t is not None]
+    inputs = [t for t in (batch.tokens, batch.targets, batch.documents, batch.positions, batch.index) if t is not None]
     loss, held = held_by_forward(forward, [*model.parameters(), *inputs])
     loss.backward()  # frees the graph; the step below starts from zeroed gradients
     model.zero_grad(set_to_none=False)

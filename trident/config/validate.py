@@ -305,7 +305,7 @@ def validate(cfg: Config, world_size: int) -> Layout:
 
 
 def _context_rules(m: ModelConfig, par: ParallelConfig) -> None:
-    """Context parallelism (parallel/context/): the head-tail split, the exchange, and what does not compose yet."""
+    """Context parallelism (parallel/context/): the split of the sequence and the exchange."""
     _need(par.cp >= 1, f"parallel.cp={par.cp} must be >= 1")
     _one_of("parallel.cp_comm", par.cp_comm, CP_COMMS)
     if par.cp == 1:
@@ -323,11 +323,6 @@ def _context_rules(m: ModelConfig, par: ParallelConfig) -> None:
     if par.cp_comm == "ulysses":
         error = heads_error(m.n_heads, m.kv_heads, par.cp, par.tp)
         _need(error is None, error or "")
-    _need(
-        m.dropout == 0,
-        f"model.dropout={m.dropout} with parallel.cp={par.cp}: dropout on split attention is not supported yet; "
-        "set model.dropout=0",
-    )
 
 
 def _resolve(cfg: Config, dp: int, schedule: str) -> Layout:

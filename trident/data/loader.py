@@ -93,7 +93,7 @@ class BatchLoader:
                 main = torch.cuda.current_stream(self.device)
                 main.wait_event(event)
                 for b in batches:
-                    for t in (b.tokens, b.targets, b.documents, b.positions):
+                    for t in (b.tokens, b.targets, b.documents, b.positions, b.index):
                         if t is not None:
                             t.record_stream(main)
             waited = time.perf_counter() - start

@@ -136,6 +136,7 @@ PAIRS = (
     ("cp>1", "parallel.sequence_parallel=true"),
     ("cp>1", "sharded"),
     ("cp>1", "model.n_kv_heads=1"),  # grouped-query heads gathered or spread
+    ("cp>1", "model.dropout=0.1"),  # the masks' rows and columns at the tokens a rank holds
     # Experts over stages (a stage may have no sparse layer), beside tp, and sharded with their balancing state.
     *(("experts", f"{axis}>1") for axis in ("dp", "tp", "pp")),
     ("experts", "sharded"),

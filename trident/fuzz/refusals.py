@@ -72,10 +72,6 @@ REFUSALS: tuple[Unsupported, ...] = (
         r"parallel\.cp_comm=ulysses (spreads|cannot spread)",
     ),
     Unsupported(
-        "dropout with context parallelism (`model.dropout` > 0 with `parallel.cp` > 1)",
-        r"model\.dropout=[\d.]+ with parallel\.cp=\d+",
-    ),
-    Unsupported(
         "expert parallelism without experts, or with an `ep` that does not divide the experts or the data-parallel "
         "(x `cp`) ranks (`parallel.ep`)",
         r"parallel\.ep=\d+ (needs a model with experts|does not divide)",

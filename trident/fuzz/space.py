@@ -225,10 +225,7 @@ def draw_case(seed: int, index: int) -> Case:
     block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
     extra_rng = random.Random(f"fuzz-cp-moe:{seed}:{index}")
     experts = _draw_experts(extra_rng, MISTAKE)
-    # What the validator refuses beside them (dropout on split attention) is kept only as a mistake.
     world, context = _draw_context(extra_rng, MISTAKE, world)
-    if context and extra_rng.random() >= MISTAKE:
-        knobs["model.dropout"] = 0.0
     # Expert parallelism over the data-parallel (x cp) ranks (drawn last from this stream, so nothing above
     # changed): an ep dividing dp x cp and the experts for about half of the expert cases; as a mistake one that
     # does not, or an ep without experts.

@@ -50,6 +50,7 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   (``_Shape.context_attention``: the core's fp32 output, and the ring's gathered
                                   spans, allgather's gathered k, v and mask, ulysses' head-split q, k, v and mask)
                                   instead of the fused kernel's; RoPE's tables per sample; the batch's positions.
+                                  With dropout the explicit core over the gathered keys, whatever the exchange.
                                   Checked to the byte on a CPU without recomputation (tests/test_cp_memory.py).
     sparse layers (model.moe)     the MLP's input and hidden replaced by what the router, the dispatch, the experts
                                   and the shared experts keep (``moe_bytes``): per token routed, per (token, expert)
@@ -191,10 +192,11 @@ class _Shape:
         """Under context parallelism, in place of ``attention``: what the exchange (parallel/context/) keeps of q,
         k, v and the output per layer, its fp32 log-sum-exp aside (the same as the fused kernel's). Every exchange
         keeps the output (the projection's input) and the core's own fp32 copy of it. ring: q, k and v as the fused
-        kernel does, and the gathered spans (int64 indices, int32 document ids) of the whole sequence. allgather:
-        q's storage (the fused qkv output without RoPE), the gathered k and v of the whole sequence and the bool
-        mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole sequence (a kv head repeated when
-        cp does not divide them) and the mask [b or 1, cp s, cp s]; none of the projections' outputs."""
+        kernel does, and the gathered spans (int64 indices, per sample with documents, and int32 document ids)
+        of the whole sequence. allgather: q's storage (the fused qkv output without RoPE), the gathered k and v of
+        the whole sequence and the bool mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole
+        sequence (a kv head repeated when cp does not divide them) and the mask [b or 1, cp s, cp s]; none of the
+        projections' outputs."""
         sb, whole = self.s * self.b, self.s * self.cp
         # The core's fp32 output and the projection's input in the compute dtype. CPU: the flash kernel's output is
         # laid out [b, s, heads, d], so allgather's projection input is a view of it, the same storage in fp32 (the
@@ -203,7 +205,7 @@ class _Shape:
         shared = sb * self.q * FP32 if self.e == FP32 and self.device == "cpu" else 0
         per_sample = self.b if self.documents else 1
         if self.cp_comm == "ring":
-            spans = 8 * whole + (4 * self.b * whole if self.documents else 0)
+            spans = 8 * per_sample * whole + (4 * self.b * whole if self.documents else 0)
             return self.attention(False) + sb * self.q * FP32 + spans
         if self.cp_comm == "allgather":
             q = 3 * self.q if self.fused_qkv and not self.rope else self.q
@@ -211,6 +213,23 @@ class _Shape:
         kv_heads = self.kv // self.head_dim
         kv = self.kv // self.cp if kv_heads % self.cp == 0 else self.head_dim
         return out + sb * self.q * self.e + 2 * self.b * whole * kv * self.e + per_sample * whole * whole
+
+    def dropped_context_attention(self) -> int:
+        """Under context parallelism in training with dropout (models/context_window.py ``dropped_attention``): q,
+        the gathered k and v repeated to the query heads (the matmuls' operands) and the output, as the explicit
+        core keeps them over the whole window's keys; its probabilities, their dropped copy and keep mask, and the
+        inverted bool mask [b or 1, s, cp s] (``explicit_core``)."""
+        return 2 * self.s * self.b * self.q * self.e + 2 * self.b * self.s * self.cp * self.q * self.e
+
+    def explicit_core(self) -> int:
+        """The explicit core's probabilities, their dropped copy and keep mask [b, a, s, keys], and the inverted
+        mask masked_fill keeps: the causal one, with packed documents the samples' own, under context parallelism
+        the spans' [b or 1, s, cp s]."""
+        keys = self.s * self.cp
+        core = self.b * self.a * self.s * keys // self.t * (2 * self.e + 1)
+        if self.cp > 1:
+            return core + (self.b if self.documents else 1) * self.s * keys
+        return core + (self.document_mask() or self.s * self.s)
 
     def document_mask(self) -> int:
         """Packed documents on a CPU: the dense bool mask [b, 1, s, s], whole on every tp rank (attention sees
@@ -234,10 +253,8 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str, sparse: bool = Fals
     core = 0  # what the attention core keeps beyond q, k, v and its output; nothing when it is recomputed
     explicit = policy == "none" and m.dropout > 0  # under attention the core is recomputed
     if policy == "none":
-        if explicit:  # the explicit core (models/gpt.py): probabilities, their dropped copy and keep mask
-            core = x.b * x.a * x.s * x.s // x.t * (2 * x.e + 1)
-            # + the inverted mask masked_fill keeps: the causal one, or with packed documents the samples' own
-            core += x.document_mask() or x.s * x.s
+        if explicit:  # the explicit core (models/gpt.py, models/context_window.py under cp)
+            core = x.explicit_core()
         else:  # the fused kernel's fp32 logsumexp, and with packed documents its own copy of the mask as a float
             core = FP32 * x.a * x.b * x.s // x.t + x.document_mask() * x.e
     # The fc (or gate and up) input, and GELU: fc output, GELU output; SwiGLU: gate and up outputs, silu(gate), their
@@ -248,12 +265,18 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str, sparse: bool = Fals
     return (
         2 * x.layer_norm()
         + sbh * x.e  # the qkv (or q and kv) input
-        + (x.context_attention() if x.cp > 1 else x.attention(explicit))
+        + _attention(x, explicit)
         + x.rope_tables()
         + mlp
         + core
         + masks
     )
+
+
+def _attention(x: _Shape, explicit: bool) -> int:
+    if x.cp == 1:
+        return x.attention(explicit)
+    return x.dropped_context_attention() if explicit else x.context_attention()
 
 
 def _selective_layer_bytes(m: ModelConfig, x: _Shape, modules: set[str], sparse: int | None = None) -> int:
@@ -394,13 +417,6 @@ def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) ->
     return x.document_mask() + (0 if shared else 8 * x.b * x.s)
 
 
-def context_window_bytes(m: ModelConfig, layout: Layout) -> int:
-    """What a chunk's context window (models/context_window.py) keeps per micro-batch under context parallelism:
-    the ring keeps its tokens' int64 global indices for backward (the other exchanges only a mask built from them)."""
-    x = _Shape.of(m, layout)
-    return 8 * x.s if x.cp > 1 and x.cp_comm == "ring" else 0
-
-
 def embed_bytes(m: ModelConfig, layout: Layout) -> int:
     """What the first stage's embedding keeps per micro-batch: with learned positions the int64 position ids (this
     rank's share of them under sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64
@@ -458,7 +474,6 @@ def activation_bytes(
             + (embed_bytes(m, layout) if c == 0 else 0)
             + (head_bytes(m, layout) if c == last else 0)
             + documents_bytes(m, layout, policy if recomputed else "none", c == 0)
-            + context_window_bytes(m, layout)
         )
     placement = stage_placement(layout.schedule)
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
