@@ -292,7 +292,10 @@ class Block(nn.Module):
         self, x: torch.Tensor, cache: KVCache | None = None, documents: Documents | None = None
     ) -> torch.Tensor:
         x = x + _dropped(self.drop_attn, self.attn(self.ln_1(x), cache, documents), documents)
-        return x + _dropped(self.drop_mlp, self.mlp(self.ln_2(x)), documents)
+        h = self.ln_2(x)
+        if isinstance(self.mlp, MoE) and isinstance(documents, ContextWindow):  # a capacity needs the batch's split
+            return x + _dropped(self.drop_mlp, self.mlp(h, window=documents.span.index), documents)
+        return x + _dropped(self.drop_mlp, self.mlp(h), documents)
 
 
 class GPT(nn.Module):

@@ -201,21 +201,33 @@ class TokenSplit:
             x = reduce_from_region(x, group)
         return x
 
-    def index(self, tokens: int, device: torch.device) -> torch.Tensor:
-        """The places in the whole sequence of this rank's ``tokens`` tokens, in its order."""
-        whole = tokens * self.parts
-        part = rank_index(whole, self.cp, self.cp_rank, device) if self.cp > 1 else torch.arange(whole, device=device)
-        return part[self.tp_rank * tokens : (self.tp_rank + 1) * tokens]
+    def index(self, tokens: int, device: torch.device, window: torch.Tensor | None = None) -> torch.Tensor:
+        """The places in the whole sequence of this rank's ``tokens`` tokens, in its order: ``[B or 1, tokens]``.
+        ``window`` ``[B or 1, tokens x tp]``: this cp rank's places as its batch split them (with packed documents
+        each sample's own, parallel/context/split.py); None: head-tail."""
+        if window is None:
+            whole = tokens * self.parts
+            window = (
+                rank_index(whole, self.cp, self.cp_rank, device) if self.cp > 1 else torch.arange(whole, device=device)
+            )
+        window = window.view(-1, window.shape[-1])
+        return window[:, self.tp_rank * tokens : (self.tp_rank + 1) * tokens]
 
-    def whole(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` [b, tokens, ...] (no gradient) together: [b, tokens * parts, ...] in sequence order."""
+    def whole(self, x: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``x`` [b, tokens, ...] (no gradient) together: [b, tokens * parts, ...] in sequence order
+        (``window`` as ``index`` takes it)."""
         for group in self.groups():  # tp's shards make each cp rank's part, the parts the sequence in rank order
             x = gather_sequence(x, group)
         if self.cp == 1:
             return x
-        out = torch.empty_like(x)
-        out[:, head_tail_order(x.shape[1], self.cp, x.device)] = x
-        return out
+        if window is None:
+            out = torch.empty_like(x)
+            out[:, head_tail_order(x.shape[1], self.cp, x.device)] = x
+            return out
+        window = window.reshape(-1, window.shape[-1])
+        places = gather_sequence(window.contiguous(), self.cp_group).expand(x.shape[0], -1)  # every rank's, in order
+        places = places.reshape(*places.shape, *([1] * (x.dim() - 2))).expand_as(x)
+        return torch.empty_like(x).scatter_(1, places, x)
 
 
 def _places(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +276,9 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.moe.capacity_factor * tokens * self.moe.top_k / self.moe.experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [b, t, d] (or [n, d]). ``window``: under context parallelism the places of this cp rank's tokens in
+        their sequences, as its batch split them (``TokenSplit.index``); a capacity keeps pairs by them."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k, e = x.shape[0], self.moe.top_k, self.moe.experts
@@ -286,9 +300,11 @@ class MoE(nn.Module):
             per_seq = torch.bincount(run, minlength=e * b)
             kept = counts
         else:  # a pair's place in its (expert, sequence) run, in the whole sequence, decides whether it is kept
-            place, per_seq = _places(chosen.view(b, t, k) if split is None else split.whole(chosen.view(b, t, k)), e)
+            whole = chosen.view(b, t, k) if split is None else split.whole(chosen.view(b, t, k), window)
+            place, per_seq = _places(whole, e)
             if split is not None:
-                place = place[:, split.index(t, x.device)]
+                mine = split.index(t, x.device, window).expand(b, -1)
+                place = place.gather(1, mine.unsqueeze(-1).expand(-1, -1, k))
             order = order[place.reshape(-1)[order] < cap]
             kept = torch.bincount(flat[order], minlength=e)
         token = order // k

@@ -161,8 +161,9 @@ def test_moe_at_ep_with_tp_pp_and_ep4_gives_the_one_process_curve(tiny_dataset, 
         ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
         ["parallel.cp=2", "parallel.ep=4", "parallel.zero=1"],
         ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_comm=allgather"],
+        ["parallel.cp=2", "parallel.ep=2", "data.document_mask=true", "model.seq_len=256"],
     ],
-    ids=["tp2-sp-ep2", "cp2-ep4-zero1", "cp2-tp2-sp"],
+    ids=["tp2-sp-ep2", "cp2-ep4-zero1", "cp2-tp2-sp", "cp2-ep2-documents"],
 )
 def test_moe_with_a_sequence_split_over_ranks_gives_the_one_process_curve(tiny_dataset, references, tmp_path, layout):
     """Four ranks, each sequence split over tp (sequence parallelism), cp (head-tail chunks) or both: each rank routes
@@ -175,7 +176,7 @@ def test_moe_with_a_sequence_split_over_ranks_gives_the_one_process_curve(tiny_d
         "train.micro_batch_size=2", "model.moe.aux_loss_coef=0.1", "model.moe.z_loss_coef=1e-3",
         "model.moe.capacity_factor=1.0", "model.moe.bias_update_rate=0.05",
     )  # fmt: skip
-    one = references.history(overrides)
+    one = references.history([*overrides, *(o for o in layout if o.startswith(("data.", "model.")))])
     assert all(row["moe/dropped"] > 0 for row in one)
     for history in train_in_process(tmp_path / "run", [*overrides, *layout], world=4):
         assert_same_curve(one, history)

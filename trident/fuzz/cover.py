@@ -145,7 +145,9 @@ PAIRS = (
     ("experts", "parallel.sequence_parallel=true"),
     ("experts", "cp>1"),
     # Experts over ep ranks: their own gradient group beside tp and pp, and their ZeRO shards.
-    *(("ep>1", f"{axis}>1") for axis in ("tp", "pp", "cp")),
+    # ep with cp is drawn about once in 500 cases and trained by none of seed 0's first 1000: tests/test_moe_ep.py
+    # holds it (cp 2 x dp 2 at ep 4).
+    *(("ep>1", f"{axis}>1") for axis in ("tp", "pp")),
     *(("ep>1", f"parallel.zero={z}") for z in (1, 2, 3)),
 )
 
@@ -264,11 +266,14 @@ def missing(drawn: Iterable[Drawn]) -> list[tuple[str, ...]]:
 
 def _run_seconds(layout: Layout, layers: int, batch: int, steps: int) -> float:
     """One run's seconds on an idle 2-core machine, roughly (fitted to the old CI sample's measured cases): a second
-    a run, a writer interpreter per rank with ``checkpoint.async`` (each imports torch), and the arithmetic, which
-    grows with the tokens times the layers (recomputation adds forwards). World size alone costs little."""
+    a run, half a second a rank (8 ranks on 2 cores: each rank's Python and collectives wait their turn; the 8-rank
+    cases of the sample measured two to five times their estimate without it), a writer interpreter per rank with
+    ``checkpoint.async`` (each imports torch), and the arithmetic, which grows with the tokens times the layers
+    (recomputation adds forwards)."""
     recomputed = {"none": 0.0, "selective": 0.2, "attention": 0.2, "full": 0.4}[layout.activation_checkpointing]
     recompute = 1.0 + recomputed / layout.recompute_every
-    return 0.8 + 1.6 * layout.world * layout.async_checkpoint + 0.0032 * steps * batch * (layers * recompute + 2)
+    ranks = 0.5 * layout.world + 1.6 * layout.world * layout.async_checkpoint
+    return 0.8 + ranks + 0.0032 * steps * batch * (layers * recompute + 2)
 
 
 def estimated_seconds(drawn: Drawn) -> float:
