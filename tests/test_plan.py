@@ -410,8 +410,8 @@ def test_expert_parallel_layouts_are_planned_and_priced() -> None:
     profile = dataclasses.replace(
         profile, collectives=profile.collectives | {collective_key("all_to_all", g): rate for g in (2, 4)}
     )
-    keep = {"parallel.tp": "1", "parallel.pp": "1", "parallel.zero": "0", "train.micro_batch_size": "2"}
-    keep |= {"train.activation_checkpointing": "none"}
+    keep = {"parallel.cp": "1", "parallel.tp": "1", "parallel.pp": "1", "parallel.zero": "0"}
+    keep |= {"train.micro_batch_size": "2", "train.activation_checkpointing": "none"}  # cp 1: no ulysses exchange
     found = plan(cfg, 4, profile, keep=keep)
     by_ep = {p.layout.ep: p for p in found.ranked}
     assert sorted(by_ep) == [1, 2, 4] and all(p.time is not None and p.tokens_per_s > 0 for p in by_ep.values())
