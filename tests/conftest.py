@@ -56,6 +56,10 @@ LONGEST_FIRST = (
     "test_precision.py",
     "test_docs.py",
     "test_plan.py",
+    "test_cp_layouts.py",
+    "test_3d.py",
+    "test_plan_auto.py",
+    "test_moe_ep.py",
 )
 
 
