@@ -64,7 +64,7 @@ LONGEST_FIRST = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A pytest-xdist worker takes its share of the cores for torch's threads (four workers on two cores: one each),
+    """A pytest-xdist worker takes its share of the cores for torch's threads (two workers on two cores: one each),
     so the workers' matmuls do not spin against each other."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:

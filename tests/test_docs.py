@@ -328,7 +328,7 @@ def test_a_schedule_drawing_runs_as_written_and_the_docs_picture_is_its_output(c
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     """The quick start's second command, and the Tests section's, is exactly what .ci/run runs."""
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci == 'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q -n 4 --dist loadfile', ci
+    assert ci == 'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q -n 2 --dist loadfile', ci
     blocks = [b.strip() for b in FENCE.findall((REPO / "README.md").read_text())]
     assert blocks.count(ci) == 2, blocks  # in the quick start and under Tests
     assert (
