@@ -17,7 +17,7 @@ from trident.errors import ConfigError
 from trident.layout import with_keys
 from trident.memory.measure import format_bytes
 from trident.plan.machine import local_device, provisional
-from trident.plan.planner import Plan, Prediction, given_keys, matches, placement_for, plan
+from trident.plan.planner import Plan, Prediction, given_keys, placement_for, plan
 from trident.plan.profile import DATASHEETS, Profile, load_cached
 from trident.plan.report import launch_overrides
 from trident.plan.shared import digest, once_per_node
@@ -73,12 +73,10 @@ def _choose(cfg: Config, world: int, keys: dict[str, str], profile: Profile) -> 
 def _best(cfg: Config, world: int, keys: dict[str, str], profile: Profile) -> tuple[Prediction, int]:
     """The best of the layouts with the given keys, and how many of them fit. Only those are planned; the whole
     space only to say why none fits."""
-    result: Plan = plan(cfg, world, profile, keep=keys)
-    options = [p for p in result.ranked if matches(p.layout, keys)]
-    if options:
-        return options[0], len(options)
+    result: Plan = plan(cfg, world, profile, keep=keys)  # ranks only the layouts that have the keys
+    if result.ranked:
+        return result.ranked[0], len(result.ranked)
     result = plan(cfg, world, profile) if keys else result
-    fixed = f" with {' '.join(f'{k}={v}' for k, v in keys.items())}" if keys else ""
     reasons = {line for _, line in result.refused}
     if not result.ranked and not result.unfit and len(reasons) == 1:
         raise ConfigError(reasons.pop())  # the model or batch itself is wrong, whatever the layout
@@ -89,5 +87,5 @@ def _best(cfg: Config, world: int, keys: dict[str, str], profile: Profile) -> tu
     elif not result.ranked:
         why = f"fits {cfg.model.name} in {format_bytes(profile.usable_fraction * profile.memory_bytes)}"
     else:
-        why = f"has{fixed.removeprefix(' with')} ({len(result.ranked)} others fit)"
+        why = f"has {' '.join(f'{k}={v}' for k, v in keys.items())} ({len(result.ranked)} others fit)"
     raise ConfigError(f"{head} {why}; launch another number of processes or change the batch or the given keys")
