@@ -106,10 +106,10 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
 
 def test_some_draws_are_refused_and_each_refusal_is_a_listed_one() -> None:
     """Drawn freely but not wildly: the validator refuses some of everything, and trains the rest."""
-    cases = [draw_case(3, i) for i in range(60)]
+    cases = [draw_case(3, i) for i in range(30)]
     verdicts = [verdict(compose_config(REPO / "conf", case.overrides), case.world) for case in cases]
     refused = [v for v in verdicts if v is not None]
-    assert 10 <= len(refused) <= 45, len(refused)
+    assert 5 <= len(refused) <= 22, len(refused)
     assert [refusal_problem(v) for v in refused] == [None] * len(refused)
 
 

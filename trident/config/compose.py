@@ -5,9 +5,11 @@ default run directory's name.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import difflib
+import functools
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,8 +34,10 @@ def launch_id() -> str:
     return datetime.datetime.fromtimestamp(stamp).strftime(f"%Y-%m-%d/%H-%M-%S-{pid}")
 
 
+@functools.cache
 def register_configs() -> None:
-    """Register the schema (so conf/config.yaml can name it) and the resolvers the YAML uses."""
+    """Register the schema (so conf/config.yaml can name it) and the resolvers the YAML uses: once a process (the
+    schema is this module's ``Config``; building its node costs a quarter of a composition)."""
     cs = ConfigStore.instance()
     schema = OmegaConf.structured(Config)
     for section, key, name in RENAMED:
@@ -116,9 +120,33 @@ def to_config(node: DictConfig) -> Config:
 
 def compose_config(conf_dir: Path | str, overrides: Iterable[str] = ()) -> Config:
     """The typed config ``train.py`` builds from ``overrides``, composed from the YAML under ``conf_dir`` (a
-    checkout's conf/), for the tests and tools that start runs as a user would."""
+    checkout's conf/), for the tests and tools that start runs as a user would.
+
+    A composition costs about a third of a second of Python (Hydra's defaults tree and OmegaConf's merges), and
+    tools and tests compose the same overrides again (the fuzzer checks a layout, then trains it): the last
+    ``_COMPOSED_MAX`` results are kept, keyed by the overrides and every YAML file's path, size and mtime, so an
+    edited conf/ composes afresh. Each caller gets its own copy."""
+    conf = Path(conf_dir).resolve()
+    overrides = list(overrides)
+    key = (str(conf), tuple(overrides), _conf_stamp(conf))
+    if key not in _COMPOSED:
+        _COMPOSED[key] = _compose(conf, overrides)
+        while len(_COMPOSED) > _COMPOSED_MAX:
+            _COMPOSED.pop(next(iter(_COMPOSED)))
+    return copy.deepcopy(_COMPOSED[key])
+
+
+_COMPOSED: dict[tuple, Config] = {}
+_COMPOSED_MAX = 256
+
+
+def _conf_stamp(conf: Path) -> tuple:
+    return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(conf.rglob("*.yaml")))
+
+
+def _compose(conf: Path, overrides: list[str]) -> Config:
     from hydra import compose, initialize_config_dir  # here: only the tools and tests compose outside train.py
 
     register_configs()
-    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
-        return to_config(compose("config", overrides=list(overrides)))
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return to_config(compose("config", overrides=overrides))
