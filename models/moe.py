@@ -48,7 +48,7 @@ to the row it left from. Only the order of the rows the experts see changes, so 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,11 +58,13 @@ from torch import nn
 from trident.config import ModelConfig, MoEConfig
 from trident.parallel.comm import (
     GroupShape,
+    InFlight,
     Timer,
     all_to_all,
     gather_sequence,
     rank_and_size,
     reduce_from_region,
+    start_all_to_all,
 )
 from trident.parallel.context.split import head_tail_order, rank_index
 from trident.parallel.placement import Placement, replicated, set_placement
@@ -244,6 +246,18 @@ def _places(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
     return place.view(b, t, k), per_seq
 
 
+class Dispatch(NamedTuple):
+    """Rows on their way to the experts' owners (``MoE._dispatch``): the rows sent, how many to each rank and from
+    each, the counts received (``table``, [source][local expert], and as ``counts`` on the device), the exchange."""
+
+    rows: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    table: list[list[int]]
+    counts: torch.Tensor
+    started: InFlight
+
+
 class MoE(nn.Module):
     """The sparse MLP of one layer: router, routed experts and, with ``shared_experts``, a dense MLP beside them."""
 
@@ -308,9 +322,10 @@ class MoE(nn.Module):
             order = order[place.reshape(-1)[order] < cap]
             kept = torch.bincount(flat[order], minlength=e)
         token = order // k
-        y = self.experts(x[token], kept.tolist()) if self.ep_size == 1 else self._exchange(x[token], kept)
-        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros(n, shape[-1], dtype=y.dtype, device=x.device).index_add_(0, token, y).to(x.dtype)
+        if self.ep_size == 1:
+            y = self.experts(x[token], kept.tolist())
+        else:  # on the wire to their experts' owners while the balancing statistics and the shared experts compute
+            dispatch = self._dispatch(x, token, kept)
 
         # Load balancing (Switch / GShard, per sequence as DeepSeek-V3's sequence-wise loss): E * sum_i f_i P_i,
         # f_i the share of a sequence's pairs expert i was chosen for, P_i its mean (normalised) score over the
@@ -333,32 +348,46 @@ class MoE(nn.Module):
                 self.step_counts += counts.double()
                 dropped = (counts - kept).sum().double()
                 self.step_sums += torch.stack([dropped, dropped.new_tensor(float(n)), n * aux.double(), n * z.double()])
+        shared = self.shared(x.reshape(shape)) if self.shared is not None else None
+        if self.ep_size > 1:
+            y = self._combine(dispatch)
+        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(n, shape[-1], dtype=y.dtype, device=x.device).index_add_(0, token, y).to(x.dtype)
         # The gradient is the runner's multiplier times this rank's tokens: the z-loss is theirs alone, the aux loss
         # the whole sequence's (every rank of a split holds it whole and passes each its own tokens' share).
         extra = self.moe.aux_loss_coef * parts * aux + self.moe.z_loss_coef * z
         if self.training and torch.is_grad_enabled() and self.loss_multiplier and extra.requires_grad:
             out = AuxLoss.apply(out, extra, self.loss_multiplier * n)
         out = out.reshape(shape)
-        return out + self.shared(x.reshape(shape)) if self.shared is not None else out
+        return out + shared if shared is not None else out
 
-    def _exchange(self, rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """``rows`` sorted by expert (``kept[e]`` of expert e) through the experts, their owners holding them: each
-        owner's run sent by all-to-all, put expert-major, computed, put back and sent home (module docstring)."""
+    def _dispatch(self, x: torch.Tensor, token: torch.Tensor, kept: torch.Tensor) -> Dispatch:
+        """The rows ``x[token]``, sorted by expert (``kept[e]`` of expert e), started towards their experts' owners:
+        each owner's run by all-to-all, after the counts' own small all-to-all (the rows gathered meanwhile)."""
         ep, local = self.ep_size, self.n_local
         send_counts = kept.view(ep, local)
-        recv_counts = torch.empty_like(send_counts)
-        with self.timer(rows.device) if self.timer is not None else nullcontext():
-            dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source, local expert]
-        table = recv_counts.tolist()  # the one read on the host: the split sizes the exchanges need
-        send, recv = send_counts.sum(1).tolist(), [sum(row) for row in table]
-        got = all_to_all(rows, send, recv, self.ep_group, self.timer)  # source-major, each source's expert-major
+        started = start_all_to_all(send_counts, [1] * ep, [1] * ep, self.ep_group, self.timer)
+        rows = x[token]
+        counts = started.wait()  # [source, local expert]
+        # The one read on the host: the split sizes of the exchanges and of the experts' runs.
+        sizes = torch.cat([send_counts.sum(1), counts.view(-1)]).tolist()
+        send, table = sizes[:ep], [sizes[ep + r * local : ep + (r + 1) * local] for r in range(ep)]
+        recv = [sum(row) for row in table]
+        return Dispatch(rows, send, recv, table, counts, start_all_to_all(rows, send, recv, self.ep_group, self.timer))
+
+    def _combine(self, d: Dispatch) -> torch.Tensor:
+        """``_dispatch``'s rows through the experts and back: the received rows (source-major, each source's
+        expert-major) put expert-major, computed, put back and sent home (module docstring)."""
+        ep, local = self.ep_size, self.n_local
+        got = all_to_all(d.rows, d.send, d.recv, self.ep_group, self.timer, d.started)
         # Each received row's local expert; a stable sort puts them expert-major, sources in order within each.
-        expert = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+        expert = torch.arange(local, device=got.device).repeat(ep)
+        expert = expert.repeat_interleave(d.counts.view(-1), output_size=got.shape[0])
         perm = expert.argsort(stable=True)
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
-        y = self.experts(Permute.apply(got, perm, back), [sum(column) for column in zip(*table, strict=True)])
-        return all_to_all(Permute.apply(y, back, perm), recv, send, self.ep_group, self.timer)
+        y = self.experts(Permute.apply(got, perm, back), [sum(column) for column in zip(*d.table, strict=True)])
+        return all_to_all(Permute.apply(y, back, perm), d.recv, d.send, self.ep_group, self.timer)
 
     @property
     def n_local(self) -> int:
