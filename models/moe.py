@@ -40,9 +40,12 @@ keeps its own pairs by their place in the whole sequence, as one process does.
 Expert parallelism (``ep_group`` of ep ranks, parallel.ep): ep rank r holds experts ``[r*E/ep, (r+1)*E/ep)`` (their
 rows of the stacked weights; placement ``ep_size``, so init, checkpoints, the norm and the reducer read it). Each
 rank routes its own tokens as above; its pairs, already sorted by expert, go in one run per owning rank by
-all-to-all (with each expert's count, a second small all-to-all); the received rows, source by source, are put
-expert-major (stable over sources), computed, put back, and returned by the reverse all-to-all, each pair's output
-to the row it left from. Only the order of the rows the experts see changes, so the result is the one-process one.
+all-to-all, with each expert's count: padded to the most rows a rank can send an owner, behind a header of the
+counts, in one exchange where that is small (``PADDED_DISPATCH_BYTES``: latency costs more than the padding), else
+the counts first in a small all-to-all of their own. The rows travel while the balancing statistics and the shared
+experts compute; the received rows, source by source, are put expert-major (stable over sources), computed, put back,
+and returned by the reverse all-to-all, each pair's output to the row it left from. Only the order of the rows the
+experts see changes, so the result is the one-process one.
 """
 
 from __future__ import annotations
@@ -246,16 +249,23 @@ def _places(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
     return place.view(b, t, k), per_seq
 
 
+# A dispatch whose padded exchange is at most this many bytes a rank goes in one all-to-all, its counts ahead of its
+# rows (``MoE._dispatch``): below it a collective's latency costs more than the padding's bytes (gloo on loopback:
+# about half a millisecond, the time to move a megabyte).
+PADDED_DISPATCH_BYTES = 1 << 20
+
+
 class Dispatch(NamedTuple):
-    """Rows on their way to the experts' owners (``MoE._dispatch``): the rows sent, how many to each rank and from
-    each, the counts received (``table``, [source][local expert], and as ``counts`` on the device), the exchange."""
+    """Rows on their way to the experts' owners (``MoE._dispatch``): the rows sent, the counts sent [rank, local
+    expert], the exchange in flight, and ``bound``: the rows each rank's padded block holds (None: the counts went
+    first, and ``sizes`` holds the rows sent to each rank, those received from each and the counts received
+    [source][local expert])."""
 
     rows: torch.Tensor
-    send: list[int]
-    recv: list[int]
-    table: list[list[int]]
-    counts: torch.Tensor
+    send_counts: torch.Tensor
     started: InFlight
+    bound: int | None
+    sizes: tuple[list[int], list[int], list[list[int]]] | None
 
 
 class MoE(nn.Module):
@@ -362,32 +372,64 @@ class MoE(nn.Module):
         return out + shared if shared is not None else out
 
     def _dispatch(self, x: torch.Tensor, token: torch.Tensor, kept: torch.Tensor) -> Dispatch:
-        """The rows ``x[token]``, sorted by expert (``kept[e]`` of expert e), started towards their experts' owners:
-        each owner's run by all-to-all, after the counts' own small all-to-all (the rows gathered meanwhile)."""
+        """The rows ``x[token]``, sorted by expert (``kept[e]`` of expert e), started towards their experts' owners.
+        A rank sends each owner at most ``bound`` rows (every token's experts are distinct, and each rank of the
+        group routes as many tokens); where every rank's ``bound`` rows a block come to at most
+        ``PADDED_DISPATCH_BYTES``, each block is padded to them behind a header of its counts, in one all-to-all of
+        equal blocks; else the counts go first in a small all-to-all of their own (the rows gathered meanwhile) and
+        then the rows, each block as long as it is."""
         ep, local = self.ep_size, self.n_local
         send_counts = kept.view(ep, local)
+        bound = x.shape[0] * min(self.moe.top_k, local)
+        if ep * (local * 8 + bound * x.shape[1] * x.element_size()) <= PADDED_DISPATCH_BYTES:
+            rows = x[token]
+            sent = send_counts.sum(1)
+            rank = torch.arange(ep, device=x.device).repeat_interleave(sent, output_size=rows.shape[0])
+            slot = torch.arange(rows.shape[0], device=x.device) - (sent.cumsum(0) - sent)[rank]
+            blocks = torch.empty(
+                ep, local * 8 + bound * x.shape[1] * x.element_size(), dtype=torch.uint8, device=x.device
+            )
+            blocks[:, : local * 8] = send_counts.view(torch.uint8)
+            blocks[:, local * 8 :].view(rows.dtype).view(ep, bound, -1)[rank, slot] = rows.detach()
+            started = start_all_to_all(blocks, [1] * ep, [1] * ep, self.ep_group, self.timer)
+            return Dispatch(rows, send_counts, started, bound, None)
         started = start_all_to_all(send_counts, [1] * ep, [1] * ep, self.ep_group, self.timer)
         rows = x[token]
         counts = started.wait()  # [source, local expert]
-        # The one read on the host: the split sizes of the exchanges and of the experts' runs.
-        sizes = torch.cat([send_counts.sum(1), counts.view(-1)]).tolist()
-        send, table = sizes[:ep], [sizes[ep + r * local : ep + (r + 1) * local] for r in range(ep)]
-        recv = [sum(row) for row in table]
-        return Dispatch(rows, send, recv, table, counts, start_all_to_all(rows, send, recv, self.ep_group, self.timer))
+        sizes = self._sizes(send_counts, counts)
+        started = start_all_to_all(rows, sizes[0], sizes[1], self.ep_group, self.timer)
+        return Dispatch(rows, send_counts, started, None, sizes)
+
+    def _sizes(self, send_counts: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int], list[list[int]]]:
+        """The one read on the host: the rows sent to each rank, those received from each, and the counts received
+        [source][local expert] (the split sizes of the exchanges and of the experts' runs)."""
+        ep, local = self.ep_size, self.n_local
+        sizes = torch.cat([send_counts.sum(1), counts.reshape(-1)]).tolist()
+        table = [sizes[ep + r * local : ep + (r + 1) * local] for r in range(ep)]
+        return sizes[:ep], [sum(row) for row in table], table
 
     def _combine(self, d: Dispatch) -> torch.Tensor:
         """``_dispatch``'s rows through the experts and back: the received rows (source-major, each source's
         expert-major) put expert-major, computed, put back and sent home (module docstring)."""
         ep, local = self.ep_size, self.n_local
-        got = all_to_all(d.rows, d.send, d.recv, self.ep_group, self.timer, d.started)
+        if d.bound is None:
+            (send, recv, table), started = d.sizes, d.started
+        else:  # each source's block: its counts, then its rows and the padding
+            blocks = d.started.wait()
+            counts = blocks[:, : local * 8].view(torch.int64)
+            send, recv, table = self._sizes(d.send_counts, counts)
+            padded = blocks[:, local * 8 :].view(d.rows.dtype).view(ep, d.bound, -1)
+            got = padded[torch.arange(d.bound, device=padded.device) < counts.sum(1, keepdim=True)]
+            started = InFlight(got, None, None)
+        got = all_to_all(d.rows, send, recv, self.ep_group, self.timer, started)
         # Each received row's local expert; a stable sort puts them expert-major, sources in order within each.
         expert = torch.arange(local, device=got.device).repeat(ep)
-        expert = expert.repeat_interleave(d.counts.view(-1), output_size=got.shape[0])
+        expert = expert.repeat_interleave(torch.tensor(table, device=got.device).view(-1), output_size=got.shape[0])
         perm = expert.argsort(stable=True)
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
-        y = self.experts(Permute.apply(got, perm, back), [sum(column) for column in zip(*d.table, strict=True)])
-        return all_to_all(Permute.apply(y, back, perm), d.recv, d.send, self.ep_group, self.timer)
+        y = self.experts(Permute.apply(got, perm, back), [sum(column) for column in zip(*table, strict=True)])
+        return all_to_all(Permute.apply(y, back, perm), recv, send, self.ep_group, self.timer)
 
     @property
     def n_local(self) -> int:

@@ -199,16 +199,18 @@ def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
 
 
 class InFlight:
-    """An all-to-all on the wire (``start_all_to_all``): ``wait`` returns the rows received. The work keeps the
-    tensors it sends and fills alive until then, and is dropped on this thread (see parallel/reducer.py's finish)."""
+    """An all-to-all on the wire (``start_all_to_all``; ``work`` None: one already done): ``wait`` returns the rows
+    received. The work keeps the tensors it sends and fills alive until then, and is dropped on this thread (see
+    parallel/reducer.py's finish)."""
 
-    def __init__(self, out: torch.Tensor, work: dist.Work, timer: Timer | None) -> None:
+    def __init__(self, out: torch.Tensor, work: dist.Work | None, timer: Timer | None) -> None:
         self.out, self.work, self.timer = out, work, timer
 
     def wait(self) -> torch.Tensor:
-        with self.timer(self.out.device) if self.timer is not None else nullcontext():
-            self.work.wait()
-        self.work = None
+        if self.work is not None:
+            with self.timer(self.out.device) if self.timer is not None else nullcontext():
+                self.work.wait()
+            self.work = None
         return self.out
 
 
