@@ -381,14 +381,13 @@ class MoE(nn.Module):
         ep, local = self.ep_size, self.n_local
         send_counts = kept.view(ep, local)
         bound = x.shape[0] * min(self.moe.top_k, local)
-        if ep * (local * 8 + bound * x.shape[1] * x.element_size()) <= PADDED_DISPATCH_BYTES:
+        block = local * 8 + bound * x.shape[1] * x.element_size()  # bytes: the int64 counts, the rows
+        if ep * block <= PADDED_DISPATCH_BYTES:
             rows = x[token]
             sent = send_counts.sum(1)
             rank = torch.arange(ep, device=x.device).repeat_interleave(sent, output_size=rows.shape[0])
             slot = torch.arange(rows.shape[0], device=x.device) - (sent.cumsum(0) - sent)[rank]
-            blocks = torch.empty(
-                ep, local * 8 + bound * x.shape[1] * x.element_size(), dtype=torch.uint8, device=x.device
-            )
+            blocks = torch.empty(ep, block, dtype=torch.uint8, device=x.device)
             blocks[:, : local * 8] = send_counts.view(torch.uint8)
             blocks[:, local * 8 :].view(rows.dtype).view(ep, bound, -1)[rank, slot] = rows.detach()
             started = start_all_to_all(blocks, [1] * ep, [1] * ep, self.ep_group, self.timer)
