@@ -40,15 +40,18 @@ keeps its own pairs by their place in the whole sequence, as one process does.
 Expert parallelism (``ep_group`` of ep ranks, parallel.ep): ep rank r holds experts ``[r*E/ep, (r+1)*E/ep)`` (their
 rows of the stacked weights; placement ``ep_size``, so init, checkpoints, the norm and the reducer read it). Each
 rank routes its own tokens as above; its pairs, already sorted by expert, go in one run per owning rank by
-all-to-all (with each expert's count, a second small all-to-all); the received rows, source by source, are put
-expert-major (stable over sources), computed, put back, and returned by the reverse all-to-all, each pair's output
-to the row it left from. Only the order of the rows the experts see changes, so the result is the one-process one.
+all-to-all, with each expert's count: padded to the most rows a rank can send an owner, behind a header of the
+counts, in one exchange where that is small (``PADDED_DISPATCH_BYTES``: latency costs more than the padding), else
+the counts first in a small all-to-all of their own. The rows travel while the balancing statistics and the shared
+experts compute; the received rows, source by source, are put expert-major (stable over sources), computed, put back,
+and returned by the reverse all-to-all, each pair's output to the row it left from. Only the order of the rows the
+experts see changes, so the result is the one-process one.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,11 +61,13 @@ from torch import nn
 from trident.config import ModelConfig, MoEConfig
 from trident.parallel.comm import (
     GroupShape,
+    InFlight,
     Timer,
     all_to_all,
     gather_sequence,
     rank_and_size,
     reduce_from_region,
+    start_all_to_all,
 )
 from trident.parallel.context.split import head_tail_order, rank_index
 from trident.parallel.placement import Placement, replicated, set_placement
@@ -244,6 +249,25 @@ def _places(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
     return place.view(b, t, k), per_seq
 
 
+# A dispatch whose padded exchange is at most this many bytes a rank goes in one all-to-all, its counts ahead of its
+# rows (``MoE._dispatch``): below it a collective's latency costs more than the padding's bytes (gloo on loopback:
+# about half a millisecond, the time to move a megabyte).
+PADDED_DISPATCH_BYTES = 1 << 20
+
+
+class Dispatch(NamedTuple):
+    """Rows on their way to the experts' owners (``MoE._dispatch``): the rows sent, the counts sent [rank, local
+    expert], the exchange in flight, and ``bound``: the rows each rank's padded block holds (None: the counts went
+    first, and ``sizes`` holds the rows sent to each rank, those received from each and the counts received
+    [source][local expert])."""
+
+    rows: torch.Tensor
+    send_counts: torch.Tensor
+    started: InFlight
+    bound: int | None
+    sizes: tuple[list[int], list[int], list[list[int]]] | None
+
+
 class MoE(nn.Module):
     """The sparse MLP of one layer: router, routed experts and, with ``shared_experts``, a dense MLP beside them."""
 
@@ -308,9 +332,10 @@ class MoE(nn.Module):
             order = order[place.reshape(-1)[order] < cap]
             kept = torch.bincount(flat[order], minlength=e)
         token = order // k
-        y = self.experts(x[token], kept.tolist()) if self.ep_size == 1 else self._exchange(x[token], kept)
-        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros(n, shape[-1], dtype=y.dtype, device=x.device).index_add_(0, token, y).to(x.dtype)
+        if self.ep_size == 1:
+            y = self.experts(x[token], kept.tolist())
+        else:  # on the wire to their experts' owners while the balancing statistics and the shared experts compute
+            dispatch = self._dispatch(x, token, kept)
 
         # Load balancing (Switch / GShard, per sequence as DeepSeek-V3's sequence-wise loss): E * sum_i f_i P_i,
         # f_i the share of a sequence's pairs expert i was chosen for, P_i its mean (normalised) score over the
@@ -333,27 +358,72 @@ class MoE(nn.Module):
                 self.step_counts += counts.double()
                 dropped = (counts - kept).sum().double()
                 self.step_sums += torch.stack([dropped, dropped.new_tensor(float(n)), n * aux.double(), n * z.double()])
+        shared = self.shared(x.reshape(shape)) if self.shared is not None else None
+        if self.ep_size > 1:
+            y = self._combine(dispatch)
+        y = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(n, shape[-1], dtype=y.dtype, device=x.device).index_add_(0, token, y).to(x.dtype)
         # The gradient is the runner's multiplier times this rank's tokens: the z-loss is theirs alone, the aux loss
         # the whole sequence's (every rank of a split holds it whole and passes each its own tokens' share).
         extra = self.moe.aux_loss_coef * parts * aux + self.moe.z_loss_coef * z
         if self.training and torch.is_grad_enabled() and self.loss_multiplier and extra.requires_grad:
             out = AuxLoss.apply(out, extra, self.loss_multiplier * n)
         out = out.reshape(shape)
-        return out + self.shared(x.reshape(shape)) if self.shared is not None else out
+        return out + shared if shared is not None else out
 
-    def _exchange(self, rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """``rows`` sorted by expert (``kept[e]`` of expert e) through the experts, their owners holding them: each
-        owner's run sent by all-to-all, put expert-major, computed, put back and sent home (module docstring)."""
+    def _dispatch(self, x: torch.Tensor, token: torch.Tensor, kept: torch.Tensor) -> Dispatch:
+        """The rows ``x[token]``, sorted by expert (``kept[e]`` of expert e), started towards their experts' owners.
+        A rank sends each owner at most ``bound`` rows (every token's experts are distinct, and each rank of the
+        group routes as many tokens); where every rank's ``bound`` rows a block come to at most
+        ``PADDED_DISPATCH_BYTES``, each block is padded to them behind a header of its counts, in one all-to-all of
+        equal blocks; else the counts go first in a small all-to-all of their own (the rows gathered meanwhile) and
+        then the rows, each block as long as it is."""
         ep, local = self.ep_size, self.n_local
         send_counts = kept.view(ep, local)
-        recv_counts = torch.empty_like(send_counts)
-        with self.timer(rows.device) if self.timer is not None else nullcontext():
-            dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # [source, local expert]
-        table = recv_counts.tolist()  # the one read on the host: the split sizes the exchanges need
-        send, recv = send_counts.sum(1).tolist(), [sum(row) for row in table]
-        got = all_to_all(rows, send, recv, self.ep_group, self.timer)  # source-major, each source's expert-major
+        bound = x.shape[0] * min(self.moe.top_k, local)
+        block = local * 8 + bound * x.shape[1] * x.element_size()  # bytes: the int64 counts, the rows
+        if ep * block <= PADDED_DISPATCH_BYTES:
+            rows = x[token]
+            sent = send_counts.sum(1)
+            rank = torch.arange(ep, device=x.device).repeat_interleave(sent, output_size=rows.shape[0])
+            slot = torch.arange(rows.shape[0], device=x.device) - (sent.cumsum(0) - sent)[rank]
+            blocks = torch.empty(ep, block, dtype=torch.uint8, device=x.device)
+            blocks[:, : local * 8] = send_counts.view(torch.uint8)
+            blocks[:, local * 8 :].view(rows.dtype).view(ep, bound, -1)[rank, slot] = rows.detach()
+            started = start_all_to_all(blocks, [1] * ep, [1] * ep, self.ep_group, self.timer)
+            return Dispatch(rows, send_counts, started, bound, None)
+        started = start_all_to_all(send_counts, [1] * ep, [1] * ep, self.ep_group, self.timer)
+        rows = x[token]
+        counts = started.wait()  # [source, local expert]
+        sizes = self._sizes(send_counts, counts)
+        started = start_all_to_all(rows, sizes[0], sizes[1], self.ep_group, self.timer)
+        return Dispatch(rows, send_counts, started, None, sizes)
+
+    def _sizes(self, send_counts: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int], list[list[int]]]:
+        """The one read on the host: the rows sent to each rank, those received from each, and the counts received
+        [source][local expert] (the split sizes of the exchanges and of the experts' runs)."""
+        ep, local = self.ep_size, self.n_local
+        sizes = torch.cat([send_counts.sum(1), counts.reshape(-1)]).tolist()
+        table = [sizes[ep + r * local : ep + (r + 1) * local] for r in range(ep)]
+        return sizes[:ep], [sum(row) for row in table], table
+
+    def _combine(self, d: Dispatch) -> torch.Tensor:
+        """``_dispatch``'s rows through the experts and back: the received rows (source-major, each source's
+        expert-major) put expert-major, computed, put back and sent home (module docstring)."""
+        ep, local = self.ep_size, self.n_local
+        if d.bound is None:
+            (send, recv, table), started = d.sizes, d.started
+        else:  # each source's block: its counts, then its rows and the padding
+            blocks = d.started.wait()
+            counts = blocks[:, : local * 8].view(torch.int64)
+            send, recv, table = self._sizes(d.send_counts, counts)
+            padded = blocks[:, local * 8 :].view(d.rows.dtype).view(ep, d.bound, -1)
+            got = padded[torch.arange(d.bound, device=padded.device) < counts.sum(1, keepdim=True)]
+            started = InFlight(got, None, None)
+        got = all_to_all(d.rows, send, recv, self.ep_group, self.timer, started)
         # Each received row's local expert; a stable sort puts them expert-major, sources in order within each.
-        expert = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+        expert = torch.arange(local, device=got.device).repeat(ep)
+        expert = expert.repeat_interleave(torch.tensor(table, device=got.device).view(-1), output_size=got.shape[0])
         perm = expert.argsort(stable=True)
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)

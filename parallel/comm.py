@@ -14,7 +14,8 @@ per-rank pieces; these functions are its borders:
 Activations are ``[batch, seq, ...]``, so the sequence dim is dim 1. Tensors travel flat and contiguous, the
 one form every backend accepts (gloo takes all-gather and reduce-scatter only as a flat concatenation).
 Nothing here assumes CUDA. A collective never writes into its input: autograd may hand one gradient tensor
-to several consumers (an add's backward gives the same tensor to both operands).
+to several consumers (an add's backward gives the same tensor to both operands). ``start_all_to_all`` puts an
+all-to-all's rows on the wire asynchronously, so a layer computes while they travel and ``all_to_all`` only waits.
 """
 
 from __future__ import annotations
@@ -197,23 +198,48 @@ def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.
     return x if dist.get_world_size(group) == 1 else ReduceScatterSequence.apply(x, group)
 
 
+class InFlight:
+    """An all-to-all on the wire (``start_all_to_all``; ``work`` None: one already done): ``wait`` returns the rows
+    received. The work keeps the tensors it sends and fills alive until then, and is dropped on this thread (see
+    parallel/reducer.py's finish)."""
+
+    def __init__(self, out: torch.Tensor, work: dist.Work | None, timer: Timer | None) -> None:
+        self.out, self.work, self.timer = out, work, timer
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            with self.timer(self.out.device) if self.timer is not None else nullcontext():
+                self.work.wait()
+            self.work = None
+        return self.out
+
+
 class AllToAll(torch.autograd.Function):
     """Rows ``[sum(send), ...]`` of ``x``: the first ``send[0]`` to rank 0 of ``group``, the next to rank 1, ...;
     returns the ``sum(recv)`` rows received, rank 0's first. Backward sends the gradients back the same way.
-    ``timer``: called with the device, a context each exchange runs in, forward and backward (the bench's)."""
+    ``timer``: called with the device, a context each exchange runs in, forward and backward (the bench's).
+    ``started``: this exchange of ``x`` already on the wire (``start_all_to_all``): forward only waits for it."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None
+        ctx,
+        x: torch.Tensor,
+        send: list[int],
+        recv: list[int],
+        group: dist.ProcessGroup,
+        timer: Timer | None,
+        started: InFlight | None,
     ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group, ctx.timer = send, recv, group, timer
+        if started is not None:
+            return started.wait()
         with timer(x.device) if timer is not None else nullcontext():
             return _all_to_all(x, send, recv, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:  # type: ignore[override]
         with ctx.timer(grad.device) if ctx.timer is not None else nullcontext():
-            return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
+            return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None, None
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -222,7 +248,23 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.P
     return out
 
 
-def all_to_all(
+def start_all_to_all(
     x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
+) -> InFlight:
+    """``all_to_all``'s exchange of ``x`` started (async, no gradient): what to compute while the rows travel goes
+    between this and ``wait``, or ``all_to_all(..., started=)``, which gives ``x`` the gradient of the rows received."""
+    with timer(x.device) if timer is not None else nullcontext():
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        work = dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)
+    return InFlight(out, work, timer)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    send: list[int],
+    recv: list[int],
+    group: dist.ProcessGroup,
+    timer: Timer | None = None,
+    started: InFlight | None = None,
 ) -> torch.Tensor:
-    return AllToAll.apply(x, send, recv, group, timer)
+    return AllToAll.apply(x, send, recv, group, timer, started)

@@ -5,15 +5,21 @@ and checkpoints that move between ep layouts."""
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
-from trident.config import validate
+from trident.config import ModelConfig, MoEConfig, validate
 from trident.errors import ConfigError
+from trident.models import moe as moe_module
+from trident.models.gpt import init_weights
+from trident.models.moe import MoE
 from trident.parallel.placement import Placement
 from trident.parallel.topology import Topology
+from trident.ranks import run_distributed
 
 
 def test_ep_groups_are_runs_of_each_dp_group():
@@ -184,3 +190,41 @@ def test_moe_with_a_sequence_split_over_ranks_gives_the_one_process_curve(tiny_d
             for key in ("moe/aux_loss", "moe/z_loss", "moe/dropped", "moe/load/1", "moe/load/3"):
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
     _assert_estimate_exact(tmp_path / "run")
+
+
+def _dispatch_rank(rank: int, world: int, _: None) -> dict[str, int]:
+    cfg = ModelConfig(d_model=32, n_heads=1, mlp="swiglu", bias=False, n_layers=1,
+                      moe=MoEConfig(experts=4, top_k=2, d_expert=16))  # fmt: skip
+    whole, mine = MoE(cfg), MoE(cfg, ep_group=dist.group.WORLD)
+    for m in (whole, mine):  # name-seeded: the same router, and each rank's experts the rows of its block
+        init_weights(
+            torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"mlp": m})})}), cfg, 0
+        )
+    assert torch.equal(mine.experts.up, whole.experts.up.chunk(world)[rank])
+    x = torch.randn(2 * world, 8, 32, generator=torch.Generator().manual_seed(0))  # every rank's 2 sequences of 8
+    xs = x.clone().requires_grad_()
+    expected = whole(xs)
+    expected.square().sum().backward()
+    calls = {}
+    for name, limit in (("padded", moe_module.PADDED_DISPATCH_BYTES), ("counts first", 0)):
+        moe_module.PADDED_DISPATCH_BYTES = limit
+        exchanges = []
+        mine.timer = lambda _device, exchanges=exchanges: (exchanges.append(1), nullcontext())[1]
+        mine.zero_grad()
+        xr = x[2 * rank : 2 * rank + 2].clone().requires_grad_()
+        out = mine(xr)
+        out.square().sum().backward()
+        assert torch.equal(out, expected[2 * rank : 2 * rank + 2]), name
+        assert torch.equal(xr.grad, xs.grad[2 * rank : 2 * rank + 2]), name
+        torch.testing.assert_close(mine.experts.down.grad, whole.experts.down.grad.chunk(world)[rank])
+        calls[name] = len(exchanges)
+    return calls
+
+
+@pytest.mark.multiprocess
+def test_both_dispatches_give_the_one_process_output_and_gradients():
+    """A small dispatch pads each rank's rows to the most it can send, its counts in the same all-to-all; a large one
+    sends the counts first. Both give every rank the one-process output and gradients of its tokens; the padded
+    one waits on one exchange fewer (timer calls: its start and wait, the combine, the two in backward)."""
+    for calls in run_distributed(_dispatch_rank, 2, None, backend="gloo", timeout_s=120):
+        assert calls == {"padded": 3 + 2, "counts first": 5 + 2}
