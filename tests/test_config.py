@@ -481,3 +481,18 @@ def test_one_line_folds_indented_items_into_the_line_above() -> None:
     text = "In 'config': Could not find 'model/x'\n\nAvailable options in 'model':\n\tgpt-tiny\n\tgpt-mini\n"
     assert one_line(text) == "In 'config': Could not find 'model/x'; Available options in 'model': gpt-tiny, gpt-mini"
     assert one_line("Could not override 'a.b'.\nKey 'b' not in 'A'") == "Could not override 'a.b'; Key 'b' not in 'A'"
+
+
+def test_compose_config_gives_each_caller_its_own_copy_and_composes_again_when_conf_changes(tmp_path):
+    """compose_config keeps its last results: a caller that changes its config changes no one else's, and an
+    edited preset (same overrides) is read afresh."""
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(Path(CONF_DIR), conf)
+    first = config.compose_config(conf, ["model=gpt-tiny"])
+    first.model.n_layers = 99
+    assert config.compose_config(conf, ["model=gpt-tiny"]).model.n_layers == 2
+    preset = conf / "model" / "gpt-tiny.yaml"
+    preset.write_text(preset.read_text().replace("n_layers: 2", "n_layers: 3"))
+    assert config.compose_config(conf, ["model=gpt-tiny"]).model.n_layers == 3
