@@ -1,0 +1,212 @@
+"""A step split into what the planner's step-time model separates, measured by the torch profiler.
+
+The planner (trident/plan/cost.py) composes a step from parts: the kernels of each op class (matmuls, attention,
+element-wise work), the framework's share on top of them (autograd, dispatch, allocation), collectives inside the
+passes (tp, cp, ep), the pipeline's wait (its bubble and p2p messages), the gradient reduction and the step's
+all-reduces left after the passes (dp, ZeRO, the sync with the slowest rank) and the optimizer. The run's step
+time alone cannot say which part a miss is in, so ``tools/plan.py --measure`` profiles one extra step of each run
+(``logging.profile_step``, after the steps it times) and splits its wall time into the same ``CATEGORIES``:
+
+- the main thread's ops, each by its own time (less the ops it called): ``aten::mm`` and the other matmuls,
+  scaled-dot-product attention, every other ``aten::`` op element-wise; ops after the passes (the optimizer step,
+  the clip's norm, zeroing) are ``optimizer``; anything else the profiler records there (autograd's nodes, the
+  dispatcher's wrappers) is ``framework``;
+- the main thread's gaps (no op recorded): time it waited on a collective or a point-to-point message when one
+  such (gloo records each, on its worker threads or the main one) ends within the gap (``TOLERANCE_S`` after it
+  at most), from the gap's start or the message's, whichever is later, to its end: p2p ``pipeline wait``, a
+  collective ``comm in passes`` or, after the passes, ``dp + sync``; the rest of a gap is Python between ops
+  (``framework``), less what the loader's wait for the step's batches took (``data``).
+
+Times are wall time, so on a CPU whose cores the ranks share each part is stretched as the sharing stretches it,
+as the model's parts are (the model prices kernels alone and stretches the busy time by the measured sharing).
+The split of one rank is written to ``<run dir>/step_profile/rank<r>.json``; ``mean_split`` averages the ranks'.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+CATEGORIES = (
+    "matmul",
+    "attention",
+    "elementwise",
+    "framework",
+    "comm in passes",
+    "pipeline wait",
+    "dp + sync",
+    "optimizer",
+    "data",
+)
+STEP_MARK = "trident.step"  # record_function around the profiled step (trident/loop.py)
+PASSES_MARK = "trident.passes"  # around the forward and backward passes of the step
+TOLERANCE_S = 1e-3  # a message ending this long after a gap still ended it (the thread's wake-up)
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_addmm_activation"}
+P2P = ("gloo:send", "gloo:recv", "gloo:isend", "gloo:irecv")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One profiler event: ``name``, the ``thread`` it ran on, its ``start`` and ``end`` in seconds."""
+
+    name: str
+    thread: int
+    start: float
+    end: float
+
+
+def op_class(name: str) -> str:
+    """A main-thread op's category inside the passes (its own time's)."""
+    if name in MATMULS:
+        return "matmul"
+    if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
+        return "attention"
+    if name.startswith("aten::"):
+        return "elementwise"
+    return "framework"
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]:
+    """Seconds of each of ``CATEGORIES`` in the profiled step of ``events`` (module docstring): the step is the
+    ``STEP_MARK`` event, its main thread that event's thread, its passes the ``PASSES_MARK`` event (none: the step
+    has no passes, all of it is after them); ``data_s``: the loader's wait for the step's batches."""
+    step = next(e for e in events if e.name == STEP_MARK)
+    passes = next((e for e in events if e.name == PASSES_MARK and e.thread == step.thread), None)
+    lo, hi = step.start, step.end
+
+    def in_passes(t: float) -> bool:
+        return passes is not None and passes.start <= t < passes.end
+
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    messages = [e for e in events if e.name.startswith("gloo:") and e.end > lo and e.start < hi]
+    ops = sorted(
+        (
+            e
+            for e in events
+            if e.thread == step.thread
+            and not e.name.startswith(("gloo:", "trident.", "ProfilerStep"))
+            and e.end > lo
+            and e.start < hi
+        ),
+        key=lambda e: (e.start, -e.end),
+    )
+    # Each op's own time: its span less its children's (ops nest on one thread).
+    stack: list[list] = []  # [event, children's seconds]
+
+    def close(item: list) -> None:
+        e, children = item
+        own = max(0.0, min(e.end, hi) - max(e.start, lo) - children)
+        if e.name.startswith("c10d::"):
+            kind = "comm in passes" if in_passes(e.start) else "dp + sync"
+        elif not in_passes(e.start) and e.name.startswith("aten::"):
+            kind = "optimizer"
+        else:
+            kind = op_class(e.name)
+        out[kind] += own
+
+    for e in ops:
+        while stack and stack[-1][0].end <= e.start:
+            done = stack.pop()
+            close(done)
+            if stack:
+                stack[-1][1] += min(done[0].end, hi) - max(done[0].start, lo)
+        stack.append([e, 0.0])
+    while stack:
+        done = stack.pop()
+        close(done)
+        if stack:
+            stack[-1][1] += min(done[0].end, hi) - max(done[0].start, lo)
+
+    # The gaps between the main thread's top-level ops.
+    covered = _union((max(e.start, lo), min(e.end, hi)) for e in ops)
+    gaps, t = [], lo
+    for a, b in covered:
+        if a > t:
+            gaps.append((t, a))
+        t = max(t, b)
+    if t < hi:
+        gaps.append((t, hi))
+    for a, b in gaps:
+        ended = [m for m in messages if a < m.end <= b + TOLERANCE_S and m.start < b]
+        if not ended:
+            out["framework"] += b - a
+            continue
+        last = max(ended, key=lambda m: m.end)
+        waited = max(0.0, min(last.end, b) - max(a, min(m.start for m in ended)))
+        if last.name.startswith(P2P):
+            kind = "pipeline wait"
+        else:
+            kind = "comm in passes" if in_passes(a) else "dp + sync"
+        out[kind] += waited
+        out["framework"] += (b - a) - waited
+    data = min(max(0.0, data_s), out["framework"])
+    out["framework"] -= data
+    out["data"] += data
+    return out
+
+
+def profile_events(prof: object) -> list[Event]:
+    """A finished ``torch.profiler.profile``'s events (times in seconds)."""
+    return [
+        Event(e.name, e.thread, e.time_range.start / 1e6, e.time_range.end / 1e6)
+        for e in prof.events()  # type: ignore[attr-defined]
+    ]
+
+
+class StepProfile:
+    """Profiles one step of a rank (``start`` before it, ``finish`` after) and writes its split to ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        from torch.profiler import ProfilerActivity, profile, record_function  # noqa: PLC0415
+
+        self.path = path
+        self._prof = profile(activities=[ProfilerActivity.CPU])
+        self._mark = record_function(STEP_MARK)
+
+    def start(self) -> None:
+        self._prof.__enter__()
+        self._mark.__enter__()
+
+    def finish(self, data_s: float) -> None:
+        self._mark.__exit__(None, None, None)
+        self._prof.__exit__(None, None, None)
+        events = profile_events(self._prof)
+        step = next(e for e in events if e.name == STEP_MARK)
+        split = split_step(events, data_s)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"step_s": step.end - step.start, "split": split}, indent=1) + "\n")
+
+
+def read_splits(directory: Path) -> list[dict]:
+    """Every rank's ``{"step_s", "split"}`` written under ``directory`` (``<run dir>/step_profile``)."""
+    out = []
+    for path in sorted(directory.glob("rank*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except ValueError:
+            continue
+    return out
+
+
+def mean_split(splits: Sequence[dict], step_s: float | None = None) -> dict[str, float] | None:
+    """The ranks' mean seconds of each category; with ``step_s`` (the run's median step, not profiled) scaled so
+    that they sum to it (the profiled step is one step, and the profiler's own cost is in it)."""
+    if not splits:
+        return None
+    mean = {k: sum(s["split"].get(k, 0.0) for s in splits) / len(splits) for k in CATEGORIES}
+    total = sum(mean.values())
+    if step_s is not None and total > 0:
+        mean = {k: v * step_s / total for k, v in mean.items()}
+    return mean
