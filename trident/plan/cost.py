@@ -170,12 +170,20 @@ class Pricer:
         assert rate is not None
         return op.count * rate.latency + op.nbytes / rate.bandwidth
 
-    def ops(self, ops: Iterable[Op], tp: int, phases: str) -> tuple[float, float]:
+    def ops(self, ops: Iterable[Op], tp: int, phases: str, into: dict[str, float] | None = None) -> tuple[float, float]:
+        """(compute, communication) seconds of the ``ops`` of ``phases``; ``into`` sums their kernels' seconds by op
+        class (matmul, attention, elementwise: what a profiled step splits, trident/plan/breakdown.py)."""
         compute = comm = 0.0
         for o in ops:
-            if o.phase in phases:
-                c, m = self.op(o, tp)
-                compute, comm = compute + c, comm + m
+            if o.phase not in phases:
+                continue
+            if o.kind == "collective":
+                comm += self.op(o, tp)[1]
+                continue
+            k = self.kernels(o)
+            compute += k * self.profile.framework
+            if into is not None:
+                into[o.kind] = into.get(o.kind, 0.0) + k
         return compute, comm
 
 
@@ -192,6 +200,8 @@ class StepTime:
     dp_comm: float  # gradient reduction and ZeRO gathers left exposed after the last backward
     optimizer: float  # the optimizer step, its offloaded part, the clip and the step's small all-reduces
     spans: list[simulate.TimedSpan] = field(default_factory=list, repr=False)
+    # The step of the mean pipeline rank split as a profiled step is (trident/plan/breakdown.py CATEGORIES).
+    split: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def exposed_comm(self) -> float:
@@ -327,11 +337,11 @@ def step_time(
         layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0, zero3_gather="", zero3_prefetch=0
     )
     if cache is not None and key in cache:
-        costs, spans, hop = cache[key]
+        costs, spans, hop, kernels = cache[key]
     else:
-        costs, spans, hop = _pipeline(m, layout, profile, placement, pricer)
+        costs, spans, hop, kernels = _pipeline(m, layout, profile, placement, pricer)
         if cache is not None:
-            cache[key] = costs, spans, hop
+            cache[key] = costs, spans, hop, kernels
     zero3 = _zero3_gathers(m, layout, profile, placement, costs) if layout.zero == 3 else 0.0
     ends = simulate.rank_ends(spans, pp)
     pipeline = max(ends)
@@ -382,7 +392,8 @@ def step_time(
         pricer.needs.groups.add(placement.world)  # the step's scalar all-reduces
     dp_comm = step_end - pipeline + zero3
 
-    optimizer = _optimizer_time(m, layout, profile, placement, dp_across, all_busy, cache)
+    optimizer_compute, optimizer_comm = _optimizer_time(m, layout, profile, placement, dp_across, all_busy, cache)
+    optimizer = optimizer_compute + optimizer_comm
     step = step_end + zero3 + optimizer
 
     # The rank of the last stage (the last pipeline rank, zb-v's first): it runs every micro-batch's loss.
@@ -400,13 +411,54 @@ def step_time(
         dp_comm=dp_comm,
         optimizer=optimizer,
         spans=spans,
+        split=_split(spans, costs, kernels, layout, ends, step_end + zero3 + optimizer_comm, optimizer_compute),
     )
+
+
+def _split(
+    spans: list[simulate.TimedSpan],
+    costs: dict,
+    kernels: dict,
+    layout: Layout,
+    ends: list[float],
+    synced: float,
+    optimizer: float,
+) -> dict[str, float]:
+    """The step of the mean pipeline rank in a profiled step's categories (trident/plan/breakdown.py): each
+    rank's compute spans split by op class in the proportions of its actions' kernels, stretched as the simulation
+    stretched them (ranks sharing cores), the rest of them the framework's share; its collectives inside the
+    passes; its time idle in the schedule (bubble and p2p messages); from its last action to ``synced`` (the
+    gradient reduction, ZeRO's gathers, the step's all-reduces, waiting for the slowest rank); the optimizer."""
+    pp, where = layout.pp, stage_placement(layout.schedule)
+    out = dict.fromkeys(("matmul", "attention", "elementwise", "framework", "comm in passes", "pipeline wait"), 0.0)
+    for r in range(pp):
+        busy = comm = priced = 0.0
+        classes: dict[str, float] = {}
+        for s in spans:
+            if s.rank != r:
+                continue
+            busy, comm = busy + s.compute_end - s.start, comm + s.end - s.compute_end
+            stage = stage_of(s.action.chunk, r, pp, where)
+            priced += costs[(stage, s.action.kind)][0]
+            for kind, t in kernels[(stage, s.action.kind)].items():
+                classes[kind] = classes.get(kind, 0.0) + t
+        stretch = busy / priced if priced else 1.0
+        for kind, t in classes.items():
+            out[kind] += t * stretch / pp
+        out["framework"] += (busy - sum(classes.values()) * stretch) / pp
+        out["comm in passes"] += comm / pp
+        out["pipeline wait"] += (ends[r] - busy - comm) / pp
+    out["dp + sync"] = synced - sum(ends) / pp
+    out["optimizer"] = optimizer
+    out["data"] = 0.0
+    return out
 
 
 def _pipeline(
     m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, pricer: Pricer
-) -> tuple[dict, list[simulate.TimedSpan], float]:
-    """Per-stage action costs, the simulated schedule's spans and the p2p hop's seconds."""
+) -> tuple[dict, list[simulate.TimedSpan], float, dict]:
+    """Per-stage action costs, the simulated schedule's spans, the p2p hop's seconds and per-stage action kernels'
+    seconds by op class."""
     seq = m.seq_len // layout.cp  # a rank's part of each sequence
     shape = Shape(
         layout.micro_batch_size,
@@ -422,6 +474,7 @@ def _pipeline(
     layers = _layers_per_chunk(m, layout)
     stages = pp * vpp
     costs: dict[tuple[int, str], tuple[float, float]] = {}
+    kernels: dict[tuple[int, str], dict[str, float]] = {}  # kernels' seconds by op class, per stage and action
     policy = layout.recompute.partition("/")[0]
     for stage in range(stages):
         held = range(stage * layers, (stage + 1) * layers)  # the chunk's global layers
@@ -431,21 +484,31 @@ def _pipeline(
         sparse = (sum(map(m.moe.is_sparse, held)), sum(map(m.moe.is_sparse, again_in)))
         ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, policy, recomputed, sparse)
         ops.append(_accumulate(m, layout, stage))
-        f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
+        by_class: dict[str, dict[str, float]] = {"F": {}, "I": {}, "W": {}}
+        f, i, w = (pricer.ops(ops, layout.tp, ph, by_class[ph]) for ph in ("F", "I", "W"))
         if layout.schedule in ("zb-h1", "zb-v") and recomputed and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
             # I's backward: W's one backward recomputes once more (not on the first stage, whose I is its whole
             # backward).
+            again: tuple[dict[str, float], dict[str, float]] = ({}, {})
             dense, sparse_again = (
-                pricer.ops(recompute_ops(m, shape, policy, kind), layout.tp, "I") for kind in (False, True)
+                pricer.ops(recompute_ops(m, shape, policy, kind), layout.tp, "I", again[kind]) for kind in (False, True)
             )
             k = recomputed - sparse[1]
+            for kind in set(again[0]) | set(again[1]):
+                extra = k * again[0].get(kind, 0.0) + sparse[1] * again[1].get(kind, 0.0)
+                by_class["W"][kind] = by_class["W"].get(kind, 0.0) + extra
             w = (
                 w[0] + k * dense[0] + sparse[1] * sparse_again[0],
                 w[1] + k * dense[1] + sparse[1] * sparse_again[1],
             )
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
+        for kind in ("F", "I", "W"):
+            kernels[(stage, kind)] = by_class[kind]
+        kernels[(stage, "B")] = {
+            c: by_class["I"].get(c, 0.0) + by_class["W"].get(c, 0.0) for c in set(by_class["I"]) | set(by_class["W"])
+        }
 
     where = stage_placement(layout.schedule)
 
@@ -474,7 +537,7 @@ def _pipeline(
         spans = simulate.run_schedule(layout.schedule, pp, vpp, micro, cost, lambda r, a: hop, speed)
     else:
         spans = simulate.run_actions([stage_actions(layout, 0)], 1, cost, speed=speed)
-    return costs, spans, hop
+    return costs, spans, hop, kernels
 
 
 def _accumulate(m: ModelConfig, layout: Layout, stage: int) -> Op:
@@ -524,11 +587,11 @@ def _optimizer_time(
     dp_across: bool,
     speed: float,
     cache: dict | None,
-) -> float:
+) -> tuple[float, float]:
     """AdamW over the rank's shard (the whole flat buffer at ZeRO 0), its offloaded ratio on the host with the
     gradient copied down and the parameters up; the clip's norm; 16-bit parameters cast back from the masters; the
     updated parameters all-gathered under ZeRO 1-2 (3: at the next forward); zeroing the gradient buffer; and the
-    step's scalar all-reduces (loss, gradient norm, finite check) over the world."""
+    step's scalar all-reduces (loss, gradient norm, finite check) over the world. Returns (compute, communication)."""
     numel = max(_stage_numel(m, layout, s, cache) for s in range(layout.pp))
     experts = max(_stage_expert_numel(m, layout, s, cache) for s in range(layout.pp))
     # ZeRO shards the dense weights' states over grad_ranks, the experts' over grad_ranks / ep.
@@ -551,4 +614,4 @@ def _optimizer_time(
     scalars = 3 * collective_time(p, "all_reduce", world, 8, placement.nodes > 1) if world > 1 else 0.0
     if p.device == "cpu":  # the "host" is the same cores the ranks share
         host_part /= speed
-    return (device_part + other) / speed + host_part + copies + gather + scalars
+    return (device_part + other) / speed + host_part + copies, gather + scalars
