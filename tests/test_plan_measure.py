@@ -130,7 +130,12 @@ def test_measure_runs_train_py_and_compares_with_the_plan(plan: Plan, tiny_datas
     assert [m.prediction for m in runs] == picked
     for m in runs:
         assert m.trial.ok, m.trial.error
-        assert len(m.trial.rows) == 4 and m.step_s is not None and m.step_s > 0
+        assert len(m.trial.rows) == 5 and m.step_s is not None and m.step_s > 0  # and one step profiled
+        # The profiled step's split, scaled to the median of the 3 timed after the warm-up (not the profiled one).
+        assert m.step_s == pytest.approx(sorted(r["step_time_s"] for r in m.trial.rows[1:4])[1])
+        assert m.split is not None and sum(m.split.values()) == pytest.approx(m.step_s)
+        assert m.split["matmul"] > 0 and m.split["attention"] > 0 and m.split["framework"] > 0
+        assert "largest miss:" in measure.breakdown(m)
         assert m.states is not None and abs(m.memory_error) < 0.01  # model states: predicted to the byte
         assert m.peak_mb is None  # a CPU run measures no activations
         assert (

@@ -8,9 +8,10 @@ time alone cannot say which part a miss is in, so ``tools/plan.py --measure`` pr
 (``logging.profile_step``, after the steps it times) and splits its wall time into the same ``CATEGORIES``:
 
 - the main thread's ops, each by its own time (less the ops it called): ``aten::mm`` and the other matmuls,
-  scaled-dot-product attention, every other ``aten::`` op element-wise; ops after the passes (the optimizer step,
-  the clip's norm, zeroing) are ``optimizer``; anything else the profiler records there (autograd's nodes, the
-  dispatcher's wrappers) is ``framework``;
+  scaled-dot-product attention, every other ``aten::`` op that runs a kernel element-wise; ops after the passes
+  (the optimizer step, the clip's norm, zeroing) are ``optimizer``; anything else the profiler records there
+  (autograd's nodes, views, allocations, wrappers such as ``aten::linear`` around the kernels they call) is
+  ``framework``;
 - the main thread's gaps (no op recorded): time it waited on a collective or a point-to-point message when one
   such (gloo records each, on its worker threads or the main one) ends within the gap (``TOLERANCE_S`` after it
   at most), from the gap's start or the message's, whichever is later, to its end: p2p ``pipeline wait``, a
@@ -44,6 +45,15 @@ STEP_MARK = "trident.step"  # record_function around the profiled step (trident/
 PASSES_MARK = "trident.passes"  # around the forward and backward passes of the step
 TOLERANCE_S = 1e-3  # a message ending this long after a gap still ended it (the thread's wake-up)
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_addmm_activation"}
+# Ops that move no data (views, wrappers that call the kernels, allocations): their own time is the framework's.
+NO_KERNEL = {
+    f"aten::{name}"
+    for name in (
+        "linear matmul t transpose view _unsafe_view reshape as_strided expand permute detach alias slice select "
+        "split split_with_sizes chunk unbind narrow unsqueeze squeeze contiguous empty empty_like empty_strided "
+        "resolve_conj resolve_neg to _to_copy lift_fresh result_type numpy_T expand_as view_as flatten unflatten"
+    ).split()
+}
 P2P = ("gloo:send", "gloo:recv", "gloo:isend", "gloo:irecv")
 
 
@@ -63,7 +73,7 @@ def op_class(name: str) -> str:
         return "matmul"
     if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
         return "attention"
-    if name.startswith("aten::"):
+    if name.startswith("aten::") and name not in NO_KERNEL:
         return "elementwise"
     return "framework"
 
@@ -110,7 +120,7 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
         own = max(0.0, min(e.end, hi) - max(e.start, lo) - children)
         if e.name.startswith("c10d::"):
             kind = "comm in passes" if in_passes(e.start) else "dp + sync"
-        elif not in_passes(e.start) and e.name.startswith("aten::"):
+        elif not in_passes(e.start) and e.name.startswith("aten::") and e.name not in NO_KERNEL:
             kind = "optimizer"
         else:
             kind = op_class(e.name)
