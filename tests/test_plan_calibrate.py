@@ -166,6 +166,8 @@ def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.
     expected |= {collective_key(op, 4) for op in COLLECTIVES if op != "p2p"}
     assert set(profile.collectives) == expected
     assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.collectives.values())
+    # How k = 1 .. 4 ranks computing at once share the cores: one alone is the unit, the others measured.
+    assert len(profile.sharing) == 4 and profile.sharing[0] == 1.0 and all(x > 0 for x in profile.sharing)
     # The ring formula over the intra link (6 hops over 4 ranks) gives back the measured all-reduce of 4.
     all_reduce, hops = profile.collectives[collective_key("all_reduce", 4)], 6
     assert profile.intra == profile.inter

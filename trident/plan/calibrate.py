@@ -19,9 +19,12 @@ rank, and only that work (``Needs``):
   to a ``Rate``. A collective is done when its slowest rank is, so each size's time is the slowest rank's median.
 
 Matmuls, attention and the element-wise rates are measured with one rank alone on the machine: a launch whose
-ranks ask for more threads than the node has cores shares them, which is the planner's to account for, from
-``threads`` and ``units_per_node`` (as trident/peak.py scales its peak). The links ``intra`` and ``inter`` are
-the largest group's all-reduce restated for the ring formulas that price what was not measured.
+ranks ask for more threads than the node has cores shares them, which the planner accounts for with what the
+same launch measures (``sharing``): for k = 1, 2, ... ``ranks_per_node`` of its ranks computing a block of the
+model at once while the others wait, what they get together against one alone. That curve is this machine's
+(its cores, their caches and memory bandwidth, the cost of switching between oversubscribed ranks, the other load
+it had), not a rule: nothing in the model assumes a rank per core runs at full speed. The links ``intra`` and
+``inter`` are the largest group's all-reduce restated for the ring formulas that price what was not measured.
 
 With CUDA the same is timed on the GPU (CUDA events), with TF32 matmuls as training uses them, the peak from the
 datasheet table of trident/peak.py, host copies from pinned memory, and the host's AdamW (optimizer offload) on
@@ -52,6 +55,7 @@ from trident.plan.contention import Conditions, OtherLoad
 from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
     BUSY_KEY,
+    SHARING_KEY,
     block_rate,
     cpu_threads,
     fit_rate,
@@ -184,15 +188,19 @@ def measure_links(
         log(f"calibrating: {torch.cuda.device_count()} GPUs for {ranks_per_node} ranks: collectives not measured")
         return
     log(f"calibrating: collectives over {ranks_per_node} ranks in groups of {', '.join(map(str, groups))} ...")
-    rates, busy = measure_collectives(groups, ranks_per_node, threads, device, block)
+    rates, busy, sharing = measure_collectives(groups, ranks_per_node, threads, device, block)
     profile.collectives.update(rates)
     if device.type == "cpu":
         # What the node's ranks get together when all compute at once, in lone ranks' worth: the cores they share,
         # less what oversubscribing them costs (context switches, caches, memory bandwidth, other load).
         lone = block_rate(block, threads) if block is not None else matmul_rate(threads)
         profile.shared_capacity = busy / lone
+        # And for every count k of them computing at once, the others waiting, against one computing alone among
+        # them (sharing[0] = 1): the curve the planner's cores are shared by (cost.py RankPlacement.share).
+        profile.sharing = [total / sharing[0] for total in sharing] if sharing and sharing[0] > 0 else []
         log(
             f"calibrating: {ranks_per_node} ranks computing at once get {profile.shared_capacity:.2f} lone ranks' worth"
+            + (f"; k = 1.. of them: {', '.join(f'{x:.2f}' for x in profile.sharing)}" if profile.sharing else "")
         )
     measured = [g for g in range(2, ranks_per_node + 1) if collective_key("all_reduce", g) in profile.collectives]
     if measured:
@@ -268,22 +276,25 @@ def measure_basics(profile: Profile, device: torch.device, host_threads: int) ->
 
 def measure_collectives(
     groups: list[int], ranks_per_node: int, threads: int, device: torch.device, block: dict | None = None
-) -> tuple[dict[str, Rate], float]:
+) -> tuple[dict[str, Rate], float, list[float]]:
     """A ``Rate`` per ``collective_key`` for each group size (each dividing ``ranks_per_node``), and ``p2p`` at 2,
-    from ``ranks_per_node`` ranks of ``threads`` threads that all run their groups' collectives at once; and the
-    matmuls per second those ranks do together when they all compute at once."""
+    from ``ranks_per_node`` ranks of ``threads`` threads that all run their groups' collectives at once; the
+    blocks (or matmuls) per second those ranks do together when they all compute at once; and on a CPU, for k = 1,
+    2, ... of them computing at once, what they do together (``probes.sharing_rates``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     per_rank = run_distributed(
         rank_collective_times, ranks_per_node, groups, threads, device.type, block, backend=backend,
         timeout_s=COLLECTIVE_TIMEOUT_S,
     )  # fmt: skip
     busy = sum(times.pop(BUSY_KEY)[0][1] for times in per_rank)
+    swept = [times.pop(SHARING_KEY, []) for times in per_rank]
+    sharing = [sum(rates[i][1] for rates in swept) for i in range(len(swept[0]))] if swept and swept[0] else []
     rates = {}
     for key, sizes in per_rank[0].items():
         # A collective is done when its slowest rank is: each size's time is the slowest rank's median.
         points = [(nbytes, max(times[key][i][1] for times in per_rank)) for i, (nbytes, _) in enumerate(sizes)]
         rates[key] = fit_rate(points)
-    return rates, busy
+    return rates, busy, sharing
 
 
 def measure_framework(profile: Profile, block: dict, threads: int, log: Callable[[str], None]) -> None:

@@ -56,6 +56,9 @@ class RankPlacement:
     threads: int = 1
     cores: int = 1  # compute units per node (a GPU node: its GPUs; a CPU: its cores)
     capacity: float = 0.0  # what all the node's ranks computing at once get together, in lone ranks' worth (0: cores)
+    # Measured (a calibration's ``Profile.sharing``): what k of the node's ranks computing at once get together, in
+    # lone ranks' worth, k = 1, 2, ... ranks_per_node. Empty: ``capacity`` and the cores.
+    sharing: tuple[float, ...] = ()
 
     @property
     def nodes(self) -> int:
@@ -68,9 +71,12 @@ class RankPlacement:
         )
 
     def share(self, busy: int) -> float:
-        """Each of ``busy`` ranks' speed (a lone rank's is 1) when they compute at once on one node: 1 while they
-        fit the cores; past that they split what the node gives, which falls from the cores' worth to the measured
-        ``capacity`` as the ranks grow to all of the node's (oversubscription is not free)."""
+        """Each of ``busy`` ranks' speed (a lone rank's is 1) when they compute at once on one node: what the
+        calibration measured ``busy`` ranks to get together (``sharing``), split between them. Without that
+        measurement: 1 while they fit the cores; past that they split what the node gives, which falls from the
+        cores' worth to the measured ``capacity`` as the ranks grow to all of the node's."""
+        if 1 <= busy <= len(self.sharing):
+            return min(1.0, self.sharing[busy - 1] / busy)
         slots = self.cores / self.threads
         if busy <= slots:
             return 1.0

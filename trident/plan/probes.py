@@ -45,7 +45,9 @@ ADAM_TENSORS, ADAM_NUMEL = 4, 2**20  # 4M fp32 parameters in a handful of tensor
 # Collective message sizes (fp32) and timed repetitions of each, after one warm-up.
 COLLECTIVE_SIZES = ((32 * KIB, 10), (1 * MIB, 6), (8 * MIB, 4))
 BUSY_KEY = "matmuls while every rank computes"
+SHARING_KEY = "blocks while k ranks compute"  # one entry per k: this rank's rate (0 when idle)
 BUSY_S = 1.0
+SHARING_S = 0.5  # per k of the sweep
 
 
 @contextlib.contextmanager
@@ -270,6 +272,23 @@ def matmul_rate(threads: int, seconds: float = BUSY_S) -> float:
         return n / (time.perf_counter() - start)
 
 
+def sharing_rates(
+    rank: int, world_size: int, threads: int, block: dict | None, device: torch.device, seconds: float = SHARING_S
+) -> list[tuple[int, float]]:
+    """On one rank of a launch: for k = 1 .. ``world_size``, the ranks below k compute (``block``, else matmuls) for
+    ``seconds`` while the others wait in a collective, as a pipeline's idle ranks wait for a message; ``(k, this
+    rank's rate)``, 0 when it waited. Summed over the ranks, what k ranks computing at once get together."""
+    out = []
+    for k in range(1, world_size + 1):
+        wait_for_ranks(device)
+        rate = 0.0
+        if rank < k:
+            rate = block_rate(block, threads, seconds) if block is not None else matmul_rate(threads, seconds)
+        out.append((k, rate))
+    wait_for_ranks(device)
+    return out
+
+
 # ---- collectives
 
 
@@ -288,6 +307,8 @@ def rank_collective_times(
     if device_type == "cpu":
         busy = block_rate(block, threads) if block is not None else matmul_rate(threads)
     times[BUSY_KEY] = [(0, busy)]
+    if device_type == "cpu":
+        times[SHARING_KEY] = sharing_rates(rank, world_size, threads, block, device)
     for g in groups:
         group = split_into_groups(rank, world_size, g)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
