@@ -5,6 +5,7 @@ run itself is tests/test_plan_measure.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,17 @@ from tests.helpers.plan_profiles import hand_built_cpu
 from trident.bench.runs import Trial
 from trident.config import compose_config
 from trident.plan import measure, planner
-from trident.plan.breakdown import CATEGORIES, PASSES_MARK, STEP_MARK, Event, mean_split, read_splits, split_step
+from trident.plan.breakdown import (
+    CATEGORIES,
+    PASSES_MARK,
+    STEP_MARK,
+    Event,
+    mean_split,
+    read_splits,
+    run_queue_s,
+    split_step,
+    with_core_wait,
+)
 
 MAIN, GLOO = 1, 7
 
@@ -71,6 +82,17 @@ def test_without_passes_everything_is_after_them_and_data_is_at_most_the_framewo
     assert split["data"] == pytest.approx(0.2) and split["framework"] == 0.0
 
 
+def test_waiting_for_a_core_comes_out_of_the_parts_the_thread_was_runnable_in() -> None:
+    split = dict.fromkeys(CATEGORIES, 0.0) | {"matmul": 3.0, "framework": 1.0, "pipeline wait": 2.0}
+    moved = with_core_wait(split, 2.0)
+    assert moved["matmul"] == pytest.approx(1.5) and moved["framework"] == pytest.approx(0.5)
+    assert moved["core wait"] == 2.0 and moved["pipeline wait"] == 2.0  # a blocked thread waits for no core
+    assert with_core_wait(split, 9.0)["core wait"] == 4.0  # at most the runnable time
+    assert sum(moved.values()) == pytest.approx(sum(split.values()))
+    queued = run_queue_s()
+    assert queued is None or queued >= 0
+
+
 def test_the_ranks_splits_are_averaged_and_scaled_to_the_median_step(tmp_path: Path) -> None:
     for r, matmul in enumerate((1.0, 3.0)):
         split = dict.fromkeys(CATEGORIES, 0.0) | {"matmul": matmul, "framework": 2.0}
@@ -115,6 +137,17 @@ def test_the_framework_share_is_the_busy_time_beyond_the_kernels() -> None:
     kernels = sum(plain.split[c] for c in ("matmul", "attention", "elementwise"))
     assert heavy.split["framework"] == pytest.approx(0.5 * kernels)
     assert heavy.split["matmul"] == pytest.approx(plain.split["matmul"])
+
+
+def test_ranks_sharing_cores_wait_for_them_as_the_sharing_curve_says() -> None:
+    cfg = compose_config(REPO / "conf", ["model=gpt-tiny", "train.global_batch_size=8", "train.micro_batch_size=1"])
+    profile = hand_built_cpu()  # two cores
+    alone = planner.predict(cfg, 1, profile).time
+    assert alone.split["core wait"] == pytest.approx(0.0, abs=1e-12)
+    profile = dataclasses.replace(profile, ranks_per_node=8, sharing=[1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0])
+    eight = planner.predict(cfg, 8, profile).time  # dp 8: every rank computes at once, each at 2 / 8 speed
+    kernels = sum(eight.split[c] for c in ("matmul", "attention", "elementwise", "framework"))
+    assert eight.split["core wait"] == pytest.approx(3 * kernels, rel=1e-6)
 
 
 def test_the_breakdown_names_the_largest_miss() -> None:

@@ -18,9 +18,13 @@ time alone cannot say which part a miss is in, so ``tools/plan.py --measure`` pr
   collective ``comm in passes`` or, after the passes, ``dp + sync``; the rest of a gap is Python between ops
   (``framework``), less what the loader's wait for the step's batches took (``data``).
 
-Times are wall time, so on a CPU whose cores the ranks share each part is stretched as the sharing stretches it,
-as the model's parts are (the model prices kernels alone and stretches the busy time by the measured sharing).
-The split of one rank is written to ``<run dir>/step_profile/rank<r>.json``; ``mean_split`` averages the ranks'.
+Times are wall time, so on a CPU whose cores more ranks share than it has, each op's time holds the time its
+thread waited for a core as well (and each gap's: a thread woken by a message still waits for a core). The
+kernel reports that wait (``/proc/self/task/<tid>/schedstat``'s run-queue time, of the main thread over the
+step): ``with_core_wait`` moves it out of the parts the thread was runnable in (op classes, framework, optimizer),
+in proportion to each, into ``core wait``, the model's stretch of the busy time by the measured sharing
+(cost.py). The split of one rank is written to ``<run dir>/step_profile/rank<r>.json``; ``mean_split``
+averages the ranks'.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ CATEGORIES = (
     "attention",
     "elementwise",
     "framework",
+    "core wait",
     "comm in passes",
     "pipeline wait",
     "dp + sync",
@@ -167,6 +172,33 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
     return out
 
 
+RUNNABLE = ("matmul", "attention", "elementwise", "framework", "optimizer")
+
+
+def with_core_wait(split: dict[str, float], waited_s: float) -> dict[str, float]:
+    """``split`` with ``waited_s`` seconds of waiting for a core (the run queue's) taken out of the parts its thread
+    was runnable in, in proportion to each, and put in ``core wait`` (at most all of those parts)."""
+    runnable = sum(split[k] for k in RUNNABLE)
+    waited = min(max(0.0, waited_s), runnable)
+    out = dict(split)
+    if runnable > 0:
+        for k in RUNNABLE:
+            out[k] = split[k] * (1 - waited / runnable)
+    out["core wait"] = split.get("core wait", 0.0) + waited
+    return out
+
+
+def run_queue_s() -> float | None:
+    """Seconds the calling thread has waited for a core since it started (None: not reported here)."""
+    import threading  # noqa: PLC0415
+
+    try:
+        fields = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text().split()
+        return int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def profile_events(prof: object) -> list[Event]:
     """A finished ``torch.profiler.profile``'s events (times in seconds)."""
     return [
@@ -187,14 +219,18 @@ class StepProfile:
 
     def start(self) -> None:
         self._prof.__enter__()
+        self._queued = run_queue_s()
         self._mark.__enter__()
 
     def finish(self, data_s: float) -> None:
         self._mark.__exit__(None, None, None)
+        queued = run_queue_s()
         self._prof.__exit__(None, None, None)
         events = profile_events(self._prof)
         step = next(e for e in events if e.name == STEP_MARK)
         split = split_step(events, data_s)
+        if queued is not None and self._queued is not None:
+            split = with_core_wait(split, queued - self._queued)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"step_s": step.end - step.start, "split": split}, indent=1) + "\n")
 

@@ -431,12 +431,13 @@ def _split(
     optimizer: float,
 ) -> dict[str, float]:
     """The step of the mean pipeline rank in a profiled step's categories (trident/plan/breakdown.py): each
-    rank's compute spans split by op class in the proportions of its actions' kernels, stretched as the simulation
-    stretched them (ranks sharing cores), the rest of them the framework's share; its collectives inside the
-    passes; its time idle in the schedule (bubble and p2p messages); from its last action to ``synced`` (the
-    gradient reduction, ZeRO's gathers, the step's all-reduces, waiting for the slowest rank); the optimizer."""
+    rank's actions' kernels by op class, the framework's share on them, and what the simulation stretched its
+    compute by beyond that (ranks sharing cores: ``core wait``); its collectives inside the passes; its time idle
+    in the schedule (bubble and p2p messages); from its last action to ``synced`` (the gradient reduction, ZeRO's
+    gathers, the step's all-reduces, waiting for the slowest rank); the optimizer."""
     pp, where = layout.pp, stage_placement(layout.schedule)
-    out = dict.fromkeys(("matmul", "attention", "elementwise", "framework", "comm in passes", "pipeline wait"), 0.0)
+    kinds = ("matmul", "attention", "elementwise", "framework", "core wait", "comm in passes", "pipeline wait")
+    out = dict.fromkeys(kinds, 0.0)
     for r in range(pp):
         busy = comm = priced = 0.0
         classes: dict[str, float] = {}
@@ -448,10 +449,10 @@ def _split(
             priced += costs[(stage, s.action.kind)][0]
             for kind, t in kernels[(stage, s.action.kind)].items():
                 classes[kind] = classes.get(kind, 0.0) + t
-        stretch = busy / priced if priced else 1.0
         for kind, t in classes.items():
-            out[kind] += t * stretch / pp
-        out["framework"] += (busy - sum(classes.values()) * stretch) / pp
+            out[kind] += t / pp
+        out["framework"] += (priced - sum(classes.values())) / pp
+        out["core wait"] += (busy - priced) / pp
         out["comm in passes"] += comm / pp
         out["pipeline wait"] += (ends[r] - busy - comm) / pp
     out["dp + sync"] = synced - sum(ends) / pp
