@@ -12,11 +12,13 @@ time alone cannot say which part a miss is in, so ``tools/plan.py --measure`` pr
   (the optimizer step, the clip's norm, zeroing) are ``optimizer``; anything else the profiler records there
   (autograd's nodes, views, allocations, wrappers such as ``aten::linear`` around the kernels they call) is
   ``framework``;
-- the main thread's gaps (no op recorded): time it waited on a collective or a point-to-point message when one
-  such (gloo records each, on its worker threads or the main one) ends within the gap (``TOLERANCE_S`` after it
-  at most), from the gap's start or the message's, whichever is later, to its end: p2p ``pipeline wait``, a
-  collective ``comm in passes`` or, after the passes, ``dp + sync``; the rest of a gap is Python between ops
-  (``framework``), less what the loader's wait for the step's batches took (``data``).
+- the main thread's time outside kernels (gaps with no op recorded, and the own time of wrappers such as
+  autograd's nodes, inside which a collective's backward waits for it): time it waited on a collective or a
+  point-to-point message when one such (gloo records each, on its worker threads or the main one) ends within
+  it (``TOLERANCE_S`` after it at most), from its start or the message's, whichever is later, to the message's
+  end: p2p ``pipeline wait``, a collective ``comm in passes`` or, after the passes, ``dp + sync``; the rest is
+  Python and dispatch between kernels (``framework``), less what the loader's wait for the step's batches took
+  (``data``).
 
 Times are wall time, so on a CPU whose cores more ranks share than it has, each op's time holds the time its
 thread waited for a core as well (and each gap's: a thread woken by a message still waits for a core). The
@@ -117,54 +119,57 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
         ),
         key=lambda e: (e.start, -e.end),
     )
-    # Each op's own time: its span less its children's (ops nest on one thread).
-    stack: list[list] = []  # [event, children's seconds]
+    # The step cut into segments, each owned by the innermost op running then (None: no op, a gap).
+    segments: list[tuple[float, float, Event | None]] = []
+    stack: list[tuple[Event, float]] = []  # (op, its end, clamped to its parent's)
+    t = lo
 
-    def close(item: list) -> None:
-        e, children = item
-        own = max(0.0, min(e.end, hi) - max(e.start, lo) - children)
-        if e.name.startswith("c10d::"):
-            kind = "comm in passes" if in_passes(e.start) else "dp + sync"
-        elif not in_passes(e.start) and e.name.startswith("aten::") and e.name not in NO_KERNEL:
-            kind = "optimizer"
-        else:
-            kind = op_class(e.name)
-        out[kind] += own
+    def emit(until: float) -> None:
+        nonlocal t
+        if until > t:
+            segments.append((t, until, stack[-1][0] if stack else None))
+            t = until
 
     for e in ops:
-        while stack and stack[-1][0].end <= e.start:
-            done = stack.pop()
-            close(done)
-            if stack:
-                stack[-1][1] += min(done[0].end, hi) - max(done[0].start, lo)
-        stack.append([e, 0.0])
+        begin = max(e.start, lo)
+        while stack and stack[-1][1] <= begin:
+            emit(stack[-1][1])
+            stack.pop()
+        emit(begin)
+        stack.append((e, min(e.end, hi, stack[-1][1] if stack else hi)))
     while stack:
-        done = stack.pop()
-        close(done)
-        if stack:
-            stack[-1][1] += min(done[0].end, hi) - max(done[0].start, lo)
+        emit(stack[-1][1])
+        stack.pop()
+    emit(hi)
 
-    # The gaps between the main thread's top-level ops.
-    covered = _union((max(e.start, lo), min(e.end, hi)) for e in ops)
-    gaps, t = [], lo
-    for a, b in covered:
-        if a > t:
-            gaps.append((t, a))
-        t = max(t, b)
-    if t < hi:
-        gaps.append((t, hi))
-    for a, b in gaps:
-        ended = [m for m in messages if a < m.end <= b + TOLERANCE_S and m.start < b]
-        if not ended:
-            out["framework"] += b - a
-            continue
-        last = max(ended, key=lambda m: m.end)
-        waited = max(0.0, min(last.end, b) - max(a, min(m.start for m in ended)))
-        if last.name.startswith(P2P):
-            kind = "pipeline wait"
+    def kind_of(e: Event) -> str | None:
+        """A kernel's category, or None: time the thread may have spent waiting on a message."""
+        if e.name.startswith("aten::") and e.name not in NO_KERNEL and not e.name.startswith("c10d::"):
+            return op_class(e.name) if in_passes(e.start) else "optimizer"
+        return None
+
+    # Runs of segments that are neither a kernel's nor a collective's call: gaps and wrappers (autograd's nodes, a
+    # Function's backward that waits on its collective). A message ending in a run is what the thread waited on.
+    runs: list[list[float]] = []
+    for a, b, owner in segments:
+        kind = kind_of(owner) if owner is not None else None
+        if kind is not None:
+            out[kind] += b - a
+        elif owner is not None and owner.name.startswith("c10d::"):  # issuing one: communication's time
+            p2p = "send" in owner.name or "recv" in owner.name
+            out["pipeline wait" if p2p else "comm in passes" if in_passes(a) else "dp + sync"] += b - a
+        elif runs and runs[-1][1] == a:
+            runs[-1][1] = b
         else:
-            kind = "comm in passes" if in_passes(a) else "dp + sync"
-        out[kind] += waited
+            runs.append([a, b])
+    for a, b in runs:
+        cursor, waited = a, 0.0  # each message ending in the run, in the order they end, from where the last left off
+        for m in sorted((m for m in messages if a < m.end <= b + TOLERANCE_S and m.start < b), key=lambda m: m.end):
+            wait = max(0.0, min(m.end, b) - max(cursor, m.start))
+            kind = "pipeline wait" if m.name.startswith(P2P) else "comm in passes" if in_passes(a) else "dp + sync"
+            out[kind] += wait
+            waited += wait
+            cursor = max(cursor, min(m.end, b))
         out["framework"] += (b - a) - waited
     data = min(max(0.0, data_s), out["framework"])
     out["framework"] -= data
