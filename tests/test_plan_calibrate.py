@@ -189,5 +189,14 @@ def test_framework_share_is_a_real_block_against_its_priced_kernels(tmp_path: Pa
              "batch": 1, "precision": "fp32"}  # fmt: skip
     needs = Needs(precisions={"fp32"}, block=block)
     profile = calibrate(needs, 1, cache=tmp_path / "p.json", log=lambda _: None)
-    assert profile.block == block and 0.2 < profile.framework < 100
+    assert profile.block == block and 0.2 < profile.framework < 100 and profile.dispatch >= 0
     assert needs.missing(profile).block is None
+
+
+def test_the_framework_is_a_scale_of_the_kernels_and_a_time_per_op_fitted_to_two_sizes() -> None:
+    # 100 ops: 1.2 x the kernels' time and 10 us each, at 10 ms and 40 ms of kernels.
+    points = [(1.2 * 0.01 + 100 * 1e-5, 0.01, 100), (1.2 * 0.04 + 100 * 1e-5, 0.04, 100)]
+    scale, per_op = calibration.fit_framework(points)
+    assert scale == pytest.approx(1.2) and per_op == pytest.approx(1e-5)
+    # Noise that would make the time per op negative: the kernels' ratio alone.
+    assert calibration.fit_framework([(0.01, 0.01, 100), (0.05, 0.04, 100)]) == (1.0, 0.0)

@@ -85,6 +85,7 @@ from trident.plan.profile import (
 from trident.ranks import run_distributed
 
 COLLECTIVE_TIMEOUT_S = 600.0
+FRAMEWORK_SCALE = 4  # the block is also timed at this many times its micro-batch
 
 
 def calibrate(
@@ -298,12 +299,47 @@ def measure_collectives(
 
 
 def measure_framework(profile: Profile, block: dict, threads: int, log: Callable[[str], None]) -> None:
-    """``profile.framework``: a real one-layer model's forward and backward, alone on ``threads`` threads, over the
-    sum of its ops as the profile prices their kernels (its shapes are among those just measured)."""
+    """``profile.framework`` and ``profile.dispatch``: a real one-layer model's forward and backward, alone on
+    ``threads`` threads, at the block's micro-batch and ``FRAMEWORK_SCALE`` times it, against the sum of its ops as
+    the profile prices their kernels (``fit_framework``). The larger micro-batch's shapes are measured first."""
     from trident.plan.cost import Pricer, RankPlacement  # noqa: PLC0415 (cost imports this module's profile)
 
-    measured, m, shape = time_block(block, threads)
-    pricer = Pricer(profile, shape.precision, RankPlacement(1, 1, threads, threads))
-    priced = sum(pricer.kernels(o) for o in chunk_ops(m, shape, 1, True, True, "none") if o.kind != "collective")
-    profile.framework, profile.block = measured / priced, block
-    log(f"calibrating: a {m.name} block runs at {profile.framework:.2f} x its kernels' time (the framework's share)")
+    points = []
+    for batch in (block["batch"], FRAMEWORK_SCALE * block["batch"]):
+        measured, m, shape = time_block({**block, "batch": batch}, threads)
+        ops = [o for o in chunk_ops(m, shape, 1, True, True, "none") if o.kind != "collective"]
+        pricer = Pricer(profile, shape.precision, RankPlacement(1, 1, threads, threads))
+        for o in ops:  # its matmuls and attention, measured if not yet
+            if o.kind == "matmul" and matmul_key(shape.precision, *o.shape) not in profile.matmuls:
+                profile.matmuls[matmul_key(shape.precision, *o.shape)] = time_matmul(shape.precision, *o.shape, cpu())
+            if o.kind == "attention":
+                key = attention_key(shape.precision, *o.shape[:5], "fwd")
+                if key not in profile.attention:
+                    forward, backward = time_attention(shape.precision, *o.shape[:5], cpu())
+                    profile.attention[key] = forward
+                    profile.attention[attention_key(shape.precision, *o.shape[:5], "bwd")] = backward
+        points.append((measured, sum(pricer.kernels(o) for o in ops), sum(o.count for o in ops)))
+    profile.framework, profile.dispatch = fit_framework(points)
+    profile.block = block
+    log(
+        f"calibrating: a {m.name} block runs at {profile.framework:.2f} x its kernels' time + "
+        f"{1e6 * profile.dispatch:.0f} us per op (the framework's share)"
+    )
+
+
+def cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+def fit_framework(points: list[tuple[float, float, int]]) -> tuple[float, float]:
+    """(scale, seconds per op) with which ``scale x kernels + ops x per_op`` gives the measured seconds of each
+    ``(measured, priced kernels, ops)`` point: the same ops at two sizes, so the difference in time is the
+    kernels' and the rest, per op, the framework's. Where the two do not give a positive pair (noise), the kernels
+    alone: ``measured / priced`` of the first, nothing per op."""
+    (t1, k1, n), (t2, k2, _) = points[0], points[-1]
+    if len(points) > 1 and k2 > k1:
+        scale = (t2 - t1) / (k2 - k1)
+        per_op = (t1 - scale * k1) / n if n else 0.0
+        if scale > 0 and per_op >= 0:
+            return scale, per_op
+    return t1 / k1, 0.0

@@ -160,10 +160,10 @@ class Pricer:
                 self.needs.groups.add(2)
                 message = collective_time(self.profile, "p2p", 2, op.nbytes, across)
                 block, kind = ring
-                hidden = self.attention(*block, kind) * self.profile.framework
+                hidden = self.attention(*block, kind) * self.profile.framework + self.profile.dispatch
                 return 0.0, op.count * max(0.0, message - hidden)
             return 0.0, op.count * collective_time(self.profile, name, group, op.nbytes, across)
-        return self.kernels(op) * self.profile.framework, 0.0
+        return self.kernels(op) * self.profile.framework + op.count * self.profile.dispatch, 0.0
 
     def kernels(self, op: Op) -> float:
         """Seconds of a compute op's kernels alone."""
@@ -187,7 +187,7 @@ class Pricer:
                 comm += self.op(o, tp)[1]
                 continue
             k = self.kernels(o)
-            compute += k * self.profile.framework
+            compute += k * self.profile.framework + o.count * self.profile.dispatch
             if into is not None:
                 into[o.kind] = into.get(o.kind, 0.0) + k
         return compute, comm
