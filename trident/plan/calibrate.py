@@ -56,7 +56,6 @@ from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
     BUSY_KEY,
     SHARING_KEY,
-    block_rate,
     cpu_threads,
     fit_rate,
     matmul_rate,
@@ -194,11 +193,13 @@ def measure_links(
     if device.type == "cpu":
         # What the node's ranks get together when all compute at once, in lone ranks' worth: the cores they share,
         # less what oversubscribing them costs (context switches, caches, memory bandwidth, other load).
-        lone = block_rate(block, threads) if block is not None else matmul_rate(threads)
-        profile.shared_capacity = busy / lone
-        # And for every count k of them computing at once, the others waiting, against one computing alone among
-        # them (sharing[0] = 1): the curve the planner's cores are shared by (cost.py RankPlacement.share).
-        profile.sharing = [total / sharing[0] for total in sharing] if sharing and sharing[0] > 0 else []
+        # A lone rank's block: its seconds of CPU (what the kernels are priced in, probes.own_time), else its rate.
+        lone_s = time_block(block, threads)[0] if block is not None else 1 / matmul_rate(threads)
+        profile.shared_capacity = busy * lone_s
+        # And for every count k of them computing at once, the others waiting: what they get together against the
+        # CPU time of one (about 1 at k = 1 on an idle machine, less where other processes take the cores): the
+        # curve the planner's cores are shared by (cost.py RankPlacement.share).
+        profile.sharing = [total * lone_s for total in sharing] if sharing else []
         log(
             f"calibrating: {ranks_per_node} ranks computing at once get {profile.shared_capacity:.2f} lone ranks' worth"
             + (f"; k = 1.. of them: {', '.join(f'{x:.2f}' for x in profile.sharing)}" if profile.sharing else "")

@@ -63,8 +63,9 @@ def cpu_threads(threads: int) -> Iterator[None]:
 # ---- timing
 
 
-def seconds_once(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one ``fn()``: wall time on a CPU, CUDA events around it on a GPU."""
+def seconds_once(fn: Callable[[], object], device: torch.device, cpu_time: bool = False) -> float:
+    """Seconds of one ``fn()``: wall time on a CPU (``cpu_time``: the calling thread's CPU time), CUDA events
+    around it on a GPU."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -72,21 +73,30 @@ def seconds_once(fn: Callable[[], object], device: torch.device) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    start_s = time.perf_counter()
+    clock = time.thread_time if cpu_time else time.perf_counter
+    start_s = clock()
     fn()
-    return time.perf_counter() - start_s
+    return clock() - start_s
+
+
+def own_time(device: torch.device) -> bool:
+    """Whether compute is timed by the thread's CPU time: on a CPU with one thread (a kernel's whole work is on
+    it), so that what other processes take of the cores while it runs is not in its time: a kernel's rate is the
+    machine's, and sharing the cores is the sharing curve's (``sharing_rates``)."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, budget: float = SHAPE_BUDGET_S) -> float:
     """Median seconds of ``fn()`` after a warm-up (kernel selection, packing buffers, allocations): as many runs
     as fit in ``budget`` seconds, at least ``MIN_REPS``, at most ``MAX_REPS``. A call whose warm-up alone took the
     budget is timed once more and that run is its time: it is long enough not to be noise."""
-    if seconds_once(fn, device) >= budget:
-        return seconds_once(fn, device)
+    mine = own_time(device)
+    if seconds_once(fn, device, mine) >= budget:
+        return seconds_once(fn, device, mine)
     times: list[float] = []
     deadline = time.perf_counter() + budget
     while len(times) < MIN_REPS or (len(times) < MAX_REPS and time.perf_counter() < deadline):
-        times.append(seconds_once(fn, device))
+        times.append(seconds_once(fn, device, mine))
     return statistics.median(times)
 
 
