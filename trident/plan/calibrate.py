@@ -9,7 +9,8 @@ rank, and only that work (``Needs``):
 - each matmul shape and dtype the layouts run (``torch.mm`` of ``[m, k] @ [k, n]``), and causal attention
   (``F.scaled_dot_product_attention`` as models/gpt.py calls it) forward and backward, on the threads one rank
   gets (the node's cores divided by its ranks, as train.py sets them): the median of as many runs as fit in a
-  twentieth of a second (a tenth for attention), after a warm-up;
+  twentieth of a second (a tenth for attention), after a warm-up, each timed on a one-thread rank by the thread's
+  own CPU time (``probes.own_time``: what other processes take of the cores meanwhile is not the kernel's);
 - element-wise work (an add and a GELU at a few sizes) fitted to a latency plus bytes at a bandwidth; a host copy;
   AdamW (as parallel/zero/optimizer.py builds it) in parameters per second;
 - collectives: ``ranks_per_node`` gloo ranks (NCCL on GPUs) split into disjoint groups of each size, every group
