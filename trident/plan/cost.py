@@ -528,8 +528,8 @@ def _pipeline(
     hop = collective_time(profile, "p2p", 2, message, pp_across) if pp > 1 else 0.0
     if pp > 1:
         pricer.needs.groups.add(2)
-    if placement.cores >= placement.ranks_per_node * placement.threads:
-        speed = simulate.full_speed  # every rank has its own compute
+    if placement.cores >= placement.ranks_per_node * placement.threads and not placement.sharing:
+        speed = simulate.full_speed  # every rank has its own compute (a GPU's; a CPU's sharing curve says)
     elif placement.nodes == 1:
         busy_per_pp_rank = layout.world // pp  # the ranks of one pipeline rank compute together
 
