@@ -291,7 +291,10 @@ def measure_collectives(
     )  # fmt: skip
     busy = sum(times.pop(BUSY_KEY)[0][1] for times in per_rank)
     swept = [times.pop(SHARING_KEY, []) for times in per_rank]
-    sharing = [sum(rates[i][1] for rates in swept) for i in range(len(swept[0]))] if swept and swept[0] else []
+    totals: dict[int, list[float]] = {}  # k -> what the ranks did together, each round
+    for i, (k, _) in enumerate(swept[0] if swept else []):
+        totals.setdefault(k, []).append(sum(rates[i][1] for rates in swept))
+    sharing = [statistics.median(totals[k]) for k in sorted(totals)]
     rates = {}
     for key, sizes in per_rank[0].items():
         # A collective is done when its slowest rank is: each size's time is the slowest rank's median.

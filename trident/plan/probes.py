@@ -47,7 +47,8 @@ COLLECTIVE_SIZES = ((32 * KIB, 10), (1 * MIB, 6), (8 * MIB, 4))
 BUSY_KEY = "matmuls while every rank computes"
 SHARING_KEY = "blocks while k ranks compute"  # one entry per k: this rank's rate (0 when idle)
 BUSY_S = 1.0
-SHARING_S = 0.5  # per k of the sweep
+SHARING_S = 0.3  # per k of a sweep
+SHARING_ROUNDS = 3  # sweeps of k = 1 .. ranks, one after another (each k's median: other load drifts meanwhile)
 
 
 @contextlib.contextmanager
@@ -283,13 +284,20 @@ def matmul_rate(threads: int, seconds: float = BUSY_S) -> float:
 
 
 def sharing_rates(
-    rank: int, world_size: int, threads: int, block: dict | None, device: torch.device, seconds: float = SHARING_S
+    rank: int,
+    world_size: int,
+    threads: int,
+    block: dict | None,
+    device: torch.device,
+    seconds: float = SHARING_S,
+    rounds: int = SHARING_ROUNDS,
 ) -> list[tuple[int, float]]:
-    """On one rank of a launch: for k = 1 .. ``world_size``, the ranks below k compute (``block``, else matmuls) for
-    ``seconds`` while the others wait in a collective, as a pipeline's idle ranks wait for a message; ``(k, this
-    rank's rate)``, 0 when it waited. Summed over the ranks, what k ranks computing at once get together."""
+    """On one rank of a launch, ``rounds`` times: for k = 1 .. ``world_size``, the ranks below k compute
+    (``block``, else matmuls) for ``seconds`` while the others wait in a collective, as a pipeline's idle ranks wait
+    for a message; ``(k, this rank's rate)``, 0 when it waited, in that order. Summed over the ranks, what k ranks
+    computing at once get together."""
     out = []
-    for k in range(1, world_size + 1):
+    for k in [k for _ in range(rounds) for k in range(1, world_size + 1)]:
         wait_for_ranks(device)
         rate = 0.0
         if rank < k:
