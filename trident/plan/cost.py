@@ -417,7 +417,7 @@ def step_time(
         dp_comm=dp_comm,
         optimizer=optimizer,
         spans=spans,
-        split=_split(spans, costs, kernels, layout, ends, step_end + zero3 + optimizer_comm, optimizer_compute),
+        split=_split(spans, costs, kernels, layout, ends, step_end + optimizer_comm, optimizer_compute, zero3),
     )
 
 
@@ -429,12 +429,14 @@ def _split(
     ends: list[float],
     synced: float,
     optimizer: float,
+    zero3: float = 0.0,
 ) -> dict[str, float]:
     """The step of the mean pipeline rank in a profiled step's categories (trident/plan/breakdown.py): each
     rank's actions' kernels by op class, the framework's share on them, and what the simulation stretched its
     compute by beyond that (ranks sharing cores: ``core wait``); its collectives inside the passes; its time idle
     in the schedule (bubble and p2p messages); from its last action to ``synced`` (the gradient reduction, ZeRO's
-    gathers, the step's all-reduces, waiting for the slowest rank); the optimizer."""
+    gathers, the step's all-reduces, waiting for the slowest rank); the optimizer. ZeRO 3's gathers (``zero3``)
+    are waited on inside the passes, before a block's forward or backward: communication in them."""
     pp, where = layout.pp, stage_placement(layout.schedule)
     kinds = ("matmul", "attention", "elementwise", "framework", "core wait", "comm in passes", "pipeline wait")
     out = dict.fromkeys(kinds, 0.0)
@@ -455,6 +457,7 @@ def _split(
         out["core wait"] += (busy - priced) / pp
         out["comm in passes"] += comm / pp
         out["pipeline wait"] += (ends[r] - busy - comm) / pp
+    out["comm in passes"] += zero3
     out["dp + sync"] = synced - sum(ends) / pp
     out["optimizer"] = optimizer
     out["data"] = 0.0
