@@ -163,3 +163,12 @@ def test_model_states_are_compared_as_memory_json_counts_them_the_max_over_stage
     assert measure.expected_states(p) == {"device": 0, "host": per_stage[0]}
     m = measure.read(p, Trial("x", [], memory={"max": {"total": {"device": 0, "host": per_stage[0]}}}), 1)
     assert m.states_error == 0.0 and m.step_s is None
+
+
+def test_a_run_that_ends_in_its_profiled_step_is_timed_by_the_steps_before() -> None:
+    p = prediction(1.0)
+    rows = [{"step_time_s": t} for t in (9.0, 1.0, 2.0, 3.0)]
+    m = measure.read(p, Trial("x", [], rows=list(rows), error="did not finish within 600 s"), 1, steps=4)
+    assert m.error is None and m.step_s == 2.0 and m.split is None
+    short = measure.read(p, Trial("x", [], rows=rows[:3], error="did not finish within 600 s"), 1, steps=4)
+    assert short.step_s is None and short.error == "did not finish within 600 s"
