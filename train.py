@@ -113,6 +113,7 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
                 {"activation_sets": {"measured": parts.runner.peak_activation_sets, "predicted": sets}},
             ),
             eos_id=data.eos_id,
+            profile=(cfg.logging.profile_step, run_dir / "step_profile") if cfg.logging.profile_step else None,
         )
         history = trainer.fit()
     if owns_group:

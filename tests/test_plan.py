@@ -254,6 +254,12 @@ def test_layouts_on_datasheet_gpus_do_not_share_compute() -> None:
     assert (cpu.nodes, cpu.threads) == (1, 1) and cpu.share(2) == 1.0 and cpu.share(8) == pytest.approx(0.25)
     measured = RankPlacement(8, 8, 1, 2, capacity=1.6)  # all eight together get 1.6 lone ranks' worth
     assert measured.share(2) == 1.0 and measured.share(8) == pytest.approx(0.2)
+    # A calibration's sharing curve, k = 1 .. 8 ranks computing at once, is what the ranks get, not the cores' count.
+    curve = (1.0, 1.7, 1.8, 1.6, 1.6, 1.5, 1.5, 1.4)
+    swept = RankPlacement(8, 8, 1, 2, capacity=1.4, sharing=curve)
+    assert [swept.share(k) for k in (1, 2, 3, 8)] == pytest.approx([1.0, 0.85, 0.6, 1.4 / 8])
+    profile = dataclasses.replace(cpu_profile(cores=2), ranks_per_node=8, sharing=list(curve))
+    assert placement_for(profile, 8).sharing == curve and placement_for(profile, 4).sharing == ()
 
 
 def test_table_launch_overrides_reproduce_each_layout() -> None:

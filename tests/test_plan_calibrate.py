@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,8 @@ def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.
     expected |= {collective_key(op, 4) for op in COLLECTIVES if op != "p2p"}
     assert set(profile.collectives) == expected
     assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.collectives.values())
+    # How k = 1 .. 4 ranks computing at once share the cores, in a lone rank's CPU time's worth.
+    assert len(profile.sharing) == 4 and all(x > 0 for x in profile.sharing)
     # The ring formula over the intra link (6 hops over 4 ranks) gives back the measured all-reduce of 4.
     all_reduce, hops = profile.collectives[collective_key("all_reduce", 4)], 6
     assert profile.intra == profile.inter
@@ -187,5 +190,31 @@ def test_framework_share_is_a_real_block_against_its_priced_kernels(tmp_path: Pa
              "batch": 1, "precision": "fp32"}  # fmt: skip
     needs = Needs(precisions={"fp32"}, block=block)
     profile = calibrate(needs, 1, cache=tmp_path / "p.json", log=lambda _: None)
-    assert profile.block == block and 0.2 < profile.framework < 100
+    assert profile.block == block and 0.2 < profile.framework < 100 and profile.dispatch >= 0
     assert needs.missing(profile).block is None
+
+
+def test_the_framework_is_a_scale_of_the_kernels_and_a_time_per_op_fitted_to_two_sizes() -> None:
+    # 100 ops: 1.2 x the kernels' time and 10 us each, at 10 ms and 40 ms of kernels.
+    points = [(1.2 * 0.01 + 100 * 1e-5, 0.01, 100), (1.2 * 0.04 + 100 * 1e-5, 0.04, 100)]
+    scale, per_op = calibration.fit_framework(points)
+    assert scale == pytest.approx(1.2) and per_op == pytest.approx(1e-5)
+    # Noise that would make the time per op negative: the kernels' ratio alone.
+    assert calibration.fit_framework([(0.01, 0.01, 100), (0.05, 0.04, 100)]) == (1.0, 0.0)
+
+
+def test_compute_is_timed_by_the_threads_own_cpu_time_so_other_load_is_not_in_it() -> None:
+    """A kernel that sleeps half its wall time (as a thread does whose core another process holds) is timed by the
+    half it ran; collectives, which wait by nature, keep wall time."""
+
+    def half_asleep() -> None:
+        end = time.thread_time() + 0.01
+        while time.thread_time() < end:
+            pass
+        time.sleep(0.01)
+
+    cpu = torch.device("cpu")
+    with probes.cpu_threads(1):
+        assert probes.own_time(cpu)
+        assert 0.008 < probes.median_seconds(half_asleep, cpu, 0.05) < 0.015
+    assert probes.seconds_once(half_asleep, cpu) >= 0.02

@@ -130,7 +130,12 @@ def test_measure_runs_train_py_and_compares_with_the_plan(plan: Plan, tiny_datas
     assert [m.prediction for m in runs] == picked
     for m in runs:
         assert m.trial.ok, m.trial.error
-        assert len(m.trial.rows) == 4 and m.step_s is not None and m.step_s > 0
+        assert len(m.trial.rows) == 5 and m.step_s is not None and m.step_s > 0  # and one step profiled
+        # The profiled step's split, scaled to the median of the 3 timed after the warm-up (not the profiled one).
+        assert m.step_s == pytest.approx(sorted(r["step_time_s"] for r in m.trial.rows[1:4])[1])
+        assert m.split is not None and sum(m.split.values()) == pytest.approx(m.step_s)
+        assert m.split["matmul"] > 0 and m.split["attention"] > 0 and m.split["framework"] > 0
+        assert "largest miss:" in measure.breakdown(m)
         assert m.states is not None and abs(m.memory_error) < 0.01  # model states: predicted to the byte
         assert m.peak_mb is None  # a CPU run measures no activations
         assert (
@@ -158,3 +163,12 @@ def test_model_states_are_compared_as_memory_json_counts_them_the_max_over_stage
     assert measure.expected_states(p) == {"device": 0, "host": per_stage[0]}
     m = measure.read(p, Trial("x", [], memory={"max": {"total": {"device": 0, "host": per_stage[0]}}}), 1)
     assert m.states_error == 0.0 and m.step_s is None
+
+
+def test_a_run_that_ends_in_its_profiled_step_is_timed_by_the_steps_before() -> None:
+    p = prediction(1.0)
+    rows = [{"step_time_s": t} for t in (9.0, 1.0, 2.0, 3.0)]
+    m = measure.read(p, Trial("x", [], rows=list(rows), error="did not finish within 600 s"), 1, steps=4)
+    assert m.error is None and m.step_s == 2.0 and m.split is None
+    short = measure.read(p, Trial("x", [], rows=rows[:3], error="did not finish within 600 s"), 1, steps=4)
+    assert short.step_s is None and short.error == "did not finish within 600 s"

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=10, help="layouts to print")
     p.add_argument("--measure", type=int, default=0, metavar="K", help="run the K best and K others here")
     p.add_argument("--calibrate", action="store_true", help="measure this machine now, replacing the cached figures")
-    p.add_argument("--steps", type=int, default=8, help="steps of each measured run")
+    p.add_argument("--steps", type=int, default=8, help="steps of each measured run (and one more, profiled)")
+    p.add_argument("--runs", type=Path, help="keep the measured runs' directories here (default: a temporary one)")
     p.add_argument(
         "--accept-busy",
         action="store_true",
@@ -97,9 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             print("note: measuring here checks a datasheet's predictions against this machine", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix="trident-plan-") as runs:
             picked = measure.pick(result, args.measure)
-            measured = measure.measure(picked, overrides, args.world, REPO, Path(runs), steps=args.steps)
+            root = args.runs if args.runs is not None else Path(runs)
+            measured = measure.measure(picked, overrides, args.world, REPO, root, steps=args.steps)
         print()
         print(measure.measured_table(measured))
+        print("\nstep time split (seconds; the mean rank; measured: a profiled step scaled to the median step):")
+        for m in measured:
+            if text := measure.breakdown(m):
+                print(text)
         print(measure.summary(measured))
     return 0
 

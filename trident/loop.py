@@ -74,12 +74,15 @@ class Trainer:
         after_first_step: Callable[[], None] | None = None,
         eos_id: int | None = None,
         prefetch: bool = True,
+        profile: tuple[int, Path] | None = None,
     ) -> None:
         """``data``: the training windows (one dataset's, or a mixture's: ``MixedWindows``) and the validation
         windows (one set, or one per source by name). ``make_logger(start step)`` is called on the logging rank
         only; ``peak_flops`` (all of one rank's device) makes the MFU; ``after_first_step`` runs on every rank
         once the optimizer's state exists (memory accounting). ``eos_id``: the dataset's, which
-        ``data.document_mask`` needs. ``prefetch``: read the next step's batches in the background."""
+        ``data.document_mask`` needs. ``prefetch``: read the next step's batches in the background. ``profile``:
+        (step, directory): profile that step (1-based) and write this rank's split of it there
+        (trident/plan/breakdown.py)."""
         train_cfg, layout = cfg.train, parts.layout
         self.cfg, self.optim_cfg, self.groups, self.device = train_cfg, cfg.optim, groups, parts.device
         self.model_chunks, self.runner = parts.chunks, parts.runner
@@ -88,6 +91,7 @@ class Trainer:
         last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))
         self.loss_rank = groups.pp_ranks[last]
         self.grad_step = parts.optimizer.step
+        self.profile = profile
         self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
         self.moe = cfg.model.moe
@@ -138,7 +142,8 @@ class Trainer:
         scale = self.grad_step.loss_scale
         for chunk in self.model_chunks:  # the MoE auxiliary losses' gradient per token, like the token loss's
             set_loss_multiplier(chunk, scale / self.tokens_per_step)
-        loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
+        with torch.profiler.record_function("trident.passes"):  # the split of a profiled step (plan/breakdown.py)
+            loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
         shared = self._share_loss(loss_sum)  # on the wire while the optimizer steps
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
         # The loss-free bias moves after the step; the routing of every stage's sparse layers is in every row.
@@ -319,11 +324,14 @@ class Trainer:
         save_pending = False  # a checkpoint was due at a step whose loss was not finite: save at the next one
         first = self.step
         for step in range(self.step, total):
+            profiler = self._profiler(step)
             start = time.perf_counter()
             # The step's batches were read while the last step ran: ``waited`` is what reading still cost it.
             batches, waited = self.loader.get(step, last=total)
             result = self.train_step(step, batches)  # ends in a dp all-reduce
             elapsed = time.perf_counter() - start
+            if profiler is not None:
+                profiler.finish(waited)
             if step == first and self.after_first_step is not None:
                 self.after_first_step()  # every rank, once: the optimizer's state exists from its first step on
             self.step = step + 1
@@ -366,6 +374,16 @@ class Trainer:
                 if self.groups.is_logging_rank:
                     print(stop_line(signum, self.step, self.last_checkpoint, note), file=sys.stderr, flush=True)
                 raise Stopped(signum, self.step, self.last_checkpoint, history)
+
+    def _profiler(self, step: int):  # noqa: ANN202 (trident.plan.breakdown.StepProfile, imported when profiling)
+        """The profiler of step ``step`` (0-based) if ``profile`` asks for it, started."""
+        if self.profile is None or step + 1 != self.profile[0]:
+            return None
+        from trident.plan.breakdown import StepProfile  # noqa: PLC0415 (the profiler, only when asked)
+
+        profiler = StepProfile(self.profile[1] / f"rank{self.groups.rank}.json")
+        profiler.start()
+        return profiler
 
     def _saved(self, checkpoint: Path | None) -> None:
         """Note a checkpoint known to be complete (with ``checkpoint.async``, a save is named only once written)."""

@@ -9,7 +9,8 @@ rank, and only that work (``Needs``):
 - each matmul shape and dtype the layouts run (``torch.mm`` of ``[m, k] @ [k, n]``), and causal attention
   (``F.scaled_dot_product_attention`` as models/gpt.py calls it) forward and backward, on the threads one rank
   gets (the node's cores divided by its ranks, as train.py sets them): the median of as many runs as fit in a
-  twentieth of a second (a tenth for attention), after a warm-up;
+  twentieth of a second (a tenth for attention), after a warm-up, each timed on a one-thread rank by the thread's
+  own CPU time (``probes.own_time``: what other processes take of the cores meanwhile is not the kernel's);
 - element-wise work (an add and a GELU at a few sizes) fitted to a latency plus bytes at a bandwidth; a host copy;
   AdamW (as parallel/zero/optimizer.py builds it) in parameters per second;
 - collectives: ``ranks_per_node`` gloo ranks (NCCL on GPUs) split into disjoint groups of each size, every group
@@ -19,9 +20,12 @@ rank, and only that work (``Needs``):
   to a ``Rate``. A collective is done when its slowest rank is, so each size's time is the slowest rank's median.
 
 Matmuls, attention and the element-wise rates are measured with one rank alone on the machine: a launch whose
-ranks ask for more threads than the node has cores shares them, which is the planner's to account for, from
-``threads`` and ``units_per_node`` (as trident/peak.py scales its peak). The links ``intra`` and ``inter`` are
-the largest group's all-reduce restated for the ring formulas that price what was not measured.
+ranks ask for more threads than the node has cores shares them, which the planner accounts for with what the
+same launch measures (``sharing``): for k = 1, 2, ... ``ranks_per_node`` of its ranks computing a block of the
+model at once while the others wait, what they get together against one alone. That curve is this machine's
+(its cores, their caches and memory bandwidth, the cost of switching between oversubscribed ranks, the other load
+it had), not a rule: nothing in the model assumes a rank per core runs at full speed. The links ``intra`` and
+``inter`` are the largest group's all-reduce restated for the ring formulas that price what was not measured.
 
 With CUDA the same is timed on the GPU (CUDA events), with TF32 matmuls as training uses them, the peak from the
 datasheet table of trident/peak.py, host copies from pinned memory, and the host's AdamW (optimizer offload) on
@@ -52,7 +56,7 @@ from trident.plan.contention import Conditions, OtherLoad
 from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
     BUSY_KEY,
-    block_rate,
+    SHARING_KEY,
     cpu_threads,
     fit_rate,
     matmul_rate,
@@ -81,6 +85,7 @@ from trident.plan.profile import (
 from trident.ranks import run_distributed
 
 COLLECTIVE_TIMEOUT_S = 600.0
+FRAMEWORK_SCALE = 4  # the block is also timed at this many times its micro-batch
 
 
 def calibrate(
@@ -184,15 +189,21 @@ def measure_links(
         log(f"calibrating: {torch.cuda.device_count()} GPUs for {ranks_per_node} ranks: collectives not measured")
         return
     log(f"calibrating: collectives over {ranks_per_node} ranks in groups of {', '.join(map(str, groups))} ...")
-    rates, busy = measure_collectives(groups, ranks_per_node, threads, device, block)
+    rates, busy, sharing = measure_collectives(groups, ranks_per_node, threads, device, block)
     profile.collectives.update(rates)
     if device.type == "cpu":
         # What the node's ranks get together when all compute at once, in lone ranks' worth: the cores they share,
         # less what oversubscribing them costs (context switches, caches, memory bandwidth, other load).
-        lone = block_rate(block, threads) if block is not None else matmul_rate(threads)
-        profile.shared_capacity = busy / lone
+        # A lone rank's block: its seconds of CPU (what the kernels are priced in, probes.own_time), else its rate.
+        lone_s = time_block(block, threads)[0] if block is not None else 1 / matmul_rate(threads)
+        profile.shared_capacity = busy * lone_s
+        # And for every count k of them computing at once, the others waiting: what they get together against the
+        # CPU time of one (about 1 at k = 1 on an idle machine, less where other processes take the cores): the
+        # curve the planner's cores are shared by (cost.py RankPlacement.share).
+        profile.sharing = [total * lone_s for total in sharing] if sharing else []
         log(
             f"calibrating: {ranks_per_node} ranks computing at once get {profile.shared_capacity:.2f} lone ranks' worth"
+            + (f"; k = 1.. of them: {', '.join(f'{x:.2f}' for x in profile.sharing)}" if profile.sharing else "")
         )
     measured = [g for g in range(2, ranks_per_node + 1) if collective_key("all_reduce", g) in profile.collectives]
     if measured:
@@ -268,31 +279,72 @@ def measure_basics(profile: Profile, device: torch.device, host_threads: int) ->
 
 def measure_collectives(
     groups: list[int], ranks_per_node: int, threads: int, device: torch.device, block: dict | None = None
-) -> tuple[dict[str, Rate], float]:
+) -> tuple[dict[str, Rate], float, list[float]]:
     """A ``Rate`` per ``collective_key`` for each group size (each dividing ``ranks_per_node``), and ``p2p`` at 2,
-    from ``ranks_per_node`` ranks of ``threads`` threads that all run their groups' collectives at once; and the
-    matmuls per second those ranks do together when they all compute at once."""
+    from ``ranks_per_node`` ranks of ``threads`` threads that all run their groups' collectives at once; the
+    blocks (or matmuls) per second those ranks do together when they all compute at once; and on a CPU, for k = 1,
+    2, ... of them computing at once, what they do together (``probes.sharing_rates``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     per_rank = run_distributed(
         rank_collective_times, ranks_per_node, groups, threads, device.type, block, backend=backend,
         timeout_s=COLLECTIVE_TIMEOUT_S,
     )  # fmt: skip
     busy = sum(times.pop(BUSY_KEY)[0][1] for times in per_rank)
+    swept = [times.pop(SHARING_KEY, []) for times in per_rank]
+    totals: dict[int, list[float]] = {}  # k -> what the ranks did together, each round
+    for i, (k, _) in enumerate(swept[0] if swept else []):
+        totals.setdefault(k, []).append(sum(rates[i][1] for rates in swept))
+    sharing = [statistics.median(totals[k]) for k in sorted(totals)]
     rates = {}
     for key, sizes in per_rank[0].items():
         # A collective is done when its slowest rank is: each size's time is the slowest rank's median.
         points = [(nbytes, max(times[key][i][1] for times in per_rank)) for i, (nbytes, _) in enumerate(sizes)]
         rates[key] = fit_rate(points)
-    return rates, busy
+    return rates, busy, sharing
 
 
 def measure_framework(profile: Profile, block: dict, threads: int, log: Callable[[str], None]) -> None:
-    """``profile.framework``: a real one-layer model's forward and backward, alone on ``threads`` threads, over the
-    sum of its ops as the profile prices their kernels (its shapes are among those just measured)."""
+    """``profile.framework`` and ``profile.dispatch``: a real one-layer model's forward and backward, alone on
+    ``threads`` threads, at the block's micro-batch and ``FRAMEWORK_SCALE`` times it, against the sum of its ops as
+    the profile prices their kernels (``fit_framework``). The larger micro-batch's shapes are measured first."""
     from trident.plan.cost import Pricer, RankPlacement  # noqa: PLC0415 (cost imports this module's profile)
 
-    measured, m, shape = time_block(block, threads)
-    pricer = Pricer(profile, shape.precision, RankPlacement(1, 1, threads, threads))
-    priced = sum(pricer.kernels(o) for o in chunk_ops(m, shape, 1, True, True, "none") if o.kind != "collective")
-    profile.framework, profile.block = measured / priced, block
-    log(f"calibrating: a {m.name} block runs at {profile.framework:.2f} x its kernels' time (the framework's share)")
+    points = []
+    for batch in (block["batch"], FRAMEWORK_SCALE * block["batch"]):
+        measured, m, shape = time_block({**block, "batch": batch}, threads)
+        ops = [o for o in chunk_ops(m, shape, 1, True, True, "none") if o.kind != "collective"]
+        pricer = Pricer(profile, shape.precision, RankPlacement(1, 1, threads, threads))
+        for o in ops:  # its matmuls and attention, measured if not yet
+            if o.kind == "matmul" and matmul_key(shape.precision, *o.shape) not in profile.matmuls:
+                profile.matmuls[matmul_key(shape.precision, *o.shape)] = time_matmul(shape.precision, *o.shape, cpu())
+            if o.kind == "attention":
+                key = attention_key(shape.precision, *o.shape[:5], "fwd")
+                if key not in profile.attention:
+                    forward, backward = time_attention(shape.precision, *o.shape[:5], cpu())
+                    profile.attention[key] = forward
+                    profile.attention[attention_key(shape.precision, *o.shape[:5], "bwd")] = backward
+        points.append((measured, sum(pricer.kernels(o) for o in ops), sum(o.count for o in ops)))
+    profile.framework, profile.dispatch = fit_framework(points)
+    profile.block = block
+    log(
+        f"calibrating: a {m.name} block runs at {profile.framework:.2f} x its kernels' time + "
+        f"{1e6 * profile.dispatch:.0f} us per op (the framework's share)"
+    )
+
+
+def cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+def fit_framework(points: list[tuple[float, float, int]]) -> tuple[float, float]:
+    """(scale, seconds per op) with which ``scale x kernels + ops x per_op`` gives the measured seconds of each
+    ``(measured, priced kernels, ops)`` point: the same ops at two sizes, so the difference in time is the
+    kernels' and the rest, per op, the framework's. Where the two do not give a positive pair (noise), the kernels
+    alone: ``measured / priced`` of the first, nothing per op."""
+    (t1, k1, n), (t2, k2, _) = points[0], points[-1]
+    if len(points) > 1 and k2 > k1:
+        scale = (t2 - t1) / (k2 - k1)
+        per_op = (t1 - scale * k1) / n if n else 0.0
+        if scale > 0 and per_op >= 0:
+            return scale, per_op
+    return t1 / k1, 0.0

@@ -56,6 +56,9 @@ class RankPlacement:
     threads: int = 1
     cores: int = 1  # compute units per node (a GPU node: its GPUs; a CPU: its cores)
     capacity: float = 0.0  # what all the node's ranks computing at once get together, in lone ranks' worth (0: cores)
+    # Measured (a calibration's ``Profile.sharing``): what k of the node's ranks computing at once get together, in
+    # lone ranks' worth, k = 1, 2, ... ranks_per_node. Empty: ``capacity`` and the cores.
+    sharing: tuple[float, ...] = ()
 
     @property
     def nodes(self) -> int:
@@ -68,9 +71,12 @@ class RankPlacement:
         )
 
     def share(self, busy: int) -> float:
-        """Each of ``busy`` ranks' speed (a lone rank's is 1) when they compute at once on one node: 1 while they
-        fit the cores; past that they split what the node gives, which falls from the cores' worth to the measured
-        ``capacity`` as the ranks grow to all of the node's (oversubscription is not free)."""
+        """Each of ``busy`` ranks' speed (a lone rank's is 1) when they compute at once on one node: what the
+        calibration measured ``busy`` ranks to get together (``sharing``), split between them. Without that
+        measurement: 1 while they fit the cores; past that they split what the node gives, which falls from the
+        cores' worth to the measured ``capacity`` as the ranks grow to all of the node's."""
+        if 1 <= busy <= len(self.sharing):
+            return min(1.0, self.sharing[busy - 1] / busy)
         slots = self.cores / self.threads
         if busy <= slots:
             return 1.0
@@ -154,10 +160,10 @@ class Pricer:
                 self.needs.groups.add(2)
                 message = collective_time(self.profile, "p2p", 2, op.nbytes, across)
                 block, kind = ring
-                hidden = self.attention(*block, kind) * self.profile.framework
+                hidden = self.attention(*block, kind) * self.profile.framework + self.profile.dispatch
                 return 0.0, op.count * max(0.0, message - hidden)
             return 0.0, op.count * collective_time(self.profile, name, group, op.nbytes, across)
-        return self.kernels(op) * self.profile.framework, 0.0
+        return self.kernels(op) * self.profile.framework + op.count * self.profile.dispatch, 0.0
 
     def kernels(self, op: Op) -> float:
         """Seconds of a compute op's kernels alone."""
@@ -170,12 +176,20 @@ class Pricer:
         assert rate is not None
         return op.count * rate.latency + op.nbytes / rate.bandwidth
 
-    def ops(self, ops: Iterable[Op], tp: int, phases: str) -> tuple[float, float]:
+    def ops(self, ops: Iterable[Op], tp: int, phases: str, into: dict[str, float] | None = None) -> tuple[float, float]:
+        """(compute, communication) seconds of the ``ops`` of ``phases``; ``into`` sums their kernels' seconds by op
+        class (matmul, attention, elementwise: what a profiled step splits, trident/plan/breakdown.py)."""
         compute = comm = 0.0
         for o in ops:
-            if o.phase in phases:
-                c, m = self.op(o, tp)
-                compute, comm = compute + c, comm + m
+            if o.phase not in phases:
+                continue
+            if o.kind == "collective":
+                comm += self.op(o, tp)[1]
+                continue
+            k = self.kernels(o)
+            compute += k * self.profile.framework + o.count * self.profile.dispatch
+            if into is not None:
+                into[o.kind] = into.get(o.kind, 0.0) + k
         return compute, comm
 
 
@@ -192,6 +206,8 @@ class StepTime:
     dp_comm: float  # gradient reduction and ZeRO gathers left exposed after the last backward
     optimizer: float  # the optimizer step, its offloaded part, the clip and the step's small all-reduces
     spans: list[simulate.TimedSpan] = field(default_factory=list, repr=False)
+    # The step of the mean pipeline rank split as a profiled step is (trident/plan/breakdown.py CATEGORIES).
+    split: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def exposed_comm(self) -> float:
@@ -327,11 +343,11 @@ def step_time(
         layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0, zero3_gather="", zero3_prefetch=0
     )
     if cache is not None and key in cache:
-        costs, spans, hop = cache[key]
+        costs, spans, hop, kernels = cache[key]
     else:
-        costs, spans, hop = _pipeline(m, layout, profile, placement, pricer)
+        costs, spans, hop, kernels = _pipeline(m, layout, profile, placement, pricer)
         if cache is not None:
-            cache[key] = costs, spans, hop
+            cache[key] = costs, spans, hop, kernels
     zero3 = _zero3_gathers(m, layout, profile, placement, costs) if layout.zero == 3 else 0.0
     ends = simulate.rank_ends(spans, pp)
     pipeline = max(ends)
@@ -382,7 +398,8 @@ def step_time(
         pricer.needs.groups.add(placement.world)  # the step's scalar all-reduces
     dp_comm = step_end - pipeline + zero3
 
-    optimizer = _optimizer_time(m, layout, profile, placement, dp_across, all_busy, cache)
+    optimizer_compute, optimizer_comm = _optimizer_time(m, layout, profile, placement, dp_across, all_busy, cache)
+    optimizer = optimizer_compute + optimizer_comm
     step = step_end + zero3 + optimizer
 
     # The rank of the last stage (the last pipeline rank, zb-v's first): it runs every micro-batch's loss.
@@ -400,13 +417,58 @@ def step_time(
         dp_comm=dp_comm,
         optimizer=optimizer,
         spans=spans,
+        split=_split(spans, costs, kernels, layout, ends, step_end + optimizer_comm, optimizer_compute, zero3),
     )
+
+
+def _split(
+    spans: list[simulate.TimedSpan],
+    costs: dict,
+    kernels: dict,
+    layout: Layout,
+    ends: list[float],
+    synced: float,
+    optimizer: float,
+    zero3: float = 0.0,
+) -> dict[str, float]:
+    """The step of the mean pipeline rank in a profiled step's categories (trident/plan/breakdown.py): each
+    rank's actions' kernels by op class, the framework's share on them, and what the simulation stretched its
+    compute by beyond that (ranks sharing cores: ``core wait``); its collectives inside the passes; its time idle
+    in the schedule (bubble and p2p messages); from its last action to ``synced`` (the gradient reduction, ZeRO's
+    gathers, the step's all-reduces, waiting for the slowest rank); the optimizer. ZeRO 3's gathers (``zero3``)
+    are waited on inside the passes, before a block's forward or backward: communication in them."""
+    pp, where = layout.pp, stage_placement(layout.schedule)
+    kinds = ("matmul", "attention", "elementwise", "framework", "core wait", "comm in passes", "pipeline wait")
+    out = dict.fromkeys(kinds, 0.0)
+    for r in range(pp):
+        busy = comm = priced = 0.0
+        classes: dict[str, float] = {}
+        for s in spans:
+            if s.rank != r:
+                continue
+            busy, comm = busy + s.compute_end - s.start, comm + s.end - s.compute_end
+            stage = stage_of(s.action.chunk, r, pp, where)
+            priced += costs[(stage, s.action.kind)][0]
+            for kind, t in kernels[(stage, s.action.kind)].items():
+                classes[kind] = classes.get(kind, 0.0) + t
+        for kind, t in classes.items():
+            out[kind] += t / pp
+        out["framework"] += (priced - sum(classes.values())) / pp
+        out["core wait"] += (busy - priced) / pp
+        out["comm in passes"] += comm / pp
+        out["pipeline wait"] += (ends[r] - busy - comm) / pp
+    out["comm in passes"] += zero3
+    out["dp + sync"] = synced - sum(ends) / pp
+    out["optimizer"] = optimizer
+    out["data"] = 0.0
+    return out
 
 
 def _pipeline(
     m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, pricer: Pricer
-) -> tuple[dict, list[simulate.TimedSpan], float]:
-    """Per-stage action costs, the simulated schedule's spans and the p2p hop's seconds."""
+) -> tuple[dict, list[simulate.TimedSpan], float, dict]:
+    """Per-stage action costs, the simulated schedule's spans, the p2p hop's seconds and per-stage action kernels'
+    seconds by op class."""
     seq = m.seq_len // layout.cp  # a rank's part of each sequence
     shape = Shape(
         layout.micro_batch_size,
@@ -422,6 +484,7 @@ def _pipeline(
     layers = _layers_per_chunk(m, layout)
     stages = pp * vpp
     costs: dict[tuple[int, str], tuple[float, float]] = {}
+    kernels: dict[tuple[int, str], dict[str, float]] = {}  # kernels' seconds by op class, per stage and action
     policy = layout.recompute.partition("/")[0]
     for stage in range(stages):
         held = range(stage * layers, (stage + 1) * layers)  # the chunk's global layers
@@ -431,21 +494,31 @@ def _pipeline(
         sparse = (sum(map(m.moe.is_sparse, held)), sum(map(m.moe.is_sparse, again_in)))
         ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, policy, recomputed, sparse)
         ops.append(_accumulate(m, layout, stage))
-        f, i, w = (pricer.ops(ops, layout.tp, ph) for ph in ("F", "I", "W"))
+        by_class: dict[str, dict[str, float]] = {"F": {}, "I": {}, "W": {}}
+        f, i, w = (pricer.ops(ops, layout.tp, ph, by_class[ph]) for ph in ("F", "I", "W"))
         if layout.schedule in ("zb-h1", "zb-v") and recomputed and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
             # I's backward: W's one backward recomputes once more (not on the first stage, whose I is its whole
             # backward).
+            again: tuple[dict[str, float], dict[str, float]] = ({}, {})
             dense, sparse_again = (
-                pricer.ops(recompute_ops(m, shape, policy, kind), layout.tp, "I") for kind in (False, True)
+                pricer.ops(recompute_ops(m, shape, policy, kind), layout.tp, "I", again[kind]) for kind in (False, True)
             )
             k = recomputed - sparse[1]
+            for kind in set(again[0]) | set(again[1]):
+                extra = k * again[0].get(kind, 0.0) + sparse[1] * again[1].get(kind, 0.0)
+                by_class["W"][kind] = by_class["W"].get(kind, 0.0) + extra
             w = (
                 w[0] + k * dense[0] + sparse[1] * sparse_again[0],
                 w[1] + k * dense[1] + sparse[1] * sparse_again[1],
             )
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
+        for kind in ("F", "I", "W"):
+            kernels[(stage, kind)] = by_class[kind]
+        kernels[(stage, "B")] = {
+            c: by_class["I"].get(c, 0.0) + by_class["W"].get(c, 0.0) for c in set(by_class["I"]) | set(by_class["W"])
+        }
 
     where = stage_placement(layout.schedule)
 
@@ -458,8 +531,8 @@ def _pipeline(
     hop = collective_time(profile, "p2p", 2, message, pp_across) if pp > 1 else 0.0
     if pp > 1:
         pricer.needs.groups.add(2)
-    if placement.cores >= placement.ranks_per_node * placement.threads:
-        speed = simulate.full_speed  # every rank has its own compute
+    if placement.cores >= placement.ranks_per_node * placement.threads and not placement.sharing:
+        speed = simulate.full_speed  # every rank has its own compute (a GPU's; a CPU's sharing curve says)
     elif placement.nodes == 1:
         busy_per_pp_rank = layout.world // pp  # the ranks of one pipeline rank compute together
 
@@ -474,7 +547,7 @@ def _pipeline(
         spans = simulate.run_schedule(layout.schedule, pp, vpp, micro, cost, lambda r, a: hop, speed)
     else:
         spans = simulate.run_actions([stage_actions(layout, 0)], 1, cost, speed=speed)
-    return costs, spans, hop
+    return costs, spans, hop, kernels
 
 
 def _accumulate(m: ModelConfig, layout: Layout, stage: int) -> Op:
@@ -524,11 +597,11 @@ def _optimizer_time(
     dp_across: bool,
     speed: float,
     cache: dict | None,
-) -> float:
+) -> tuple[float, float]:
     """AdamW over the rank's shard (the whole flat buffer at ZeRO 0), its offloaded ratio on the host with the
     gradient copied down and the parameters up; the clip's norm; 16-bit parameters cast back from the masters; the
     updated parameters all-gathered under ZeRO 1-2 (3: at the next forward); zeroing the gradient buffer; and the
-    step's scalar all-reduces (loss, gradient norm, finite check) over the world."""
+    step's scalar all-reduces (loss, gradient norm, finite check) over the world. Returns (compute, communication)."""
     numel = max(_stage_numel(m, layout, s, cache) for s in range(layout.pp))
     experts = max(_stage_expert_numel(m, layout, s, cache) for s in range(layout.pp))
     # ZeRO shards the dense weights' states over grad_ranks, the experts' over grad_ranks / ep.
@@ -551,4 +624,4 @@ def _optimizer_time(
     scalars = 3 * collective_time(p, "all_reduce", world, 8, placement.nodes > 1) if world > 1 else 0.0
     if p.device == "cpu":  # the "host" is the same cores the ranks share
         host_part /= speed
-    return (device_part + other) / speed + host_part + copies + gather + scalars
+    return (device_part + other) / speed + host_part + copies, gather + scalars

@@ -16,6 +16,12 @@ overrides, one run at a time, a run directory each) and reads back what the run 
   a run measures no activations (its ``peak_mem_mb`` is the process's resident set, the framework included), so
   there the model states are the only memory compared.
 
+- the step split into what the model separates: each run profiles one more step after those it times
+  (``logging.profile_step``, trident/plan/breakdown.py), every rank's split into op classes, the framework's
+  share, communication inside the passes, pipeline wait, dp + sync, optimizer and data; their mean over the ranks,
+  scaled to the median step, is set beside the prediction's own split (``StepTime.split``) by ``breakdown``, so a
+  miss is named by the parts it is in.
+
 ``summary`` is the one line ``tools/plan.py --measure`` ends with; ``table`` the rows above it. A run that fails
 is reported with its error line and left out of the figures; it does not stop the others.
 """
@@ -33,6 +39,7 @@ from trident.bench.runs import Trial, run_trial
 from trident.config import validate
 from trident.errors import ConfigError
 from trident.memory.estimate import estimate
+from trident.plan.breakdown import CATEGORIES, mean_split, read_splits
 from trident.plan.planner import Plan, Prediction
 from trident.tool_config import load_config
 
@@ -63,6 +70,7 @@ class Measured:
     peak_mb: float | None = None  # CUDA: the largest peak_mem_mb (torch.cuda.max_memory_allocated) of the rows
     # The estimator's model states as memory.json's max counts them (``expected_states``); None: prediction.states.
     predicted: dict[str, int] | None = None
+    split: dict[str, float] | None = None  # the profiled step's split (breakdown.py), scaled to ``step_s``
 
     @property
     def error(self) -> str | None:
@@ -137,14 +145,21 @@ def expected_states(prediction: Prediction) -> dict[str, int]:
     return {place: max(s.model_states["total"][place] for s in stages) for place in ("device", "host")}
 
 
-def read(prediction: Prediction, trial: Trial, warmup: int) -> Measured:
-    """What ``trial``'s run measured of ``prediction``."""
+def read(
+    prediction: Prediction, trial: Trial, warmup: int, steps: int | None = None, profiled: Path | None = None
+) -> Measured:
+    """What ``trial``'s run measured of ``prediction``: the median of its steps after ``warmup`` up to ``steps``
+    (None: all; a profiled step after them is not timed), and the split of the step profiled into ``profiled``."""
     out = Measured(prediction, trial, predicted=expected_states(prediction))
+    if trial.refused is None and trial.error is not None and steps is not None and len(trial.rows) >= steps:
+        trial.error = None  # every timed step is there: only the profiled one after them did not finish
     if trial.ok:
-        times = [r["step_time_s"] for r in trial.rows[warmup:] if r.get("step_time_s") is not None]
+        times = [r["step_time_s"] for r in trial.rows[warmup:steps] if r.get("step_time_s") is not None]
         out.step_s = statistics.median(times) if times else None
         if out.step_s is None:
             trial.error = f"no step after the {warmup} warm-up steps in metrics.jsonl"
+        elif profiled is not None:
+            out.split = mean_split(read_splits(profiled), out.step_s)
     try:
         out.states = {place: int(n) for place, n in trial.memory["max"]["total"].items()}
     except (TypeError, KeyError, AttributeError, ValueError):
@@ -178,7 +193,8 @@ def measure(
         overrides = [
             *base_overrides,
             *p.layout.overrides(),
-            f"train.steps={steps}",
+            f"train.steps={steps + 1}",  # and one more, profiled
+            f"logging.profile_step={steps + 1}",
             "train.eval_every=0",
             "wandb.mode=disabled",
             "logging.interval=1",
@@ -188,7 +204,7 @@ def measure(
         if trial.refused is None:
             log(f"measure [{i + 1}/{len(predictions)}] {p.label}: {steps} steps on {world} ranks in {run_dir} ...")
             run_trial(repo, trial, run_dir, timeout_s)
-        m = read(p, trial, warmup)
+        m = read(p, trial, warmup, steps, run_dir / "step_profile")
         out.append(m)
         log(f"measure [{i + 1}/{len(predictions)}] {line(m)}")
     return out
@@ -254,6 +270,34 @@ def measured_table(measured: Sequence[Measured]) -> str:
         "  ".join([*(cell.ljust(w) for cell, w in zip(r[:-1], widths, strict=True)), r[-1]]).rstrip()
         for r in [header, *rows]
     )
+
+
+def breakdown(m: Measured) -> str:
+    """``m``'s step, predicted and measured, in what the model separates (breakdown.CATEGORIES), in seconds, and
+    the measured less the predicted: which parts a miss is in (empty if nothing was measured)."""
+    predicted = m.prediction.time.split if m.prediction.time is not None else None
+    if m.step_s is None or not predicted:
+        return ""
+    cols = [c for c in CATEGORIES if predicted.get(c, 0.0) > 0.0005 or (m.split or {}).get(c, 0.0) > 0.0005]
+    width = max(9, *(len(c) for c in cols))
+    rows = [("", [c.rjust(width) for c in cols])]
+    rows.append(("predicted", [f"{predicted.get(c, 0.0):{width}.3f}" for c in cols]))
+    lines = [f"{m.prediction.label}: step {_s(m.predicted_step_s)} s predicted, {_s(m.step_s)} s measured "
+             f"({_pct(m.step_error)})"]  # fmt: skip
+    if m.split is None:
+        lines.append("  (no profiled step to split the measured one)")
+    else:
+        rows.append(("measured", [f"{m.split.get(c, 0.0):{width}.3f}" for c in cols]))
+        misses = {c: m.split.get(c, 0.0) - predicted.get(c, 0.0) for c in cols}
+        rows.append(("miss", [f"{misses[c]:+{width}.3f}" for c in cols]))
+    lines += [f"  {name:<9} {' '.join(cells)}" for name, cells in rows]
+    if m.split is not None:
+        worst = max(misses, key=lambda c: abs(misses[c]))
+        lines.append(
+            f"  largest miss: {worst} {misses[worst]:+.3f} s of the step's "
+            f"{m.step_s - (m.predicted_step_s or 0.0):+.3f} s"
+        )
+    return "\n".join(lines)
 
 
 def summary(measured: Sequence[Measured]) -> str:

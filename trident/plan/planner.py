@@ -116,8 +116,10 @@ def placement_for(profile: Profile, world: int, nodes: int | None = None) -> Ran
     per_node = -(-world // nodes)
     threads = cpu_threads_per_rank(per_node, profile.units_per_node) if profile.device == "cpu" else 1
     # A calibration's measured sharing holds for the ranks per node it was measured with.
-    capacity = profile.shared_capacity if profile.ranks_per_node == per_node else 0.0
-    return RankPlacement(world, per_node, threads, profile.units_per_node, capacity)
+    same = profile.ranks_per_node == per_node
+    capacity = profile.shared_capacity if same else 0.0
+    sharing = tuple(profile.sharing) if same and profile.device == "cpu" else ()
+    return RankPlacement(world, per_node, threads, profile.units_per_node, capacity, sharing)
 
 
 def fits(peak: dict[str, int], profile: Profile, placement: RankPlacement) -> bool:

@@ -45,7 +45,10 @@ ADAM_TENSORS, ADAM_NUMEL = 4, 2**20  # 4M fp32 parameters in a handful of tensor
 # Collective message sizes (fp32) and timed repetitions of each, after one warm-up.
 COLLECTIVE_SIZES = ((32 * KIB, 10), (1 * MIB, 6), (8 * MIB, 4))
 BUSY_KEY = "matmuls while every rank computes"
+SHARING_KEY = "blocks while k ranks compute"  # one entry per k: this rank's rate (0 when idle)
 BUSY_S = 1.0
+SHARING_S = 0.3  # per k of a sweep
+SHARING_ROUNDS = 3  # sweeps of k = 1 .. ranks, one after another (each k's median: other load drifts meanwhile)
 
 
 @contextlib.contextmanager
@@ -61,8 +64,9 @@ def cpu_threads(threads: int) -> Iterator[None]:
 # ---- timing
 
 
-def seconds_once(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one ``fn()``: wall time on a CPU, CUDA events around it on a GPU."""
+def seconds_once(fn: Callable[[], object], device: torch.device, cpu_time: bool = False) -> float:
+    """Seconds of one ``fn()``: wall time on a CPU (``cpu_time``: the calling thread's CPU time), CUDA events
+    around it on a GPU."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -70,21 +74,30 @@ def seconds_once(fn: Callable[[], object], device: torch.device) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    start_s = time.perf_counter()
+    clock = time.thread_time if cpu_time else time.perf_counter
+    start_s = clock()
     fn()
-    return time.perf_counter() - start_s
+    return clock() - start_s
+
+
+def own_time(device: torch.device) -> bool:
+    """Whether compute is timed by the thread's CPU time: on a CPU with one thread (a kernel's whole work is on
+    it), so that what other processes take of the cores while it runs is not in its time: a kernel's rate is the
+    machine's, and sharing the cores is the sharing curve's (``sharing_rates``)."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, budget: float = SHAPE_BUDGET_S) -> float:
     """Median seconds of ``fn()`` after a warm-up (kernel selection, packing buffers, allocations): as many runs
     as fit in ``budget`` seconds, at least ``MIN_REPS``, at most ``MAX_REPS``. A call whose warm-up alone took the
     budget is timed once more and that run is its time: it is long enough not to be noise."""
-    if seconds_once(fn, device) >= budget:
-        return seconds_once(fn, device)
+    mine = own_time(device)
+    if seconds_once(fn, device, mine) >= budget:
+        return seconds_once(fn, device, mine)
     times: list[float] = []
     deadline = time.perf_counter() + budget
     while len(times) < MIN_REPS or (len(times) < MAX_REPS and time.perf_counter() < deadline):
-        times.append(seconds_once(fn, device))
+        times.append(seconds_once(fn, device, mine))
     return statistics.median(times)
 
 
@@ -270,6 +283,30 @@ def matmul_rate(threads: int, seconds: float = BUSY_S) -> float:
         return n / (time.perf_counter() - start)
 
 
+def sharing_rates(
+    rank: int,
+    world_size: int,
+    threads: int,
+    block: dict | None,
+    device: torch.device,
+    seconds: float = SHARING_S,
+    rounds: int = SHARING_ROUNDS,
+) -> list[tuple[int, float]]:
+    """On one rank of a launch, ``rounds`` times: for k = 1 .. ``world_size``, the ranks below k compute
+    (``block``, else matmuls) for ``seconds`` while the others wait in a collective, as a pipeline's idle ranks wait
+    for a message; ``(k, this rank's rate)``, 0 when it waited, in that order. Summed over the ranks, what k ranks
+    computing at once get together."""
+    out = []
+    for k in [k for _ in range(rounds) for k in range(1, world_size + 1)]:
+        wait_for_ranks(device)
+        rate = 0.0
+        if rank < k:
+            rate = block_rate(block, threads, seconds) if block is not None else matmul_rate(threads, seconds)
+        out.append((k, rate))
+    wait_for_ranks(device)
+    return out
+
+
 # ---- collectives
 
 
@@ -288,6 +325,8 @@ def rank_collective_times(
     if device_type == "cpu":
         busy = block_rate(block, threads) if block is not None else matmul_rate(threads)
     times[BUSY_KEY] = [(0, busy)]
+    if device_type == "cpu":
+        times[SHARING_KEY] = sharing_rates(rank, world_size, threads, block, device)
     for g in groups:
         group = split_into_groups(rank, world_size, g)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):

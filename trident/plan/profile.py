@@ -33,7 +33,7 @@ from trident.json_cache import add_entry, read_entries
 from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 7  # what a cached calibration measured: an entry of another version is measured again (7: conditions)
+VERSION = 9  # what a cached calibration measured: an entry of another version is measured again (9: dispatch)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # all_to_all: ulysses
 
 
@@ -81,9 +81,17 @@ class Profile:
     # On a CPU: the speed the node's ranks get together when all compute at once, in lone ranks' worth (measured;
     # 0: units_per_node / threads, the cores shared without loss).
     shared_capacity: float = 0.0
+    # On a CPU: what k of the node's ranks computing a block at once get together, in lone ranks' worth, for k = 1,
+    # 2, ... ranks_per_node (measured: the cores, their sharing of caches and memory bandwidth, the cost of
+    # oversubscribing them, the machine's other load). Empty: not measured (``shared_capacity`` and the cores).
+    sharing: list[float] = field(default_factory=list)
     # A real block's forward and backward over what its ops are priced at, measured alone (the framework's overhead
     # beyond its kernels: autograd, allocation, dispatch); compute is priced times this. 1: not measured.
     framework: float = 1.0
+    # And the framework's time per op dispatched (an op's ``count``: a kernel, a matmul, an attention), whatever its
+    # size: autograd's node, the module call, views and allocations around it. Fitted with ``framework`` to the block
+    # at two micro-batch sizes (trident/plan/calibrate.py ``fit_framework``). 0: not measured.
+    dispatch: float = 0.0
     block: dict | None = None  # the block framework and shared_capacity were measured with
     usable_fraction: float = 0.9  # of memory_bytes, for the estimator's peak (context, fragmentation not in it)
     peak_tflops: dict[str, float] = field(default_factory=dict)  # precision -> dense peak of one rank's device
