@@ -213,9 +213,10 @@ def merge(
 
 
 def _grouped_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[B, H, T, D] gradients of kv repeated to the query heads -> [B, G, T, D], summed over each group."""
+    """[B, H, T, D] gradients of kv repeated to the query heads -> [B, G, T, D], summed over each group; as they are
+    where each group is one head (no copy)."""
     b, h, t, d = x.shape
-    return x.view(b, kv_heads, h // kv_heads, t, d).sum(dim=2)
+    return x if h == kv_heads else x.view(b, kv_heads, h // kv_heads, t, d).sum(dim=2)
 
 
 def _cpu_forward(q, k, v, mask, scale):
@@ -262,7 +263,9 @@ def _bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _expand_kv(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return x.repeat_interleave(q.shape[1] // x.shape[1], dim=1)
+    """k or v repeated to q's heads; as it is with as many heads (no copy)."""
+    r = q.shape[1] // x.shape[1]
+    return x if r == 1 else x.repeat_interleave(r, dim=1)
 
 
 def _kernel_forward(q, k, v, mask, scale):
