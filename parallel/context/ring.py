@@ -4,16 +4,14 @@ log-sum-exp.
 Forward, at step s = 0 .. cp-1 rank r holds the K/V of rank r-s: it starts sending them on to rank r+1 (and
 receiving the next block from r-1), attends its queries to the held block meanwhile, then waits. The partial
 outputs are merged in the accumulation dtype (core.merge), in step order. Only one extra K/V block is held at a
-time, whatever cp; the last one (rank r+1's) is kept for backward, which needs it last.
+time, whatever cp.
 
-Backward walks the ring again: at step s rank r holds the K/V of rank r-s (passed on as in forward up to step
-cp-2, where the kept block takes over: cp-2 transfers, none at cp 2) and computes its queries' share of that
+Backward walks the ring again: at step s rank r holds the K/V of rank r-s and computes its queries' share of that
 block's dK/dV (core.block_backward, from the merged output and log-sum-exp). Its own block's share (step 0) stays
 home; from step 1 on the other ranks' shares of a block travel as one running sum, started by rank r+1 at step 1,
 added to by each rank it passes and home after step cp-1, where the owner adds it to its own share: cp-1
-transfers of dK/dV. dQ stays with its rank. The summation order of every gradient is thus fixed by the ring,
-whatever the timing. At cp 2 the one running sum is the kept block's share alone: it is computed first and sent
-home while the own block's share is computed, dQ still adding the steps in order.
+transfers of dK/dV, as of K/V. dQ stays with its rank. The summation order of every gradient is thus fixed by
+the ring, whatever the timing.
 
 Each (query block, key block) pair is computed as its four (query half, key half) quarters, the two chunks of the
 head-tail split: under the causal mask a quarter whose keys all come after its queries is skipped, and about a
@@ -187,63 +185,43 @@ class RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = arriving
         out, lse = joined(parts, q)
-        ctx.save_for_backward(q, k, v, out, lse, kv)  # kv: the last block, rank r+1's
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, last = ctx.saved_tensors
-        plan, ring, scale = ctx.plan, _Ring(ctx.group), ctx.scale
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, ring = ctx.plan, _Ring(ctx.group)
         acc = accumulation_dtype(q.dtype)
         kv = torch.stack([k, v])
-
-        def grads(step: int, held: torch.Tensor) -> list:
-            owner = (ring.rank - step) % ring.size
-            queries, keys, quarters = plan.queries, plan.spans[owner], plan.quarters[owner]
-            return block_grads(q, held[0], held[1], queries, keys, out, lse, dout, scale, quarters)
-
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         own = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's share of its own block's dK/dV
         dkv, dkv_works = own, []  # the running sum of the held block's owner, from step 1 on
-        early = None
-        if ring.size == 2:
-            # The other block is the kept one and its share the whole running sum: computed and sent home first,
-            # the own block's work covering the trip (dQ still adds the steps in order).
-            early = grads(1, last)
-            dkv, dkv_works = ring.pass_on(_add_kv(torch.zeros(kv.shape, dtype=acc, device=q.device), early), _DKV)
         for step in range(ring.size):
-            if step < ring.size - 2:  # the block of the last step is the one forward kept
+            if step < ring.size - 1:
                 arriving, kv_works = ring.pass_on(kv, _KV)
-            block = early if step == 1 and early is not None else grads(step, kv)
-            for qs, _, bq, _, _ in block:
+            owner = (ring.rank - step) % ring.size
+            grads = block_grads(
+                q, kv[0], kv[1], plan.queries, plan.spans[owner], out, lse, dout, ctx.scale, plan.quarters[owner]
+            )
+            for qs, _, bq, _, _ in grads:
                 dq[:, :, qs] += bq
-            if step == 0:
-                _add_kv(own, block)
-            elif (
-                early is None
-            ):  # on to the next rank, which holds this owner's K/V at the next step; after the last, home
-                if step == 1:
-                    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-                _wait(dkv_works)
-                dkv, dkv_works = ring.pass_on(_add_kv(dkv, block), _DKV)
-            if step < ring.size - 2:
+            if step == 1:
+                dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+            _wait(dkv_works)
+            for _, ks, _, bk, bv in grads:
+                dkv[0, :, :, ks] += bk
+                dkv[1, :, :, ks] += bv
+            if step > 0:  # on to the next rank, which holds this owner's K/V at the next step; after the last, home
+                dkv, dkv_works = ring.pass_on(dkv, _DKV)
+            if step < ring.size - 1:
                 _wait(kv_works)
                 kv = arriving
-            elif step == ring.size - 2:
-                kv = last
         _wait(dkv_works)
         if ring.size > 1:
             dkv = own + dkv
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
-
-
-def _add_kv(dkv: torch.Tensor, block: list) -> torch.Tensor:
-    """``dkv`` [2, B, G, T, D] with a block's quarters' dK and dV added at their keys."""
-    for _, ks, _, bk, bv in block:
-        dkv[0, :, :, ks] += bk
-        dkv[1, :, :, ks] += bv
-    return dkv
 
 
 def _rank_spans(span: TokenSpan, group: dist.ProcessGroup) -> list[TokenSpan]:

@@ -193,11 +193,10 @@ class _Shape:
         """Under context parallelism, in place of ``attention``: what the exchange (parallel/context/) keeps of q,
         k, v and the output per layer, its fp32 log-sum-exp aside (the same as the fused kernel's). Every exchange
         keeps the output (the projection's input) and the core's own fp32 copy of it. ring: q, k and v as the fused
-        kernel does, and the last K/V block received (rank r+1's, which backward needs last: 2 sbk e); the gathered
-        spans, which every layer shares, are the chunk's (``context_bytes``). allgather: q's storage (the fused qkv
-        output without RoPE), the gathered k and v of the whole sequence and the bool mask [b or 1, s, cp s].
-        ulysses: the head-split q, k and v of the whole sequence (a kv head repeated when cp does not divide them)
-        and the mask [b or 1, cp s, cp s]; none of the projections' outputs."""
+        kernel does (the gathered spans, which every layer shares, are the chunk's: ``context_bytes``). allgather:
+        q's storage (the fused qkv output without RoPE), the gathered k and v of the whole sequence and the bool
+        mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole sequence (a kv head repeated when cp
+        does not divide them) and the mask [b or 1, cp s, cp s]; none of the projections' outputs."""
         sb, whole = self.s * self.b, self.s * self.cp
         # The core's fp32 output and the projection's input in the compute dtype. CPU: the flash kernel's output is
         # laid out [b, s, heads, d], so allgather's projection input is a view of it, the same storage in fp32 (the
@@ -206,7 +205,7 @@ class _Shape:
         shared = sb * self.q * FP32 if self.e == FP32 and self.device == "cpu" else 0
         per_sample = self.b if self.documents else 1
         if self.cp_comm == "ring":  # the gathered spans: once per chunk (``context_bytes``)
-            return self.attention(False) + sb * self.q * FP32 + 2 * sb * self.kv * self.e
+            return self.attention(False) + sb * self.q * FP32
         if self.cp_comm == "allgather":
             q = 3 * self.q if self.fused_qkv and not self.rope else self.q
             return out - shared + sb * q * self.e + 2 * self.b * whole * self.kv * self.e + per_sample * self.s * whole
