@@ -12,7 +12,7 @@ columns (parallel/random.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,8 @@ class ContextWindow:
     span: TokenSpan  # this rank's tokens: their global indices and document ids
     group: dist.ProcessGroup
     comm: str
+    # What every layer's exchange shares (parallel/context/attention.py): a window lives for one forward.
+    shared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(
@@ -50,7 +52,7 @@ class ContextWindow:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v over the whole sequence, for this rank's queries; k and v may have fewer
         (grouped) heads than q."""
-        return context_attention(q, k, v, self.span, self.group, self.comm)
+        return context_attention(q, k, v, self.span, self.group, self.comm, shared=self.shared)
 
     @property
     def seq_len(self) -> int:

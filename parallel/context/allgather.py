@@ -36,7 +36,13 @@ def gather_span(span: TokenSpan, group: dist.ProcessGroup) -> TokenSpan:
 
 
 def allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: TokenSpan, group: dist.ProcessGroup, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    span: TokenSpan,
+    group: dist.ProcessGroup,
+    scale: float,
+    shared: dict | None = None,
 ) -> torch.Tensor:
     """This rank's queries ``[B, H, T/cp, D]`` against the gathered keys and values."""
     keys = gather_span(span, group)

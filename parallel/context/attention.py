@@ -24,12 +24,15 @@ def context_attention(
     group: dist.ProcessGroup | None,
     comm: str = "ring",
     scale: float | None = None,
+    shared: dict | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v of this rank's queries ``[B, H, T/cp, D]`` over the whole sequence (k, v
-    ``[B, G, T/cp, D]``, G dividing H), masked causally by global index and inside documents (``span``)."""
+    ``[B, G, T/cp, D]``, G dividing H), masked causally by global index and inside documents (``span``).
+    ``shared``: a dict the calls with one span share (every layer of a forward: models/context_window.py), where
+    the exchange keeps what depends on the span alone, worked out at the first call."""
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if rank_and_size(group)[1] == 1:
         return block_attention(q, k, v, span.mask(span), scale)[0]
     if comm not in EXCHANGES:
         raise ValueError(f"parallel.cp_comm={comm!r} is not one of {', '.join(CP_COMMS)}")
-    return EXCHANGES[comm](q, k, v, span, group, scale)
+    return EXCHANGES[comm](q, k, v, span, group, scale, shared)

@@ -18,11 +18,16 @@ SDPA's kernels compute both directions where they can, the mask as an additive b
 CUDA in fp16/bf16 the memory-efficient one (not exercised by the CPU tests). Elsewhere (CUDA in fp32, other
 devices) the same math in plain PyTorch, in the accumulation dtype (``_plain_forward``, ``_plain_backward``).
 Either way a row that sees no key gets output 0 and log-sum-exp -inf.
+
+A mask is a bool tensor, or a ``PlainMask`` where its form is known (``classify``): every key seen, or the lower
+triangle of a square block. The ring classifies its quarters once per forward (ring.py ``RingPlan``), and the CPU
+kernel then takes no bias, nothing being built or read per call.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +41,42 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+@dataclass(frozen=True)
+class PlainMask:
+    """A block mask ``[B or 1, T_q, T_k]`` known by its form: every key seen (``causal`` False) or, in a square
+    block, the lower triangle (True). Every query row sees a key."""
+
+    causal: bool
+    shape: tuple[int, int, int]
+
+    def dense(self, device: torch.device) -> torch.Tensor:
+        seen = torch.ones(self.shape[-2:], dtype=torch.bool, device=device)
+        return (seen.tril() if self.causal else seen).expand(self.shape)
+
+
+Mask = torch.Tensor | PlainMask
+
+
+def classify(mask: torch.Tensor) -> Mask | None:
+    """``mask`` as a ``PlainMask`` where it is one, else itself; None where it sees no key at all."""
+    if not mask.any():
+        return None
+    return _plain(mask) or mask
+
+
+def _plain(mask: torch.Tensor) -> PlainMask | None:
+    if mask.all():
+        return PlainMask(False, tuple(mask.shape))
+    tq, tk = mask.shape[-2:]
+    if tq == tk and torch.equal(mask, torch.ones(tq, tk, dtype=torch.bool, device=mask.device).tril().expand_as(mask)):
+        return PlainMask(True, tuple(mask.shape))
+    return None
+
+
+def _dense(mask: Mask, q: torch.Tensor) -> torch.Tensor:
+    return mask.dense(q.device) if isinstance(mask, PlainMask) else mask
 
 
 def _uses_kernel(q: torch.Tensor) -> bool:
@@ -67,13 +108,14 @@ def _probs(s: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, H, T_q, D], lse [B, H, T_q]), both in the accumulation dtype. ``mask``: bool [B or 1, T_q, T_k]."""
+    """(out [B, H, T_q, D], lse [B, H, T_q]), both in the accumulation dtype. ``mask``: bool [B or 1, T_q, T_k], or
+    a ``PlainMask``."""
     if _uses_kernel(q):
-        return _kernel_forward(q, k, v, mask, scale)
+        return _kernel_forward(q, k, v, _dense(mask, q), scale)
     with _no_autocast(q):
         if _uses_cpu_kernel(q):
             return _cpu_forward(q, k, v, mask, scale)
-        return _plain_forward(q, k, v, mask, scale)
+        return _plain_forward(q, k, v, _dense(mask, q), scale)
 
 
 def _no_autocast(q: torch.Tensor) -> torch.autocast:
@@ -104,11 +146,11 @@ def block_backward(
     """This block's (dq, dk, dv) in the accumulation dtype, given the query rows' final ``out``, ``lse`` and
     ``dout`` (over every key block they attended to)."""
     if _uses_kernel(q):
-        return _kernel_backward(q, k, v, mask, out, lse, dout, scale)
+        return _kernel_backward(q, k, v, _dense(mask, q), out, lse, dout, scale)
     with _no_autocast(q):
         if _uses_cpu_kernel(q):
             return _cpu_backward(q, k, v, mask, out, lse, dout, scale)
-        return _plain_backward(q, k, v, mask, out, lse, dout, scale)
+        return _plain_backward(q, k, v, _dense(mask, q), out, lse, dout, scale)
 
 
 def _plain_backward(q, k, v, mask, out, lse, dout, scale):
@@ -171,9 +213,10 @@ def merge(
 
 
 def _grouped_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[B, H, T, D] gradients of kv repeated to the query heads -> [B, G, T, D], summed over each group."""
+    """[B, H, T, D] gradients of kv repeated to the query heads -> [B, G, T, D], summed over each group; as they are
+    where each group is one head (no copy)."""
     b, h, t, d = x.shape
-    return x.view(b, kv_heads, h // kv_heads, t, d).sum(dim=2)
+    return x if h == kv_heads else x.view(b, kv_heads, h // kv_heads, t, d).sum(dim=2)
 
 
 def _cpu_forward(q, k, v, mask, scale):
@@ -181,6 +224,8 @@ def _cpu_forward(q, k, v, mask, scale):
     causal, bias = _cpu_mask(mask, q)
     out, lse = op(q, _expand_kv(q, k), _expand_kv(q, v), 0.0, causal, attn_mask=bias, scale=scale)
     acc = accumulation_dtype(q.dtype)
+    if isinstance(mask, PlainMask):  # every row sees a key
+        return out.to(acc), lse.to(acc)
     return out.to(acc), torch.where(mask.any(dim=-1)[:, None], lse.to(acc), float("-inf"))
 
 
@@ -195,15 +240,13 @@ def _cpu_backward(q, k, v, mask, out, lse, dout, scale):
     return dq.to(acc), _grouped_sum(dk, g).to(acc), _grouped_sum(dv, g).to(acc)
 
 
-def _cpu_mask(mask: torch.Tensor, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+def _cpu_mask(mask: Mask, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
     """The kernel's (is_causal, attn_mask) for ``mask``: no mask where every key is seen, its own causal mask for
     a lower triangle (it then skips the blocks above the diagonal: a ring's block of a chunk with itself), else the
     mask as an additive bias [B or 1, 1, T_q, T_k] in q's dtype (it takes no boolean one)."""
-    if mask.all():
-        return False, None
-    tq, tk = mask.shape[-2:]
-    if tq == tk and torch.equal(mask, torch.ones(tq, tk, dtype=torch.bool, device=mask.device).tril().expand_as(mask)):
-        return True, None
+    plain = mask if isinstance(mask, PlainMask) else _plain(mask)
+    if plain is not None:
+        return plain.causal, None
     return False, torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None]
 
 
@@ -220,7 +263,9 @@ def _bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _expand_kv(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return x.repeat_interleave(q.shape[1] // x.shape[1], dim=1)
+    """k or v repeated to q's heads; as it is with as many heads (no copy)."""
+    r = q.shape[1] // x.shape[1]
+    return x if r == 1 else x.repeat_interleave(r, dim=1)
 
 
 def _kernel_forward(q, k, v, mask, scale):

@@ -16,15 +16,22 @@ the ring, whatever the timing.
 Each (query block, key block) pair is computed as its four (query half, key half) quarters, the two chunks of the
 head-tail split: under the causal mask a quarter whose keys all come after its queries is skipped, and about a
 quarter of the pairs is (half of them in every step but the first).
+
+What depends only on the spans is worked out once per forward and shared by every layer's forward and backward
+(``RingPlan``, kept by models/context_window.py): every rank's span (one all-gather) and, for each block, the
+quarters that are not masked out with their masks classified (core.classify: under the head-tail split of causal
+windows each is all seen or a triangle, and no mask is built or read again).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from trident.parallel.context.allgather import gather_span
-from trident.parallel.context.core import accumulation_dtype, block_backward, block_forward, merge
+from trident.parallel.context.core import Mask, accumulation_dtype, block_backward, block_forward, classify, merge
 from trident.parallel.context.span import TokenSpan
 
 _KV, _DKV = 0, 1  # message tags
@@ -60,16 +67,50 @@ def _halves(n: int) -> list[slice]:
     return [slice(0, n // 2), slice(n // 2, n)] if n > 1 else [slice(0, n)]
 
 
-def _quarters(queries: TokenSpan, keys: TokenSpan) -> list[tuple[int, slice, slice, torch.Tensor]]:
-    """(query half's number, its tokens, the key half's tokens, their mask) of every quarter whose mask is not
-    empty, in the order they are computed."""
+Quarter = tuple[int, slice, slice, Mask | None]  # (query half's number, its tokens, the key half's tokens, mask)
+
+
+def _quarters(queries: TokenSpan, keys: TokenSpan) -> list[Quarter]:
+    """(query half's number, its tokens, the key half's tokens, their mask, core.classify'd) of every quarter whose
+    mask is not empty, in the order they are computed."""
     out = []
     for i, qs in enumerate(_halves(len(queries))):
         for ks in _halves(len(keys)):
-            mask = queries.part(qs).mask(keys.part(ks))
-            if mask.any():
+            mask = classify(queries.part(qs).mask(keys.part(ks)))
+            if mask is not None:
                 out.append((i, qs, ks, mask))
     return out
+
+
+def _masked(
+    queries: TokenSpan, keys: TokenSpan, quarters: list[Quarter] | None
+) -> list[tuple[int, slice, slice, Mask]]:
+    """The quarters with their masks: ``quarters`` (a plan's, whose dense masks, None, are rebuilt from the spans),
+    or worked out from the spans."""
+    if quarters is None:
+        return _quarters(queries, keys)
+    return [(i, qs, ks, queries.part(qs).mask(keys.part(ks)) if mask is None else mask) for i, qs, ks, mask in quarters]
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What every layer of one forward shares: this rank's span (``queries``), every rank's (``spans``, from one
+    all-gather) and the quarters of each owner's block that are not masked out (``quarters[owner]``). A dense
+    quarter's mask (packed documents) is not kept, None, but rebuilt at each use: between forward and backward the
+    plan holds the gathered spans only."""
+
+    queries: TokenSpan
+    spans: list[TokenSpan]
+    quarters: list[list[Quarter]]
+
+    @classmethod
+    def of(cls, span: TokenSpan, group: dist.ProcessGroup) -> RingPlan:
+        spans = _rank_spans(span, group)
+        quarters = [
+            [(i, qs, ks, None if isinstance(mask, torch.Tensor) else mask) for i, qs, ks, mask in _quarters(span, keys)]
+            for keys in spans
+        ]
+        return cls(span, spans, quarters)
 
 
 Partial = tuple[torch.Tensor | None, torch.Tensor | None]  # a query half's running (out, lse)
@@ -83,10 +124,12 @@ def fold_block(
     keys: TokenSpan,
     scale: float,
     parts: list[Partial],
+    quarters: list[Quarter] | None = None,
 ) -> list[Partial]:
-    """Each query half's running (out, lse) with one key block merged in, quarter by quarter."""
+    """Each query half's running (out, lse) with one key block merged in, quarter by quarter (``quarters``: a
+    plan's for this block, else worked out from the spans)."""
     parts = list(parts)
-    for i, qs, ks, mask in _quarters(queries, keys):
+    for i, qs, ks, mask in _masked(queries, keys, quarters):
         parts[i] = merge(*parts[i], *block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, scale))
     return parts
 
@@ -101,12 +144,13 @@ def block_grads(
     lse: torch.Tensor,
     dout: torch.Tensor,
     scale: float,
+    quarters: list[Quarter] | None = None,
 ) -> list[tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(query tokens, key tokens, dq, dk, dv) of each quarter of one key block that is not masked out."""
     return [
         (qs, ks, *block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, out[:, :, qs], lse[:, :, qs],
                                  dout[:, :, qs], scale))
-        for _, qs, ks, mask in _quarters(queries, keys)
+        for _, qs, ks, mask in _masked(queries, keys, quarters)
     ]  # fmt: skip
 
 
@@ -128,29 +172,27 @@ def joined(parts: list[Partial], like: torch.Tensor) -> tuple[torch.Tensor, torc
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, index, documents, group, scale):
-        span = TokenSpan(index, documents)
-        spans = _rank_spans(span, group)
+    def forward(ctx, q, k, v, plan, group, scale):
         ring = _Ring(group)
         kv = torch.stack([k, v])
-        parts: list[Partial] = [(None, None)] * len(_halves(len(span)))
+        parts: list[Partial] = [(None, None)] * len(_halves(len(plan.queries)))
         for step in range(ring.size):
             if step < ring.size - 1:
                 arriving, works = ring.pass_on(kv, _KV)
             owner = (ring.rank - step) % ring.size
-            parts = fold_block(q, kv[0], kv[1], span, spans[owner], scale, parts)
+            parts = fold_block(q, kv[0], kv[1], plan.queries, plan.spans[owner], scale, parts, plan.quarters[owner])
             if step < ring.size - 1:
                 _wait(works)
                 kv = arriving
         out, lse = joined(parts, q)
-        ctx.save_for_backward(q, k, v, index, documents, out, lse)
-        ctx.group, ctx.scale, ctx.spans = group, scale, spans
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.plan = group, scale, plan
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, index, documents, out, lse = ctx.saved_tensors
-        span, spans, ring = TokenSpan(index, documents), ctx.spans, _Ring(ctx.group)
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, ring = ctx.plan, _Ring(ctx.group)
         acc = accumulation_dtype(q.dtype)
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -160,7 +202,9 @@ class RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 arriving, kv_works = ring.pass_on(kv, _KV)
             owner = (ring.rank - step) % ring.size
-            grads = block_grads(q, kv[0], kv[1], span, spans[owner], out, lse, dout, ctx.scale)
+            grads = block_grads(
+                q, kv[0], kv[1], plan.queries, plan.spans[owner], out, lse, dout, ctx.scale, plan.quarters[owner]
+            )
             for qs, _, bq, _, _ in grads:
                 dq[:, :, qs] += bq
             if step == 1:
@@ -177,7 +221,7 @@ class RingAttention(torch.autograd.Function):
         _wait(dkv_works)
         if ring.size > 1:
             dkv = own + dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _rank_spans(span: TokenSpan, group: dist.ProcessGroup) -> list[TokenSpan]:
@@ -190,7 +234,19 @@ def _rank_spans(span: TokenSpan, group: dist.ProcessGroup) -> list[TokenSpan]:
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: TokenSpan, group: dist.ProcessGroup, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    span: TokenSpan,
+    group: dist.ProcessGroup,
+    scale: float,
+    shared: dict | None = None,
 ) -> torch.Tensor:
-    """This rank's queries ``[B, H, T/cp, D]`` against every rank's keys and values, passed around the ring."""
-    return RingAttention.apply(q, k, v, span.index, span.documents, group, scale)
+    """This rank's queries ``[B, H, T/cp, D]`` against every rank's keys and values, passed around the ring.
+    ``shared``: where the forward's ``RingPlan`` is kept for its other layers (built at the first call)."""
+    plan = None if shared is None else shared.get("ring")
+    if plan is None:
+        plan = RingPlan.of(span, group)
+        if shared is not None:
+            shared["ring"] = plan
+    return RingAttention.apply(q, k, v, plan, group, scale)

@@ -57,7 +57,13 @@ class DimAllToAll(torch.autograd.Function):
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: TokenSpan, group: dist.ProcessGroup, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    span: TokenSpan,
+    group: dist.ProcessGroup,
+    scale: float,
+    shared: dict | None = None,
 ) -> torch.Tensor:
     """This rank's queries ``[B, H, T/cp, D]``, attended over the whole sequence one head block per rank."""
     cp, heads, kv_heads = dist.get_world_size(group), q.shape[1], k.shape[1]

@@ -47,9 +47,10 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   arguments keep; the learned position ids are per sample (b x). On CUDA flex
                                   attention's block mask, whose few block indices are not counted.
     context parallelism (cp)      s is a rank's seq_len / cp tokens; attention keeps what its exchange keeps
-                                  (``_Shape.context_attention``: the core's fp32 output, and the ring's gathered
-                                  spans, allgather's gathered k, v and mask, ulysses' head-split q, k, v and mask)
-                                  instead of the fused kernel's; RoPE's tables per sample; the batch's positions.
+                                  (``_Shape.context_attention``: the core's fp32 output, allgather's gathered k, v
+                                  and mask, ulysses' head-split q, k, v and mask) instead of the fused kernel's;
+                                  RoPE's tables per sample; the batch's positions; per chunk the ring's gathered
+                                  spans, which its layers share (``context_bytes``).
                                   With dropout the explicit core over the gathered keys, whatever the exchange.
                                   Checked to the byte on a CPU without recomputation (tests/test_cp_memory.py).
     sparse layers (model.moe)     the MLP's input and hidden replaced by what the router, the dispatch, the experts
@@ -192,11 +193,10 @@ class _Shape:
         """Under context parallelism, in place of ``attention``: what the exchange (parallel/context/) keeps of q,
         k, v and the output per layer, its fp32 log-sum-exp aside (the same as the fused kernel's). Every exchange
         keeps the output (the projection's input) and the core's own fp32 copy of it. ring: q, k and v as the fused
-        kernel does, and the gathered spans (int64 indices, per sample with documents, and int32 document ids)
-        of the whole sequence. allgather: q's storage (the fused qkv output without RoPE), the gathered k and v of
-        the whole sequence and the bool mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole
-        sequence (a kv head repeated when cp does not divide them) and the mask [b or 1, cp s, cp s]; none of the
-        projections' outputs."""
+        kernel does (the gathered spans, which every layer shares, are the chunk's: ``context_bytes``). allgather:
+        q's storage (the fused qkv output without RoPE), the gathered k and v of the whole sequence and the bool
+        mask [b or 1, s, cp s]. ulysses: the head-split q, k and v of the whole sequence (a kv head repeated when cp
+        does not divide them) and the mask [b or 1, cp s, cp s]; none of the projections' outputs."""
         sb, whole = self.s * self.b, self.s * self.cp
         # The core's fp32 output and the projection's input in the compute dtype. CPU: the flash kernel's output is
         # laid out [b, s, heads, d], so allgather's projection input is a view of it, the same storage in fp32 (the
@@ -204,9 +204,8 @@ class _Shape:
         out = sb * self.q * (self.e + FP32)
         shared = sb * self.q * FP32 if self.e == FP32 and self.device == "cpu" else 0
         per_sample = self.b if self.documents else 1
-        if self.cp_comm == "ring":
-            spans = 8 * per_sample * whole + (4 * self.b * whole if self.documents else 0)
-            return self.attention(False) + sb * self.q * FP32 + spans
+        if self.cp_comm == "ring":  # the gathered spans: once per chunk (``context_bytes``)
+            return self.attention(False) + sb * self.q * FP32
         if self.cp_comm == "allgather":
             q = 3 * self.q if self.fused_qkv and not self.rope else self.q
             return out - shared + sb * q * self.e + 2 * self.b * whole * self.kv * self.e + per_sample * self.s * whole
@@ -417,6 +416,17 @@ def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) ->
     return x.document_mask() + (0 if shared else 8 * x.b * x.s)
 
 
+def context_bytes(m: ModelConfig, layout: Layout) -> int:
+    """What context parallelism adds per chunk and micro-batch: the ring's plan, which every layer shares
+    (parallel/context/ring.py ``RingPlan``), keeps the gathered spans of the whole sequence (int64 indices, per
+    sample with documents, and int32 document ids); in training with dropout no layer runs the ring."""
+    x = _Shape.of(m, layout)
+    if x.cp == 1 or x.cp_comm != "ring" or m.dropout > 0:
+        return 0
+    whole = x.s * x.cp
+    return 8 * (x.b if x.documents else 1) * whole + (4 * x.b * whole if x.documents else 0)
+
+
 def embed_bytes(m: ModelConfig, layout: Layout) -> int:
     """What the first stage's embedding keeps per micro-batch: with learned positions the int64 position ids (this
     rank's share of them under sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64
@@ -474,6 +484,7 @@ def activation_bytes(
             + (embed_bytes(m, layout) if c == 0 else 0)
             + (head_bytes(m, layout) if c == last else 0)
             + documents_bytes(m, layout, policy if recomputed else "none", c == 0)
+            + context_bytes(m, layout)
         )
     placement = stage_placement(layout.schedule)
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
