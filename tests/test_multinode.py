@@ -160,13 +160,21 @@ def test_a_rank_killed_on_one_node_under_max_restarts_resumes_on_both_with_the_u
     try:
         wait_for_rows(run_dir, 5, agents[0])
         node = 1 - _node_of_rank_0(agents)  # the node of ranks 2 and 3
-        os.kill(worker_pids(agents[node].pid)[3], signal.SIGKILL)
+        workers = {**worker_pids(agents[0].pid), **worker_pids(agents[1].pid)}
+        os.kill(workers[3], signal.SIGKILL)
         killed_at = read_metrics(run_dir, partial=True)[-1]["step"]
     finally:
         results = _end(agents, timeout=240)
     assert killed_at < steps, "the run ended before the kill: make its steps longer"
+    # The killed node's agent saw its local rank 1 die and restarted; both agents' new workers resumed by themselves.
     assert [a.returncode for a in agents] == [0, 0], results
-    out = results[0][0] + results[1][0]
-    assert sum(line.startswith("resumed from ") for line in output_lines(out)) == 1, out  # rank 0 says it
+    assert "local_rank: 1" in results[node][1] and "exitcode: -9" in results[node][1], results[node][1]
+    assert not any(is_alive(pid) for pid in workers.values())
+    out = output_lines(results[0][0] + results[1][0])
+    resumed = [line for line in out if line.startswith("resumed from ")]
+    assert len(resumed) == 1, out  # rank 0 says it
+    start = int(resumed[0].rsplit(" ", 1)[1])  # its newest complete checkpoint: a multiple of checkpoint.every
+    assert start % 2 == 0 and 0 < start <= killed_at, (resumed, killed_at)
+    assert any(line.startswith(f"done: steps {start + 1}-{steps} ") for line in out), out
     (reference,) = train_in_process(tmp_path / "reference", overrides)
     assert_same_curve(reference, read_metrics(run_dir, partial=True))

@@ -1,6 +1,9 @@
-"""Restarts in place: under ``torchrun --max-restarts``, a rank that dies is restarted by torchrun and the run
-resumes from its newest checkpoint by itself, with the losses of a run never interrupted; and a worker whose
-torchrun agent is gone stops instead of training on, orphaned.
+"""A worker whose torchrun agent is gone stops instead of training on, orphaned.
+
+Restarts in place (``torchrun --max-restarts``: a rank that dies is restarted, and the run resumes from its newest
+checkpoint by itself with the losses of a run never interrupted) are tested across two nodes, which is the same
+agent and resume on each node: tests/test_multinode.py's
+``test_a_rank_killed_on_one_node_under_max_restarts_resumes_on_both_with_the_unbroken_losses``.
 
 Real torchrun, real processes, killed with real signals (docs/nodes.md's "Several nodes" commands).
 """
@@ -14,7 +17,7 @@ import time
 
 import pytest
 
-from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.layouts import tiny
 from tests.helpers.processes import (
     child_env,
     is_alive,
@@ -28,39 +31,8 @@ from tests.helpers.processes import (
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 12
-# 2 ranks, 8 micro-batches a rank a step: slow enough to kill one mid-run.
+# 2 ranks, 8 micro-batches a rank a step.
 LAYOUT = ["train.micro_batch_size=1", "train.eval_every=0", "logging.interval=1000", "checkpoint.every=4"]
-
-
-def test_a_rank_killed_under_max_restarts_is_restarted_and_resumes_with_the_unbroken_losses(tiny_dataset, tmp_path):
-    overrides = tiny(tiny_dataset, f"train.steps={STEPS}", *LAYOUT)
-    run_dir = tmp_path / "run"
-    cmd = train_command(run_dir, overrides, launcher=torchrun(2, "--max-restarts=1"))
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
-    try:
-        wait_for_rows(run_dir, 5, launcher)
-        workers = worker_pids(launcher.pid)
-        os.kill(workers[1], signal.SIGKILL)
-        killed_at = read_metrics(run_dir, partial=True)[-1]["step"]
-        out, err = launcher.communicate(timeout=240)
-    finally:
-        launcher.kill()
-    assert killed_at < STEPS, "the run ended before the kill: make its steps longer"
-    # torchrun saw rank 1 die, restarted both workers once, and the new ones resumed by themselves.
-    assert launcher.returncode == 0, err
-    assert "local_rank: 1" in err and "exitcode: -9" in err, err
-    assert not any(is_alive(pid) for pid in workers.values())
-    resumed = [line for line in output_lines(out) if line.startswith("resumed from ")]
-    assert len(resumed) == 1, out
-    start = int(resumed[0].rsplit(" ", 1)[1])  # its newest complete checkpoint: a multiple of checkpoint.every
-    assert start % 4 == 0 and 0 < start <= killed_at, (resumed, killed_at)
-    assert output_lines(out)[-1].startswith(f"done: steps {start + 1}-{STEPS} "), out
-
-    # metrics.jsonl holds each step once (the restarted run replaced the rows past its checkpoint), and the
-    # curve is the one-process curve of the same seed.
-    (reference,) = train_in_process(tmp_path / "reference", tiny(tiny_dataset, f"train.steps={STEPS}", *LAYOUT))
-    assert_same_curve(reference, read_metrics(run_dir, partial=True))
 
 
 def test_a_worker_whose_launcher_dies_stops_with_a_line_and_a_checkpoint(tiny_dataset, tmp_path):
