@@ -39,34 +39,42 @@ class TierViolation(BaseException):
     """Not an Exception: a test expecting a rank's or a subprocess's error must not swallow it."""
 
 
-# The files that take longest, longest first (measured): pytest-xdist's ``--dist loadfile`` hands out files in
-# collection order, so these start first and the run does not end with one worker on a long file and the other idle.
+# The files that take longest, longest first, by the CPU seconds of each file's tests and all their processes
+# (measured in a cgroup per xdist worker: the suite is CPU-bound on two cores, so these order it as wall time
+# would on an idle machine). ``--dist loadfile`` hands files out in collection order once pytest_configure below
+# turns off xdist's own order (files with the most tests first), so these start first and the run does not end
+# with one worker on a long file and the other idle.
 LONGEST_FIRST = (
     "test_fuzz.py",
     "test_multinode.py",
     "test_llama_layouts.py",
     "test_lifecycle.py",
+    "test_memory.py",
+    "test_train.py",
     "test_bench.py",
     "test_async_checkpoint.py",
-    "test_failures.py",
-    "test_memory.py",
-    "test_restart.py",
-    "test_train.py",
-    "test_plan_measure.py",
-    "test_compile.py",
-    "test_precision.py",
-    "test_docs.py",
-    "test_plan.py",
     "test_cp_layouts.py",
     "test_3d.py",
+    "test_failures.py",
+    "test_compile.py",
     "test_plan_auto.py",
     "test_moe_ep.py",
+    "test_plan.py",
+    "test_plan_measure.py",
+    "test_pipeline_layouts.py",
+    "test_zero.py",
+    "test_dropout.py",
+    "test_layouts.py",
+    "test_docs.py",
 )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """A pytest-xdist worker takes its share of the cores for torch's threads (two workers on two cores: one each),
-    so the workers' matmuls do not spin against each other."""
+    so the workers' matmuls do not spin against each other; the controller hands out files in LONGEST_FIRST's
+    order."""
+    if hasattr(config.option, "loadscopereorder"):  # the xdist controller: LONGEST_FIRST's order, not its own
+        config.option.loadscopereorder = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
