@@ -1,6 +1,6 @@
 """Who launched this process: whether torchrun did (``launcher_pid``, the one test of it) and the launcher's
-pid and start time (``launcher``, which names the default run directory). And a worker whose torchrun agent is
-gone stops: nothing would restart it, end it, or report its exit.
+pid and start time (``launcher``), which name the default run directory (``launch_id``). And a worker whose
+torchrun agent is gone stops: nothing would restart it, end it, or report its exit.
 
 When a node's agent dies (killed, its node's job step cancelled) and its workers do not, they would train on
 orphaned, holding the run directory and the devices. A worker sees its launcher go when its parent pid changes
@@ -14,6 +14,7 @@ multi-threaded agent's threads exit one by one, so it comes while the worker sti
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import threading
@@ -44,6 +45,16 @@ def launcher() -> tuple[int, float]:
         except (OSError, ValueError, IndexError, StopIteration):
             pass
     return os.getpid(), time.time()
+
+
+def launch_id() -> str:
+    """The default run directory's name, ``YYYY-MM-DD/HH-MM-SS-<launcher pid>``.
+
+    Every local rank of one torchrun job computes the same name (the same launcher), and train.py hands rank 0's
+    to the other nodes. Two jobs started in the same second have different launchers, so different names.
+    """
+    pid, stamp = launcher()
+    return datetime.datetime.fromtimestamp(stamp).strftime(f"%Y-%m-%d/%H-%M-%S-{pid}")
 
 
 def _start_time(pid: int) -> float:

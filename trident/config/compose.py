@@ -1,13 +1,12 @@
 """Hydra's side of the config: the schema registered with the ConfigStore, Hydra's tree converted to the typed
-``Config`` once (unknown keys refused), composing the YAML under a checkout's ``conf/`` for tools and tests, and the
-default run directory's name.
+``Config`` once (unknown keys refused), and composing the YAML under a checkout's ``conf/`` for tools and tests.
+The default run directory's name is trident/launcher.py's ``launch_id``, which the YAML reads as ``${launch_id:}``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import difflib
 import functools
 import re
@@ -21,17 +20,7 @@ from omegaconf.nodes import BooleanNode
 
 from trident.config.schema import RENAMED, Config
 from trident.errors import ConfigError, one_line
-from trident.launcher import launcher
-
-
-def launch_id() -> str:
-    """The default run directory's name, ``YYYY-MM-DD/HH-MM-SS-<launcher pid>``.
-
-    Every local rank of one torchrun job computes the same name (the same launcher), and train.py hands rank 0's
-    to the other nodes. Two jobs started in the same second have different launchers, so different names.
-    """
-    pid, stamp = launcher()
-    return datetime.datetime.fromtimestamp(stamp).strftime(f"%Y-%m-%d/%H-%M-%S-{pid}")
+from trident.launcher import launch_id
 
 
 @functools.cache

@@ -293,7 +293,8 @@ class Fuzzer:
         expected: Callable[[], list[dict]],
         what: str,
     ) -> list[str]:
-        """A run of the step-``SAVE_AT`` checkpoint (``extra``) under another layout, against the curve ``expected`` gives."""
+        """A run of the step-``SAVE_AT`` checkpoint (``extra``) under another layout, against the curve ``expected``
+        gives."""
         where = f"{what} at world {world} ({' '.join(overrides)})"
         try:
             want = expected()
