@@ -418,15 +418,9 @@ class MoE(nn.Module):
             counts = blocks[:, : local * 8].view(torch.int64)
             send, recv, table = self._sizes(d.send_counts, counts)
             padded = blocks[:, local * 8 :].view(d.rows.dtype).view(ep, d.bound, -1)
-            got = padded[torch.arange(d.bound, device=padded.device) < counts.sum(1, keepdim=True)]
-            started = InFlight(got, None, None)
+            started = InFlight(torch.cat([padded[r, :n] for r, n in enumerate(recv)]), None, None)
         got = all_to_all(d.rows, send, recv, self.ep_group, self.timer, started)
-        # Each received row's local expert; a stable sort puts them expert-major, sources in order within each.
-        expert = torch.arange(local, device=got.device).repeat(ep)
-        expert = expert.repeat_interleave(torch.tensor(table, device=got.device).view(-1), output_size=got.shape[0])
-        perm = expert.argsort(stable=True)
-        back = torch.empty_like(perm)
-        back[perm] = torch.arange(perm.numel(), device=perm.device)
+        perm, back = _expert_major(table, got.device)
         y = self.experts(Permute.apply(got, perm, back), [sum(column) for column in zip(*table, strict=True)])
         return all_to_all(Permute.apply(y, back, perm), recv, send, self.ep_group, self.timer)
 
@@ -434,6 +428,33 @@ class MoE(nn.Module):
     def n_local(self) -> int:
         """The experts this rank holds."""
         return self.moe.experts // self.ep_size
+
+
+def _expert_major(table: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows received source-major (source r's run of local expert e: ``table[r][e]`` rows) put expert-major, sources
+    in order within each expert (what a stable sort by expert gives): ``perm`` (the received row at each expert-major
+    place) and its inverse ``back``. Each run keeps its rows in order and moves by one offset, so both are a range
+    plus that offset repeated over the run: from the host's counts, with no sort."""
+    ep, local = len(table), len(table[0])
+    source_major = [(r, e) for r in range(ep) for e in range(local)]
+    expert_major = [(r, e) for e in range(local) for r in range(ep)]
+    received, placed = {}, {}  # each run's first row: its place among the received rows, its expert-major place
+    for starts, order in ((received, source_major), (placed, expert_major)):
+        at = 0
+        for r, e in order:
+            starts[r, e], at = at, at + table[r][e]
+    moves = torch.tensor(
+        [
+            [table[r][e] for r, e in expert_major],
+            [received[run] - placed[run] for run in expert_major],
+            [table[r][e] for r, e in source_major],
+            [placed[run] - received[run] for run in source_major],
+        ],
+        device=device,
+    )
+    rows = torch.arange(at, device=device)
+    perm = rows + moves[1].repeat_interleave(moves[0], output_size=at)
+    return perm, rows + moves[3].repeat_interleave(moves[2], output_size=at)
 
 
 def moe_layers(modules: list[nn.Module]) -> dict[int, MoE]:

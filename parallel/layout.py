@@ -107,6 +107,7 @@ class FlatLayout:
         dp_size: int,
         isolate: Collection[nn.Parameter] = (),
         chunks: Sequence[Collection[nn.Parameter]] = (),
+        apart: Collection[nn.Parameter] = (),
     ) -> FlatLayout:
         """Reverse registration order (roughly the order backward produces gradients), greedy buckets.
 
@@ -117,25 +118,39 @@ class FlatLayout:
         ``chunks``: the parameters of each model chunk (pipeline virtual stages, each a run of ``params``). No bucket
         holds parameters of two chunks, so a chunk's buckets can be reduced as soon as its last backward is done,
         whatever the other chunks still have to do.
+
+        ``apart``: parameters that share no bucket with the others (expert weights, reduced over another group).
+        They fill buckets of their own beside the others' run, cutting it nowhere: a model whose sparse layers sit
+        between dense ones keeps its dense parameters in as few buckets as without them, so ep adds no reduction of
+        the dense gradients. Buckets are listed as they fill up (their last parameter's place in the order).
         """
-        isolated = {id(p) for p in isolate}
+        isolated, parted = {id(p) for p in isolate}, {id(p) for p in apart}
         chunk_of = {id(p): c for c, ps in enumerate(chunks) for p in ps}
         buckets: list[list[nn.Parameter]] = []
-        run: list[nn.Parameter] = []  # consecutive parameters of one chunk, none isolated
+        # The bucket being filled of each kind (False: the others, True: ``apart``) and its numel; none spans two
+        # chunks or an isolated parameter. Insertion order is the order their last parameters came in.
+        filling: dict[bool, tuple[list[nn.Parameter], list[int]]] = {}
 
-        def cut() -> None:
-            plan = plan_buckets([q.numel() for q in run], bucket_numel, dp_size)
-            buckets.extend([run[i] for i in idx] for idx, _ in plan)
-            run.clear()
+        def cut(*kinds: bool) -> None:
+            for kind in kinds or list(filling):
+                buckets.append(filling.pop(kind)[0])
 
+        last: nn.Parameter | None = None
         for p in reversed(params):
-            if run and chunk_of.get(id(p)) != chunk_of.get(id(run[-1])):
+            if last is not None and chunk_of.get(id(p)) != chunk_of.get(id(last)):
                 cut()
+            last = p
             if id(p) in isolated:
                 cut()
                 buckets.append([p])
-            else:
-                run.append(p)
+                continue
+            kind = id(p) in parted
+            if kind in filling and filling[kind][1][0] + p.numel() > bucket_numel:
+                cut(kind)
+            run, size = filling.pop(kind, ([], [0]))
+            run.append(p)
+            size[0] += p.numel()
+            filling[kind] = (run, size)  # re-inserted: the kinds stay in the order of their last parameters
         cut()
         return cls(buckets, dp_size)
 

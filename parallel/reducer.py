@@ -20,8 +20,9 @@ buckets are on the wire while the schedule still runs the others, and ``finish``
 ``reduce_bucket`` is the one call that reduces a bucket: an all-reduce here, a reduce-scatter under ZeRO.
 The loss is pre-divided by the global token count, so the reduction is a plain SUM.
 
-Under expert parallelism (``expert_group``) the expert weights (placement ``expert_split``), each in buckets of
-their own, reduce over the expert-data-parallel group (the dp ranks holding the same experts) instead of dp.
+Under expert parallelism (``expert_group``) the expert weights (placement ``expert_split``), in buckets of their
+own, reduce over the expert-data-parallel group (the dp ranks holding the same experts) instead of dp; where that
+group is one rank (ep = dp) they are summed already and no collective is issued.
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ class GradReducer:
         experts = {id(p) for p in params if is_expert(p)}
         if experts and expert_group is None:
             raise ValueError("expert weights split over ep need the expert-data-parallel group (expert_group)")
-        isolate = [*isolate, *(p for p in params if id(p) in experts)]
         self.params = params
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
-        # ``isolate``: parameters each in a bucket of their own; ``chunks``: no bucket spans two (FlatLayout.by_size).
+        # ``isolate``: parameters each in a bucket of their own; ``chunks``: no bucket spans two; the expert weights
+        # in buckets of their own, beside the others (FlatLayout.by_size's ``apart``).
         numel = bucket_numel(bucket_mb, reduce_dtype)
-        self.layout = FlatLayout.by_size(params, numel, self.dp_size, isolate, chunks)
+        apart = [p for p in params if id(p) in experts]
+        self.layout = FlatLayout.by_size(params, numel, self.dp_size, isolate, chunks, apart)
         chunk_of = {id(p): c for c, ps in enumerate(chunks) for p in ps}
         self.buffer = torch.zeros(self.layout.numel, dtype=reduce_dtype, device=params[0].device)
         self.buckets: list[Bucket] = []

@@ -228,3 +228,47 @@ def test_both_dispatches_give_the_one_process_output_and_gradients():
     one waits on one exchange fewer (timer calls: its start and wait, the combine, the two in backward)."""
     for calls in run_distributed(_dispatch_rank, 2, None, backend="gloo", timeout_s=120):
         assert calls == {"padded": 3 + 2, "counts first": 5 + 2}
+
+
+def _reductions_rank(rank: int, world: int, _: None) -> dict[int, tuple[int, int, int]]:
+    """moe-tiny at ep = dp = 2, per ZeRO stage, after one step: (dense buckets, expert buckets, collectives the
+    expert buckets issued: gradient reductions and parameter gathers)."""
+    from trident.bench.harness import random_windows
+    from trident.build import build_parts, layout_of
+    from trident.loop import Trainer
+    from trident.parallel.groups import build_process_groups
+    from trident.parallel.placement import is_expert
+
+    out = {}
+    for zero in (0, 1, 2, 3):
+        cfg = make_config("model=moe-tiny", "parallel.ep=2", f"parallel.zero={zero}", "train.global_batch_size=8",
+                          "train.micro_batch_size=2", "optim.warmup_steps=0")  # fmt: skip
+        groups = build_process_groups(Topology(dp=world, pp=1, tp=1, ep=2))
+        parts = build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu"))
+        data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 4 * cfg.train.global_batch_size)
+        trainer = Trainer(cfg, groups, parts, (data, data))
+        trainer.train_step(0, trainer.micro_batches(0))
+        opt = parts.optimizer
+        spans = opt.zero.store.layout.spans if zero == 3 else opt.reducer.layout.spans
+        expert = [s.index for s in spans if is_expert(s.params[0])]
+        if zero <= 1:  # the reducer's bucket works (stage 1: reduce-scatters)
+            issued = sum(opt.reducer.buckets[i].work is not None for i in expert)
+        else:
+            issued = sum(opt.reducer._work[i] is not None for i in expert)
+        if zero in (1, 2):  # the store's all-gathers after the update: one a bucket that has others to gather from
+            issued += len(opt.zero.store._work) - (len(spans) - len(expert))
+        if zero == 3:
+            issued += sum(opt.zero.store._work[i] is not None for i in expert)
+        out[zero] = (len(spans) - len(expert), len(expert), issued)
+        opt.remove_hooks()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_at_ep_equal_to_dp_expert_buckets_issue_no_collective_and_split_no_dense_bucket():
+    """With as many ep ranks as dp ranks every expert-dp group is one rank: its gradients are already the sum and its
+    shards the whole, so no reduction or gather is issued for them at any ZeRO stage; and the expert weights share
+    buckets with each other beside the dense run, so the dense parameters stay in one bucket (stages 0-2), as at
+    ep = 1. Stage 3 keeps one bucket a block and an expert weight a bucket (parallel/zero/stage3.py)."""
+    for got in run_distributed(_reductions_rank, 2, None, backend="gloo", timeout_s=300):
+        assert got == {0: (1, 1, 0), 1: (1, 1, 0), 2: (1, 1, 0), 3: (3, 6, 0)}, got

@@ -35,6 +35,31 @@ def test_buckets_are_padded_to_dp_and_shards_tile_them():
         layout.spans[1].shard(0, 3)
 
 
+def test_parameters_apart_fill_buckets_of_their_own_and_cut_no_other_run():
+    # A dense model with two sparse layers between dense parameters (the expert weights x1, x2 and y1, y2): their
+    # gradients reduce over another group, so they share no bucket with the dense ones, which stay in one bucket
+    # as without them (splitting the dense run would add a dense reduction per cut).
+    d1, x1, x2, d2, y1, y2, d3 = _params((4,), (6,), (6,), (4,), (6,), (6,), (4,))
+    params = [d1, x1, x2, d2, y1, y2, d3]
+    layout = FlatLayout.by_size(params, bucket_numel=100, dp_size=2, apart=[x1, x2, y1, y2])
+    assert [span.params for span in layout.spans] == [[y2, y1, x2, x1], [d3, d2, d1]]  # the earlier filled first
+    assert [span.params for span in FlatLayout.by_size(params, 100, 2, isolate=[x1, x2, y1, y2]).spans] == [
+        [d3],
+        [y2],
+        [y1],
+        [d2],
+        [x2],
+        [x1],
+        [d1],
+    ]  # isolated instead: four dense buckets' cuts
+    # Greedy by size within each kind, each bucket listed when it is full; chunk boundaries cut both kinds.
+    small = FlatLayout.by_size(params, bucket_numel=12, dp_size=2, apart=[x1, x2, y1, y2])
+    assert [span.params for span in small.spans] == [[y2, y1], [x2, x1], [d3, d2, d1]]
+    chunks = [[d1, x1, x2], [d2, y1, y2, d3]]
+    chunked = FlatLayout.by_size(params, bucket_numel=100, dp_size=2, chunks=chunks, apart=[x1, x2, y1, y2])
+    assert [span.params for span in chunked.spans] == [[y2, y1], [d3, d2], [x2, x1], [d1]]
+
+
 def test_pieces_cut_parameters_at_shard_edges_and_skip_padding():
     a, b, c = _params((5,), (3, 4), (7,))
     layout = FlatLayout.by_size([a, b, c], bucket_numel=17, dp_size=4)

@@ -121,7 +121,7 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     model chunks, so the pipeline reduces each chunk's buckets after its last backward."""
     zero = layout.zero
     policy = precision_policy(layout.precision)
-    per_chunk, isolate = _trainable(chunks)
+    per_chunk, isolate, _ = _trainable(chunks)  # the reducer finds the expert weights itself
     params = [p for ps in per_chunk for p in ps]
     # Gradients reduce, and ZeRO shards, over every rank holding these parameters: dp x cp.
     dp_group, dp_size, device = groups.grad_group, groups.grad_size, params[0].device
@@ -164,14 +164,16 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     return Optimizer(reducer, optimizer, step, sharding)
 
 
-def _trainable(chunks: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
-    """Each chunk's trainable parameters, and those each given a bucket of its own: those whose gradients are summed
+def _trainable(chunks: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter], list[nn.Parameter]]:
+    """Each chunk's trainable parameters; those each given a bucket of its own: those whose gradients are summed
     across pipeline stages after the dp reduction (the tied embedding's two copies, placement ``grad_sums``
-    "embedding"), so its shards line up on the ranks that sum them, and the expert weights split over ep, which
-    reduce over another group (expert-dp)."""
+    "embedding"), so its shards line up on the ranks that sum them; and the expert weights split over ep, which
+    reduce over another group (expert-dp): in buckets of their own (``FlatLayout.by_size``'s ``apart``; at stage 3
+    each alone, as the tied embedding)."""
     per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
-    own = [p for ps in per_chunk for p in ps if "embedding" in placement_of(p).grad_sums or is_expert(p)]
-    return per_chunk, own
+    own = [p for ps in per_chunk for p in ps if "embedding" in placement_of(p).grad_sums]
+    experts = [p for ps in per_chunk for p in ps if is_expert(p)]
+    return per_chunk, own, experts
 
 
 def flat_layout(chunks: list[GPT], layout: Layout, dp_size: int) -> tuple[FlatLayout, list[ChunkUnits]]:
@@ -180,11 +182,12 @@ def flat_layout(chunks: list[GPT], layout: Layout, dp_size: int) -> tuple[FlatLa
     order, none spanning two chunks, an isolated parameter in a bucket of its own (``FlatLayout.by_size``; the
     reducer of stages 0-1 builds it from the same arguments); stage 3: one bucket per block (``unit_layout``).
     No process group: the memory estimator (trident/memory/params.py) calls it on chunks built on the meta device."""
-    per_chunk, isolate = _trainable(chunks)
+    per_chunk, isolate, experts = _trainable(chunks)
     if layout.zero < 3:
         numel = bucket_numel(layout.bucket_mb, precision_policy(layout.precision).reduce_dtype)
-        return FlatLayout.by_size([p for ps in per_chunk for p in ps], numel, dp_size, isolate, per_chunk), []
-    return unit_layout([(chunk, list(chunk.layers.values())) for chunk in chunks], dp_size, set(isolate))
+        params = [p for ps in per_chunk for p in ps]
+        return FlatLayout.by_size(params, numel, dp_size, isolate, per_chunk, experts), []
+    return unit_layout([(chunk, list(chunk.layers.values())) for chunk in chunks], dp_size, {*isolate, *experts})
 
 
 def build_runner(

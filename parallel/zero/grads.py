@@ -180,9 +180,13 @@ class ShardedGradReducer:
         self._wait(i)  # the shard must hold the previous micro-batch's total before it is added in
         start, stop = span.shard(*self._sharded[i])
         staging[start - span.offset : stop - span.offset].add_(self._shards[i])
-        self._work[i] = dist.reduce_scatter_single(self._shards[i], staging, group=self._groups[i], async_op=True)
         self._sent[i] = staging
-        self._in_flight.append(i)
+        if self._sharded[i][1] == 1:  # a group of one (expert weights at ep = dp): the staged sum is the total
+            self._shards[i].copy_(staging)
+            staging.untyped_storage().resize_(0)
+        else:
+            self._work[i] = dist.reduce_scatter_single(self._shards[i], staging, group=self._groups[i], async_op=True)
+            self._in_flight.append(i)
         # Bound the staging memory: at most MAX_IN_FLIGHT launched reductions hold a staging buffer at once.
         while len(self._in_flight) > self.MAX_IN_FLIGHT:
             self._wait(self._in_flight[0])

@@ -68,9 +68,11 @@ class FlatParams:
         if self.shards == 1:
             return
         # Handles kept until the next publish replaces them (see GradReducer.finish).
+        # A bucket sharded over a group of one (expert weights at ep = dp) is its own shard, already updated.
         self._work = [
             dist.all_gather_single(bucket, shard, group=group, async_op=True)
             for bucket, shard, group in zip(self._buckets, self._shards, self._groups, strict=True)
+            if shard.numel() < bucket.numel()
         ]
         for work in self._work:
             work.wait()
@@ -136,8 +138,12 @@ class ShardedParams:
         if not self._gathered[i]:
             self._full[i].untyped_storage().resize_(self._nbytes[i])
             shard, group = self._shards[i], self._groups[i]
-            self._work[i] = dist.all_gather_single(self._full[i], shard, group=group, async_op=True)
-            self._gathered[i] = self._in_flight[i] = True
+            self._gathered[i] = True
+            if shard.numel() == self._full[i].numel():  # a group of one (expert weights at ep = dp): no collective
+                self._full[i].copy_(shard)
+            else:
+                self._work[i] = dist.all_gather_single(self._full[i], shard, group=group, async_op=True)
+                self._in_flight[i] = True
             self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes())
         if wait:
             self._finish(i)
