@@ -23,23 +23,6 @@ from dataclasses import dataclass
 from torch import nn
 
 
-def plan_buckets(numels: list[int], bucket_numel: int, dp_size: int) -> list[tuple[list[int], int]]:
-    """Greedily group consecutive parameters; return (param indices, padded numel) per bucket.
-
-    A parameter larger than a bucket gets a bucket of its own.
-    """
-    buckets, current, size = [], [], 0
-    for i, n in enumerate(numels):
-        if current and size + n > bucket_numel:
-            buckets.append((current, size))
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        buckets.append((current, size))
-    return [(idx, padded_numel(size, dp_size)) for idx, size in buckets]
-
-
 def padded_numel(numel: int, dp_size: int) -> int:
     """``numel`` rounded up to a multiple of dp, so it splits into dp equal contiguous shards."""
     return -(-numel // dp_size) * dp_size

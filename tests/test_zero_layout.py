@@ -33,6 +33,11 @@ def test_buckets_are_padded_to_dp_and_shards_tile_them():
         assert len({stop - start for start, stop in ranges}) == 1
     with pytest.raises(ValueError):
         layout.spans[1].shard(0, 3)
+    # A parameter larger than a bucket is a bucket of its own, and the greedy run goes on after it.
+    d, e, f = _params((3,), (50,), (4,))
+    big = FlatLayout.by_size([a, b, c, d, e, f], bucket_numel=17, dp_size=4)
+    assert [span.params for span in big.spans] == [[f], [e], [d, c], [b, a]]
+    assert [s.numel for s in big.spans] == [4, 52, 12, 20]
 
 
 def test_parameters_apart_fill_buckets_of_their_own_and_cut_no_other_run():
