@@ -110,13 +110,13 @@ class FlatLayout:
         isolated, parted = {id(p) for p in isolate}, {id(p) for p in apart}
         chunk_of = {id(p): c for c, ps in enumerate(chunks) for p in ps}
         buckets: list[list[nn.Parameter]] = []
-        # The bucket being filled of each kind (False: the others, True: ``apart``) and its numel; none spans two
-        # chunks or an isolated parameter. Insertion order is the order their last parameters came in.
-        filling: dict[bool, tuple[list[nn.Parameter], list[int]]] = {}
+        # The bucket being filled of each kind (False: the others, True: ``apart``); none spans two chunks or an
+        # isolated parameter. Insertion order is the order their last parameters came in.
+        filling: dict[bool, list[nn.Parameter]] = {}
 
-        def cut(*kinds: bool) -> None:
-            for kind in kinds or list(filling):
-                buckets.append(filling.pop(kind)[0])
+        def cut() -> None:
+            buckets.extend(filling.values())
+            filling.clear()
 
         last: nn.Parameter | None = None
         for p in reversed(params):
@@ -128,12 +128,12 @@ class FlatLayout:
                 buckets.append([p])
                 continue
             kind = id(p) in parted
-            if kind in filling and filling[kind][1][0] + p.numel() > bucket_numel:
-                cut(kind)
-            run, size = filling.pop(kind, ([], [0]))
+            run = filling.pop(kind, [])
+            if run and sum(q.numel() for q in run) + p.numel() > bucket_numel:
+                buckets.append(run)
+                run = []
             run.append(p)
-            size[0] += p.numel()
-            filling[kind] = (run, size)  # re-inserted: the kinds stay in the order of their last parameters
+            filling[kind] = run  # (re)inserted: the kinds stay in the order of their last parameters
         cut()
         return cls(buckets, dp_size)
 
