@@ -487,22 +487,21 @@ def _expert_major(
         at = 0
         for r, e in order:
             first[r, e], at = at, at + table[r][e]
-    moves = torch.tensor(
-        [
-            [table[r][e] for r, e in expert_major],
-            [received[run] - placed[run] for run in expert_major],
-            [table[r][e] for r, e in source_major],
-            [placed[run] - received[run] for run in source_major],
-            [0 if starts is None else starts[r] - received[r, 0] for r, _ in expert_major],
-        ],
-        device=device,
-    )
+    moves = [
+        [table[r][e] for r, e in expert_major],
+        [received[run] - placed[run] for run in expert_major],
+        [table[r][e] for r, e in source_major],
+        [placed[run] - received[run] for run in source_major],
+    ]
+    if starts is not None:
+        moves.append([received[r, e] - placed[r, e] + starts[r] - received[r, 0] for r, e in expert_major])
     rows = torch.arange(at, device=device)
-    to_expert = rows + moves[1].repeat_interleave(moves[0], output_size=at)
-    to_source = rows + moves[3].repeat_interleave(moves[2], output_size=at)
+    expert_runs, to_expert_move, source_runs, to_source_move, *taken_move = torch.tensor(moves, device=device).unbind()
+    to_expert = rows + to_expert_move.repeat_interleave(expert_runs, output_size=at)
+    to_source = rows + to_source_move.repeat_interleave(source_runs, output_size=at)
     if starts is None:
         return to_expert, to_expert, to_source
-    return (moves[1] + moves[4]).repeat_interleave(moves[0], output_size=at) + rows, to_expert, to_source
+    return rows + taken_move[0].repeat_interleave(expert_runs, output_size=at), to_expert, to_source
 
 
 def moe_layers(modules: list[nn.Module]) -> dict[int, MoE]:
