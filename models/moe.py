@@ -43,9 +43,10 @@ rank routes its own tokens as above; its pairs, already sorted by expert, go in 
 all-to-all, with each expert's count: padded to the most rows a rank can send an owner, behind a header of the
 counts, in one exchange where that is small (``PADDED_DISPATCH_BYTES``: latency costs more than the padding), else
 the counts first in a small all-to-all of their own. The rows travel while the balancing statistics and the shared
-experts compute; the received rows, source by source, are put expert-major (stable over sources), computed, put back,
-and returned by the reverse all-to-all, each pair's output to the row it left from. Only the order of the rows the
-experts see changes, so the result is the one-process one.
+experts compute; the received rows, source by source, are put expert-major (stable over sources; one gather out of the
+received buffer, its padding and headers skipped), computed, put back, and returned by the reverse all-to-all, each
+pair's output to the row it left from (``ToExperts``, ``FromExperts``: two autograd nodes, the reverse exchanges in
+backward). Only the order of the rows the experts see changes, so the result is the one-process one.
 """
 
 from __future__ import annotations
