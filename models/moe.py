@@ -420,7 +420,7 @@ class MoE(nn.Module):
         send_counts = kept.view(ep, local)
         head, block = _padded_block(local, x.shape[0] * min(self.moe.top_k, local), x.shape[1] * x.element_size())
         if ep * block * x.shape[1] * x.element_size() <= PADDED_DISPATCH_BYTES:
-            rows = x[token]
+            rows = x.index_select(0, token)
             sent = send_counts.sum(1)
             # rank r's pairs, from its first (pair ``first[r]``): pair i to row i - first[r] of r's block, past the head
             shift = torch.arange(head, ep * block, block, device=x.device) - sent.cumsum(0) + sent
@@ -431,7 +431,7 @@ class MoE(nn.Module):
             started = start_all_to_all(blocks, [block] * ep, [block] * ep, self.ep_group, self.timer)
             return Dispatch(rows, started, sent, head, block, None)
         started = start_all_to_all(send_counts, [1] * ep, [1] * ep, self.ep_group, self.timer)
-        rows = x[token]
+        rows = x.index_select(0, token)
         counts = started.wait()  # [source, local expert]
         table = torch.cat([counts, send_counts.sum(1, keepdim=True)], 1).tolist()  # the one read on the host
         sizes = [row[local] for row in table], [sum(row[:local]) for row in table], [row[:local] for row in table]
