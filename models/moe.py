@@ -43,9 +43,10 @@ rank routes its own tokens as above; its pairs, already sorted by expert, go in 
 all-to-all, with each expert's count: padded to the most rows a rank can send an owner, behind a header of the
 counts, in one exchange where that is small (``PADDED_DISPATCH_BYTES``: latency costs more than the padding), else
 the counts first in a small all-to-all of their own. The rows travel while the balancing statistics and the shared
-experts compute; the received rows, source by source, are put expert-major (stable over sources), computed, put back,
-and returned by the reverse all-to-all, each pair's output to the row it left from. Only the order of the rows the
-experts see changes, so the result is the one-process one.
+experts compute; the received rows, source by source, are put expert-major (stable over sources; one gather out of the
+received buffer, its padding and headers skipped), computed, put back, and returned by the reverse all-to-all, each
+pair's output to the row it left from (``ToExperts``, ``FromExperts``: two autograd nodes, the reverse exchanges in
+backward). Only the order of the rows the experts see changes, so the result is the one-process one.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from trident.parallel.comm import (
     GroupShape,
     InFlight,
     Timer,
-    all_to_all,
+    exchange,
     gather_sequence,
     rank_and_size,
     reduce_from_region,
@@ -88,19 +89,54 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None
 
 
-class Permute(torch.autograd.Function):
-    """``x[perm]`` for a permutation ``perm`` whose inverse is ``inverse``: backward gathers the gradient by the
-    inverse, where indexing's backward would scatter-add it (an accumulating index_put, slow on a CPU)."""
+class Route(NamedTuple):
+    """An expert exchange's sizes (``MoE._combine``, from the host's counts): the rows this rank sends each rank of
+    ``group`` and receives from each; ``timer`` as ``MoE.timer``. The rows an owner receives come in two orders:
+    source-major (source by source, each source's expert-major, as an exact all-to-all delivers them) and
+    expert-major (expert by expert, sources in order, as its experts take them); ``to_expert`` (each expert-major
+    row's source-major place) and its inverse ``to_source`` map one to the other."""
+
+    send: list[int]
+    recv: list[int]
+    group: dist.ProcessGroup
+    timer: Timer | None
+
+
+class ToExperts(torch.autograd.Function):
+    """The rows ``rows`` this rank sent, as its experts receive them: ``received`` (the exchange's buffer, done)
+    gathered expert-major by ``taken`` (each expert-major row's place in it), one gather for the received rows'
+    selection and order. Backward puts the gradient source-major and returns it home, each pair's to its row."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inverse)
-        return x[perm]
+    def forward(  # type: ignore[override]
+        ctx, rows: torch.Tensor, received: torch.Tensor, taken: torch.Tensor, to_source: torch.Tensor, route: Route
+    ) -> torch.Tensor:
+        ctx.route = route
+        ctx.save_for_backward(to_source)
+        return received.index_select(0, taken)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        r, (to_source,) = ctx.route, ctx.saved_tensors
+        return exchange(grad.index_select(0, to_source), r.recv, r.send, r.group, r.timer), None, None, None, None
+
+
+class FromExperts(torch.autograd.Function):
+    """The experts' outputs ``y`` (expert-major rows) put source-major and returned home: each pair's output to the
+    row its pair left from. Backward sends the gradient to the owners and puts it expert-major."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, y: torch.Tensor, to_source: torch.Tensor, to_expert: torch.Tensor, route: Route
+    ) -> torch.Tensor:
+        ctx.route = route
+        ctx.save_for_backward(to_expert)
+        return exchange(y.index_select(0, to_source), route.recv, route.send, route.group, route.timer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        r, (to_expert,) = ctx.route, ctx.saved_tensors
+        return exchange(grad, r.send, r.recv, r.group, r.timer).index_select(0, to_expert), None, None, None
 
 
 def _in_backward() -> bool:
@@ -256,15 +292,16 @@ PADDED_DISPATCH_BYTES = 1 << 20
 
 
 class Dispatch(NamedTuple):
-    """Rows on their way to the experts' owners (``MoE._dispatch``): the rows sent, the counts sent [rank, local
-    expert], the exchange in flight, and ``bound``: the rows each rank's padded block holds (None: the counts went
-    first, and ``sizes`` holds the rows sent to each rank, those received from each and the counts received
-    [source][local expert])."""
+    """Rows on their way to the experts' owners (``MoE._dispatch``): the rows sent (in pair order), the exchange in
+    flight, and either (padded) ``sent`` (the rows sent to each rank, on the device), ``block`` (the rows of each
+    rank's block) and ``head`` (its first rows, that hold its counts), or (counts first) ``sizes``: the rows sent to
+    each rank, those received from each and the counts received [source][local expert]."""
 
     rows: torch.Tensor
-    send_counts: torch.Tensor
     started: InFlight
-    bound: int | None
+    sent: torch.Tensor | None
+    head: int
+    block: int | None
     sizes: tuple[list[int], list[int], list[list[int]]] | None
 
 
@@ -375,54 +412,50 @@ class MoE(nn.Module):
         """The rows ``x[token]``, sorted by expert (``kept[e]`` of expert e), started towards their experts' owners.
         A rank sends each owner at most ``bound`` rows (every token's experts are distinct, and each rank of the
         group routes as many tokens); where every rank's ``bound`` rows a block come to at most
-        ``PADDED_DISPATCH_BYTES``, each block is padded to them behind a header of its counts, in one all-to-all of
-        equal blocks; else the counts go first in a small all-to-all of their own (the rows gathered meanwhile) and
-        then the rows, each block as long as it is."""
-        ep, local = self.ep_size, self.n_local
+        ``PADDED_DISPATCH_BYTES``, each block holds its counts (int64 bytes, in whole rows) and its rows, each put in
+        its place by one copy, the padding left as it is (never read), in one all-to-all of equal blocks; else the
+        counts go first in a small all-to-all of their own (the rows gathered meanwhile) and then the rows, each
+        block as long as it is."""
+        ep, local, pairs = self.ep_size, self.n_local, token.shape[0]
         send_counts = kept.view(ep, local)
-        bound = x.shape[0] * min(self.moe.top_k, local)
-        block = local * 8 + bound * x.shape[1] * x.element_size()  # bytes: the int64 counts, the rows
-        if ep * block <= PADDED_DISPATCH_BYTES:
-            rows = x[token]
+        head, block = _padded_block(local, x.shape[0] * min(self.moe.top_k, local), x.shape[1] * x.element_size())
+        if ep * block * x.shape[1] * x.element_size() <= PADDED_DISPATCH_BYTES:
+            rows = x.index_select(0, token)
             sent = send_counts.sum(1)
-            rank = torch.arange(ep, device=x.device).repeat_interleave(sent, output_size=rows.shape[0])
-            slot = torch.arange(rows.shape[0], device=x.device) - (sent.cumsum(0) - sent)[rank]
-            blocks = torch.empty(ep, block, dtype=torch.uint8, device=x.device)
-            blocks[:, : local * 8] = send_counts.view(torch.uint8)
-            blocks[:, local * 8 :].view(rows.dtype).view(ep, bound, -1)[rank, slot] = rows.detach()
-            started = start_all_to_all(blocks, [1] * ep, [1] * ep, self.ep_group, self.timer)
-            return Dispatch(rows, send_counts, started, bound, None)
+            # rank r's pairs, from its first (pair ``first[r]``): pair i to row i - first[r] of r's block, past the head
+            shift = torch.arange(head, ep * block, block, device=x.device) - sent.cumsum(0) + sent
+            place = torch.arange(pairs, device=x.device) + shift.repeat_interleave(sent, output_size=pairs)
+            blocks = x.new_empty(ep * block, x.shape[1])
+            blocks.view(ep, -1).view(torch.uint8)[:, : local * 8] = send_counts.view(torch.uint8)
+            blocks.index_copy_(0, place, rows.detach())
+            started = start_all_to_all(blocks, [block] * ep, [block] * ep, self.ep_group, self.timer)
+            return Dispatch(rows, started, sent, head, block, None)
         started = start_all_to_all(send_counts, [1] * ep, [1] * ep, self.ep_group, self.timer)
-        rows = x[token]
+        rows = x.index_select(0, token)
         counts = started.wait()  # [source, local expert]
-        sizes = self._sizes(send_counts, counts)
+        table = torch.cat([counts, send_counts.sum(1, keepdim=True)], 1).tolist()  # the one read on the host
+        sizes = [row[local] for row in table], [sum(row[:local]) for row in table], [row[:local] for row in table]
         started = start_all_to_all(rows, sizes[0], sizes[1], self.ep_group, self.timer)
-        return Dispatch(rows, send_counts, started, None, sizes)
-
-    def _sizes(self, send_counts: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int], list[list[int]]]:
-        """The one read on the host: the rows sent to each rank, those received from each, and the counts received
-        [source][local expert] (the split sizes of the exchanges and of the experts' runs)."""
-        ep, local = self.ep_size, self.n_local
-        sizes = torch.cat([send_counts.sum(1), counts.reshape(-1)]).tolist()
-        table = [sizes[ep + r * local : ep + (r + 1) * local] for r in range(ep)]
-        return sizes[:ep], [sum(row) for row in table], table
+        return Dispatch(rows, started, None, 0, None, sizes)
 
     def _combine(self, d: Dispatch) -> torch.Tensor:
-        """``_dispatch``'s rows through the experts and back: the received rows (source-major, each source's
-        expert-major) put expert-major, computed, put back and sent home (module docstring)."""
+        """``_dispatch``'s rows through the experts and back: the received rows gathered expert-major (out of the
+        padded blocks too, in the same gather), computed, put back source-major and sent home (module docstring)."""
         ep, local = self.ep_size, self.n_local
-        if d.bound is None:
-            (send, recv, table), started = d.sizes, d.started
+        received = d.started.wait()
+        if d.block is None:
+            (send, recv, table), starts = d.sizes, None
         else:  # each source's block: its counts, then its rows and the padding
-            blocks = d.started.wait()
-            counts = blocks[:, : local * 8].view(torch.int64)
-            send, recv, table = self._sizes(d.send_counts, counts)
-            padded = blocks[:, local * 8 :].view(d.rows.dtype).view(ep, d.bound, -1)
-            started = InFlight(torch.cat([padded[r, :n] for r, n in enumerate(recv)]), None, None)
-        got = all_to_all(d.rows, send, recv, self.ep_group, self.timer, started)
-        perm, back = _expert_major(table, got.device)
-        y = self.experts(Permute.apply(got, perm, back), [sum(column) for column in zip(*table, strict=True)])
-        return all_to_all(Permute.apply(y, back, perm), recv, send, self.ep_group, self.timer)
+            counts = received.view(ep, -1).view(torch.uint8)[:, : local * 8].view(torch.int64)
+            header = torch.cat([counts, d.sent.unsqueeze(1)], 1).tolist()  # the one read on the host
+            send, table = [row[local] for row in header], [row[:local] for row in header]
+            recv = [sum(row) for row in table]
+            starts = [r * d.block + d.head for r in range(ep)]
+        taken, to_expert, to_source = _expert_major(table, received.device, starts)
+        route = Route(send, recv, self.ep_group, self.timer)
+        xe = ToExperts.apply(d.rows, received, taken, to_source, route)
+        y = self.experts(xe, [sum(column) for column in zip(*table, strict=True)])
+        return FromExperts.apply(y, to_source, to_expert, route)
 
     @property
     def n_local(self) -> int:
@@ -430,31 +463,46 @@ class MoE(nn.Module):
         return self.moe.experts // self.ep_size
 
 
-def _expert_major(table: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_block(local: int, bound: int, row_bytes: int) -> tuple[int, int]:
+    """A padded dispatch's block (``MoE._dispatch``): the rows that hold its ``local`` int64 counts, and all its
+    rows, ``bound`` more, rounded up so that every block starts 8-byte aligned (the counts are read in place)."""
+    head = -(-local * 8 // row_bytes)
+    align = 8 // math.gcd(row_bytes, 8)
+    return head, -(-(head + bound) // align) * align
+
+
+def _expert_major(
+    table: list[list[int]], device: torch.device, starts: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows received source-major (source r's run of local expert e: ``table[r][e]`` rows) put expert-major, sources
-    in order within each expert (what a stable sort by expert gives): ``perm`` (the received row at each expert-major
-    place) and its inverse ``back``. Each run keeps its rows in order and moves by one offset, so both are a range
-    plus that offset repeated over the run: from the host's counts, with no sort."""
+    in order within each expert (what a stable sort by expert gives): ``taken``, each expert-major row's place in the
+    received buffer (source r's rows from ``starts[r]``; None: packed, source after source), ``to_expert``, its
+    place among the received rows packed, and ``to_source``, the inverse of ``to_expert``. Each run keeps its rows
+    in order and moves by one offset, so each is a range plus that offset repeated over the run: from the host's
+    counts, with no sort."""
     ep, local = len(table), len(table[0])
     source_major = [(r, e) for r in range(ep) for e in range(local)]
     expert_major = [(r, e) for e in range(local) for r in range(ep)]
     received, placed = {}, {}  # each run's first row: its place among the received rows, its expert-major place
-    for starts, order in ((received, source_major), (placed, expert_major)):
+    for first, order in ((received, source_major), (placed, expert_major)):
         at = 0
         for r, e in order:
-            starts[r, e], at = at, at + table[r][e]
-    moves = torch.tensor(
-        [
-            [table[r][e] for r, e in expert_major],
-            [received[run] - placed[run] for run in expert_major],
-            [table[r][e] for r, e in source_major],
-            [placed[run] - received[run] for run in source_major],
-        ],
-        device=device,
-    )
+            first[r, e], at = at, at + table[r][e]
+    moves = [
+        [table[r][e] for r, e in expert_major],
+        [received[run] - placed[run] for run in expert_major],
+        [table[r][e] for r, e in source_major],
+        [placed[run] - received[run] for run in source_major],
+    ]
+    if starts is not None:
+        moves.append([received[r, e] - placed[r, e] + starts[r] - received[r, 0] for r, e in expert_major])
     rows = torch.arange(at, device=device)
-    perm = rows + moves[1].repeat_interleave(moves[0], output_size=at)
-    return perm, rows + moves[3].repeat_interleave(moves[2], output_size=at)
+    expert_runs, to_expert_move, source_runs, to_source_move, *taken_move = torch.tensor(moves, device=device).unbind()
+    to_expert = rows + to_expert_move.repeat_interleave(expert_runs, output_size=at)
+    to_source = rows + to_source_move.repeat_interleave(source_runs, output_size=at)
+    if starts is None:
+        return to_expert, to_expert, to_source
+    return rows + taken_move[0].repeat_interleave(expert_runs, output_size=at), to_expert, to_source
 
 
 def moe_layers(modules: list[nn.Module]) -> dict[int, MoE]:

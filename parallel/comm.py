@@ -9,13 +9,15 @@ per-rank pieces; these functions are its borders:
     split_last_dim           keep own slice       | all-gather last dim
     gather_sequence          all-gather sequence  | reduce-scatter      sequence parallelism: shard -> whole
     reduce_scatter_sequence  reduce-scatter seq.  | all-gather          sequence parallelism: partial -> shard
-    all_to_all               rows to each rank    | the reverse         expert parallelism: dispatch / combine
 
 Activations are ``[batch, seq, ...]``, so the sequence dim is dim 1. Tensors travel flat and contiguous, the
 one form every backend accepts (gloo takes all-gather and reduce-scatter only as a flat concatenation).
 Nothing here assumes CUDA. A collective never writes into its input: autograd may hand one gradient tensor
-to several consumers (an add's backward gives the same tensor to both operands). ``start_all_to_all`` puts an
-all-to-all's rows on the wire asynchronously, so a layer computes while they travel and ``all_to_all`` only waits.
+to several consumers (an add's backward gives the same tensor to both operands).
+
+Expert parallelism's all-to-all (rows to each rank, a count to each) has no Function here: ``exchange`` sends and
+waits, ``start_all_to_all`` puts the rows on the wire asynchronously so that a layer computes while they travel, and
+models/moe.py's Functions put the rows in order around them, the reverse exchange in backward.
 """
 
 from __future__ import annotations
@@ -214,34 +216,6 @@ class InFlight:
         return self.out
 
 
-class AllToAll(torch.autograd.Function):
-    """Rows ``[sum(send), ...]`` of ``x``: the first ``send[0]`` to rank 0 of ``group``, the next to rank 1, ...;
-    returns the ``sum(recv)`` rows received, rank 0's first. Backward sends the gradients back the same way.
-    ``timer``: called with the device, a context each exchange runs in, forward and backward (the bench's).
-    ``started``: this exchange of ``x`` already on the wire (``start_all_to_all``): forward only waits for it."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        x: torch.Tensor,
-        send: list[int],
-        recv: list[int],
-        group: dist.ProcessGroup,
-        timer: Timer | None,
-        started: InFlight | None,
-    ) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group, ctx.timer = send, recv, group, timer
-        if started is not None:
-            return started.wait()
-        with timer(x.device) if timer is not None else nullcontext():
-            return _all_to_all(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:  # type: ignore[override]
-        with ctx.timer(grad.device) if ctx.timer is not None else nullcontext():
-            return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None, None
-
-
 def _exchange(
     out: torch.Tensor, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
 ) -> dist.Work:
@@ -257,6 +231,16 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.P
     return out
 
 
+def exchange(
+    x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
+) -> torch.Tensor:
+    """Rows ``[sum(send), ...]`` of ``x``: the first ``send[0]`` to rank 0 of ``group``, the next to rank 1, ...;
+    returns the ``sum(recv)`` rows received, rank 0's first (no gradient). ``timer``: called with the device, a
+    context the exchange runs in (the bench's)."""
+    with timer(x.device) if timer is not None else nullcontext():
+        return _all_to_all(x, send, recv, group)
+
+
 def start_all_to_all(
     x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
 ) -> InFlight:
@@ -266,14 +250,3 @@ def start_all_to_all(
         out = x.new_empty((sum(recv), *x.shape[1:]))
         work = _exchange(out, x.contiguous(), send, recv, group)
     return InFlight(out, work, timer)
-
-
-def all_to_all(
-    x: torch.Tensor,
-    send: list[int],
-    recv: list[int],
-    group: dist.ProcessGroup,
-    timer: Timer | None = None,
-    started: InFlight | None = None,
-) -> torch.Tensor:
-    return AllToAll.apply(x, send, recv, group, timer, started)
