@@ -64,7 +64,7 @@ from trident.parallel.comm import (
     GroupShape,
     InFlight,
     Timer,
-    exchange,
+    all_to_all,
     gather_sequence,
     rank_and_size,
     reduce_from_region,
@@ -118,7 +118,7 @@ class ToExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         r, (to_source,) = ctx.route, ctx.saved_tensors
-        return exchange(grad.index_select(0, to_source), r.recv, r.send, r.group, r.timer), None, None, None, None
+        return all_to_all(grad.index_select(0, to_source), r.recv, r.send, r.group, r.timer), None, None, None, None
 
 
 class FromExperts(torch.autograd.Function):
@@ -131,12 +131,12 @@ class FromExperts(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.route = route
         ctx.save_for_backward(to_expert)
-        return exchange(y.index_select(0, to_source), route.recv, route.send, route.group, route.timer)
+        return all_to_all(y.index_select(0, to_source), route.recv, route.send, route.group, route.timer)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         r, (to_expert,) = ctx.route, ctx.saved_tensors
-        return exchange(grad, r.send, r.recv, r.group, r.timer).index_select(0, to_expert), None, None, None
+        return all_to_all(grad, r.send, r.recv, r.group, r.timer).index_select(0, to_expert), None, None, None
 
 
 def _in_backward() -> bool:

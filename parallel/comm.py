@@ -231,7 +231,7 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.P
     return out
 
 
-def exchange(
+def all_to_all(
     x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
 ) -> torch.Tensor:
     """Rows ``[sum(send), ...]`` of ``x``: the first ``send[0]`` to rank 0 of ``group``, the next to rank 1, ...;
@@ -244,8 +244,8 @@ def exchange(
 def start_all_to_all(
     x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
 ) -> InFlight:
-    """``all_to_all``'s exchange of ``x`` started (async, no gradient): what to compute while the rows travel goes
-    between this and ``wait``, or ``all_to_all(..., started=)``, which gives ``x`` the gradient of the rows received."""
+    """``all_to_all``'s exchange of ``x``, started (async, no gradient): what to compute while the rows travel goes
+    between this and ``wait``."""
     with timer(x.device) if timer is not None else nullcontext():
         out = x.new_empty((sum(recv), *x.shape[1:]))
         work = _exchange(out, x.contiguous(), send, recv, group)

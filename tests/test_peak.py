@@ -25,7 +25,9 @@ def test_probe_is_positive_and_finite() -> None:
 def test_a_busy_machine_does_not_lower_the_one_thread_peak() -> None:
     """Three busy loops per core leave a matmul on every core a quarter of the wall clock: timed by the wall on the
     threads of a one-process run, the peak would come out below the idle one and be cached so, and every later run's
-    MFU would pass 1. Timed by one thread's CPU time it is the same peak (within what a switch of process costs)."""
+    MFU would pass 1. Timed by one thread's CPU time it is the same peak, less what sharing a core's caches (or its
+    hyperthread sibling) with the loops costs: 0.70 of the idle figure in one CI run beside the other xdist worker,
+    so the bound sits halfway between a quarter (the wall clock's figure) and one."""
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 1))]
     try:
         busy = probe_matmul_tflops(torch.float32, threads=os.cpu_count() or 1, seconds=0.5)
@@ -34,7 +36,7 @@ def test_a_busy_machine_does_not_lower_the_one_thread_peak() -> None:
             loop.kill()
             loop.wait()
     alone = probe_matmul_tflops(torch.float32, threads=os.cpu_count() or 1, seconds=0.5)
-    assert busy > 0.7 * alone, (busy, alone)
+    assert busy > 0.5 * alone, (busy, alone)
 
 
 def test_probe_is_cached_per_machine_threads_and_precision(tmp_path: Path) -> None:
