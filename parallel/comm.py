@@ -15,7 +15,7 @@ one form every backend accepts (gloo takes all-gather and reduce-scatter only as
 Nothing here assumes CUDA. A collective never writes into its input: autograd may hand one gradient tensor
 to several consumers (an add's backward gives the same tensor to both operands).
 
-Expert parallelism's all-to-all (rows to each rank, a count to each) has no Function here: ``exchange`` sends and
+Expert parallelism's all-to-all (rows to each rank, a count to each) has no Function here: ``all_to_all`` sends and
 waits, ``start_all_to_all`` puts the rows on the wire asynchronously so that a layer computes while they travel, and
 models/moe.py's Functions put the rows in order around them, the reverse exchange in backward.
 """
@@ -225,12 +225,6 @@ def _exchange(
     return group.alltoall_base(out, x, recv, send, dist.AllToAllOptions())
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    _exchange(out, x.contiguous(), send, recv, group).wait()
-    return out
-
-
 def all_to_all(
     x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
 ) -> torch.Tensor:
@@ -238,7 +232,9 @@ def all_to_all(
     returns the ``sum(recv)`` rows received, rank 0's first (no gradient). ``timer``: called with the device, a
     context the exchange runs in (the bench's)."""
     with timer(x.device) if timer is not None else nullcontext():
-        return _all_to_all(x, send, recv, group)
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        _exchange(out, x.contiguous(), send, recv, group).wait()
+    return out
 
 
 def start_all_to_all(
