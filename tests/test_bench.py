@@ -283,7 +283,9 @@ def test_moe_bench_trains_at_ep1_and_ep2_on_two_ranks() -> None:
     """``--ep 2``: the same steps at ep 1 and ep 2 (the same last loss), each with its tokens/s and ratio to dp, and
     the time in the experts' all-to-alls (none at ep 1)."""
     _, table = bench("moe", "--shapes", "32x16x4x2", "--tokens", "64", "--precision", "fp32", "--rounds", "1",
-                     "--steps", "1", "--warmup", "1", "--ep", "2", "--global-batch", "8")  # fmt: skip
+                     "--steps", "1", "--warmup", "1", "--ep", "2", "--global-batch", "8",
+                     "--set", "model.moe.experts=2")  # fmt: skip
+    assert "moe-tiny (2 experts of 64, top-2, d_model 64), 2 ranks" in table.title  # --set reaches the config
     assert table.column("variant") == ["ep 1", "ep 2"]
     assert_finite(table, "tokens/s", "x dp", "all-to-all ms/step")
     none, some = (float(v) for v in table.column("all-to-all ms/step"))

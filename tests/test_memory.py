@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -513,19 +514,24 @@ MOE = dataclasses.replace(
 )
 
 
+def _least_held(cfg: ModelConfig, policy: str, sp: bool, documents: bool, tries: int = 4) -> int:
+    least = None
+    for i in range(tries):
+        time.sleep(0.01 * i)
+        model = GPT(cfg, dist.group.WORLD, sequence_parallel=sp)
+        held = _held(cfg, policy, batch=2, model=model, documents=documents)
+        least = held if least is None else min(least, held)
+    return least
+
+
 def _tp(rank: int, world: int, cfg: ModelConfig, documents: bool) -> dict:
     group = dist.group.WORLD
     out = {"params": [(n, p.numel()) for n, p in GPT(cfg, group).named_parameters()]}
-    # The least of three forwards: a gloo collective's work object may still hold its tensor (the loss's amax,
-    # all-reduced over tp) for a moment after it completes, a communication buffer, not an activation.
+    # The least of a few forwards, each after a short pause that grows: a gloo collective's work object may still
+    # hold its tensor (the loss's amax and sums, all-reduced over tp) for a moment after it completes, a
+    # communication buffer, not an activation (on a loaded machine, through three back-to-back forwards: 1 KiB).
     for sp in (False, True):
-        out[sp] = {
-            p: min(
-                _held(cfg, p, batch=2, model=GPT(cfg, group, sequence_parallel=sp), documents=documents)
-                for _ in range(3)
-            )
-            for p in POLICIES
-        }
+        out[sp] = {p: _least_held(cfg, p, sp, documents) for p in POLICIES}
     out["loss"] = {prec: _loss_backward_peak(cfg, prec, 2, model=GPT(cfg, group)) for prec in ("fp32", "bf16")}
     return out
 

@@ -85,6 +85,7 @@ def test_every_box_is_labelled_where_its_label_fits(tmp_path, capsys, argv: list
     assert sum(t.startswith("F") for t in labels) == sum(t.startswith("B") for t in labels)
 
 
+@pytest.mark.multiprocess  # matplotlib's first import on a machine runs fc-list to build its font cache
 def test_a_png_is_written_by_what_the_install_brings(tmp_path, capsys) -> None:
     dependencies = re.search(r"^dependencies = \[(.*?)^\]", (REPO / "pyproject.toml").read_text(), re.M | re.S)
     assert re.search(r'^\s*"matplotlib\b', dependencies.group(1), re.M)  # pip install -e . brings it

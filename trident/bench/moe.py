@@ -12,6 +12,7 @@ time over the grouped one. The issue's target: the grouped path no slower.
 
     python tools/bench.py moe --ep 2 [--model moe-tiny] [--global-batch 16]   # expert parallelism, 2 ranks
     python tools/bench.py moe --shapes --ep 2 4                                 # ep 1, 2 and 4 on 4 ranks only
+    python tools/bench.py moe --shapes --ep 2 --set model.d_model=256 model.moe.experts=8 model.moe.d_expert=512
 
 With ``--ep``, a second table: training steps (trident/build.py's parts and ``Trainer.train_step``, as train.py
 runs them) of ``--model`` on max(``--ep``) local ranks (trident.ranks' pool) at a fixed global batch, ep = 1 (dp
@@ -19,8 +20,10 @@ only: every rank all the experts) against each ``--ep`` (each rank experts / ep,
 in alternating rounds from the same weights on the same batches; tokens/s, the ep row over the dp row (the issue's
 target: ep 2 at least 0.8x of dp 2), the time rank 0 spent inside the experts' all-to-alls per step (the counts,
 the dispatch and the combine, forward and backward: ``ExchangeTimer`` around each call, so waiting for the other
-ranks is in it) and its share of the step, rank 0's CPU time per step, and each variant's last loss (equal: the
-same step). ``--shapes`` with no value leaves the grouped-product table out.
+ranks is in it) and its share of the step, rank 0's CPU time per step, and each variant's last loss (the same steps:
+equal, to fp32's rounding over many steps). ``--set``: config overrides of the trained model (the line above: 8
+experts of 512 on a 256-wide model, where moe-tiny's 4 of 64 on 64 leave the exchanges' fixed cost nothing to hide
+behind). ``--shapes`` with no value leaves the grouped-product table out.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="moe-tiny", help="the --ep table's preset")
     p.add_argument("--global-batch", type=int, default=16, help="the --ep table's sequences per step")
     p.add_argument("--micro-batch", type=int, default=4, help="the --ep table's sequences per micro-batch")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the --ep table's config overrides")
 
 
 def block(d: int, f: int, experts: int, top_k: int, grouped: bool, dtype: torch.dtype, device: torch.device) -> MoE:
@@ -133,14 +137,16 @@ def ep_table(args: argparse.Namespace) -> Table:
     cfg = compose_config(
         args.conf,
         [f"model={args.model}", f"train.global_batch_size={args.global_batch}",
-         f"train.micro_batch_size={args.micro_batch}", "train.steps=1000000", "optim.warmup_steps=0"],
+         f"train.micro_batch_size={args.micro_batch}", "train.steps=1000000", "optim.warmup_steps=0", *args.set],
     )  # fmt: skip
     world = max(args.ep)
     job = EpJob(cfg, sorted(set(args.ep) - {1}), args.warmup, args.steps, args.rounds)
     result = run_distributed(_ep_rank, world, job, backend=pool_backend(world), timeout_s=24 * 3600)[0]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    m = cfg.model
+    changed = f" ({m.moe.experts} experts of {m.moe.d_expert}, top-{m.moe.top_k}, d_model {m.d_model})"
     t = Table(
-        f"expert parallelism: model {cfg.model.name}, {world} ranks on {result['device']}, global batch "
+        f"expert parallelism: model {cfg.model.name}{changed}, {world} ranks on {result['device']}, global batch "
         f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}; "
         f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, medians",
         EP_HEADER,
