@@ -136,7 +136,13 @@ class WriterProcess:
 
     def write(self, path: Path, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._proc is None:
-            ctx = mp.get_context("spawn")
+            # Forked from a fork server, which imported torch and DCP's writer once: the first writer of a rank
+            # process starts that server (a fresh interpreter, as a spawned writer would be), and a process that
+            # lives through many runs (the tests' and the layout fuzzer's rank pools) forks the later ones instead
+            # of starting an interpreter each (about 2 s of a core). Where a fork server already runs (the pools'
+            # own), the writer is forked from it. Never a plain fork: the rank has threads, and CUDA.
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload([__name__, "torch.distributed.checkpoint.filesystem"])
             self._conn, child = ctx.Pipe()
             # A daemon: it must not outlive the rank's normal exit; on any other end the pipe's EOF ends it.
             self._proc = ctx.Process(target=_serve, args=(child,), name="trident-checkpoint-writer", daemon=True)
