@@ -144,9 +144,9 @@ def ep_table(args: argparse.Namespace) -> Table:
     result = run_distributed(_ep_rank, world, job, backend=pool_backend(world), timeout_s=24 * 3600)[0]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     m = cfg.model
-    changed = f" ({m.moe.experts} experts of {m.moe.d_expert}, top-{m.moe.top_k}, d_model {m.d_model})"
+    shape = f" ({m.moe.experts} experts of {m.moe.d_expert}, top-{m.moe.top_k}, d_model {m.d_model})"
     t = Table(
-        f"expert parallelism: model {cfg.model.name}{changed}, {world} ranks on {result['device']}, global batch "
+        f"expert parallelism: model {cfg.model.name}{shape}, {world} ranks on {result['device']}, global batch "
         f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}; "
         f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, medians",
         EP_HEADER,
