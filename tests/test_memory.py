@@ -515,13 +515,11 @@ MOE = dataclasses.replace(
 
 
 def _least_held(cfg: ModelConfig, policy: str, sp: bool, documents: bool, tries: int = 4) -> int:
-    least = None
-    for i in range(tries):
-        time.sleep(0.01 * i)
-        model = GPT(cfg, dist.group.WORLD, sequence_parallel=sp)
-        held = _held(cfg, policy, batch=2, model=model, documents=documents)
-        least = held if least is None else min(least, held)
-    return least
+    def after(pause: float) -> int:
+        time.sleep(pause)
+        return _held(cfg, policy, batch=2, model=GPT(cfg, dist.group.WORLD, sequence_parallel=sp), documents=documents)
+
+    return min(after(0.01 * i) for i in range(tries))
 
 
 def _tp(rank: int, world: int, cfg: ModelConfig, documents: bool) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path("/sys/fs/cgroup/cpuacct/trident-tests")
+_GROUP = pytest.StashKey[Path]()  # this worker's cgroup, where it could join one
 
 
 def _usage(group: Path) -> float:
@@ -42,9 +43,6 @@ def pytest_configure(config: pytest.Config) -> None:
     except OSError:
         return
     config.stash[_GROUP] = group
-
-
-_GROUP = pytest.StashKey[Path]()
 
 
 @pytest.hookimpl(hookwrapper=True)
