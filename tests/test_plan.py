@@ -391,6 +391,28 @@ def test_context_parallel_cost_grows_with_exposed_communication() -> None:
     assert _tiny_step(ring, fast).step < _tiny_step(ring, profile).step
 
 
+def test_collectives_the_passes_meet_are_priced_at_their_rate_amid_compute() -> None:
+    """A calibration's rate for a collective amid compute (``Profile.amid``) prices the collectives inside the
+    passes (here cp's all-gathers and reduce-scatters, and a pipeline's messages), and only those: the gradient
+    all-reduce after the passes, and a layout that meets no collective in its passes, keep the back-to-back rate."""
+    m = compose_config(REPO / "conf", TINY).model
+    kv = 2 * m.seq_len * m.n_heads * m.head_dim * 4 * 8  # K and V of 8 sequences, fp32
+    profile = cpu_profile()
+    slow = Rate(5e-3, 0.2e9)
+    amid = {collective_key(op, 2): slow for op in ("all_gather", "reduce_scatter", "all_reduce", "p2p")}
+    loaded = dataclasses.replace(profile, amid=amid)
+    gathered = Layout(dp=1, cp=2, cp_comm="allgather", micro_batch_size=8, micro_batches=1, device="cpu")
+    base, worse = _tiny_step(gathered, profile), _tiny_step(gathered, loaded)
+    assert worse.tp_comm == pytest.approx(m.n_layers * 2 * slow.time(kv))
+    assert worse.step - base.step == pytest.approx(worse.tp_comm - base.tp_comm)  # the gradient all-reduce: unchanged
+    plain = Layout(dp=2, micro_batch_size=4, micro_batches=1, device="cpu")
+    assert _tiny_step(plain, loaded).step == _tiny_step(plain, profile).step
+    piped = Layout(dp=1, pp=2, micro_batch_size=2, micro_batches=4, schedule="1f1b", device="cpu")
+    message = 2 * m.seq_len * m.d_model * 4
+    assert _tiny_step(piped, loaded).p2p == pytest.approx(2 * 4 * slow.time(message))
+    assert _tiny_step(piped, profile).p2p == pytest.approx(2 * 4 * Rate(1e-3, 1e9).time(message))
+
+
 def test_a_sequence_only_context_parallelism_fits_is_planned_with_it() -> None:
     """A long sequence on two ranks with room for only a context-parallel layout's activations: the plan ranks
     only cp layouts, and its best is one."""

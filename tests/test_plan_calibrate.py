@@ -167,6 +167,9 @@ def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.
     expected |= {collective_key(op, 4) for op in COLLECTIVES if op != "p2p"}
     assert set(profile.collectives) == expected
     assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.collectives.values())
+    # The same collectives amid compute, every rank of the launch computing between them.
+    assert set(profile.amid) == expected
+    assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.amid.values())
     # How k = 1 .. 4 ranks computing at once share the cores, in a lone rank's CPU time's worth.
     assert len(profile.sharing) == 4 and all(x > 0 for x in profile.sharing)
     # The ring formula over the intra link (6 hops over 4 ranks) gives back the measured all-reduce of 4.
@@ -181,6 +184,23 @@ def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(calibration, "run_distributed", refuse)
     assert calibrate(needs, 4, cache=cache, log=lambda _: None, accept_busy=True) == profile
+
+
+def test_a_collective_amid_compute_is_what_it_added_to_a_round_at_its_bytes_back_to_back_cost() -> None:
+    """Per collective, the median over the ranks of what it added to a round of compute, taken out of the ranks'
+    times (the others left); its rate moves bytes at the back-to-back bandwidth, and the rest of what it added is
+    its latency (none where the bytes alone explain it)."""
+    key = probes.AMID_KEY + collective_key("all_reduce", 2)
+    nbytes = probes.AMID_BYTES
+    per_rank = [{key: [(nbytes, extra)], "other": [(1, 1.0)]} for extra in (0.002, 0.004, 0.003)]
+    extras = calibration.amid_extras(per_rank)
+    assert extras == {collective_key("all_reduce", 2): (nbytes, 0.003)}
+    assert all(set(times) == {"other"} for times in per_rank)
+    back_to_back = Rate(1e-4, 1e8)
+    rates = calibration.amid_rates(extras, {collective_key("all_reduce", 2): back_to_back})
+    assert rates == {collective_key("all_reduce", 2): Rate(pytest.approx(0.003 - nbytes / 1e8), 1e8)}
+    cheap = calibration.amid_rates({"p2p:2": (nbytes, 1e-5)}, {"p2p:2": back_to_back})
+    assert cheap == {"p2p:2": Rate(0.0, 1e8)}
 
 
 def test_framework_share_is_a_real_block_against_its_priced_kernels(tmp_path: Path) -> None:

@@ -23,7 +23,8 @@ BASE = ["model=gpt-tiny", "train.global_batch_size=4", "logging.peak_tflops=1"]
 PROFILE = hand_built_cpu()
 LINE = re.compile(
     r"plan: (\d+) layouts measured; step time error median (\d+\.\d)%, max (\d+\.\d)%; "
-    r"memory error max (\d+\.\d)%; predicted best is measured rank (\d+) of (\d+)"
+    r"memory error max (\d+\.\d)%; predicted best is measured rank (\d+) of (\d+), "
+    r"its step (\d+\.\d)% above the measured best's"
 )
 
 
@@ -91,13 +92,14 @@ def test_summary_gives_the_median_and_largest_errors_and_the_predicted_bests_mea
     assert runs[1].memory_error == pytest.approx(0.01)
     assert measure.summary(runs) == (
         "plan: 3 layouts measured; step time error median 25.0%, max 80.0%; memory error max 1.0%; "
-        "predicted best is measured rank 2 of 3"
+        "predicted best is measured rank 2 of 3, its step 20.0% above the measured best's"
     )
     # The plan's order breaks a tie in predicted speed; the fastest measured is rank 1.
     tied = [measured(prediction(1.0), 0.9, 1000), measured(prediction(1.0), 1.2, 1000)]
     assert measure.summary(tied).endswith("median 15.0%, max 20.0%; memory error max 0.0%; predicted best is "
-                                          "measured rank 1 of 2")  # fmt: skip
-    assert measure.summary(tied[::-1]).endswith("predicted best is measured rank 2 of 2")
+                                          "measured rank 1 of 2, its step 0.0% above the measured best's")  # fmt: skip
+    assert measure.summary(tied[::-1]).endswith("predicted best is measured rank 2 of 2, its step 33.3% above the "
+                                                "measured best's")  # fmt: skip
     assert measure.summary([runs[3]]) == (
         "plan: 0 layouts measured; step time error median n/a, max n/a; memory error max n/a; "
         "predicted best is measured rank n/a of 0"
@@ -148,6 +150,7 @@ def test_measure_runs_train_py_and_compares_with_the_plan(plan: Plan, tiny_datas
     found = LINE.fullmatch(measure.summary(runs))
     assert found, measure.summary(runs)
     assert found[1] == found[6] == "2" and found[4] == "0.0" and found[5] in ("1", "2")
+    assert (found[7] == "0.0") == (found[5] == "1")
 
 
 def test_model_states_are_compared_as_memory_json_counts_them_the_max_over_stages() -> None:

@@ -55,6 +55,7 @@ from trident.peak import cpu_model
 from trident.plan.contention import Conditions, OtherLoad
 from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
+    AMID_KEY,
     BUSY_KEY,
     SHARING_KEY,
     cpu_threads,
@@ -189,8 +190,9 @@ def measure_links(
         log(f"calibrating: {torch.cuda.device_count()} GPUs for {ranks_per_node} ranks: collectives not measured")
         return
     log(f"calibrating: collectives over {ranks_per_node} ranks in groups of {', '.join(map(str, groups))} ...")
-    rates, busy, sharing = measure_collectives(groups, ranks_per_node, threads, device, block)
+    rates, busy, sharing, amid = measure_collectives(groups, ranks_per_node, threads, device, block)
     profile.collectives.update(rates)
+    profile.amid.update(amid)
     if device.type == "cpu":
         # What the node's ranks get together when all compute at once, in lone ranks' worth: the cores they share,
         # less what oversubscribing them costs (context switches, caches, memory bandwidth, other load).
@@ -283,7 +285,8 @@ def measure_collectives(
     """A ``Rate`` per ``collective_key`` for each group size (each dividing ``ranks_per_node``), and ``p2p`` at 2,
     from ``ranks_per_node`` ranks of ``threads`` threads that all run their groups' collectives at once; the
     blocks (or matmuls) per second those ranks do together when they all compute at once; and on a CPU, for k = 1,
-    2, ... of them computing at once, what they do together (``probes.sharing_rates``)."""
+    2, ... of them computing at once, what they do together (``probes.sharing_rates``); and on a CPU each
+    collective's ``Rate`` amid compute (``amid_rates``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     per_rank = run_distributed(
         rank_collective_times, ranks_per_node, groups, threads, device.type, block, backend=backend,
@@ -291,6 +294,7 @@ def measure_collectives(
     )  # fmt: skip
     busy = sum(times.pop(BUSY_KEY)[0][1] for times in per_rank)
     swept = [times.pop(SHARING_KEY, []) for times in per_rank]
+    extras = amid_extras(per_rank)
     totals: dict[int, list[float]] = {}  # k -> what the ranks did together, each round
     for i, (k, _) in enumerate(swept[0] if swept else []):
         totals.setdefault(k, []).append(sum(rates[i][1] for rates in swept))
@@ -300,7 +304,28 @@ def measure_collectives(
         # A collective is done when its slowest rank is: each size's time is the slowest rank's median.
         points = [(nbytes, max(times[key][i][1] for times in per_rank)) for i, (nbytes, _) in enumerate(sizes)]
         rates[key] = fit_rate(points)
-    return rates, busy, sharing
+    return rates, busy, sharing, amid_rates(extras, rates)
+
+
+def amid_extras(per_rank: list[dict[str, list[tuple[int, float]]]]) -> dict[str, tuple[int, float]]:
+    """Popped from each rank's times (``probes.amid_compute``): per ``collective_key``, (bytes, the median over the
+    ranks of the seconds one collective added to a round of compute; every rank timed the same barriers)."""
+    keys = [key for key in per_rank[0] if key.startswith(AMID_KEY)]
+    out = {}
+    for key in keys:
+        (nbytes, _), *_ = sizes = [times.pop(key)[0] for times in per_rank]
+        out[key.removeprefix(AMID_KEY)] = (nbytes, statistics.median(extra for _, extra in sizes))
+    return out
+
+
+def amid_rates(extras: dict[str, tuple[int, float]], rates: dict[str, Rate]) -> dict[str, Rate]:
+    """Each collective's ``Rate`` amid compute: its bytes at the back-to-back bandwidth (``rates``: moving them costs
+    what it costs), and a latency of whatever else the round measured it to add (at least 0)."""
+    out = {}
+    for key, (nbytes, extra) in extras.items():
+        bandwidth = rates[key].bandwidth
+        out[key] = Rate(max(0.0, extra - nbytes / bandwidth), bandwidth)
+    return out
 
 
 def measure_framework(profile: Profile, block: dict, threads: int, log: Callable[[str], None]) -> None:

@@ -114,6 +114,15 @@ def collective_time(p: Profile, op: str, group: int, nbytes: float, across_nodes
     return hops * link.latency + hops / group * nbytes / link.bandwidth
 
 
+def amid_time(p: Profile, op: str, group: int, nbytes: float, across_nodes: bool) -> float:
+    """One ``op`` that the passes meet between two stretches of compute (tensor, context and expert parallelism's
+    collectives, ZeRO 3's gathers, a pipeline's messages): the calibration's rate for it amid compute
+    (``Profile.amid``: on shared cores a rank there waits for peers the scheduler has not run), else
+    ``collective_time``."""
+    measured = p.amid.get(collective_key(op, group)) if group > 1 and not across_nodes else None
+    return measured.time(nbytes) if measured is not None else collective_time(p, op, group, nbytes, across_nodes)
+
+
 @dataclass
 class Pricer:
     """Prices ops with one profile and precision; remembers the matmul and attention shapes it was asked for."""
@@ -158,11 +167,11 @@ class Pricer:
             self.needs.groups.add(group)
             if name == "ring":  # each step's message behind the attention of the block held meanwhile
                 self.needs.groups.add(2)
-                message = collective_time(self.profile, "p2p", 2, op.nbytes, across)
+                message = amid_time(self.profile, "p2p", 2, op.nbytes, across)
                 block, kind = ring
                 hidden = self.attention(*block, kind) * self.profile.framework + self.profile.dispatch
                 return 0.0, op.count * max(0.0, message - hidden)
-            return 0.0, op.count * collective_time(self.profile, name, group, op.nbytes, across)
+            return 0.0, op.count * amid_time(self.profile, name, group, op.nbytes, across)
         return self.kernels(op) * self.profile.framework + op.count * self.profile.dispatch, 0.0
 
     def kernels(self, op: Op) -> float:
@@ -381,9 +390,7 @@ def step_time(
             # compute on, so there it all adds up.
             staging = ew_time(profile, 4 * numel) / all_busy
             if profile.device == "cpu":
-                tail += (micro - 1) * (
-                    collective_time(profile, "reduce_scatter", grads, 4 * numel, dp_across) + staging
-                )
+                tail += (micro - 1) * (amid_time(profile, "reduce_scatter", grads, 4 * numel, dp_across) + staging)
             else:
                 forward = costs[(0, "F")][0] / all_busy
                 per_micro = _dp_reduce(profile, layout, numel, backward + forward, dp_across, overlapped=True)
@@ -528,7 +535,7 @@ def _pipeline(
     e = BYTES[layout.precision]
     message = layout.micro_batch_size * shape.seq // (layout.tp if layout.sequence_parallel else 1) * m.d_model * e
     pp_across = placement.spans_nodes(layout.world // pp, 2) if pp > 1 else False
-    hop = collective_time(profile, "p2p", 2, message, pp_across) if pp > 1 else 0.0
+    hop = amid_time(profile, "p2p", 2, message, pp_across) if pp > 1 else 0.0
     if pp > 1:
         pricer.needs.groups.add(2)
     if placement.cores >= placement.ranks_per_node * placement.threads and not placement.sharing:
@@ -576,8 +583,8 @@ def _zero3_gathers(m: ModelConfig, layout: Layout, p: Profile, placement: RankPl
         for c in range(vpp):
             stage = stage_of(c, r, pp, stage_placement(layout.schedule))
             numel = sum(n for _, n in chunk_params(m, layout, stage)) / blocks
-            gather = collective_time(p, "all_gather", layout.grad_ranks, numel * e, across)
-            scatter = collective_time(p, "reduce_scatter", layout.grad_ranks, numel * 4, across)
+            gather = amid_time(p, "all_gather", layout.grad_ranks, numel * e, across)
+            scatter = amid_time(p, "reduce_scatter", layout.grad_ranks, numel * 4, across)
             f, b = costs[(stage, "F")][0] / blocks, costs[(stage, "B")][0] / blocks
             forward = gather + (blocks - 1) * max(0.0, gather - depth * f)
             if layout.zero3_gather == "step":

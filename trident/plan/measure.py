@@ -302,10 +302,13 @@ def breakdown(m: Measured) -> str:
 
 def summary(measured: Sequence[Measured]) -> str:
     """``plan: N layouts measured; step time error median X%, max Y%; memory error max Z%; predicted best is
-    measured rank R of N``. N: the runs that gave a step time, which every figure is over (a failed run's memory,
+    measured rank R of N, its step W% above the measured best's``.
+
+    N: the runs that gave a step time, which every figure is over (a failed run's memory,
     if it got as far as measuring it, is in ``table`` only); errors in absolute percent, one decimal. R: where the
     layout the plan ranked first among those N (the highest predicted tokens/s, ties in the order given, which is
-    the plan's) comes by measured step time, the fastest 1."""
+    the plan's) comes by measured step time, the fastest 1; W: how much longer its measured step is than the
+    fastest measured one (0.0% at rank 1)."""
     timed = [(i, m) for i, m in enumerate(measured) if m.step_s is not None]
     n = len(timed)
     step_errors = [abs(m.step_error) for _, m in timed if m.step_error is not None]
@@ -320,9 +323,11 @@ def summary(measured: Sequence[Measured]) -> str:
     if timed:
         _, best = min(timed, key=lambda im: (-im[1].prediction.tokens_per_s, im[0]))
         rank = str(1 + sum(1 for _, m in timed if m.step_s < best.step_s))
+        fastest = min(m.step_s for _, m in timed)
+        behind = f", its step {100 * (best.step_s / fastest - 1):.1f}% above the measured best's"
     else:
-        rank = "n/a"
+        rank, behind = "n/a", ""
     return (
         f"plan: {n} layouts measured; step time error median {pct(median)}, max {pct(worst)}; "
-        f"memory error max {pct(memory)}; predicted best is measured rank {rank} of {n}"
+        f"memory error max {pct(memory)}; predicted best is measured rank {rank} of {n}{behind}"
     )

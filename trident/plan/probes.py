@@ -49,6 +49,11 @@ SHARING_KEY = "blocks while k ranks compute"  # one entry per k: this rank's rat
 BUSY_S = 1.0
 SHARING_S = 0.3  # per k of a sweep
 SHARING_ROUNDS = 3  # sweeps of k = 1 .. ranks, one after another (each k's median: other load drifts meanwhile)
+# Collectives amid compute (``amid_compute``): the message, the rounds of a sitting, the sittings, and the compute
+# between two collectives.
+AMID_BYTES, AMID_ROUNDS, AMID_SITTINGS = 16 * KIB, 12, 3
+AMID_SEGMENT_S = 1e-3  # a lone rank's seconds of matmuls between two collectives, about a layer's pass at a CPU's
+AMID_KEY = "amid "  # + collective_key: [(bytes, seconds a round with the collective takes beyond one without)]
 
 
 @contextlib.contextmanager
@@ -327,8 +332,9 @@ def rank_collective_times(
     times[BUSY_KEY] = [(0, busy)]
     if device_type == "cpu":
         times[SHARING_KEY] = sharing_rates(rank, world_size, threads, block, device)
+    made = {}
     for g in groups:
-        group = split_into_groups(rank, world_size, g)
+        group = made[g] = split_into_groups(rank, world_size, g)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             times[collective_key(op, g)] = [
                 (nbytes, time_collective(collective(op, nbytes, group, g, device), reps, device))
@@ -339,7 +345,55 @@ def rank_collective_times(
             (nbytes, time_collective(exchange(nbytes, rank ^ 1, device), reps, device))
             for nbytes, reps in COLLECTIVE_SIZES
         ]
+    if device_type == "cpu" and world_size > 1:
+        times.update(amid_compute(rank, made, device))
     return times
+
+
+def amid_compute(
+    rank: int, groups: dict[int, dist.ProcessGroup], device: torch.device, segment_s: float = AMID_SEGMENT_S
+) -> dict[str, list[tuple[int, float]]]:
+    """On one rank: each collective of each group size as the passes of tensor and context parallelism meet it,
+    between two stretches of compute while every rank of the launch does the same: ``AMID_KEY`` + its key, the
+    seconds a round of ``segment_s`` of matmuls and a collective of ``AMID_BYTES`` takes beyond a round of the
+    matmuls alone (the median of ``AMID_SITTINGS`` sittings of ``AMID_ROUNDS`` rounds of each, one after the other,
+    every rank timing from one barrier to the next). On cores that more ranks share than they have, a rank reaching
+    a collective waits for a peer the scheduler has not run, and gloo's wake-ups cost the cores the others compute
+    on: what one collective costs the step there, which back-to-back collectives (``time_collective``) do not see.
+    ``groups``: this rank's group of each size (``split_into_groups``)."""
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    torch.mm(a, b)
+    start = time.thread_time()
+    for _ in range(20):
+        torch.mm(a, b)
+    # The same matmuls on every rank: the most any rank needs for ``segment_s`` of its own.
+    count = torch.tensor([max(1, round(segment_s / max(1e-7, (time.thread_time() - start) / 20)))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    n = int(count.item())
+
+    def rounds(run: Callable[[], None] | None) -> float:
+        def one() -> None:
+            for _ in range(n):
+                torch.mm(a, b)
+            if run is not None:
+                run()
+
+        one()  # warm-up
+        wait_for_ranks(device)
+        start = time.perf_counter()
+        for _ in range(AMID_ROUNDS):
+            one()
+        wait_for_ranks(device)
+        return (time.perf_counter() - start) / AMID_ROUNDS
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for g, group in groups.items():
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", *(("p2p",) if g == 2 else ())):
+            pair = op == "p2p"
+            run = exchange(AMID_BYTES, rank ^ 1, device) if pair else collective(op, AMID_BYTES, group, g, device)
+            extra = [rounds(run) - rounds(None) for _ in range(AMID_SITTINGS)]
+            out[AMID_KEY + collective_key(op, g)] = [(AMID_BYTES, statistics.median(extra))]
+    return out
 
 
 def split_into_groups(rank: int, world_size: int, size: int) -> dist.ProcessGroup:

@@ -33,7 +33,7 @@ from trident.json_cache import add_entry, read_entries
 from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 9  # what a cached calibration measured: an entry of another version is measured again (9: dispatch)
+VERSION = 10  # what a cached calibration measured: an entry of another version is measured again (10: amid)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # all_to_all: ulysses
 
 
@@ -102,6 +102,11 @@ class Profile:
     matmuls: dict[str, float] = field(default_factory=dict)
     attention: dict[str, float] = field(default_factory=dict)
     collectives: dict[str, Rate] = field(default_factory=dict)
+    # On a CPU, by ``collective_key``: what one collective adds to the step where the passes meet it, between
+    # stretches of compute while every rank of the launch does the same (probes.amid_compute). On cores shared by
+    # more ranks than they have this is far above ``collectives`` (back to back): a rank waits for a peer the
+    # scheduler has not run. Empty: not measured (``collectives``).
+    amid: dict[str, Rate] = field(default_factory=dict)
     intra: Rate = Rate(1e-5, 1e11)  # ring bus bandwidth per rank inside a node
     inter: Rate = Rate(3e-5, 1e10)  # between nodes
     host_copy: Rate = Rate(1e-5, 2.5e10)  # host <-> device, each direction
@@ -120,6 +125,7 @@ class Profile:
             if d.get(key) is not None:
                 d[key] = Rate(**d[key])
         d["collectives"] = {k: Rate(**v) for k, v in d.get("collectives", {}).items()}
+        d["amid"] = {k: Rate(**v) for k, v in d.get("amid", {}).items()}
         if d.get("conditions") is not None:
             d["conditions"] = Conditions(**d["conditions"])
         return cls(**d)
