@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             log=print,
             progress=listing,
             accept_busy=args.accept_busy,
+            held_out=(overrides, REPO),
         )
         keep = given_keys(args.overrides) if args.keep else None
         result = plan(cfg, args.world, profile, args.nodes, progress=Progress(sys.stderr), keep=keep)

@@ -83,6 +83,7 @@ from trident.plan.profile import (
     matmul_key,
     save_cached,
 )
+from trident.plan.residual import measure_residual
 from trident.ranks import run_distributed
 
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -96,12 +97,14 @@ def calibrate(
     cache: Path | None = DEFAULT_CACHE,
     log: Callable[[str], None] = print,
     accept_busy: bool = False,
+    repo: Path | None = None,
 ) -> Profile:
     """This machine's ``Profile`` for a launch of ``ranks_per_node`` ranks per node, with everything ``needs``
     asks for measured: read from ``cache`` where it was measured before, measured now where not, and saved back
-    (``cache`` None: measure everything, save nothing). What is measured now while other processes keep the
-    machine busy (trident/plan/contention.py) is said, marked in the profile's conditions, and not saved, unless
-    ``accept_busy``."""
+    (``cache`` None: measure everything, save nothing). ``needs.run``, on a CPU with the ``repo`` whose train.py
+    runs it: the held-out run that scales the model (trident/plan/residual.py). What is measured now while other
+    processes keep the machine busy (trident/plan/contention.py) is said, marked in the profile's conditions, and
+    not saved, unless ``accept_busy``."""
     started = time.perf_counter()
     device = calibration_device()
     host_threads = cpu_threads_per_rank(ranks_per_node)  # what train.py gives each rank of the node
@@ -117,7 +120,8 @@ def calibrate(
     if set(todo.groups) - set(groups):
         unfit = sorted(set(todo.groups) - set(groups))
         log(f"calibrating: group sizes {unfit} do not divide {ranks_per_node} ranks per node: not measured")
-    if not (fresh or precisions or todo.matmuls or todo.attention or groups):
+    held_out = todo.run if device.type == "cpu" and repo is not None else None
+    if not (fresh or precisions or todo.matmuls or todo.attention or groups or held_out):
         log(f"calibration: everything needed was measured before ({profile.name}, {threads} threads per rank)")
         return profile
 
@@ -135,6 +139,9 @@ def calibrate(
                 measure_framework(profile, todo.block, threads, log)
         if groups or (todo.block is not None and ranks_per_node > 1):
             measure_links(profile, groups, ranks_per_node, host_threads, device, log, profile.block)
+        if held_out is not None:
+            profile.residual = measure_residual(profile, held_out, repo, log)
+            profile.residual_run = held_out
     now = others.conditions()
     profile.conditions = now if fresh or profile.conditions is None else merged(profile.conditions, now)
     saved = ""

@@ -2,7 +2,9 @@
 
     compute      every op of a micro-batch's pass through a chunk (trident/plan/ops.py) at the profile's rates:
                  matmuls by shape and dtype, attention, element-wise ops by bytes and kernel count
-    tp           the collectives inside each pass, by bytes and group size (not overlapped: the next op needs them)
+    tp           the collectives inside each pass, by bytes and group size (not overlapped: the next op needs them),
+                 at what the calibration measured each to cost amid compute where it did (``amid_time``: on cores
+                 shared by more ranks than they have, a rank at a collective waits for peers not yet run)
     cp           a rank's ``seq / cp`` tokens through every op, its share of the causal attention pairs, and the
                  exchange of keys and values of each layer over the cp group (trident/plan/ops.py ``_cp_exchange``):
                  allgather's and ulysses' collectives exposed, the ring's steps only where a step's message
@@ -21,7 +23,9 @@
     optimizer    AdamW over the rank's shard at the device's rate, its offloaded part at the host's, with the
                  gradient and parameter copies between them
 
-No term is fitted to a layout: every rate is a measurement of the machine (``--calibrate``) or a datasheet figure.
+No term is fitted to a layout the planner ranks: every rate is a measurement of the machine (``--calibrate``) or a
+datasheet figure, and the step is scaled by one held-out run's measured over modelled step (trident/plan/residual.py;
+1 for a datasheet).
 The file is one idea read top to bottom (one step of one layout, term by term, as the list above orders them),
 so it stays whole past ~400 lines.
 """
@@ -206,7 +210,7 @@ class Pricer:
 class StepTime:
     """A layout's predicted step, in seconds, with what it is made of."""
 
-    step: float
+    step: float  # the model's, scaled by the profile's held-out residual (its parts below are not)
     pipeline: float  # from the step's start to the last backward of the slowest rank
     compute: float  # compute of one rank over the step (its busy time, without communication)
     bubble: float  # fraction of the pipeline ranks' time idle in the schedule
@@ -414,8 +418,10 @@ def step_time(
     last = [s for s in spans if s.rank == loss_rank]
     compute = sum(s.compute_end - s.start for s in last)
     tp_comm = sum(s.end - s.compute_end for s in last)
+    # What a held-out run measured beyond the model (trident/plan/residual.py) scales the step and its split.
+    split = _split(spans, costs, kernels, layout, ends, step_end + optimizer_comm, optimizer_compute, zero3)
     return StepTime(
-        step=step,
+        step=step * profile.residual,
         pipeline=pipeline,
         compute=compute,
         bubble=simulate.bubble(spans, pp) if pp > 1 else 0.0,
@@ -424,7 +430,7 @@ def step_time(
         dp_comm=dp_comm,
         optimizer=optimizer,
         spans=spans,
-        split=_split(spans, costs, kernels, layout, ends, step_end + optimizer_comm, optimizer_compute, zero3),
+        split={kind: t * profile.residual for kind, t in split.items()},
     )
 
 

@@ -12,9 +12,11 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from trident.config import Config
 from trident.errors import ConfigError
+from trident.plan import residual
 from trident.plan.profile import DATASHEETS, DEFAULT_CACHE, Needs, Profile, host_memory_bytes, save_cached
 
 DEVICES = ("cpu", *DATASHEETS)
@@ -54,12 +56,15 @@ def profile_for(
     one_layout: bool = False,
     progress: Callable[[int, int, float], None] | None = None,
     accept_busy: bool = False,
+    held_out: tuple[list[str], Path] | None = None,
 ) -> Profile:
     """The profile to plan ``cfg`` on ``world`` ranks of ``device`` with (module docstring). A calibration measures
     what the planner needs for every layout of ``cfg``, or with ``one_layout`` (tools/plot_schedule.py --plan) only
     what the prediction of ``cfg``'s own layout needs; that layout refused by train.py raises its ConfigError.
     ``progress`` is the planner's (trident/plan/planner.py ``plan``) while it lists what a calibration measures;
-    ``accept_busy``: cache a calibration taken while other processes kept the machine busy (plan/calibrate.py)."""
+    ``accept_busy``: cache a calibration taken while other processes kept the machine busy (plan/calibrate.py).
+    ``held_out``: (the overrides ``cfg`` was made from, the repository whose train.py runs them): a CPU calibration
+    also runs the held-out layout that scales the model (trident/plan/residual.py)."""
     from trident.plan.planner import placement_for, plan, predict  # noqa: PLC0415 (the planner imports this module's users)
 
     device = device or local_device()
@@ -78,10 +83,13 @@ def profile_for(
         needs = plan(cfg, world, guess, nodes, progress=progress).needs
     from trident.plan.calibrate import calibrate  # noqa: PLC0415 (torch.distributed, only when measuring)
 
+    repo = None
+    if held_out is not None and device == "cpu":
+        needs.run, repo = residual.held_out(cfg, world, held_out[0]), held_out[1]
     if fresh:
-        profile = calibrate(needs, placement.ranks_per_node, cache=None, log=log, accept_busy=accept_busy)
+        profile = calibrate(needs, placement.ranks_per_node, cache=None, log=log, accept_busy=accept_busy, repo=repo)
         if accept_busy or profile.conditions is None or not profile.conditions.contended:
             with contextlib.suppress(OSError):
                 save_cached(profile, DEFAULT_CACHE)
         return profile
-    return calibrate(needs, placement.ranks_per_node, log=log, accept_busy=accept_busy)
+    return calibrate(needs, placement.ranks_per_node, log=log, accept_busy=accept_busy, repo=repo)

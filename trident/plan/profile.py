@@ -33,7 +33,7 @@ from trident.json_cache import add_entry, read_entries
 from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 10  # what a cached calibration measured: an entry of another version is measured again (10: amid)
+VERSION = 11  # what a cached calibration measured: an entry of another version is measured again (11: residual)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # all_to_all: ulysses
 
 
@@ -112,6 +112,9 @@ class Profile:
     host_copy: Rate = Rate(1e-5, 2.5e10)  # host <-> device, each direction
     adam: float = 1e10  # parameters per second of AdamW on a rank's device
     host_adam: float = 1e8  # parameters per second of AdamW on the host, per rank (optimizer offload)
+    # A held-out run's measured step over the model's (trident/plan/residual.py): every step is scaled by it. 1: none.
+    residual: float = 1.0
+    residual_run: dict | None = None  # the run it was measured on (residual.held_out)
     # A calibration's: when it was taken and the other work on the machine meanwhile (trident/plan/contention.py).
     conditions: Conditions | None = None
 
@@ -240,6 +243,8 @@ class Needs:
     # its measured forward and backward against its priced ops is ``framework``, and all the node's ranks running it
     # at once give ``shared_capacity``.
     block: dict | None = None
+    # A held-out run (trident/plan/residual.py ``held_out``) whose measured step scales the model's.
+    run: dict | None = None
 
     def missing(self, profile: Profile) -> Needs:
         """The part of this that ``profile`` has not measured."""
@@ -258,4 +263,5 @@ class Needs:
             },
             precisions={p for p in self.precisions if p not in profile.peak_tflops},
             block=self.block if self.block is not None and self.block != profile.block else None,
+            run=self.run if self.run is not None and self.run != profile.residual_run else None,
         )

@@ -1,0 +1,74 @@
+"""trident/plan/residual.py: the held-out run that scales the step-time model is a layout no plan of the same
+config scores (another global batch), it is run once through train.py by a calibration that is given the
+repository and cached with the profile, and the model's step and split are scaled by exactly its ratio."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+from tests.test_plan import cpu_profile
+from trident.config import compose_config, validate
+from trident.layout import Layout
+from trident.plan import calibrate as calibration
+from trident.plan import residual
+from trident.plan.calibrate import calibrate
+from trident.plan.cost import step_time
+from trident.plan.planner import placement_for, plan
+from trident.plan.profile import Needs, load_cached
+
+TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_the_held_out_layout_is_plain_data_parallelism_at_a_batch_no_plan_layout_has(world: int) -> None:
+    cfg = compose_config(REPO / "conf", TINY)
+    run = residual.held_out(cfg, world, TINY)
+    assert run["world"] == world and run["overrides"][: len(TINY)] == TINY
+    held = compose_config(REPO / "conf", run["overrides"])
+    layout = validate(held, world)
+    assert (layout.dp, layout.tp, layout.pp, layout.cp, layout.zero) == (world, 1, 1, 1, 0)
+    assert layout.micro_batch_size == cfg.train.micro_batch_size
+    assert held.train.global_batch_size != cfg.train.global_batch_size
+    if world == 2:  # so none of the plan's layouts (every one at the plan's batch) is the held-out one
+        ranked = plan(cfg, world, cpu_profile()).ranked
+        assert ranked and all(p.layout.global_batch_size != layout.global_batch_size for p in ranked)
+
+
+def test_the_step_and_its_split_are_scaled_by_the_residual_and_nothing_else_is() -> None:
+    m = compose_config(REPO / "conf", TINY).model
+    layout = Layout(dp=1, pp=2, micro_batch_size=2, micro_batches=4, schedule="1f1b", device="cpu")
+    profile = cpu_profile()
+    base = step_time(m, layout, profile, placement_for(profile, 2))
+    scaled = step_time(m, layout, dataclasses.replace(profile, residual=1.25), placement_for(profile, 2))
+    assert scaled.step == pytest.approx(1.25 * base.step)
+    assert scaled.split == pytest.approx({kind: 1.25 * t for kind, t in base.split.items()})
+    assert (scaled.pipeline, scaled.compute, scaled.bubble) == (base.pipeline, base.compute, base.bubble)
+
+
+@pytest.mark.multiprocess
+def test_a_calibration_given_the_repository_runs_the_held_out_layout_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank of gpt-tiny through train.py: the ratio of its measured step to the model's is kept with the
+    run it came from; a second calibration with the same needs runs nothing, one without the repository none."""
+    monkeypatch.setattr(calibration, "cpu_threads_per_rank", lambda ranks_per_node: 1)
+    cfg = compose_config(REPO / "conf", TINY)
+    needs = Needs(precisions={"fp32"}, run=residual.held_out(cfg, 1, TINY))
+    cache = tmp_path / "profile.json"
+    lines: list[str] = []
+    profile = calibrate(needs, 1, cache=cache, log=lines.append, accept_busy=True, repo=REPO)
+    assert profile.residual_run == needs.run and 0.05 < profile.residual < 20, lines
+    assert any("held-out run" in line and "scaled by" in line for line in lines)
+    assert load_cached("cpu", 1, profile.threads, cache) == profile
+
+    def refuse(*args: object) -> float:
+        raise AssertionError("ran the held-out layout again")
+
+    monkeypatch.setattr(calibration, "measure_residual", refuse)
+    assert calibrate(needs, 1, cache=cache, log=lambda _: None, accept_busy=True, repo=REPO) == profile
+    unmeasured = calibrate(needs, 1, cache=None, log=lambda _: None, accept_busy=True)
+    assert unmeasured.residual == 1.0 and unmeasured.residual_run is None
