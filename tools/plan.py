@@ -20,8 +20,10 @@ keys given among the overrides, as parallel.auto=true keeps them (a large model 
 thousands of layouts; keeping a few keys makes its plan take minutes). ``--device`` picks
 a datasheet profile (h100, h200, a100: nodes of 8 GPUs, NVLink inside, InfiniBand between) or ``cpu``, this machine
 measured; by default the machine this runs on. ``--calibrate`` measures this machine again (for a GPU: instead of
-its datasheet). ``--measure K`` runs the K best layouts and K from the rest of the ranking through train.py here and
-prints predicted against measured step time and memory, and a last line with the errors.
+its datasheet). A CPU calibration ends with one held-out run of train.py (dp = the world at the plan's micro-batch,
+at a global batch none of the plan's layouts has) whose measured over modelled step scales every prediction
+(trident/plan/residual.py). ``--measure K`` runs the K best layouts and K from the rest of the ranking through
+train.py here and prints predicted against measured step time and memory, and a last line with the errors.
 """
 
 from __future__ import annotations
