@@ -2,7 +2,7 @@
 
 Every rate a calibration measures is a micro-benchmark (trident/plan/probes.py); what a whole training step adds
 beyond them (the element-wise kernels' real mix, the data loader, hooks, the allocator, how the scheduler shares
-the cores over a whole step) is not in any of them, and on a 2-core machine it has priced every layout 7-15% short.
+the cores over a whole step) is not in any of them: on a 2-core Xeon it priced every plain layout 7-15% short.
 So a calibration for a plan (tools/plan.py) also runs train.py once on a *held-out* layout and keeps the ratio of
 its measured step to the model's prediction (``Profile.residual``), by which cost.py scales every step.
 
@@ -20,6 +20,8 @@ from pathlib import Path
 
 from trident.config import Config
 from trident.plan.profile import Profile
+
+# One residual per cached calibration: a plan of another config (its held-out run differs) measures and replaces it.
 
 STEPS, WARMUP = 5, 2  # the held-out run's timed steps and the first ones not counted (start-up, allocator growth)
 LAYOUT = {
