@@ -1,9 +1,10 @@
 """Which profile a plan uses: a known GPU's datasheet, or this machine measured (trident/plan/calibrate.py).
 
 A CPU has no datasheet worth the name, so a plan for one always uses a calibration: the cached one, with whatever
-the plan needs that it lacks measured now (a first plan on a machine measures for about a minute, the next ones
-read the cache), or with ``fresh`` everything measured again. A GPU plan uses the datasheet of ``device`` (h100,
-h200, a100; by default the GPU this machine has) unless ``fresh`` asks to measure this GPU instead.
+the plan needs that it lacks measured now (a first plan on a machine measures for one to two minutes, a held-out
+run of train.py included; the next ones read the cache), or with ``fresh`` everything measured again. A GPU plan
+uses the datasheet of ``device`` (h100, h200, a100; by default the GPU this machine has) unless ``fresh`` asks to
+measure this GPU instead.
 """
 
 from __future__ import annotations
