@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
-from tests.test_plan import cpu_profile
+from tests.helpers.plan_profiles import hand_built_cpu
 from trident.config import compose_config, validate
 from trident.layout import Layout
 from trident.plan import calibrate as calibration
@@ -34,14 +34,14 @@ def test_the_held_out_layout_is_plain_data_parallelism_at_a_batch_no_plan_layout
     assert layout.micro_batch_size == cfg.train.micro_batch_size
     assert held.train.global_batch_size != cfg.train.global_batch_size
     if world == 2:  # so none of the plan's layouts (every one at the plan's batch) is the held-out one
-        ranked = plan(cfg, world, cpu_profile()).ranked
+        ranked = plan(cfg, world, hand_built_cpu()).ranked
         assert ranked and all(p.layout.global_batch_size != layout.global_batch_size for p in ranked)
 
 
 def test_the_step_and_its_split_are_scaled_by_the_residual_and_nothing_else_is() -> None:
     m = compose_config(REPO / "conf", TINY).model
     layout = Layout(dp=1, pp=2, micro_batch_size=2, micro_batches=4, schedule="1f1b", device="cpu")
-    profile = cpu_profile()
+    profile = hand_built_cpu()
     base = step_time(m, layout, profile, placement_for(profile, 2))
     scaled = step_time(m, layout, dataclasses.replace(profile, residual=1.25), placement_for(profile, 2))
     assert scaled.step == pytest.approx(1.25 * base.step)

@@ -320,8 +320,8 @@ def amid_extras(per_rank: list[dict[str, list[tuple[int, float]]]]) -> dict[str,
     keys = [key for key in per_rank[0] if key.startswith(AMID_KEY)]
     out = {}
     for key in keys:
-        (nbytes, _), *_ = sizes = [times.pop(key)[0] for times in per_rank]
-        out[key.removeprefix(AMID_KEY)] = (nbytes, statistics.median(extra for _, extra in sizes))
+        sizes = [times.pop(key)[0] for times in per_rank]  # (bytes, seconds added): one size, the same on every rank
+        out[key.removeprefix(AMID_KEY)] = (sizes[0][0], statistics.median(extra for _, extra in sizes))
     return out
 
 

@@ -180,21 +180,24 @@ def measure(
     warmup: int = 3,
     timeout_s: float = 600,
     log: Callable[[str], None] = print,
+    profiled: bool = True,
 ) -> list[Measured]:
     """Run each prediction's layout through train.py on ``world`` ranks, one at a time, for ``steps`` steps, in a
     run directory of its own under ``run_root``, and compare. ``base_overrides``: what every run shares (the
-    model, the data, the batch: the overrides the plan was made from)."""
+    model, the data, the batch: the overrides the plan was made from). ``profiled``: and one step more, profiled,
+    to split the measured step (``Measured.split``)."""
     if not 0 <= warmup < steps:
         raise ValueError(f"warmup ({warmup}) must be below steps ({steps})")
     run_root.mkdir(parents=True, exist_ok=True)
     out = []
+    # The steps timed, and with ``profiled`` one more after them, profiled.
+    length = [f"train.steps={steps + 1}", f"logging.profile_step={steps + 1}"] if profiled else [f"train.steps={steps}"]
     for i, p in enumerate(predictions):
         run_dir = run_root / f"{i:02d}-{_slug(p.label)}"
         overrides = [
             *base_overrides,
             *p.layout.overrides(),
-            f"train.steps={steps + 1}",  # and one more, profiled
-            f"logging.profile_step={steps + 1}",
+            *length,
             "train.eval_every=0",
             "wandb.mode=disabled",
             "logging.interval=1",
@@ -204,7 +207,7 @@ def measure(
         if trial.refused is None:
             log(f"measure [{i + 1}/{len(predictions)}] {p.label}: {steps} steps on {world} ranks in {run_dir} ...")
             run_trial(repo, trial, run_dir, timeout_s)
-        m = read(p, trial, warmup, steps, run_dir / "step_profile")
+        m = read(p, trial, warmup, steps, run_dir / "step_profile" if profiled else None)
         out.append(m)
         log(f"measure [{i + 1}/{len(predictions)}] {line(m)}")
     return out

@@ -62,7 +62,9 @@ def measure_residual(profile: Profile, run: dict, repo: Path, log: Callable[[str
     prediction = predict(cfg, run["world"], dataclasses.replace(profile, residual=1.0))
     with tempfile.TemporaryDirectory(prefix="trident-calibrate-") as root:
         overrides, world = run["overrides"], run["world"]
-        (m,) = measure.measure([prediction], overrides, world, repo, Path(root), STEPS, WARMUP, log=_quiet)
+        (m,) = measure.measure(
+            [prediction], overrides, world, repo, Path(root), STEPS, WARMUP, log=_quiet, profiled=False
+        )
     if m.step_s is None or m.predicted_step_s is None:
         log(f"calibrating: the held-out run {prediction.label} gave no step ({m.error}): the model is not scaled")
         return 1.0
