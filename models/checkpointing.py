@@ -33,6 +33,7 @@ inside the selective contexts' own pair.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -144,10 +145,11 @@ class _Replayable:
 
     def __enter__(self) -> None:
         storage = self.mode.storage
+        # Each op's outputs: a dict by call index (torch 2.13), a list the backward pops from (torch 2.11 and before).
         if self.kept is None:
-            self.kept = {key: dict(entries) for key, entries in storage.items()}
+            self.kept = {key: copy.copy(entries) for key, entries in storage.items()}
         else:
-            storage.update({key: dict(entries) for key, entries in self.kept.items()})
+            storage.update({key: copy.copy(entries) for key, entries in self.kept.items()})
         self.mode.__enter__()
 
     def __exit__(self, *exc: object) -> None:

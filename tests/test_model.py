@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 
 from trident.config import ModelConfig
 from trident.memory.measure import held_by_forward
-from trident.models.checkpointing import MODULES, SELECTIVE_MODULES, apply_activation_checkpointing
+from trident.models.checkpointing import MODULES, SELECTIVE_MODULES, _Replayable, apply_activation_checkpointing
 from trident.models.gpt import GPT, count_params, flops_per_token, init_weights, lm_loss_sum, padded_vocab_size
 from trident.parallel.placement import placement_of
 from trident.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -169,6 +170,24 @@ def test_activation_checkpointing_keeps_math_and_names(policy, modules, every):
     loss_ckpt.backward()
     for (name, a), b in zip(ref.named_parameters(), ckpt.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-7), name
+
+
+@pytest.mark.parametrize("kind", [dict, list], ids=["by-index-torch-2.13", "popped-list-torch-2.11"])
+def test_a_selective_replay_puts_back_the_kept_outputs_whichever_way_torch_stores_them(kind):
+    """A zero-bubble split backward replays a block twice: each replay starts from the outputs the forward kept,
+    however this torch's selective-checkpoint cache holds them (torch 2.11, on the GPU machines, pops a list)."""
+
+    class Mode(contextlib.nullcontext):
+        storage = {"mm": kind({0: "out0", 1: "out1"}) if kind is dict else ["out0", "out1"]}
+
+    mode = Mode()
+    replay = _Replayable(mode)
+    with replay:
+        consumed = mode.storage["mm"]
+        consumed.clear() if kind is list else consumed.update({0: None, 1: None})  # as the backward uses them
+    with replay:
+        again = mode.storage["mm"]
+    assert (list(again.values()) if kind is dict else again) == ["out0", "out1"]
 
 
 def test_recomputation_keeps_less_than_none():
