@@ -381,7 +381,7 @@ class Trainer:
             return None
         from trident.plan.breakdown import StepProfile  # noqa: PLC0415 (the profiler, only when asked)
 
-        profiler = StepProfile(self.profile[1] / f"rank{self.groups.rank}.json")
+        profiler = StepProfile(self.profile[1] / f"rank{self.groups.rank}.json", self.device.type == "cuda")
         profiler.start()
         return profiler
 

@@ -27,6 +27,13 @@ step): ``with_core_wait`` moves it out of the parts the thread was runnable in (
 in proportion to each, into ``core wait``, the model's stretch of the busy time by the measured sharing
 (cost.py). The split of one rank is written to ``<run dir>/step_profile/rank<r>.json``; ``mean_split``
 averages the ranks'.
+
+On a GPU the main thread's op times are only the kernels' launches, so a CUDA step is split by the device's own
+timeline instead (``split_device_step``): each kernel's time goes to the op class of the op that launched it (the
+profiler links the two), to ``optimizer`` when that op ran after the passes, and to communication when it is a
+collective's (NCCL's kernels); the device's idle time is the host's: the optimizer's where the main thread then
+runs an op after the passes (an offloaded AdamW on the host), else ``framework`` (Python, dispatch, launches,
+waiting for the host), less the loader's wait.
 """
 
 from __future__ import annotations
@@ -66,12 +73,17 @@ P2P = ("gloo:send", "gloo:recv", "gloo:isend", "gloo:irecv")
 
 @dataclass(frozen=True)
 class Event:
-    """One profiler event: ``name``, the ``thread`` it ran on, its ``start`` and ``end`` in seconds."""
+    """One profiler event: ``name``, the ``thread`` it ran on, its ``start`` and ``end`` in seconds; on a GPU also
+    where it ran (``device``: cpu or cuda), the profiler's correlation id of a host op (``corr``) and, of a kernel
+    or a CUDA runtime call (the launch), the id of the host op it is for (``link``)."""
 
     name: str
     thread: int
     start: float
     end: float
+    device: str = "cpu"
+    corr: int = 0
+    link: int = 0
 
 
 def op_class(name: str) -> str:
@@ -95,24 +107,22 @@ def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
     return out
 
 
-def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]:
-    """Seconds of each of ``CATEGORIES`` in the profiled step of ``events`` (module docstring): the step is the
-    ``STEP_MARK`` event, its main thread that event's thread, its passes the ``PASSES_MARK`` event (none: the step
-    has no passes, all of it is after them); ``data_s``: the loader's wait for the step's batches."""
+def _marks(events: Sequence[Event]) -> tuple[Event, Event | None]:
+    """The profiled step's ``STEP_MARK`` event and its main thread's ``PASSES_MARK`` event (None: no passes)."""
     step = next(e for e in events if e.name == STEP_MARK)
-    passes = next((e for e in events if e.name == PASSES_MARK and e.thread == step.thread), None)
+    return step, next((e for e in events if e.name == PASSES_MARK and e.thread == step.thread), None)
+
+
+def _main_segments(events: Sequence[Event], step: Event) -> list[tuple[float, float, Event | None]]:
+    """The step's main thread cut into segments, each owned by the innermost host op running then (None: a gap)."""
     lo, hi = step.start, step.end
-
-    def in_passes(t: float) -> bool:
-        return passes is not None and passes.start <= t < passes.end
-
-    out = dict.fromkeys(CATEGORIES, 0.0)
-    messages = [e for e in events if e.name.startswith("gloo:") and e.end > lo and e.start < hi]
     ops = sorted(
         (
             e
             for e in events
             if e.thread == step.thread
+            and e.device == "cpu"
+            and not e.link  # a CUDA runtime call (the launch) is its op's, not an op of its own
             and not e.name.startswith(("gloo:", "trident.", "ProfilerStep"))
             and e.end > lo
             and e.start < hi
@@ -141,10 +151,31 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
         emit(stack[-1][1])
         stack.pop()
     emit(hi)
+    return segments
+
+
+def _is_kernel_op(e: Event) -> bool:
+    """A host op that does work of its own (not a wrapper, view, allocation or collective call)."""
+    return e.name.startswith("aten::") and e.name not in NO_KERNEL
+
+
+def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]:
+    """Seconds of each of ``CATEGORIES`` in the profiled step of ``events`` (module docstring): the step is the
+    ``STEP_MARK`` event, its main thread that event's thread, its passes the ``PASSES_MARK`` event (none: the step
+    has no passes, all of it is after them); ``data_s``: the loader's wait for the step's batches."""
+    step, passes = _marks(events)
+    lo, hi = step.start, step.end
+
+    def in_passes(t: float) -> bool:
+        return passes is not None and passes.start <= t < passes.end
+
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    messages = [e for e in events if e.name.startswith("gloo:") and e.end > lo and e.start < hi]
+    segments = _main_segments(events, step)
 
     def kind_of(e: Event) -> str | None:
         """A kernel's category, or None: time the thread may have spent waiting on a message."""
-        if e.name.startswith("aten::") and e.name not in NO_KERNEL and not e.name.startswith("c10d::"):
+        if _is_kernel_op(e):
             return op_class(e.name) if in_passes(e.start) else "optimizer"
         return None
 
@@ -171,6 +202,82 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
             waited += wait
             cursor = max(cursor, min(m.end, b))
         out["framework"] += (b - a) - waited
+    data = min(max(0.0, data_s), out["framework"])
+    out["framework"] -= data
+    out["data"] += data
+    return out
+
+
+# A kernel no host op is linked to, by its name: NCCL's, matrix products' (cuBLAS, CUTLASS), attention's.
+_KERNEL_NAMES = (
+    (("nccl",), "comm"),
+    (("gemm", "nvjet", "cutlass", "xmma", "cublas"), "matmul"),
+    (("flash", "fmha", "attention"), "attention"),
+)
+# Device work first where kernels overlap (a collective on its own stream behind compute is not exposed).
+_DEVICE_ORDER = ("matmul", "attention", "elementwise", "optimizer", "comm in passes", "dp + sync", "pipeline wait")
+
+
+def split_device_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]:
+    """``split_step`` for a GPU step (module docstring): the step's wall time by the device's timeline, each kernel's
+    time to the class of the host op that launched it, the device's idle time to the host."""
+    step, passes = _marks(events)
+    lo, hi = step.start, step.end
+
+    def in_passes(t: float) -> bool:
+        return passes is not None and passes.start <= t < passes.end
+
+    host = {e.corr: e for e in events if e.device == "cpu" and e.corr and not e.link}  # the ops kernels link to
+
+    def kind_of(kernel: Event) -> str:
+        op = host.get(kernel.link)
+        by_name = next((k for words, k in _KERNEL_NAMES if any(w in kernel.name.lower() for w in words)), None)
+        launched = op.start if op is not None else kernel.start
+        if by_name == "comm" or (op is not None and op.name.startswith("c10d::")):
+            p2p = (op is not None and ("send" in op.name or "recv" in op.name)) or "SendRecv" in kernel.name
+            return "pipeline wait" if p2p else "comm in passes" if in_passes(launched) else "dp + sync"
+        if not in_passes(launched):
+            return "optimizer"
+        if op is not None and _is_kernel_op(op):
+            return op_class(op.name)
+        return by_name or "elementwise"  # a copy, fill or reduction launched under a wrapper
+
+    # A sweep over the kernels' starts and ends: each stretch of the step to the first kind running then.
+    edges = []
+    for k in events:
+        if k.device != "cpu" and min(k.end, hi) > max(k.start, lo):
+            kind = kind_of(k)
+            edges += [(max(k.start, lo), 1, kind), (min(k.end, hi), -1, kind)]
+    edges.sort(key=lambda edge: (edge[0], edge[1]))
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    running = dict.fromkeys(_DEVICE_ORDER, 0)
+    idle: list[tuple[float, float]] = []
+    t = lo
+    for at, change, kind in [*edges, (hi, 0, None)]:
+        if at > t:
+            now = next((k for k in _DEVICE_ORDER if running[k] > 0), None)
+            if now is not None:
+                out[now] += at - t
+            elif idle and idle[-1][1] == t:
+                idle[-1] = (idle[-1][0], at)
+            else:
+                idle.append((t, at))
+            t = at
+        if kind is not None:
+            running[kind] += change
+    # The device idle: the host's time, the optimizer's where the main thread runs an op of its own after the passes.
+    after = [(a, b) for a, b, op in _main_segments(events, step) if op is not None and _is_kernel_op(op)]
+    after = [(a, b) for a, b in after if not in_passes(a)]
+    n = 0
+    for a, b in idle:
+        while n < len(after) and after[n][1] <= a:
+            n += 1
+        optimizer, m = 0.0, n
+        while m < len(after) and after[m][0] < b:
+            optimizer += max(0.0, min(b, after[m][1]) - max(a, after[m][0]))
+            m += 1
+        out["optimizer"] += optimizer
+        out["framework"] += (b - a) - optimizer
     data = min(max(0.0, data_s), out["framework"])
     out["framework"] -= data
     out["data"] += data
@@ -205,9 +312,17 @@ def run_queue_s() -> float | None:
 
 
 def profile_events(prof: object) -> list[Event]:
-    """A finished ``torch.profiler.profile``'s events (times in seconds)."""
+    """A finished ``torch.profiler.profile``'s events (times in seconds; a kernel's device and launching op)."""
     return [
-        Event(e.name, e.thread, e.time_range.start / 1e6, e.time_range.end / 1e6)
+        Event(
+            e.name,
+            e.thread,
+            e.time_range.start / 1e6,
+            e.time_range.end / 1e6,
+            "cpu" if e.device_type.name == "CPU" else "cuda",
+            e.id if e.device_type.name == "CPU" else 0,
+            getattr(e, "linked_correlation_id", 0) or 0,
+        )
         for e in prof.events()  # type: ignore[attr-defined]
     ]
 
@@ -215,11 +330,12 @@ def profile_events(prof: object) -> list[Event]:
 class StepProfile:
     """Profiles one step of a rank (``start`` before it, ``finish`` after) and writes its split to ``path``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, cuda: bool = False) -> None:
         from torch.profiler import ProfilerActivity, profile, record_function  # noqa: PLC0415
 
-        self.path = path
-        self._prof = profile(activities=[ProfilerActivity.CPU])
+        self.path, self.cuda = path, cuda
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        self._prof = profile(activities=activities)
         self._mark = record_function(STEP_MARK)
 
     def start(self) -> None:
@@ -228,14 +344,21 @@ class StepProfile:
         self._mark.__enter__()
 
     def finish(self, data_s: float) -> None:
+        if self.cuda:  # the step's kernels inside its mark: a GPU runs behind the host that launches them
+            import torch  # noqa: PLC0415
+
+            torch.cuda.synchronize()
         self._mark.__exit__(None, None, None)
         queued = run_queue_s()
         self._prof.__exit__(None, None, None)
         events = profile_events(self._prof)
         step = next(e for e in events if e.name == STEP_MARK)
-        split = split_step(events, data_s)
-        if queued is not None and self._queued is not None:
-            split = with_core_wait(split, queued - self._queued)
+        if self.cuda:
+            split = split_device_step(events, data_s)
+        else:
+            split = split_step(events, data_s)
+            if queued is not None and self._queued is not None:
+                split = with_core_wait(split, queued - self._queued)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"step_s": step.end - step.start, "split": split}, indent=1) + "\n")
 
