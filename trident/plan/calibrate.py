@@ -69,6 +69,7 @@ from trident.plan.probes import (
     time_attention,
     time_block,
     time_matmul,
+    warm_gpu,
 )
 from trident.plan.profile import (
     DEFAULT_CACHE,
@@ -128,6 +129,8 @@ def calibrate(
     log(f"calibrating {profile.name.removesuffix(' (calibrated)')}, {threads} threads per rank ...")
     with OtherLoad() as others:
         with training_settings(device, host_threads):
+            if device.type == "cuda":
+                warm_gpu(device)
             if fresh:
                 log("calibrating: element-wise ops, host copies, AdamW ...")
                 measure_basics(profile, device, host_threads)

@@ -40,6 +40,10 @@ RATE_BUDGET_S = 0.05  # per size of an element-wise op or a copy
 ADAM_BUDGET_S = 0.3
 MIN_REPS, MAX_REPS = 3, 50
 ELEMENTWISE_BYTES = (16 * KIB, 1 * MIB, 8 * MIB)  # one tensor's size
+# On a GPU past its L2 (H100 50 MB, H200 60 MB, B200 126 MB): 8 MiB there times the cache, not the HBM a layer's
+# activations stream through.
+GPU_ELEMENTWISE_BYTES = (16 * KIB, 64 * MIB, 512 * MIB)
+GPU_WARM_S = 0.5  # a GPU's clocks rise from idle under load: matmuls this long before the first timing
 HOST_COPY_BYTES = (1 * MIB, 64 * MIB)
 ADAM_TENSORS, ADAM_NUMEL = 4, 2**20  # 4M fp32 parameters in a handful of tensors
 # Collective message sizes (fp32) and timed repetitions of each, after one warm-up.
@@ -210,9 +214,26 @@ def measure_elementwise(device: torch.device) -> tuple[Rate, Rate]:
     """Element-wise ops as a latency (dispatch, a kernel launch) plus bytes read and written at a bandwidth: the
     memory-bound kind (an add) and the kind bound on a CPU by its arithmetic (a tanh GELU: transcendentals, about a
     tenth of the add's bytes per second on one core), priced apart (trident/plan/ops.py says which op is which)."""
-    plain = fit_rate([(3 * n, time_add(n // 4, device)) for n in ELEMENTWISE_BYTES])
-    heavy = fit_rate([(2 * n, time_gelu(n // 4, device)) for n in ELEMENTWISE_BYTES])
+    sizes = elementwise_sizes(device)
+    plain = fit_rate([(3 * n, time_add(n // 4, device)) for n in sizes])
+    heavy = fit_rate([(2 * n, time_gelu(n // 4, device)) for n in sizes])
     return plain, heavy
+
+
+def elementwise_sizes(device: torch.device) -> tuple[int, ...]:
+    """The tensor sizes an element-wise op is timed at on ``device``."""
+    return GPU_ELEMENTWISE_BYTES if device.type == "cuda" else ELEMENTWISE_BYTES
+
+
+def warm_gpu(device: torch.device, seconds: float = GPU_WARM_S) -> None:
+    """Keep ``device`` busy with bf16 matmuls for ``seconds``, so that the timings after start at its working clocks,
+    not at an idle GPU's (on an H200 here: 345 MHz idle, 1980 MHz under load)."""
+    a = torch.rand(4096, 4096, device=device, dtype=torch.bfloat16)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(8):
+            a @ a
+        torch.cuda.synchronize(device)
 
 
 def time_copy(nbytes: int, device: torch.device) -> float:
