@@ -79,3 +79,10 @@ def test_progress_counts_every_candidate_and_says_the_time_left() -> None:
         "planning: 10 of 40 layouts examined, 5 s, about 15 s left",
         "planning: 40 layouts examined in 20.0 s",
     ]
+
+
+def test_too_few_steps_to_measure_is_one_line_naming_the_flag_before_anything_runs(capsys) -> None:
+    assert TOOL["main"]([*TINY, "--world", "2", "--device", "h100", "--measure", "1", "--steps", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert err == "error: --steps must be above the 3 warm-up steps --measure leaves out; try --steps 8\n"
+    assert out == ""

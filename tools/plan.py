@@ -41,6 +41,7 @@ from trident.plan.report import plan_table
 from trident.tool_config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
+WARMUP = 3  # the first steps of a measured run, left out of its median (start-up, allocation)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world < 1 or (args.nodes is not None and not 1 <= args.nodes <= args.world):
             raise ConfigError("--world must be >= 1 and --nodes between 1 and --world")
+        if args.measure and args.steps <= WARMUP:
+            raise ConfigError(f"--steps must be above the {WARMUP} warm-up steps --measure leaves out; try --steps 8")
         device = args.device or local_device()
         given = any(o.lstrip("+").split("=", 1)[0] == "train.precision" for o in args.overrides)
         bf16 = device != "cpu" and not given  # a GPU trains in bf16; fp32 is train.py's default for a CPU
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="trident-plan-") as runs:
             picked = measure.pick(result, args.measure)
             root = args.runs if args.runs is not None else Path(runs)
-            measured = measure.measure(picked, overrides, args.world, REPO, root, steps=args.steps)
+            measured = measure.measure(picked, overrides, args.world, REPO, root, steps=args.steps, warmup=WARMUP)
         print()
         print(measure.measured_table(measured))
         print("\nstep time split (seconds; the mean rank; measured: a profiled step scaled to the median step):")
