@@ -18,6 +18,7 @@ from trident.config import compose_config
 from trident.plan import measure, planner
 from trident.plan.breakdown import (
     CATEGORIES,
+    CP_MARK,
     PASSES_MARK,
     STEP_MARK,
     Event,
@@ -74,6 +75,24 @@ def test_a_profiled_step_splits_into_op_classes_waits_framework_and_data() -> No
     # the loader's wait.
     assert split["framework"] == pytest.approx(0.5 + 0.2 + 0.4 + 1.0 - 0.25)
     assert sum(split.values()) == pytest.approx(10.0)
+
+
+def test_context_parallel_ring_messages_are_communication_in_the_passes_not_the_pipelines() -> None:
+    events = [
+        ev(STEP_MARK, 0.0, 4.0),
+        ev(PASSES_MARK, 0.0, 4.0),
+        # The cp ring's exchange (parallel/context/ring.py marks where it posts it), then a wait for it.
+        ev(CP_MARK, 0.0, 0.2),
+        ev("c10d::send", 0.0, 0.1),
+        ev("c10d::recv_", 0.1, 0.2),
+        ev("gloo:recv", 0.1, 1.0),
+        # A pipeline stage's receive, waited on the same way.
+        ev("c10d::recv_", 2.0, 2.1),
+        ev("gloo:recv", 2.0, 3.0),
+    ]
+    split = split_step(events)
+    assert split["comm in passes"] == pytest.approx(0.2 + 0.8)
+    assert split["pipeline wait"] == pytest.approx(0.1 + 0.9)
 
 
 def test_without_passes_everything_is_after_them_and_data_is_at_most_the_framework() -> None:

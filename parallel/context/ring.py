@@ -35,6 +35,7 @@ from trident.parallel.context.core import Mask, accumulation_dtype, block_backwa
 from trident.parallel.context.span import TokenSpan
 
 _KV, _DKV = 0, 1  # message tags
+CP_MARK = "trident.cp"  # around the ring's sends and receives
 
 
 class _Ring:
@@ -55,7 +56,9 @@ class _Ring:
             dist.P2POp(dist.isend, x, self.next, self.group, tag),
             dist.P2POp(dist.irecv, received, self.prev, self.group, tag),
         ]
-        return received, dist.batch_isend_irecv(ops)
+        # Marked for a profiled step's split (trident/plan/breakdown.py): cp's messages, not a pipeline's.
+        with torch.profiler.record_function(CP_MARK):
+            return received, dist.batch_isend_irecv(ops)
 
 
 def _wait(works: list[dist.Work]) -> None:

@@ -39,7 +39,7 @@ waiting for the host), less the loader's wait.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +57,7 @@ CATEGORIES = (
 )
 STEP_MARK = "trident.step"  # record_function around the profiled step (trident/loop.py)
 PASSES_MARK = "trident.passes"  # around the forward and backward passes of the step
+CP_MARK = "trident.cp"  # around context parallelism's point-to-point messages (parallel/context/ring.py)
 TOLERANCE_S = 1e-3  # a message ending this long after a gap still ended it (the thread's wake-up)
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_addmm_activation"}
 # Ops that move no data (views, wrappers that call the kernels, allocations): their own time is the framework's.
@@ -154,6 +155,17 @@ def _main_segments(events: Sequence[Event], step: Event) -> list[tuple[float, fl
     return segments
 
 
+def _p2p_kind(events: Sequence[Event], step: Event) -> Callable[[float], str]:
+    """Whose a point-to-point message started at a time is: context parallelism's ring (``CP_MARK`` around it on the
+    main thread) waits ``comm in passes``, any other is a pipeline's."""
+    marks = [(e.start, e.end) for e in events if e.name == CP_MARK and e.thread == step.thread]
+
+    def kind(t: float) -> str:
+        return "comm in passes" if any(a <= t <= b for a, b in marks) else "pipeline wait"
+
+    return kind
+
+
 def _is_kernel_op(e: Event) -> bool:
     """A host op that does work of its own (not a wrapper, view, allocation or collective call)."""
     return e.name.startswith("aten::") and e.name not in NO_KERNEL
@@ -172,6 +184,7 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
     out = dict.fromkeys(CATEGORIES, 0.0)
     messages = [e for e in events if e.name.startswith("gloo:") and e.end > lo and e.start < hi]
     segments = _main_segments(events, step)
+    p2p_kind = _p2p_kind(events, step)
 
     def kind_of(e: Event) -> str | None:
         """A kernel's category, or None: time the thread may have spent waiting on a message."""
@@ -188,7 +201,7 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
             out[kind] += b - a
         elif owner is not None and owner.name.startswith("c10d::"):  # issuing one: communication's time
             p2p = "send" in owner.name or "recv" in owner.name
-            out["pipeline wait" if p2p else "comm in passes" if in_passes(a) else "dp + sync"] += b - a
+            out[p2p_kind(a) if p2p else "comm in passes" if in_passes(a) else "dp + sync"] += b - a
         elif runs and runs[-1][1] == a:
             runs[-1][1] = b
         else:
@@ -197,7 +210,7 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
         cursor, waited = a, 0.0  # each message ending in the run, in the order they end, from where the last left off
         for m in sorted((m for m in messages if a < m.end <= b + TOLERANCE_S and m.start < b), key=lambda m: m.end):
             wait = max(0.0, min(m.end, b) - max(cursor, m.start))
-            kind = "pipeline wait" if m.name.startswith(P2P) else "comm in passes" if in_passes(a) else "dp + sync"
+            kind = p2p_kind(m.start) if m.name.startswith(P2P) else "comm in passes" if in_passes(a) else "dp + sync"
             out[kind] += wait
             waited += wait
             cursor = max(cursor, min(m.end, b))
@@ -228,6 +241,7 @@ def split_device_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str,
         return passes is not None and passes.start <= t < passes.end
 
     host = {e.corr: e for e in events if e.device == "cpu" and e.corr and not e.link}  # the ops kernels link to
+    p2p_kind = _p2p_kind(events, step)
 
     def kind_of(kernel: Event) -> str:
         op = host.get(kernel.link)
@@ -235,7 +249,7 @@ def split_device_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str,
         launched = op.start if op is not None else kernel.start
         if by_name == "comm" or (op is not None and op.name.startswith("c10d::")):
             p2p = (op is not None and ("send" in op.name or "recv" in op.name)) or "SendRecv" in kernel.name
-            return "pipeline wait" if p2p else "comm in passes" if in_passes(launched) else "dp + sync"
+            return p2p_kind(launched) if p2p else "comm in passes" if in_passes(launched) else "dp + sync"
         if not in_passes(launched):
             return "optimizer"
         if op is not None and _is_kernel_op(op):
