@@ -22,6 +22,7 @@ from trident.plan.cost import (
     RankPlacement,
     StepTime,
     _chunk_reduce_end,
+    amid_time,
     collective_time,
     flops_attention,
     step_time,
@@ -411,6 +412,26 @@ def test_collectives_the_passes_meet_are_priced_at_their_rate_amid_compute() -> 
     message = 2 * m.seq_len * m.d_model * 4
     assert _tiny_step(piped, loaded).p2p == pytest.approx(2 * 4 * slow.time(message))
     assert _tiny_step(piped, profile).p2p == pytest.approx(2 * 4 * Rate(1e-3, 1e9).time(message))
+
+
+def test_a_collective_after_a_longer_stretch_of_compute_costs_what_the_longer_probe_measured() -> None:
+    """Amid compute, the longer a rank computes before a collective, the likelier its peer was stopped in
+    mid-stretch: the rate measured after 1 ms of compute and the one after 4 ms, read straight in between by the
+    compute a pass has between its collectives, the nearer one's outside, never below the shorter one's."""
+    key = collective_key("p2p", 2)
+    short, longer = Rate(2e-3, 1e9), Rate(5e-3, 1e9)
+    profile = dataclasses.replace(cpu_profile(), amid={key: short}, amid_long={key: longer})
+    nbytes = 1e6
+    at = {s: amid_time(profile, "p2p", 2, nbytes, False, s) for s in (None, 1e-4, 1e-3, 2.5e-3, 4e-3, 0.1)}
+    assert at[None] == at[1e-4] == at[1e-3] == pytest.approx(short.time(nbytes))
+    assert at[2.5e-3] == pytest.approx((short.time(nbytes) + longer.time(nbytes)) / 2)
+    assert at[4e-3] == at[0.1] == pytest.approx(longer.time(nbytes))
+    cheaper = dataclasses.replace(profile, amid_long={key: Rate(1e-3, 1e9)})
+    assert amid_time(cheaper, "p2p", 2, nbytes, False, 0.1) == pytest.approx(short.time(nbytes))
+    # A cp ring at one sequence a micro-batch: its passes' compute between two messages is priced long here.
+    ring = Layout(dp=1, cp=2, cp_comm="ring", micro_batch_size=8, micro_batches=1, device="cpu")
+    base = dataclasses.replace(cpu_profile(), amid={key: short})
+    assert _tiny_step(ring, profile).tp_comm > _tiny_step(ring, base).tp_comm
 
 
 def test_a_sequence_only_context_parallelism_fits_is_planned_with_it() -> None:

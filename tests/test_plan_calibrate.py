@@ -178,6 +178,9 @@ def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.
     # The same collectives amid compute, every rank of the launch computing between them.
     assert set(profile.amid) == expected
     assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.amid.values())
+    # And after longer stretches of compute.
+    assert set(profile.amid_long) == expected
+    assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.amid_long.values())
     # How k = 1 .. 4 ranks computing at once share the cores, in a lone rank's CPU time's worth.
     assert len(profile.sharing) == 4 and all(x > 0 for x in profile.sharing)
     # The ring formula over the intra link (6 hops over 4 ranks) gives back the measured all-reduce of 4.
@@ -209,6 +212,11 @@ def test_a_collective_amid_compute_is_what_it_added_to_a_round_at_its_bytes_back
     assert rates == {collective_key("all_reduce", 2): Rate(pytest.approx(0.003 - nbytes / 1e8), 1e8)}
     cheap = calibration.amid_rates({"p2p:2": (nbytes, 1e-5)}, {"p2p:2": back_to_back})
     assert cheap == {"p2p:2": Rate(0.0, 1e8)}
+    # The longer stretches' figures are kept apart, under their own prefix.
+    longer = probes.AMID_LONG_KEY + collective_key("all_reduce", 2)
+    per_rank = [{key: [(nbytes, 0.003)], longer: [(nbytes, extra)]} for extra in (0.006, 0.005, 0.009)]
+    assert calibration.amid_extras(per_rank, probes.AMID_LONG_KEY) == {collective_key("all_reduce", 2): (nbytes, 0.006)}
+    assert calibration.amid_extras(per_rank) == {collective_key("all_reduce", 2): (nbytes, 0.003)}
 
 
 def test_framework_share_is_a_real_block_against_its_priced_kernels(tmp_path: Path) -> None:

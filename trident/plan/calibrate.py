@@ -56,6 +56,7 @@ from trident.plan.contention import Conditions, OtherLoad
 from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
     AMID_KEY,
+    AMID_LONG_KEY,
     BUSY_KEY,
     SHARING_KEY,
     cpu_threads,
@@ -200,9 +201,10 @@ def measure_links(
         log(f"calibrating: {torch.cuda.device_count()} GPUs for {ranks_per_node} ranks: collectives not measured")
         return
     log(f"calibrating: collectives over {ranks_per_node} ranks in groups of {', '.join(map(str, groups))} ...")
-    rates, busy, sharing, amid = measure_collectives(groups, ranks_per_node, threads, device, block)
+    rates, busy, sharing, (amid, amid_long) = measure_collectives(groups, ranks_per_node, threads, device, block)
     profile.collectives.update(rates)
     profile.amid.update(amid)
+    profile.amid_long.update(amid_long)
     if device.type == "cpu":
         # What the node's ranks get together when all compute at once, in lone ranks' worth: the cores they share,
         # less what oversubscribing them costs (context switches, caches, memory bandwidth, other load).
@@ -304,7 +306,7 @@ def measure_collectives(
     )  # fmt: skip
     busy = sum(times.pop(BUSY_KEY)[0][1] for times in per_rank)
     swept = [times.pop(SHARING_KEY, []) for times in per_rank]
-    extras = amid_extras(per_rank)
+    extras, long_extras = amid_extras(per_rank), amid_extras(per_rank, AMID_LONG_KEY)
     totals: dict[int, list[float]] = {}  # k -> what the ranks did together, each round
     for i, (k, _) in enumerate(swept[0] if swept else []):
         totals.setdefault(k, []).append(sum(rates[i][1] for rates in swept))
@@ -314,17 +316,20 @@ def measure_collectives(
         # A collective is done when its slowest rank is: each size's time is the slowest rank's median.
         points = [(nbytes, max(times[key][i][1] for times in per_rank)) for i, (nbytes, _) in enumerate(sizes)]
         rates[key] = fit_rate(points)
-    return rates, busy, sharing, amid_rates(extras, rates)
+    return rates, busy, sharing, (amid_rates(extras, rates), amid_rates(long_extras, rates))
 
 
-def amid_extras(per_rank: list[dict[str, list[tuple[int, float]]]]) -> dict[str, tuple[int, float]]:
-    """Popped from each rank's times (``probes.amid_compute``): per ``collective_key``, (bytes, the median over the
-    ranks of the seconds one collective added to a round of compute; every rank timed the same barriers)."""
-    keys = [key for key in per_rank[0] if key.startswith(AMID_KEY)]
+def amid_extras(
+    per_rank: list[dict[str, list[tuple[int, float]]]], prefix: str = AMID_KEY
+) -> dict[str, tuple[int, float]]:
+    """Popped from each rank's times (``probes.amid_compute``, its keys under ``prefix``): per ``collective_key``,
+    (bytes, the median over the ranks of the seconds one collective added to a round of compute; every rank timed
+    the same barriers)."""
+    keys = [key for key in per_rank[0] if key.startswith(prefix)]
     out = {}
     for key in keys:
         sizes = [times.pop(key)[0] for times in per_rank]  # (bytes, seconds added): one size, the same on every rank
-        out[key.removeprefix(AMID_KEY)] = (sizes[0][0], statistics.median(extra for _, extra in sizes))
+        out[key.removeprefix(prefix)] = (sizes[0][0], statistics.median(extra for _, extra in sizes))
     return out
 
 

@@ -48,6 +48,7 @@ from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_
 from trident.parallel.placement import is_expert
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, recompute_ops
+from trident.plan.probes import AMID_LONG_SEGMENT_S, AMID_SEGMENT_S
 from trident.plan.profile import Needs, Profile, attention_key, collective_key, matmul_key
 
 
@@ -118,13 +119,26 @@ def collective_time(p: Profile, op: str, group: int, nbytes: float, across_nodes
     return hops * link.latency + hops / group * nbytes / link.bandwidth
 
 
-def amid_time(p: Profile, op: str, group: int, nbytes: float, across_nodes: bool) -> float:
+def amid_time(
+    p: Profile, op: str, group: int, nbytes: float, across_nodes: bool, segment: float | None = None
+) -> float:
     """One ``op`` that the passes meet between two stretches of compute (tensor, context and expert parallelism's
     collectives, ZeRO 3's gathers, a pipeline's messages): the calibration's rate for it amid compute
     (``Profile.amid``: on shared cores a rank there waits for peers the scheduler has not run), else
-    ``collective_time``."""
-    measured = p.amid.get(collective_key(op, group)) if group > 1 and not across_nodes else None
-    return measured.time(nbytes) if measured is not None else collective_time(p, op, group, nbytes, across_nodes)
+    ``collective_time``. ``segment``: a lone rank's seconds of compute before it, where known: between the rates
+    measured after ``AMID_SEGMENT_S`` and ``AMID_LONG_SEGMENT_S`` of it (``Profile.amid_long``), straight in between,
+    the nearer one's outside (the longer a rank computes, the likelier its peer was stopped in mid-stretch), never
+    below the shorter one's."""
+    key = collective_key(op, group)
+    measured = p.amid.get(key) if group > 1 and not across_nodes else None
+    if measured is None:
+        return collective_time(p, op, group, nbytes, across_nodes)
+    short = measured.time(nbytes)
+    longer = p.amid_long.get(key)
+    if segment is None or longer is None:
+        return short
+    at = min(1.0, max(0.0, (segment - AMID_SEGMENT_S) / (AMID_LONG_SEGMENT_S - AMID_SEGMENT_S)))
+    return short + at * max(0.0, longer.time(nbytes) - short)
 
 
 @dataclass
@@ -158,9 +172,9 @@ class Pricer:
         rate = self.profile.peak(self.precision) * self.profile.attention_efficiency
         return flops_attention(b, heads, seq, dh, kind) / rate
 
-    def op(self, op: Op, tp: int) -> tuple[float, float]:
+    def op(self, op: Op, tp: int, segment: float | None = None) -> tuple[float, float]:
         """(compute, communication) seconds of ``op``: its kernels at the profile's rates, times the framework's
-        measured overhead on them."""
+        measured overhead on them; a collective amid compute, after ``segment`` seconds of it (``amid_time``)."""
         if op.kind == "collective":
             name, axis, *ring = op.shape
             group, across = {
@@ -171,11 +185,11 @@ class Pricer:
             self.needs.groups.add(group)
             if name == "ring":  # each step's message behind the attention of the block held meanwhile
                 self.needs.groups.add(2)
-                message = amid_time(self.profile, "p2p", 2, op.nbytes, across)
+                message = amid_time(self.profile, "p2p", 2, op.nbytes, across, segment)
                 block, kind = ring
                 hidden = self.attention(*block, kind) * self.profile.framework + self.profile.dispatch
                 return 0.0, op.count * max(0.0, message - hidden)
-            return 0.0, op.count * amid_time(self.profile, name, group, op.nbytes, across)
+            return 0.0, op.count * amid_time(self.profile, name, group, op.nbytes, across, segment)
         return self.kernels(op) * self.profile.framework + op.count * self.profile.dispatch, 0.0
 
     def kernels(self, op: Op) -> float:
@@ -193,16 +207,21 @@ class Pricer:
         """(compute, communication) seconds of the ``ops`` of ``phases``; ``into`` sums their kernels' seconds by op
         class (matmul, attention, elementwise: what a profiled step splits, trident/plan/breakdown.py)."""
         compute = comm = 0.0
+        collectives = []
         for o in ops:
             if o.phase not in phases:
                 continue
             if o.kind == "collective":
-                comm += self.op(o, tp)[1]
+                collectives.append(o)
                 continue
             k = self.kernels(o)
             compute += k * self.profile.framework + o.count * self.profile.dispatch
             if into is not None:
                 into[o.kind] = into.get(o.kind, 0.0) + k
+        # Each collective after its share of the pass's compute: the compute between two of them.
+        segment = compute / max(1, sum(o.count for o in collectives))
+        for o in collectives:
+            comm += self.op(o, tp, segment)[1]
         return compute, comm
 
 

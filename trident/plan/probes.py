@@ -58,6 +58,12 @@ SHARING_ROUNDS = 3  # sweeps of k = 1 .. ranks, one after another (each k's medi
 AMID_BYTES, AMID_ROUNDS, AMID_SITTINGS = 16 * KIB, 12, 3
 AMID_SEGMENT_S = 1e-3  # a lone rank's seconds of matmuls between two collectives, about a layer's pass at a CPU's
 AMID_KEY = "amid "  # + collective_key: [(bytes, seconds a round with the collective takes beyond one without)]
+# And again with longer stretches of compute between them (a layer's pass at micro-batch 1 of a small model on one
+# thread): there a rank reaching its collective more often finds a peer the scheduler stopped in mid-stretch, and
+# waits for it to be run again (at world 8 on 2 cores a pair's exchange added about 2 ms after 1 ms of matmuls,
+# about 4 ms after 4 ms).
+AMID_LONG_SEGMENT_S, AMID_LONG_ROUNDS = 4e-3, 6
+AMID_LONG_KEY = "amid-long "  # not a prefix of AMID_KEY's keys, nor they of its
 
 
 @contextlib.contextmanager
@@ -368,16 +374,22 @@ def rank_collective_times(
         ]
     if device_type == "cpu" and world_size > 1:
         times.update(amid_compute(rank, made, device))
+        times.update(amid_compute(rank, made, device, AMID_LONG_SEGMENT_S, AMID_LONG_ROUNDS, AMID_LONG_KEY))
     return times
 
 
 def amid_compute(
-    rank: int, groups: dict[int, dist.ProcessGroup], device: torch.device, segment_s: float = AMID_SEGMENT_S
+    rank: int,
+    groups: dict[int, dist.ProcessGroup],
+    device: torch.device,
+    segment_s: float = AMID_SEGMENT_S,
+    rounds_each: int = AMID_ROUNDS,
+    prefix: str = AMID_KEY,
 ) -> dict[str, list[tuple[int, float]]]:
     """On one rank: each collective of each group size as the passes of tensor and context parallelism meet it,
-    between two stretches of compute while every rank of the launch does the same: ``AMID_KEY`` + its key, the
+    between two stretches of compute while every rank of the launch does the same: ``prefix`` + its key, the
     seconds a round of ``segment_s`` of matmuls and a collective of ``AMID_BYTES`` takes beyond a round of the
-    matmuls alone (the median of ``AMID_SITTINGS`` sittings of ``AMID_ROUNDS`` rounds of each, one after the other,
+    matmuls alone (the median of ``AMID_SITTINGS`` sittings of ``rounds_each`` rounds of each, one after the other,
     every rank timing from one barrier to the next). On cores that more ranks share than they have, a rank reaching
     a collective waits for a peer the scheduler has not run, and gloo's wake-ups cost the cores the others compute
     on: what one collective costs the step there, which back-to-back collectives (``time_collective``) do not see.
@@ -402,10 +414,10 @@ def amid_compute(
         one()  # warm-up
         wait_for_ranks(device)
         start = time.perf_counter()
-        for _ in range(AMID_ROUNDS):
+        for _ in range(rounds_each):
             one()
         wait_for_ranks(device)
-        return (time.perf_counter() - start) / AMID_ROUNDS
+        return (time.perf_counter() - start) / rounds_each
 
     out: dict[str, list[tuple[int, float]]] = {}
     for g, group in groups.items():
@@ -413,7 +425,7 @@ def amid_compute(
             pair = op == "p2p"
             run = exchange(AMID_BYTES, rank ^ 1, device) if pair else collective(op, AMID_BYTES, group, g, device)
             extra = [rounds(run) - rounds(None) for _ in range(AMID_SITTINGS)]
-            out[AMID_KEY + collective_key(op, g)] = [(AMID_BYTES, statistics.median(extra))]
+            out[prefix + collective_key(op, g)] = [(AMID_BYTES, statistics.median(extra))]
     return out
 
 

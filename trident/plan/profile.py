@@ -33,7 +33,7 @@ from trident.json_cache import add_entry, read_entries
 from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 11  # what a cached calibration measured: an entry of another version is measured again (11: residual)
+VERSION = 12  # what a cached calibration measured: an entry of another version is measured again (12: amid_long)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # all_to_all: ulysses
 
 
@@ -107,6 +107,9 @@ class Profile:
     # more ranks than they have this is far above ``collectives`` (back to back): a rank waits for a peer the
     # scheduler has not run. Empty: not measured (``collectives``).
     amid: dict[str, Rate] = field(default_factory=dict)
+    # The same with longer stretches of compute between them (probes.AMID_LONG_SEGMENT_S against AMID_SEGMENT_S):
+    # cost.amid_time reads between the two by the compute a layout has between its collectives.
+    amid_long: dict[str, Rate] = field(default_factory=dict)
     intra: Rate = Rate(1e-5, 1e11)  # ring bus bandwidth per rank inside a node
     inter: Rate = Rate(3e-5, 1e10)  # between nodes
     host_copy: Rate = Rate(1e-5, 2.5e10)  # host <-> device, each direction
@@ -129,6 +132,7 @@ class Profile:
                 d[key] = Rate(**d[key])
         d["collectives"] = {k: Rate(**v) for k, v in d.get("collectives", {}).items()}
         d["amid"] = {k: Rate(**v) for k, v in d.get("amid", {}).items()}
+        d["amid_long"] = {k: Rate(**v) for k, v in d.get("amid_long", {}).items()}
         if d.get("conditions") is not None:
             d["conditions"] = Conditions(**d["conditions"])
         return cls(**d)
