@@ -25,7 +25,6 @@ from trident.plan.breakdown import (
     mean_split,
     read_splits,
     run_queue_s,
-    split_device_step,
     split_step,
     with_core_wait,
 )
@@ -101,47 +100,6 @@ def test_without_passes_everything_is_after_them_and_data_is_at_most_the_framewo
     assert split["optimizer"] == pytest.approx(0.6)
     assert split["dp + sync"] == pytest.approx(0.2)
     assert split["data"] == pytest.approx(0.2) and split["framework"] == 0.0
-
-
-def test_a_gpu_step_splits_by_the_devices_timeline_each_kernel_to_the_op_that_launched_it() -> None:
-    def op(name: str, start: float, end: float, corr: int) -> Event:
-        return Event(name, MAIN, start, end, "cpu", corr)
-
-    def kernel(name: str, start: float, end: float, link: int) -> Event:
-        return Event(name, 99, start, end, "cuda", 0, link)
-
-    events = [
-        ev(STEP_MARK, 0.0, 10.0),
-        ev(PASSES_MARK, 0.0, 8.0),
-        # The host launches ahead; the device runs each kernel later, for as long as it takes.
-        op("aten::addmm", 0.1, 0.2, 1),
-        op("aten::gelu", 0.2, 0.3, 2),
-        op("aten::_scaled_dot_product_flash_attention", 0.3, 0.4, 3),
-        op("c10d::allreduce_", 0.5, 0.6, 4),  # a tp all-reduce on NCCL's stream
-        op("c10d::allreduce_", 8.2, 8.3, 6),  # the dp reduction after the passes
-        op("aten::_fused_adamw_", 8.5, 8.6, 5),  # the device half of the optimizer
-        Event("cudaLaunchKernel", MAIN, 8.55, 8.6, "cpu", 5, 5),  # its launch: the runtime call is the op's
-        op("aten::_fused_adamw_", 9.0, 9.5, 0),  # an offloaded half on the host, the device idle meanwhile
-        kernel("sm90_xmma_gemm_bf16", 1.0, 3.0, 1),
-        kernel("vectorized_elementwise_kernel", 3.0, 3.5, 2),
-        kernel("flash_fwd_kernel", 3.5, 4.5, 3),
-        kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 4.0, 5.0, 4),  # half of it behind the attention
-        kernel("Memcpy HtoD (Pinned -> Device)", 5.0, 5.2, 0),  # launched by nothing the profiler names
-        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 8.6, 8.8, 6),
-        kernel("multi_tensor_apply_kernel", 8.8, 9.0, 5),
-    ]
-    split = split_device_step(events, data_s=0.3)
-    assert split["matmul"] == pytest.approx(2.0)
-    assert split["elementwise"] == pytest.approx(0.5 + 0.2)  # gelu's kernel and the copy
-    assert split["attention"] == pytest.approx(1.0)
-    assert split["comm in passes"] == pytest.approx(0.5)  # only what no compute hid
-    assert split["dp + sync"] == pytest.approx(0.2)
-    # The AdamW kernel, the host's launch of it while the device idled, the host's own AdamW.
-    assert split["optimizer"] == pytest.approx(0.2 + 0.1 + 0.5)
-    # The device idle before its first kernel, from the copy to the AdamW launch, and after the host AdamW, less data.
-    assert split["framework"] == pytest.approx(1.0 + 3.3 + 0.5 - 0.3)
-    assert split["data"] == pytest.approx(0.3)
-    assert sum(split.values()) == pytest.approx(10.0)
 
 
 def test_waiting_for_a_core_comes_out_of_the_parts_the_thread_was_runnable_in() -> None:

@@ -77,12 +77,19 @@ def test_fit_rate_recovers_a_line_and_clamps_the_latency() -> None:
     assert through_origin.latency == 0 and through_origin.bandwidth > 0
 
 
-def test_a_gpu_times_element_wise_ops_past_its_l2_cache_and_a_cpu_at_its_own_sizes() -> None:
+def test_a_gpu_times_element_wise_ops_past_its_l2_cache_and_a_cpu_at_its_own_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An H200's 60 MB of L2 holds an 8 MiB tensor whole: timed there, an add runs at the cache's bandwidth, and a
     layer's activations (50 MB a tensor for gpt-small at micro-batch 32) were priced several times too fast."""
     gpu = probes.elementwise_sizes(torch.device("cuda"))
     assert min(gpu) <= 64 * 1024 and max(gpu) > 126e6  # the launch latency, and past B200's 126 MB of L2
     assert probes.elementwise_sizes(torch.device("cpu")) == probes.ELEMENTWISE_BYTES
+    timed = []  # and those are the sizes measure_elementwise times an add and a GELU at (no GPU needed to see it)
+    for name in ("time_add", "time_gelu"):
+        monkeypatch.setattr(probes, name, lambda numel, device: timed.append(4 * numel) or 1e-5 + numel * 4e-12)
+    probes.measure_elementwise(torch.device("cuda"))
+    assert sorted(set(timed)) == sorted(gpu)
 
 
 def test_p2p_is_missing_at_group_two_only() -> None:

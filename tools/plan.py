@@ -36,12 +36,12 @@ from pathlib import Path
 
 from trident.errors import ConfigError
 from trident.plan.machine import DEVICES, local_device, profile_for
+from trident.plan.measure import WARMUP
 from trident.plan.planner import given_keys, plan
 from trident.plan.report import plan_table
 from trident.tool_config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
-WARMUP = 3  # the first steps of a measured run, left out of its median (start-up, allocation)
 
 
 def main(argv: list[str] | None = None) -> int:

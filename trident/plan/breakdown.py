@@ -29,11 +29,7 @@ in proportion to each, into ``core wait``, the model's stretch of the busy time 
 averages the ranks'.
 
 On a GPU the main thread's op times are only the kernels' launches, so a CUDA step is split by the device's own
-timeline instead (``split_device_step``): each kernel's time goes to the op class of the op that launched it (the
-profiler links the two), to ``optimizer`` when that op ran after the passes, and to communication when it is a
-collective's (NCCL's kernels); the device's idle time is the host's: the optimizer's where the main thread then
-runs an op after the passes (an offloaded AdamW on the host), else ``framework`` (Python, dispatch, launches,
-waiting for the host), less the loader's wait.
+timeline instead (trident/plan/device_split.py), with no core wait (a GPU's kernels wait for no CPU core).
 """
 
 from __future__ import annotations
@@ -42,6 +38,8 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from trident.parallel.context.ring import CP_MARK  # around the cp ring's point-to-point messages
 
 CATEGORIES = (
     "matmul",
@@ -57,7 +55,6 @@ CATEGORIES = (
 )
 STEP_MARK = "trident.step"  # record_function around the profiled step (trident/loop.py)
 PASSES_MARK = "trident.passes"  # around the forward and backward passes of the step
-CP_MARK = "trident.cp"  # around context parallelism's point-to-point messages (parallel/context/ring.py)
 TOLERANCE_S = 1e-3  # a message ending this long after a gap still ended it (the thread's wake-up)
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_addmm_activation"}
 # Ops that move no data (views, wrappers that call the kernels, allocations): their own time is the framework's.
@@ -70,13 +67,15 @@ NO_KERNEL = {
     ).split()
 }
 P2P = ("gloo:send", "gloo:recv", "gloo:isend", "gloo:irecv")
+ANNOTATIONS = ("trident.", "ProfilerStep", "Optimizer.")  # record_function spans (a GPU's copies of them too)
 
 
 @dataclass(frozen=True)
 class Event:
     """One profiler event: ``name``, the ``thread`` it ran on, its ``start`` and ``end`` in seconds; on a GPU also
-    where it ran (``device``: cpu or cuda), the profiler's correlation id of a host op (``corr``) and, of a kernel
-    or a CUDA runtime call (the launch), the id of the host op it is for (``link``)."""
+    where it ran (``device``: cpu or cuda), the profiler's correlation id (``corr``: a host op's own; a kernel's,
+    which its launch shares) and, of a kernel or a CUDA runtime call (the launch), the id of the host op it is for
+    (``link``)."""
 
     name: str
     thread: int
@@ -155,10 +154,13 @@ def _main_segments(events: Sequence[Event], step: Event) -> list[tuple[float, fl
     return segments
 
 
-def _p2p_kind(events: Sequence[Event], step: Event) -> Callable[[float], str]:
-    """Whose a point-to-point message started at a time is: context parallelism's ring (``CP_MARK`` around it on the
-    main thread) waits ``comm in passes``, any other is a pipeline's."""
-    marks = [(e.start, e.end) for e in events if e.name == CP_MARK and e.thread == step.thread]
+def _p2p_kind(events: Sequence[Event]) -> Callable[[float], str]:
+    """Whose a point-to-point message started at a time is: context parallelism's ring (``CP_MARK`` around where it
+    was posted, on any thread: autograd runs a GPU's backward on a thread of its own) waits ``comm in passes``, any
+    other is a pipeline's."""
+    marks = [
+        (e.start, e.end) for e in events if e.name == CP_MARK and e.device == "cpu"
+    ]  # any thread: a GPU's backward
 
     def kind(t: float) -> str:
         return "comm in passes" if any(a <= t <= b for a, b in marks) else "pipeline wait"
@@ -184,7 +186,7 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
     out = dict.fromkeys(CATEGORIES, 0.0)
     messages = [e for e in events if e.name.startswith("gloo:") and e.end > lo and e.start < hi]
     segments = _main_segments(events, step)
-    p2p_kind = _p2p_kind(events, step)
+    p2p_kind = _p2p_kind(events)
 
     def kind_of(e: Event) -> str | None:
         """A kernel's category, or None: time the thread may have spent waiting on a message."""
@@ -221,83 +223,6 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
     return out
 
 
-# A kernel no host op is linked to, by its name: NCCL's, matrix products' (cuBLAS, CUTLASS), attention's.
-_KERNEL_NAMES = (
-    (("nccl",), "comm"),
-    (("gemm", "nvjet", "cutlass", "xmma", "cublas"), "matmul"),
-    (("flash", "fmha", "attention"), "attention"),
-)
-# Device work first where kernels overlap (a collective on its own stream behind compute is not exposed).
-_DEVICE_ORDER = ("matmul", "attention", "elementwise", "optimizer", "comm in passes", "dp + sync", "pipeline wait")
-
-
-def split_device_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]:
-    """``split_step`` for a GPU step (module docstring): the step's wall time by the device's timeline, each kernel's
-    time to the class of the host op that launched it, the device's idle time to the host."""
-    step, passes = _marks(events)
-    lo, hi = step.start, step.end
-
-    def in_passes(t: float) -> bool:
-        return passes is not None and passes.start <= t < passes.end
-
-    host = {e.corr: e for e in events if e.device == "cpu" and e.corr and not e.link}  # the ops kernels link to
-    p2p_kind = _p2p_kind(events, step)
-
-    def kind_of(kernel: Event) -> str:
-        op = host.get(kernel.link)
-        by_name = next((k for words, k in _KERNEL_NAMES if any(w in kernel.name.lower() for w in words)), None)
-        launched = op.start if op is not None else kernel.start
-        if by_name == "comm" or (op is not None and op.name.startswith("c10d::")):
-            p2p = (op is not None and ("send" in op.name or "recv" in op.name)) or "SendRecv" in kernel.name
-            return p2p_kind(launched) if p2p else "comm in passes" if in_passes(launched) else "dp + sync"
-        if not in_passes(launched):
-            return "optimizer"
-        if op is not None and _is_kernel_op(op):
-            return op_class(op.name)
-        return by_name or "elementwise"  # a copy, fill or reduction launched under a wrapper
-
-    # A sweep over the kernels' starts and ends: each stretch of the step to the first kind running then.
-    edges = []
-    for k in events:
-        if k.device != "cpu" and min(k.end, hi) > max(k.start, lo):
-            kind = kind_of(k)
-            edges += [(max(k.start, lo), 1, kind), (min(k.end, hi), -1, kind)]
-    edges.sort(key=lambda edge: (edge[0], edge[1]))
-    out = dict.fromkeys(CATEGORIES, 0.0)
-    running = dict.fromkeys(_DEVICE_ORDER, 0)
-    idle: list[tuple[float, float]] = []
-    t = lo
-    for at, change, kind in [*edges, (hi, 0, None)]:
-        if at > t:
-            now = next((k for k in _DEVICE_ORDER if running[k] > 0), None)
-            if now is not None:
-                out[now] += at - t
-            elif idle and idle[-1][1] == t:
-                idle[-1] = (idle[-1][0], at)
-            else:
-                idle.append((t, at))
-            t = at
-        if kind is not None:
-            running[kind] += change
-    # The device idle: the host's time, the optimizer's where the main thread runs an op of its own after the passes.
-    after = [(a, b) for a, b, op in _main_segments(events, step) if op is not None and _is_kernel_op(op)]
-    after = [(a, b) for a, b in after if not in_passes(a)]
-    n = 0
-    for a, b in idle:
-        while n < len(after) and after[n][1] <= a:
-            n += 1
-        optimizer, m = 0.0, n
-        while m < len(after) and after[m][0] < b:
-            optimizer += max(0.0, min(b, after[m][1]) - max(a, after[m][0]))
-            m += 1
-        out["optimizer"] += optimizer
-        out["framework"] += (b - a) - optimizer
-    data = min(max(0.0, data_s), out["framework"])
-    out["framework"] -= data
-    out["data"] += data
-    return out
-
-
 RUNNABLE = ("matmul", "attention", "elementwise", "framework", "optimizer")
 
 
@@ -326,19 +251,26 @@ def run_queue_s() -> float | None:
 
 
 def profile_events(prof: object) -> list[Event]:
-    """A finished ``torch.profiler.profile``'s events (times in seconds; a kernel's device and launching op)."""
-    return [
-        Event(
-            e.name,
-            e.thread,
-            e.time_range.start / 1e6,
-            e.time_range.end / 1e6,
-            "cpu" if e.device_type.name == "CPU" else "cuda",
-            e.id if e.device_type.name == "CPU" else 0,
-            getattr(e, "linked_correlation_id", 0) or 0,
-        )
-        for e in prof.events()  # type: ignore[attr-defined]
-    ]
+    """A finished ``torch.profiler.profile``'s events (times in seconds). On a GPU also each kernel's own correlation
+    id (``corr``, which its launch shares) and the host op's it is for (``link``), read from the profiler's raw
+    events where torch's events do not carry it (torch before 2.12); the device's copies of ``record_function``
+    spans are left out (they are no kernels)."""
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    links: dict[tuple, int] = {}
+    for k in raw.events() if raw is not None else ():
+        device = k.device_type().name != "CPU"
+        links[(k.correlation_id(), device, None if device else k.name())] = k.linked_correlation_id()
+    out = []
+    for e in prof.events():  # type: ignore[attr-defined]
+        device = e.device_type.name != "CPU"
+        if device and (getattr(e, "is_user_annotation", False) or e.name.startswith(ANNOTATIONS)):
+            continue
+        link = getattr(e, "linked_correlation_id", None)
+        if link is None:
+            link = links.get((e.id, device, None if device else e.name), 0)
+        where = "cuda" if device else "cpu"
+        out.append(Event(e.name, e.thread, e.time_range.start / 1e6, e.time_range.end / 1e6, where, e.id, link or 0))
+    return out
 
 
 class StepProfile:
@@ -368,6 +300,8 @@ class StepProfile:
         events = profile_events(self._prof)
         step = next(e for e in events if e.name == STEP_MARK)
         if self.cuda:
+            from trident.plan.device_split import split_device_step  # noqa: PLC0415 (it imports this module)
+
             split = split_device_step(events, data_s)
         else:
             split = split_step(events, data_s)

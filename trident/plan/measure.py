@@ -59,6 +59,9 @@ def pick(plan: Plan, k: int) -> list[Prediction]:
     return [*top, *(rest[(i + 1) * n // k - 1] for i in range(k))]
 
 
+WARMUP = 3  # the first steps of a measured run, left out of its median (start-up, allocation)
+
+
 @dataclass
 class Measured:
     """One layout's prediction and what its run measured (None: not measured, the run failed or was refused)."""
@@ -177,7 +180,7 @@ def measure(
     repo: Path,
     run_root: Path,
     steps: int = 8,
-    warmup: int = 3,
+    warmup: int = WARMUP,
     timeout_s: float = 600,
     log: Callable[[str], None] = print,
     profiled: bool = True,

@@ -40,8 +40,8 @@ RATE_BUDGET_S = 0.05  # per size of an element-wise op or a copy
 ADAM_BUDGET_S = 0.3
 MIN_REPS, MAX_REPS = 3, 50
 ELEMENTWISE_BYTES = (16 * KIB, 1 * MIB, 8 * MIB)  # one tensor's size
-# On a GPU past its L2 (H100 50 MB, H200 60 MB, B200 126 MB): 8 MiB there times the cache, not the HBM a layer's
-# activations stream through.
+# On a GPU up to past its L2 (H100 50 MB, H200 60 MB, B200 126 MB): 8 MiB there times the cache, not the HBM a
+# layer's activations stream through.
 GPU_ELEMENTWISE_BYTES = (16 * KIB, 64 * MIB, 512 * MIB)
 GPU_WARM_S = 0.5  # a GPU's clocks rise from idle under load: matmuls this long before the first timing
 HOST_COPY_BYTES = (1 * MIB, 64 * MIB)
