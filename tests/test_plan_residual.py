@@ -56,8 +56,11 @@ def test_a_calibration_given_the_repository_runs_the_held_out_layout_once(
     """One rank of gpt-tiny through train.py: the ratio of its measured step to the model's is kept with the
     run it came from; a second calibration with the same needs runs nothing, one without the repository none."""
     monkeypatch.setattr(calibration, "cpu_threads_per_rank", lambda ranks_per_node: 1)
-    cfg = compose_config(REPO / "conf", TINY)
-    needs = Needs(precisions={"fp32"}, run=residual.held_out(cfg, 1, TINY))
+    # Micro-batches of 8 sequences of 512 tokens: a step of about 0.12 s, which the other test worker's ranks taking
+    # the cores for a scheduler's quantum or two cannot stretch twentyfold, as they did a 5 ms one (a residual of 25).
+    longer = [*TINY, "model.seq_len=512", "train.micro_batch_size=8"]
+    cfg = compose_config(REPO / "conf", longer)
+    needs = Needs(precisions={"fp32"}, run=residual.held_out(cfg, 1, longer))
     cache = tmp_path / "profile.json"
     lines: list[str] = []
     profile = calibrate(needs, 1, cache=cache, log=lines.append, accept_busy=True, repo=REPO)
