@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 from trident.errors import ConfigError
+from trident.plan import measure
 from trident.plan.machine import DEVICES, local_device, profile_for
-from trident.plan.measure import WARMUP
 from trident.plan.planner import given_keys, plan
 from trident.plan.report import plan_table
 from trident.tool_config import load_config
@@ -65,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world < 1 or (args.nodes is not None and not 1 <= args.nodes <= args.world):
             raise ConfigError("--world must be >= 1 and --nodes between 1 and --world")
-        if args.measure and args.steps <= WARMUP:
-            raise ConfigError(f"--steps must be above the {WARMUP} warm-up steps --measure leaves out; try --steps 8")
+        if args.measure and args.steps <= measure.WARMUP:
+            raise ConfigError(
+                f"--steps must be above the {measure.WARMUP} warm-up steps --measure leaves out; try --steps 8"
+            )
         device = args.device or local_device()
         given = any(o.lstrip("+").split("=", 1)[0] == "train.precision" for o in args.overrides)
         bf16 = device != "cpu" and not given  # a GPU trains in bf16; fp32 is train.py's default for a CPU
@@ -98,14 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(plan_table(result, cfg, args.top, given=overrides))
     if args.measure:
-        from trident.plan import measure  # noqa: PLC0415
-
         if result.profile.device != "cpu" and result.profile.source.startswith("datasheet"):
             print("note: measuring here checks a datasheet's predictions against this machine", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix="trident-plan-") as runs:
             picked = measure.pick(result, args.measure)
             root = args.runs if args.runs is not None else Path(runs)
-            measured = measure.measure(picked, overrides, args.world, REPO, root, steps=args.steps, warmup=WARMUP)
+            measured = measure.measure(picked, overrides, args.world, REPO, root, steps=args.steps)
         print()
         print(measure.measured_table(measured))
         print("\nstep time split (seconds; the mean rank; measured: a profiled step scaled to the median step):")

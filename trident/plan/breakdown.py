@@ -107,10 +107,24 @@ def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
     return out
 
 
-def _marks(events: Sequence[Event]) -> tuple[Event, Event | None]:
-    """The profiled step's ``STEP_MARK`` event and its main thread's ``PASSES_MARK`` event (None: no passes)."""
+def _marks(events: Sequence[Event]) -> tuple[Event, Callable[[float], bool]]:
+    """The profiled step's ``STEP_MARK`` event, and whether a time is inside its main thread's ``PASSES_MARK`` event
+    (never, where the step has no passes)."""
     step = next(e for e in events if e.name == STEP_MARK)
-    return step, next((e for e in events if e.name == PASSES_MARK and e.thread == step.thread), None)
+    passes = next((e for e in events if e.name == PASSES_MARK and e.thread == step.thread), None)
+
+    def in_passes(t: float) -> bool:
+        return passes is not None and passes.start <= t < passes.end
+
+    return step, in_passes
+
+
+def _take_data(out: dict[str, float], data_s: float) -> dict[str, float]:
+    """``out`` with the loader's wait for the step's batches (``data_s``) moved from ``framework`` to ``data``."""
+    data = min(max(0.0, data_s), out["framework"])
+    out["framework"] -= data
+    out["data"] += data
+    return out
 
 
 def _main_segments(events: Sequence[Event], step: Event) -> list[tuple[float, float, Event | None]]:
@@ -158,9 +172,7 @@ def _p2p_kind(events: Sequence[Event]) -> Callable[[float], str]:
     """Whose a point-to-point message started at a time is: context parallelism's ring (``CP_MARK`` around where it
     was posted, on any thread: autograd runs a GPU's backward on a thread of its own) waits ``comm in passes``, any
     other is a pipeline's."""
-    marks = [
-        (e.start, e.end) for e in events if e.name == CP_MARK and e.device == "cpu"
-    ]  # any thread: a GPU's backward
+    marks = [(e.start, e.end) for e in events if e.name == CP_MARK and e.device == "cpu"]
 
     def kind(t: float) -> str:
         return "comm in passes" if any(a <= t <= b for a, b in marks) else "pipeline wait"
@@ -177,12 +189,8 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
     """Seconds of each of ``CATEGORIES`` in the profiled step of ``events`` (module docstring): the step is the
     ``STEP_MARK`` event, its main thread that event's thread, its passes the ``PASSES_MARK`` event (none: the step
     has no passes, all of it is after them); ``data_s``: the loader's wait for the step's batches."""
-    step, passes = _marks(events)
+    step, in_passes = _marks(events)
     lo, hi = step.start, step.end
-
-    def in_passes(t: float) -> bool:
-        return passes is not None and passes.start <= t < passes.end
-
     out = dict.fromkeys(CATEGORIES, 0.0)
     messages = [e for e in events if e.name.startswith("gloo:") and e.end > lo and e.start < hi]
     segments = _main_segments(events, step)
@@ -217,10 +225,7 @@ def split_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]
             waited += wait
             cursor = max(cursor, min(m.end, b))
         out["framework"] += (b - a) - waited
-    data = min(max(0.0, data_s), out["framework"])
-    out["framework"] -= data
-    out["data"] += data
-    return out
+    return _take_data(out, data_s)
 
 
 RUNNABLE = ("matmul", "attention", "elementwise", "framework", "optimizer")

@@ -48,8 +48,15 @@ from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_
 from trident.parallel.placement import is_expert
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, recompute_ops
-from trident.plan.probes import AMID_LONG_SEGMENT_S, AMID_SEGMENT_S
-from trident.plan.profile import Needs, Profile, attention_key, collective_key, matmul_key
+from trident.plan.profile import (
+    AMID_LONG_SEGMENT_S,
+    AMID_SEGMENT_S,
+    Needs,
+    Profile,
+    attention_key,
+    collective_key,
+    matmul_key,
+)
 
 
 @dataclass(frozen=True)

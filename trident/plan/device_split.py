@@ -20,7 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trident.plan.breakdown import CATEGORIES, Event, _is_kernel_op, _main_segments, _marks, _p2p_kind, op_class
+from trident.plan.breakdown import (
+    CATEGORIES,
+    Event,
+    _is_kernel_op,
+    _main_segments,
+    _marks,
+    _p2p_kind,
+    _take_data,
+    op_class,
+)
 
 # A kernel no host op is linked to, by its name: NCCL's, matrix products' (cuBLAS, CUTLASS), attention's.
 KERNEL_NAMES = (
@@ -34,12 +43,8 @@ DEVICE_ORDER = ("matmul", "attention", "elementwise", "optimizer", "comm in pass
 def split_device_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str, float]:
     """Seconds of each of ``CATEGORIES`` in the profiled GPU step of ``events`` (module docstring): host events with
     ``device`` cpu, kernels with cuda, each kernel's ``corr`` its launch's and its ``link`` the op's it is for."""
-    step, passes = _marks(events)
+    step, in_passes = _marks(events)
     lo, hi = step.start, step.end
-
-    def in_passes(t: float) -> bool:
-        return passes is not None and passes.start <= t < passes.end
-
     host = [e for e in events if e.device == "cpu" and e.corr]
     # The ops kernels are linked to (a runtime call made outside any op carries CUDA's own ids: left out), and the
     # launches (runtime calls, linked to their op) by the correlation id they share with their kernel.
@@ -97,7 +102,4 @@ def split_device_step(events: Sequence[Event], data_s: float = 0.0) -> dict[str,
             m += 1
         out["optimizer"] += optimizer
         out["framework"] += (b - a) - optimizer
-    data = min(max(0.0, data_s), out["framework"])
-    out["framework"] -= data
-    out["data"] += data
-    return out
+    return _take_data(out, data_s)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from trident.config import ModelConfig
 from trident.peak import PRECISION_DTYPES, cpu_peak_tflops, gpu_peak_bf16_tflops
 from trident.plan.ops import Shape
-from trident.plan.profile import Rate, collective_key
+from trident.plan.profile import AMID_LONG_SEGMENT_S, AMID_SEGMENT_S, Rate, collective_key
 
 # torch renamed the flat collectives (as parallel/comm.py uses them); gloo has both forms.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,13 +56,12 @@ SHARING_ROUNDS = 3  # sweeps of k = 1 .. ranks, one after another (each k's medi
 # Collectives amid compute (``amid_compute``): the message, the rounds of a sitting, the sittings, and the compute
 # between two collectives.
 AMID_BYTES, AMID_ROUNDS, AMID_SITTINGS = 16 * KIB, 12, 3
-AMID_SEGMENT_S = 1e-3  # a lone rank's seconds of matmuls between two collectives, about a layer's pass at a CPU's
 AMID_KEY = "amid "  # + collective_key: [(bytes, seconds a round with the collective takes beyond one without)]
 # And again with longer stretches of compute between them (a layer's pass at micro-batch 1 of a small model on one
 # thread): there a rank reaching its collective more often finds a peer the scheduler stopped in mid-stretch, and
 # waits for it to be run again (at world 8 on 2 cores a pair's exchange added about 2 ms after 1 ms of matmuls,
 # about 4 ms after 4 ms).
-AMID_LONG_SEGMENT_S, AMID_LONG_ROUNDS = 4e-3, 6
+AMID_LONG_ROUNDS = 6  # rounds a sitting after AMID_LONG_SEGMENT_S (profile.py) of compute each
 AMID_LONG_KEY = "amid-long "  # not a prefix of AMID_KEY's keys, nor they of its
 
 

@@ -34,6 +34,10 @@ from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
 VERSION = 12  # what a cached calibration measured: an entry of another version is measured again (12: amid_long)
+# The lone compute a rank does before each collective in the calibration's two figures amid compute (``Profile.amid``
+# and ``amid_long``, probes.amid_compute): about a layer's pass at a CPU's, and a layer's at micro-batch 1 of a small
+# model on one thread, where a rank more often finds a peer the scheduler stopped in mid-stretch.
+AMID_SEGMENT_S, AMID_LONG_SEGMENT_S = 1e-3, 4e-3
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")  # all_to_all: ulysses
 
 
@@ -107,7 +111,7 @@ class Profile:
     # more ranks than they have this is far above ``collectives`` (back to back): a rank waits for a peer the
     # scheduler has not run. Empty: not measured (``collectives``).
     amid: dict[str, Rate] = field(default_factory=dict)
-    # The same with longer stretches of compute between them (probes.AMID_LONG_SEGMENT_S against AMID_SEGMENT_S):
+    # The same with longer stretches of compute between them (AMID_LONG_SEGMENT_S against AMID_SEGMENT_S):
     # cost.amid_time reads between the two by the compute a layout has between its collectives.
     amid_long: dict[str, Rate] = field(default_factory=dict)
     intra: Rate = Rate(1e-5, 1e11)  # ring bus bandwidth per rank inside a node
