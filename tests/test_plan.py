@@ -352,24 +352,26 @@ def test_context_parallel_attention_is_a_rank_share_of_the_pairs() -> None:
 
 def test_context_parallel_cost_grows_with_exposed_communication() -> None:
     """gpt-tiny at cp 2 on two ranks, one micro-batch per step and rank of 8 sequences: the exchange of every layer
-    forward and backward is the step's only cp-group communication (``tp_comm``, tp being 1). allgather: the
-    whole sequence's K/V gathered and their gradients reduce-scattered, at the profile's rate; a slower rate adds
-    exactly its extra time to the step. ring: a step's message hides behind the attention of its block; only the
-    excess is exposed, none with a link fast enough."""
+    forward and backward is the step's only cp-group communication (``tp_comm``, tp being 1). allgather: every
+    rank's token positions (int64) and the whole sequence's K/V gathered, their gradients reduce-scattered, at the
+    profile's rate; a slower rate adds exactly its extra time to the step. ring: a step's message hides behind the
+    attention of its block; only the excess is exposed, none with a link fast enough; the gradients' trip home
+    hides behind nothing."""
     m = compose_config(REPO / "conf", TINY).model
     layers, kv = m.n_layers, 2 * m.seq_len * m.n_heads * m.head_dim * 4 * 8  # K and V of 8 sequences, fp32
+    positions = 8 * 8 * m.seq_len  # every token's position in the sequence, int64
     profile = cpu_profile()
     gathered = Layout(dp=1, cp=2, cp_comm="allgather", micro_batch_size=8, micro_batches=1, device="cpu")
     base = _tiny_step(gathered, profile)
     rate = Rate(1e-3, 1e9)  # cpu_profile's all-gather and reduce-scatter over 2
-    assert base.tp_comm == pytest.approx(layers * 2 * rate.time(kv))
+    assert base.tp_comm == pytest.approx(layers * (2 * rate.time(kv) + rate.time(positions)))
     slow = Rate(2e-3, 0.5e9)
     slower = dataclasses.replace(
         profile,
         collectives=profile.collectives | {collective_key(op, 2): slow for op in ("all_gather", "reduce_scatter")},
     )
     worse = _tiny_step(gathered, slower)
-    extra = layers * 2 * (slow.time(kv) - rate.time(kv))
+    extra = layers * (2 * (slow.time(kv) - rate.time(kv)) + slow.time(positions) - rate.time(positions))
     assert worse.tp_comm == pytest.approx(base.tp_comm + extra)
     # The gradient all-reduce over dp x cp runs on the slower rates too: only the exchange is compared on the step.
     assert worse.step - worse.dp_comm - worse.optimizer == pytest.approx(
@@ -379,8 +381,9 @@ def test_context_parallel_cost_grows_with_exposed_communication() -> None:
     ring = dataclasses.replace(gathered, cp_comm="ring")
     block = flops_attention(8, m.n_heads, m.seq_len // 2, m.head_dim, "fwd") / 1e9  # one step's block, forward
     p2p = Rate(1e-3, 1e9)
-    step = p2p.time(kv / 2), p2p.time(kv / 2 * 2)  # forward: K/V; backward: K/V and their fp32 gradients
-    exposed = layers * (max(0.0, step[0] - block) + max(0.0, step[1] - 2.5 * block))
+    # Forward and backward a K/V block behind the block's attention; backward their fp32 gradients home, exposed.
+    exposed = layers * (max(0.0, p2p.time(kv / 2) - block) + max(0.0, p2p.time(kv / 2) - 2.5 * block))
+    exposed += layers * p2p.time(kv / 2)
     assert exposed > 0
     assert _tiny_step(ring, profile).tp_comm == pytest.approx(exposed)
     # ulysses: four all-to-alls of a rank's [T, heads, dh] (q, k, v, the output) each way, at the measured rate.
@@ -388,7 +391,7 @@ def test_context_parallel_cost_grows_with_exposed_communication() -> None:
     measured = dataclasses.replace(profile, collectives=profile.collectives | {collective_key("all_to_all", 2): slow})
     assert _tiny_step(spread, measured).tp_comm == pytest.approx(layers * 2 * 4 * slow.time(kv / 4))
     fast = dataclasses.replace(profile, collectives=profile.collectives | {collective_key("p2p", 2): Rate(0.0, 1e15)})
-    assert _tiny_step(ring, fast).tp_comm == 0.0
+    assert _tiny_step(ring, fast).tp_comm == pytest.approx(0.0, abs=1e-9)
     assert _tiny_step(ring, fast).step < _tiny_step(ring, profile).step
 
 
@@ -404,7 +407,8 @@ def test_collectives_the_passes_meet_are_priced_at_their_rate_amid_compute() -> 
     loaded = dataclasses.replace(profile, amid=amid)
     gathered = Layout(dp=1, cp=2, cp_comm="allgather", micro_batch_size=8, micro_batches=1, device="cpu")
     base, worse = _tiny_step(gathered, profile), _tiny_step(gathered, loaded)
-    assert worse.tp_comm == pytest.approx(m.n_layers * 2 * slow.time(kv))
+    positions = 8 * 8 * m.seq_len  # every token's position in the sequence, int64, gathered before the K/V
+    assert worse.tp_comm == pytest.approx(m.n_layers * (2 * slow.time(kv) + slow.time(positions)))
     assert worse.step - base.step == pytest.approx(worse.tp_comm - base.tp_comm)  # the gradient all-reduce: unchanged
     plain = Layout(dp=2, micro_batch_size=4, micro_batches=1, device="cpu")
     assert _tiny_step(plain, loaded).step == _tiny_step(plain, profile).step

@@ -18,6 +18,7 @@ from trident.config import ModelConfig
 from trident.plan import calibrate as calibration
 from trident.plan import probes
 from trident.plan.calibrate import calibrate
+from trident.plan.ops import Shape, chunk_ops
 from trident.plan.probes import fit_rate, time_add, time_gelu
 from trident.plan.profile import (
     COLLECTIVES,
@@ -188,6 +189,10 @@ def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.
     # And after longer stretches of compute.
     assert set(profile.amid_long) == expected
     assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.amid_long.values())
+    # And what each costs a rank's process in CPU (gloo's threads too): bytes at a rate, and some per collective.
+    assert set(profile.collective_cpu) == expected
+    assert all(rate.latency >= 0 and rate.bandwidth > 0 for rate in profile.collective_cpu.values())
+    assert all(rate.time(1e6) > 0 for rate in profile.collective_cpu.values())
     # How k = 1 .. 4 ranks computing at once share the cores, in a lone rank's CPU time's worth.
     assert len(profile.sharing) == 4 and all(x > 0 for x in profile.sharing)
     # The ring formula over the intra link (6 hops over 4 ranks) gives back the measured all-reduce of 4.
@@ -226,6 +231,27 @@ def test_a_collective_amid_compute_is_what_it_added_to_a_round_at_its_bytes_back
     assert calibration.amid_extras(per_rank) == {collective_key("all_reduce", 2): (nbytes, 0.003)}
 
 
+def test_a_collectives_cpu_is_its_bytes_at_the_back_to_back_rate_and_what_else_it_cost_amid_compute() -> None:
+    """Each rank's CPU seconds per collective at each size (``probes.CPU_KEY``) give the bytes' rate, the median over
+    the ranks; what one collective amid compute added to a round's CPU (``probes.AMID_CPU_KEY``), less its bytes,
+    the latency; both taken out of the ranks' times."""
+    key = collective_key("p2p", 2)
+    per_rank = [
+        {
+            probes.CPU_KEY + key: [(1e3, 1e-4 + 1e3 * scale), (1e6, 1e-4 + 1e6 * scale)],
+            probes.AMID_CPU_KEY + key: [(probes.AMID_BYTES, 5e-4 + probes.AMID_BYTES * 1e-9)],
+            "other": [(1, 1.0)],
+        }
+        for scale in (0.9e-9, 1e-9, 1.2e-9)
+    ]
+    back_to_back = calibration.cpu_rates(per_rank)
+    assert back_to_back[key].latency == pytest.approx(1e-4, rel=1e-3)
+    assert back_to_back[key].bandwidth == pytest.approx(1e9, rel=1e-3)
+    cpu = calibration.amid_rates(calibration.amid_extras(per_rank, probes.AMID_CPU_KEY), back_to_back)
+    assert cpu[key].latency == pytest.approx(5e-4, rel=1e-3) and cpu[key].bandwidth == back_to_back[key].bandwidth
+    assert all(set(times) == {"other"} for times in per_rank)
+
+
 def test_framework_share_is_a_real_block_against_its_priced_kernels(tmp_path: Path) -> None:
     """A one-layer gpt-tiny run forward and backward, over its ops as priced: a ratio, recorded with the block, and
     not asked for again."""
@@ -237,13 +263,29 @@ def test_framework_share_is_a_real_block_against_its_priced_kernels(tmp_path: Pa
     assert needs.missing(profile).block is None
 
 
-def test_the_framework_is_a_scale_of_the_kernels_and_a_time_per_op_fitted_to_two_sizes() -> None:
-    # 100 ops: 1.2 x the kernels' time and 10 us each, at 10 ms and 40 ms of kernels.
-    points = [(1.2 * 0.01 + 100 * 1e-5, 0.01, 100), (1.2 * 0.04 + 100 * 1e-5, 0.04, 100)]
-    scale, per_op = calibration.fit_framework(points)
-    assert scale == pytest.approx(1.2) and per_op == pytest.approx(1e-5)
-    # Noise that would make the time per op negative: the kernels' ratio alone.
-    assert calibration.fit_framework([(0.01, 0.01, 100), (0.05, 0.04, 100)]) == (1.0, 0.0)
+def test_the_framework_is_a_time_per_op_from_a_tiny_twin_and_a_scale_on_the_kernels_from_the_block() -> None:
+    # A tiny block of 100 ops: 1.1 ms measured, 0.1 ms of it kernels: 10 us per op.
+    dispatch = calibration.per_op((1.1e-3, 1e-4, 100))
+    assert dispatch == pytest.approx(1e-5)
+    # The block: 1.2 x its 10 ms of kernels' time and those 10 us per op.
+    assert calibration.kernel_scale((1.2 * 0.01 + 100 * 1e-5, 0.01, 100), dispatch) == pytest.approx(1.2)
+    # Noise that leaves nothing beyond the ops: the kernels' ratio alone.
+    assert calibration.kernel_scale((5e-4, 4e-4, 100), dispatch) == pytest.approx(1.25)
+    # A tiny block faster than its priced kernels (noise) adds nothing per op.
+    assert calibration.per_op((1e-4, 2e-4, 100)) == 0.0
+
+
+def test_a_blocks_tiny_twin_has_the_same_ops_on_a_few_elements() -> None:
+    model = dataclasses.asdict(ModelConfig(d_model=512, n_heads=8, seq_len=1024, vocab_size=32000, d_ff=1376))
+    block = {"model": {**model, "mlp": "swiglu"}, "batch": 4, "precision": "bf16"}
+    tiny = calibration.tiny_block(block)
+    assert tiny["batch"] == 1 and tiny["precision"] == "bf16"
+    assert tiny["model"]["d_model"] == 64 and tiny["model"]["n_heads"] == 8 and tiny["model"]["d_ff"] == 128
+    assert tiny["model"]["mlp"] == "swiglu" and tiny["model"]["seq_len"] == 8 and tiny["model"]["vocab_size"] == 64
+    shape = Shape(1, 8, 1, False, "bf16")
+    big, small = (ModelConfig(**{**b["model"], "n_layers": 1}) for b in (block, tiny))
+    counts = [[(o.kind, o.phase, o.count) for o in chunk_ops(x, shape, 1, True, True, "none")] for x in (big, small)]
+    assert counts[0] == counts[1]
 
 
 def test_compute_is_timed_by_the_threads_own_cpu_time_so_other_load_is_not_in_it() -> None:

@@ -54,7 +54,7 @@ def test_a_calibration_given_the_repository_runs_the_held_out_layout_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One rank of gpt-tiny through train.py: the ratio of its measured step to the model's is kept with the
-    run it came from; a second calibration with the same needs runs nothing, one without the repository none."""
+    runs it came from; a second calibration with the same needs runs nothing, one without the repository none."""
     monkeypatch.setattr(calibration, "cpu_threads_per_rank", lambda ranks_per_node: 1)
     # Micro-batches of 8 sequences of 512 tokens: a step of about 0.12 s, which the other test worker's ranks taking
     # the cores for a scheduler's quantum or two cannot stretch twentyfold, as they did a 5 ms one (a residual of 25).
@@ -66,6 +66,9 @@ def test_a_calibration_given_the_repository_runs_the_held_out_layout_once(
     profile = calibrate(needs, 1, cache=cache, log=lines.append, accept_busy=True, repo=REPO)
     assert profile.residual_run == needs.run and 0.05 < profile.residual < 20, lines
     assert any("held-out run" in line and "scaled by" in line for line in lines)
+    # Before it, the tiny twin's run with full recomputation (one rank: no cp or pipeline pair) priced its overhead.
+    assert set(profile.overheads) == {"recompute"} and profile.overheads["recompute"] >= 0
+    assert any("tiny twin's" in line and "per layer recomputed" in line for line in lines), lines
     assert load_cached("cpu", 1, profile.threads, cache) == profile
 
     def refuse(*args: object) -> float:

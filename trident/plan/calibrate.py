@@ -52,12 +52,15 @@ from pathlib import Path
 import torch
 
 from trident.peak import cpu_model
+from trident.plan import tiny
 from trident.plan.contention import Conditions, OtherLoad
 from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
+    AMID_CPU_KEY,
     AMID_KEY,
     AMID_LONG_KEY,
     BUSY_KEY,
+    CPU_KEY,
     SHARING_KEY,
     cpu_threads,
     fit_rate,
@@ -85,11 +88,10 @@ from trident.plan.profile import (
     matmul_key,
     save_cached,
 )
-from trident.plan.residual import measure_residual
+from trident.plan.residual import measure_overheads, measure_residual
 from trident.ranks import run_distributed
 
 COLLECTIVE_TIMEOUT_S = 600.0
-FRAMEWORK_SCALE = 4  # the block is also timed at this many times its micro-batch
 
 
 def calibrate(
@@ -144,6 +146,7 @@ def calibrate(
         if groups or (todo.block is not None and ranks_per_node > 1):
             measure_links(profile, groups, ranks_per_node, host_threads, device, log, profile.block)
         if held_out is not None:
+            profile = measure_overheads(profile, held_out.get("tiny", {}), repo, log)
             profile.residual = measure_residual(profile, held_out, repo, log)
             profile.residual_run = held_out
     now = others.conditions()
@@ -201,8 +204,9 @@ def measure_links(
         log(f"calibrating: {torch.cuda.device_count()} GPUs for {ranks_per_node} ranks: collectives not measured")
         return
     log(f"calibrating: collectives over {ranks_per_node} ranks in groups of {', '.join(map(str, groups))} ...")
-    rates, busy, sharing, (amid, amid_long) = measure_collectives(groups, ranks_per_node, threads, device, block)
+    rates, busy, sharing, (amid, amid_long, cpu) = measure_collectives(groups, ranks_per_node, threads, device, block)
     profile.collectives.update(rates)
+    profile.collective_cpu.update(cpu)
     profile.amid.update(amid)
     profile.amid_long.update(amid_long)
     if device.type == "cpu":
@@ -307,6 +311,8 @@ def measure_collectives(
     busy = sum(times.pop(BUSY_KEY)[0][1] for times in per_rank)
     swept = [times.pop(SHARING_KEY, []) for times in per_rank]
     extras, long_extras = amid_extras(per_rank), amid_extras(per_rank, AMID_LONG_KEY)
+    # A collective's CPU: its bytes at the back-to-back CPU rate, and what else it cost amid compute.
+    cpu = amid_rates(amid_extras(per_rank, AMID_CPU_KEY), cpu_rates(per_rank))
     totals: dict[int, list[float]] = {}  # k -> what the ranks did together, each round
     for i, (k, _) in enumerate(swept[0] if swept else []):
         totals.setdefault(k, []).append(sum(rates[i][1] for rates in swept))
@@ -316,7 +322,18 @@ def measure_collectives(
         # A collective is done when its slowest rank is: each size's time is the slowest rank's median.
         points = [(nbytes, max(times[key][i][1] for times in per_rank)) for i, (nbytes, _) in enumerate(sizes)]
         rates[key] = fit_rate(points)
-    return rates, busy, sharing, (amid_rates(extras, rates), amid_rates(long_extras, rates))
+    return rates, busy, sharing, (amid_rates(extras, rates), amid_rates(long_extras, rates), cpu)
+
+
+def cpu_rates(per_rank: list[dict[str, list[tuple[int, float]]]]) -> dict[str, Rate]:
+    """Popped from each rank's times (``probes.CPU_KEY``): per ``collective_key``, the ``Rate`` of the CPU seconds one
+    collective costs a rank's process (every thread), each size's the median over the ranks."""
+    out = {}
+    for key in [key for key in per_rank[0] if key.startswith(CPU_KEY)]:
+        sizes = [times.pop(key) for times in per_rank]
+        points = [(nbytes, statistics.median(rank[i][1] for rank in sizes)) for i, (nbytes, _) in enumerate(sizes[0])]
+        out[key.removeprefix(CPU_KEY)] = fit_rate([(b, max(t, 1e-9)) for b, t in points])
+    return out
 
 
 def amid_extras(
@@ -344,17 +361,18 @@ def amid_rates(extras: dict[str, tuple[int, float]], rates: dict[str, Rate]) -> 
 
 
 def measure_framework(profile: Profile, block: dict, threads: int, log: Callable[[str], None]) -> None:
-    """``profile.framework`` and ``profile.dispatch``: a real one-layer model's forward and backward, alone on
-    ``threads`` threads, at the block's micro-batch and ``FRAMEWORK_SCALE`` times it, against the sum of its ops as
-    the profile prices their kernels (``fit_framework``). The larger micro-batch's shapes are measured first."""
+    """``profile.dispatch`` and ``profile.framework``: a real one-layer model's forward and backward, alone on
+    ``threads`` threads. Its tiny twin (``tiny_block``: the same ops on a few elements each, whose kernels cost next to
+    nothing) gives the framework's time per op (``per_op``); the block itself at its micro-batch, less that per op,
+    over the sum of its ops as the profile prices their kernels, the scale on the kernels (``kernel_scale``)."""
     from trident.plan.cost import Pricer, RankPlacement  # noqa: PLC0415 (cost imports this module's profile)
 
-    points = []
-    for batch in (block["batch"], FRAMEWORK_SCALE * block["batch"]):
-        measured, m, shape = time_block({**block, "batch": batch}, threads)
+    def point(block: dict, measure: bool) -> tuple[float, float, int]:
+        """(measured seconds, priced kernels, ops) of ``block``'s forward and backward."""
+        measured, m, shape = time_block(block, threads)
         ops = [o for o in chunk_ops(m, shape, 1, True, True, "none") if o.kind != "collective"]
         pricer = Pricer(profile, shape.precision, RankPlacement(1, 1, threads, threads))
-        for o in ops:  # its matmuls and attention, measured if not yet
+        for o in ops if measure else ():  # its matmuls and attention, measured if not yet
             if o.kind == "matmul" and matmul_key(shape.precision, *o.shape) not in profile.matmuls:
                 profile.matmuls[matmul_key(shape.precision, *o.shape)] = time_matmul(shape.precision, *o.shape, cpu())
             if o.kind == "attention":
@@ -363,28 +381,38 @@ def measure_framework(profile: Profile, block: dict, threads: int, log: Callable
                     forward, backward = time_attention(shape.precision, *o.shape[:5], cpu())
                     profile.attention[key] = forward
                     profile.attention[attention_key(shape.precision, *o.shape[:5], "bwd")] = backward
-        points.append((measured, sum(pricer.kernels(o) for o in ops), sum(o.count for o in ops)))
-    profile.framework, profile.dispatch = fit_framework(points)
+        return measured, sum(pricer.kernels(o) for o in ops), sum(o.count for o in ops)
+
+    profile.dispatch = per_op(point(tiny_block(block), measure=False))
+    profile.framework = kernel_scale(point(block, measure=True), profile.dispatch)
     profile.block = block
     log(
-        f"calibrating: a {m.name} block runs at {profile.framework:.2f} x its kernels' time + "
+        f"calibrating: a {block['model']['name']} block runs at {profile.framework:.2f} x its kernels' time + "
         f"{1e6 * profile.dispatch:.0f} us per op (the framework's share)"
     )
 
 
+def tiny_block(block: dict) -> dict:
+    """``block``'s model's tiny twin (trident/plan/tiny.py: the same ops on a few elements each), with a small
+    vocabulary, at micro-batch 1."""
+    return {**block, "model": {**tiny.twin(block["model"]), "vocab_size": tiny.VOCAB}, "batch": 1}
+
+
+def per_op(tiny: tuple[float, float, int]) -> float:
+    """Seconds the framework adds to each op (autograd's node, the module call, views and allocations around it),
+    from a tiny block's ``(measured, priced kernels, ops)``: what is left of its time beyond its kernels, per op."""
+    measured, kernels, ops = tiny
+    return max(0.0, measured - kernels) / ops if ops else 0.0
+
+
+def kernel_scale(block: tuple[float, float, int], dispatch: float) -> float:
+    """The scale on the kernels' time with which ``scale x kernels + ops x dispatch`` gives the measured seconds of
+    the block's ``(measured, priced kernels, ops)``; the kernels' ratio alone if ``dispatch`` leaves nothing
+    (noise)."""
+    measured, kernels, ops = block
+    rest = measured - ops * dispatch
+    return rest / kernels if rest > 0 else measured / kernels
+
+
 def cpu() -> torch.device:
     return torch.device("cpu")
-
-
-def fit_framework(points: list[tuple[float, float, int]]) -> tuple[float, float]:
-    """(scale, seconds per op) with which ``scale x kernels + ops x per_op`` gives the measured seconds of each
-    ``(measured, priced kernels, ops)`` point: the same ops at two sizes, so the difference in time is the
-    kernels' and the rest, per op, the framework's. Where the two do not give a positive pair (noise), the kernels
-    alone: ``measured / priced`` of the first, nothing per op."""
-    (t1, k1, n), (t2, k2, _) = points[0], points[-1]
-    if len(points) > 1 and k2 > k1:
-        scale = (t2 - t1) / (k2 - k1)
-        per_op = (t1 - scale * k1) / n if n else 0.0
-        if scale > 0 and per_op >= 0:
-            return scale, per_op
-    return t1 / k1, 0.0

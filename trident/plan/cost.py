@@ -9,8 +9,12 @@
                  exchange of keys and values of each layer over the cp group (trident/plan/ops.py ``_cp_exchange``):
                  allgather's and ulysses' collectives exposed, the ring's steps only where a step's message
                  outlasts the attention of the block it overlaps
+    comm CPU     on a CPU, what each of those collectives and messages costs the cores the ranks share (measured:
+                 ``Profile.collective_cpu``) is compute of the pass that meets it, stretched by sharing as the rest;
+                 only what is left of its time beyond that is waited for (``comm_cpu``)
     pipeline     the schedule's own action lists run with these costs (trident/plan/simulate.py), the p2p message of
-                 each stage boundary on the link between the two ranks; the bubble is what the simulation leaves idle
+                 each stage boundary on the link between the two ranks (its CPU on the actions that send and receive
+                 it); the bubble is what the simulation leaves idle
     sharing      ranks that share a node's cores share their compute: k busy ranks of ``threads`` threads on C cores
                  each run at min(1, C / (k threads)) of a lone rank's speed
     dp / ZeRO    the gradient reduction as the reducer runs it: buckets (``parallel.bucket_mb``) start as backward
@@ -57,6 +61,11 @@ from trident.plan.profile import (
     collective_key,
     matmul_key,
 )
+
+# The op class (``Pricer.ops``' ``into``) of what the passes' collectives cost the shared cores: in a profiled step
+# that is time in them, so the split counts it as communication in the passes.
+COMM_CPU = "comm cpu"
+SPLIT = ("I", "W")  # the actions of zb's split backward
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,20 @@ def amid_time(
     return short + at * max(0.0, longer.time(nbytes) - short)
 
 
+def comm_cpu(p: Profile, placement: RankPlacement, op: str, group: int, nbytes: float) -> tuple[float, float]:
+    """What one ``op`` of ``nbytes`` over ``group`` ranks takes from the cores a CPU node's ranks share
+    (``Profile.collective_cpu``: its process's CPU seconds, measured with every rank of the node at it): (as lone
+    compute, which the pipeline's simulation stretches by the ranks computing at once; its wall seconds when all
+    the node's ranks run, which a rate measured amid compute already holds). (0, 0) where not measured: a GPU's."""
+    rate = p.collective_cpu.get(collective_key(op, group)) if group > 1 else None
+    if rate is None:
+        return 0.0, 0.0
+    ranks = min(placement.world, placement.ranks_per_node)
+    slots = max(1.0, placement.cores / placement.threads)
+    wall = rate.time(nbytes) * max(1.0, ranks / slots)  # each rank gets slots / ranks of a core
+    return wall * placement.share(ranks), wall
+
+
 @dataclass
 class Pricer:
     """Prices ops with one profile and precision; remembers the matmul and attention shapes it was asked for."""
@@ -181,7 +204,8 @@ class Pricer:
 
     def op(self, op: Op, tp: int, segment: float | None = None) -> tuple[float, float]:
         """(compute, communication) seconds of ``op``: its kernels at the profile's rates, times the framework's
-        measured overhead on them; a collective amid compute, after ``segment`` seconds of it (``amid_time``)."""
+        measured overhead on them; a collective amid compute, after ``segment`` seconds of it (``amid_time``): the
+        CPU it costs the shared cores (``comm_cpu``) as compute, the rest of its time as communication."""
         if op.kind == "collective":
             name, axis, *ring = op.shape
             group, across = {
@@ -193,14 +217,21 @@ class Pricer:
             if name == "ring":  # each step's message behind the attention of the block held meanwhile
                 self.needs.groups.add(2)
                 message = amid_time(self.profile, "p2p", 2, op.nbytes, across, segment)
+                cpu, cpu_wall = comm_cpu(self.profile, self.placement, "p2p", 2, op.nbytes)
                 block, kind = ring
-                hidden = self.attention(*block, kind) * self.profile.framework + self.profile.dispatch
-                return 0.0, op.count * max(0.0, message - hidden)
-            return 0.0, op.count * amid_time(self.profile, name, group, op.nbytes, across, segment)
+                # the dK/dV's trip home (kind "home") overlaps nothing
+                hidden = 0.0 if kind == "home" else self.attention(*block, kind) * self.profile.framework
+                hidden += self.profile.dispatch
+                return op.count * cpu, op.count * max(0.0, message - cpu_wall - hidden)
+            cpu, cpu_wall = comm_cpu(self.profile, self.placement, name, group, op.nbytes)
+            wait = amid_time(self.profile, name, group, op.nbytes, across, segment)
+            return op.count * cpu, op.count * max(0.0, wait - cpu_wall)
         return self.kernels(op) * self.profile.framework + op.count * self.profile.dispatch, 0.0
 
     def kernels(self, op: Op) -> float:
-        """Seconds of a compute op's kernels alone."""
+        """Seconds of a compute op's kernels alone (a ``framework`` op's: the profile's measured figure for it)."""
+        if op.kind == "framework":
+            return op.count * self.profile.overheads.get(op.shape[0], 0.0)
         if op.kind == "matmul":
             return op.count * self.matmul(*op.shape)
         if op.kind == "attention":
@@ -221,6 +252,9 @@ class Pricer:
             if o.kind == "collective":
                 collectives.append(o)
                 continue
+            if o.kind == "framework":  # the framework's work itself: neither scaled as kernels nor dispatched
+                compute += self.kernels(o)
+                continue
             k = self.kernels(o)
             compute += k * self.profile.framework + o.count * self.profile.dispatch
             if into is not None:
@@ -228,7 +262,10 @@ class Pricer:
         # Each collective after its share of the pass's compute: the compute between two of them.
         segment = compute / max(1, sum(o.count for o in collectives))
         for o in collectives:
-            comm += self.op(o, tp, segment)[1]
+            cpu, wait = self.op(o, tp, segment)
+            compute, comm = compute + cpu, comm + wait
+            if into is not None and cpu:
+                into[COMM_CPU] = into.get(COMM_CPU, 0.0) + cpu
         return compute, comm
 
 
@@ -382,11 +419,11 @@ def step_time(
         layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0, zero3_gather="", zero3_prefetch=0
     )
     if cache is not None and key in cache:
-        costs, spans, hop, kernels = cache[key]
+        costs, spans, hop, kernels, sent = cache[key]
     else:
-        costs, spans, hop, kernels = _pipeline(m, layout, profile, placement, pricer)
+        costs, spans, hop, kernels, sent = _pipeline(m, layout, profile, placement, pricer)
         if cache is not None:
-            cache[key] = costs, spans, hop, kernels
+            cache[key] = costs, spans, hop, kernels, sent
     zero3 = _zero3_gathers(m, layout, profile, placement, costs) if layout.zero == 3 else 0.0
     ends = simulate.rank_ends(spans, pp)
     pipeline = max(ends)
@@ -445,7 +482,10 @@ def step_time(
     compute = sum(s.compute_end - s.start for s in last)
     tp_comm = sum(s.end - s.compute_end for s in last)
     # What a held-out run measured beyond the model (trident/plan/residual.py) scales the step and its split.
-    split = _split(spans, costs, kernels, layout, ends, step_end + optimizer_comm, optimizer_compute, zero3)
+    split = _split(
+        spans, costs, kernels, layout, ends, step_end + optimizer_comm, optimizer_compute, zero3, sent,
+        profile.overheads.get("split", 0.0),
+    )  # fmt: skip
     return StepTime(
         step=step * profile.residual,
         pipeline=pipeline,
@@ -469,13 +509,17 @@ def _split(
     synced: float,
     optimizer: float,
     zero3: float = 0.0,
+    sent: dict | None = None,
+    overhead: float = 0.0,
 ) -> dict[str, float]:
     """The step of the mean pipeline rank in a profiled step's categories (trident/plan/breakdown.py): each
     rank's actions' kernels by op class, the framework's share on them, and what the simulation stretched its
     compute by beyond that (ranks sharing cores: ``core wait``); its collectives inside the passes; its time idle
     in the schedule (bubble and p2p messages); from its last action to ``synced`` (the gradient reduction, ZeRO's
     gathers, the step's all-reduces, waiting for the slowest rank); the optimizer. ZeRO 3's gathers (``zero3``)
-    are waited on inside the passes, before a block's forward or backward: communication in them."""
+    are waited on inside the passes, before a block's forward or backward: communication in them; the CPU of the
+    pipeline's messages (``sent``, per rank and action) is pipeline wait, where a profiled step sees it, and each
+    split backward action's ``overhead`` the framework's."""
     pp, where = layout.pp, stage_placement(layout.schedule)
     kinds = ("matmul", "attention", "elementwise", "framework", "core wait", "comm in passes", "pipeline wait")
     out = dict.fromkeys(kinds, 0.0)
@@ -487,11 +531,13 @@ def _split(
                 continue
             busy, comm = busy + s.compute_end - s.start, comm + s.end - s.compute_end
             stage = stage_of(s.action.chunk, r, pp, where)
-            priced += costs[(stage, s.action.kind)][0]
+            message = (sent or {}).get((r, s.action), 0.0)
+            priced += costs[(stage, s.action.kind)][0] + message + (overhead if s.action.kind in SPLIT else 0.0)
+            classes["pipeline wait"] = classes.get("pipeline wait", 0.0) + message
             for kind, t in kernels[(stage, s.action.kind)].items():
                 classes[kind] = classes.get(kind, 0.0) + t
         for kind, t in classes.items():
-            out[kind] += t / pp
+            out["comm in passes" if kind == COMM_CPU else kind] += t / pp
         out["framework"] += (priced - sum(classes.values())) / pp
         out["core wait"] += (busy - priced) / pp
         out["comm in passes"] += comm / pp
@@ -505,9 +551,9 @@ def _split(
 
 def _pipeline(
     m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, pricer: Pricer
-) -> tuple[dict, list[simulate.TimedSpan], float, dict]:
-    """Per-stage action costs, the simulated schedule's spans, the p2p hop's seconds and per-stage action kernels'
-    seconds by op class."""
+) -> tuple[dict, list[simulate.TimedSpan], float, dict, dict]:
+    """Per-stage action costs, the simulated schedule's spans, the p2p hop's seconds (what is left of it beyond its
+    CPU), per-stage action kernels' seconds by op class, and per (rank, action) the CPU of its pipeline messages."""
     seq = m.seq_len // layout.cp  # a rank's part of each sequence
     shape = Shape(
         layout.micro_batch_size,
@@ -561,15 +607,27 @@ def _pipeline(
 
     where = stage_placement(layout.schedule)
 
-    def cost(rank: int, a: Action) -> tuple[float, float]:
-        return costs[(stage_of(a.chunk, rank, pp, where), a.kind)]
-
     e = BYTES[layout.precision]
     message = layout.micro_batch_size * shape.seq // (layout.tp if layout.sequence_parallel else 1) * m.d_model * e
     pp_across = placement.spans_nodes(layout.world // pp, 2) if pp > 1 else False
     hop = amid_time(profile, "p2p", 2, message, pp_across) if pp > 1 else 0.0
+    # Each message's CPU (an exchange's, half on each side) is its actions' compute on the shared cores; what is left
+    # of the hop is the transfer the receiving action waits for.
+    exchange_cpu, exchange_wall = comm_cpu(profile, placement, "p2p", 2, message) if pp > 1 else (0.0, 0.0)
+    sent: dict[tuple[int, Action], float] = {}
+    if exchange_cpu:
+        sent = {k: n * exchange_cpu / 2 for k, n in simulate.messages(layout.schedule, pp, vpp, micro).items()}
+        hop = max(0.0, hop - exchange_wall)
     if pp > 1:
         pricer.needs.groups.add(2)
+
+    # And each action of zb's split backward, torch's split of the graph around it (Profile.overheads).
+    split = profile.overheads.get("split", 0.0)
+
+    def cost(rank: int, a: Action) -> tuple[float, float]:
+        compute, comm = costs[(stage_of(a.chunk, rank, pp, where), a.kind)]
+        return compute + sent.get((rank, a), 0.0) + (split if a.kind in SPLIT else 0.0), comm
+
     if placement.cores >= placement.ranks_per_node * placement.threads and not placement.sharing:
         speed = simulate.full_speed  # every rank has its own compute (a GPU's; a CPU's sharing curve says)
     elif placement.nodes == 1:
@@ -586,7 +644,7 @@ def _pipeline(
         spans = simulate.run_schedule(layout.schedule, pp, vpp, micro, cost, lambda r, a: hop, speed)
     else:
         spans = simulate.run_actions([stage_actions(layout, 0)], 1, cost, speed=speed)
-    return costs, spans, hop, kernels
+    return costs, spans, hop, kernels, sent
 
 
 def _accumulate(m: ModelConfig, layout: Layout, stage: int) -> Op:

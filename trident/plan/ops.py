@@ -43,7 +43,7 @@ PASSES = ("F", "I", "W")
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # matmul | attention | elementwise | collective
+    kind: str  # matmul | attention | elementwise | collective | framework (a pass's work no kernel is, per count)
     phase: str  # F | I | W
     shape: tuple  # matmul (m, n, k, layout); attention (b, heads, kv_heads, s, head_dim); collective (op, "tp")
     nbytes: float = 0.0  # elementwise: bytes moved by all ``count`` kernels; collective: one message's bytes
@@ -212,22 +212,44 @@ def _cp_exchange(s: Shape, heads: int, kv: int, dh: int, block: tuple) -> list[O
 
     ring       cp - 1 steps passing a rank's K/V block on ([2, T, kv, dh]), each overlapped with the attention
                of the block held (``block``, the attention shape of one step); backward cp - 1 steps passing K/V
-               and the running dK/dV (fp32) on, overlapped likewise (the dK/dV's last trip home, which nothing
-               overlaps, is left out); the op's shape names the block and its pass, which a recomputed forward keeps
-    allgather  an all-gather of the whole sequence's K/V before attention; backward the reduce-scatter of
-               their gradients (the gathered K/V are kept for backward)
+               on and cp - 1 passing the running dK/dV (fp32), overlapped likewise but for the dK/dV's last trip
+               home, which nothing overlaps (its pass ``home``); the op's shape names the block and its pass, which a
+               recomputed forward keeps
+    allgather  an all-gather of every rank's token positions (int64), then of the whole sequence's K/V, before
+               attention; backward the reduce-scatter of their gradients (the gathered K/V are kept for backward)
     ulysses    all-to-alls of q, k, v (sequence-split to head-split) and of the output back, each a rank's
                [T, heads, dh] tensor (k, v: at least cp heads); backward the same four the other way
     """
     kv_block = 2 * s.tokens * kv * dh * s.e
+    # What a pass's cp attention costs beyond its kernels and messages (masks, waiting on a peer; the ring's work per
+    # quarter it computes, 2 cp + 1 of them: three of its own block's four, two of each other's): measured on a tiny
+    # model (cost.py prices it from Profile.overheads, the ring's per quarter).
+    count = ring_quarters(s.cp) if s.cp_comm == "ring" else 1
+    overhead = [Op("framework", phase, (f"cp:{s.cp_comm}",), 0.0, count) for phase in ("F", "I")]
+    return overhead + _cp_messages(s, heads, kv, dh, block, kv_block)
+
+
+def ring_quarters(cp: int) -> int:
+    """The (query half, key half) quarters a cp ring rank computes in a layer's pass under the head-tail split: of its
+    own block the three the causal mask leaves, of each other rank's block two (parallel/context/ring.py)."""
+    return 2 * cp + 1
+
+
+def _cp_messages(s: Shape, heads: int, kv: int, dh: int, block: tuple, kv_block: float) -> list[Op]:
     if s.cp_comm == "ring":
-        return [
+        dkv = kv_block * 4 / s.e
+        ring = [
             Op("collective", "F", ("ring", "cp", block, "fwd"), kv_block, s.cp - 1),
-            Op("collective", "I", ("ring", "cp", block, "bwd"), kv_block * (1 + 4 / s.e), s.cp - 1),
+            Op("collective", "I", ("ring", "cp", block, "bwd"), kv_block, s.cp - 1),
+            Op("collective", "I", ("ring", "cp", block, "home"), dkv, 1),
         ]
+        if s.cp > 2:
+            ring.append(Op("collective", "I", ("ring", "cp", block, "bwd"), dkv, s.cp - 2))
+        return ring
     if s.cp_comm == "allgather":
         whole = kv_block * s.cp
         return [
+            Op("collective", "F", ("all_gather", "cp"), 8 * s.tokens * s.cp),  # every rank's token positions
             Op("collective", "F", ("all_gather", "cp"), whole),
             Op("collective", "I", ("reduce_scatter", "cp"), whole),
         ]
@@ -264,7 +286,8 @@ def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -
         chosen = [*_ALWAYS, *modules] + (["mlp_act"] if "mlp" in modules else [])
     else:
         return []
-    return [o.in_phase("I") for part in dict.fromkeys(chosen) for o in parts[part] if o.phase == "F"]
+    again = [o.in_phase("I") for part in dict.fromkeys(chosen) for o in parts[part] if o.phase == "F"]
+    return [Op("framework", "I", ("recompute",), 0.0, 1), *again]  # and the checkpoint's own work (cost.py)
 
 
 def embedding_ops(m: ModelConfig, s: Shape) -> list[Op]:

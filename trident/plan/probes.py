@@ -63,6 +63,8 @@ AMID_KEY = "amid "  # + collective_key: [(bytes, seconds a round with the collec
 # about 4 ms after 4 ms).
 AMID_LONG_ROUNDS = 6  # rounds a sitting after AMID_LONG_SEGMENT_S (profile.py) of compute each
 AMID_LONG_KEY = "amid-long "  # not a prefix of AMID_KEY's keys, nor they of its
+CPU_KEY = "cpu "  # + collective_key: [(bytes, CPU seconds of this rank's process, every thread, per collective)]
+AMID_CPU_KEY = "amid-cpu "  # + collective_key: [(bytes, CPU seconds one collective amid compute added to a round)]
 
 
 @contextlib.contextmanager
@@ -359,18 +361,18 @@ def rank_collective_times(
     if device_type == "cpu":
         times[SHARING_KEY] = sharing_rates(rank, world_size, threads, block, device)
     made = {}
+    runs: dict[str, Callable[[int], Callable[[], None]]] = {}
     for g in groups:
         group = made[g] = split_into_groups(rank, world_size, g)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-            times[collective_key(op, g)] = [
-                (nbytes, time_collective(collective(op, nbytes, group, g, device), reps, device))
-                for nbytes, reps in COLLECTIVE_SIZES
-            ]
+            runs[collective_key(op, g)] = lambda n, op=op, group=group, g=g: collective(op, n, group, g, device)
     if 2 in groups:
-        times[collective_key("p2p", 2)] = [
-            (nbytes, time_collective(exchange(nbytes, rank ^ 1, device), reps, device))
-            for nbytes, reps in COLLECTIVE_SIZES
-        ]
+        runs[collective_key("p2p", 2)] = lambda nbytes: exchange(nbytes, rank ^ 1, device)
+    for key, make in runs.items():
+        timed = [(nbytes, time_collective(make(nbytes), reps, device)) for nbytes, reps in COLLECTIVE_SIZES]
+        times[key] = [(nbytes, seconds) for nbytes, (seconds, _) in timed]
+        if device_type == "cpu":
+            times[CPU_KEY + key] = [(nbytes, cpu) for nbytes, (_, cpu) in timed]
     if device_type == "cpu" and world_size > 1:
         times.update(amid_compute(rank, made, device))
         times.update(amid_compute(rank, made, device, AMID_LONG_SEGMENT_S, AMID_LONG_ROUNDS, AMID_LONG_KEY))
@@ -403,7 +405,9 @@ def amid_compute(
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     n = int(count.item())
 
-    def rounds(run: Callable[[], None] | None) -> float:
+    def rounds(run: Callable[[], None] | None) -> tuple[float, float]:
+        """Seconds of a round, and CPU seconds of this rank's process (every thread) in it."""
+
         def one() -> None:
             for _ in range(n):
                 torch.mm(a, b)
@@ -412,19 +416,21 @@ def amid_compute(
 
         one()  # warm-up
         wait_for_ranks(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(rounds_each):
             one()
         wait_for_ranks(device)
-        return (time.perf_counter() - start) / rounds_each
+        return (time.perf_counter() - start) / rounds_each, (time.process_time() - cpu) / rounds_each
 
     out: dict[str, list[tuple[int, float]]] = {}
     for g, group in groups.items():
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", *(("p2p",) if g == 2 else ())):
             pair = op == "p2p"
             run = exchange(AMID_BYTES, rank ^ 1, device) if pair else collective(op, AMID_BYTES, group, g, device)
-            extra = [rounds(run) - rounds(None) for _ in range(AMID_SITTINGS)]
-            out[prefix + collective_key(op, g)] = [(AMID_BYTES, statistics.median(extra))]
+            extra = [tuple(x - y for x, y in zip(rounds(run), rounds(None), strict=True)) for _ in range(AMID_SITTINGS)]
+            out[prefix + collective_key(op, g)] = [(AMID_BYTES, statistics.median(t for t, _ in extra))]
+            if prefix == AMID_KEY:  # what it costs the shared cores there (a peer not yet run: woken, switched to)
+                out[AMID_CPU_KEY + collective_key(op, g)] = [(AMID_BYTES, statistics.median(c for _, c in extra))]
     return out
 
 
@@ -472,13 +478,16 @@ def exchange(nbytes: int, peer: int, device: torch.device) -> Callable[[], None]
     return run
 
 
-def time_collective(run: Callable[[], None], reps: int, device: torch.device) -> float:
-    """Median seconds of ``reps`` back-to-back runs after a warm-up, every rank starting together. A fixed
-    count, not a time budget: every rank of a group has to make the same calls."""
+def time_collective(run: Callable[[], None], reps: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds of ``reps`` back-to-back runs after a warm-up, every rank starting together (a fixed count,
+    not a time budget: every rank of a group has to make the same calls); and the CPU seconds this rank's process
+    spent per run meanwhile, on every thread (gloo's own threads move the bytes): what a collective takes from
+    cores the ranks share, whether its rank waits or not (``Profile.collective_cpu``)."""
     wait_for_ranks(device)
     run()
+    cpu = time.process_time()
     times = [seconds_once(run, device) for _ in range(reps)]
-    return statistics.median(times)
+    return statistics.median(times), (time.process_time() - cpu) / reps
 
 
 def wait_for_ranks(device: torch.device) -> None:

@@ -33,7 +33,7 @@ from trident.json_cache import add_entry, read_entries
 from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 12  # what a cached calibration measured: an entry of another version is measured again (12: amid_long)
+VERSION = 13  # what a cached calibration measured: an entry of another version is measured again (13: collective_cpu)
 # The lone compute a rank does before each collective in the calibration's two figures amid compute (``Profile.amid``
 # and ``amid_long``, probes.amid_compute): about a layer's pass at a CPU's, and a layer's at micro-batch 1 of a small
 # model on one thread, where a rank more often finds a peer the scheduler stopped in mid-stretch.
@@ -114,11 +114,23 @@ class Profile:
     # The same with longer stretches of compute between them (AMID_LONG_SEGMENT_S against AMID_SEGMENT_S):
     # cost.amid_time reads between the two by the compute a layout has between its collectives.
     amid_long: dict[str, Rate] = field(default_factory=dict)
+    # On a CPU, by ``collective_key``: the CPU seconds one collective costs a rank's process, every thread (gloo's
+    # copies, its wake-ups and the sockets' system time): its bytes at the back-to-back rate (probes.time_collective)
+    # and what else it added amid compute while every rank of the node did the same (probes.amid_compute): cores
+    # the ranks share spend them whether the rank waits or not. Empty: not measured (a GPU's run on the device).
+    collective_cpu: dict[str, Rate] = field(default_factory=dict)
     intra: Rate = Rate(1e-5, 1e11)  # ring bus bandwidth per rank inside a node
     inter: Rate = Rate(3e-5, 1e10)  # between nodes
     host_copy: Rate = Rate(1e-5, 2.5e10)  # host <-> device, each direction
     adam: float = 1e10  # parameters per second of AdamW on a rank's device
     host_adam: float = 1e8  # parameters per second of AdamW on the host, per rank (optimizer offload)
+    # Seconds of a rank's compute that work no op is costs (the framework's, beyond the ops' kernels and messages),
+    # by what it is per: ``split`` each action of zb's split backward (I, W: torch's split of the autograd graph),
+    # ``cp:<parallel.cp_comm>`` each forward or backward of a layer's cp attention (masks, waits on a peer; the
+    # ring's per quarter of a block it computes, its merges), ``recompute`` each layer recomputed (the checkpoint's
+    # hooks). Each is what makes the model give the step a held-out run of the model's tiny twin measured
+    # (trident/plan/residual.py). Empty: not measured.
+    overheads: dict[str, float] = field(default_factory=dict)
     # A held-out run's measured step over the model's (trident/plan/residual.py): every step is scaled by it. 1: none.
     residual: float = 1.0
     residual_run: dict | None = None  # the run it was measured on (residual.held_out)
@@ -137,6 +149,7 @@ class Profile:
         d["collectives"] = {k: Rate(**v) for k, v in d.get("collectives", {}).items()}
         d["amid"] = {k: Rate(**v) for k, v in d.get("amid", {}).items()}
         d["amid_long"] = {k: Rate(**v) for k, v in d.get("amid_long", {}).items()}
+        d["collective_cpu"] = {k: Rate(**v) for k, v in d.get("collective_cpu", {}).items()}
         if d.get("conditions") is not None:
             d["conditions"] = Conditions(**d["conditions"])
         return cls(**d)

@@ -54,6 +54,21 @@ def structure(name: str, pp: int, vpp: int, micro: int) -> tuple[Schedule, list]
     return schedule, waits_for(schedule, vpp, stage_placement(name))
 
 
+@lru_cache(maxsize=256)
+def messages(name: str, pp: int, vpp: int, micro: int) -> dict[tuple[int, Action], int]:
+    """Per (rank, action) of schedule ``name``: the point-to-point messages it sends or receives (what it waits for
+    from another rank, and what another rank waits for from it)."""
+    schedule, deps = structure(name, pp, vpp, micro)
+    out: dict[tuple[int, Action], int] = {}
+    for r, actions in enumerate(schedule):
+        for a, needs in zip(actions, deps[r], strict=True):
+            for d in needs:
+                if d[0] != r:
+                    out[(r, a)] = out.get((r, a), 0) + 1
+                    out[d] = out.get(d, 0) + 1
+    return out
+
+
 def run_schedule(
     name: str,
     pp: int,
