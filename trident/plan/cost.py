@@ -12,6 +12,8 @@
     comm CPU     on a CPU, what each of those collectives and messages costs the cores the ranks share (measured:
                  ``Profile.collective_cpu``) is compute of the pass that meets it, stretched by sharing as the rest;
                  only what is left of its time beyond that is waited for (``comm_cpu``)
+    framework    work no op is, per cp pass (the ring's per quarter), layer recomputed and action of zb's split
+                 backward (``Profile.overheads``, measured on the model's tiny twin: trident/plan/residual.py)
     pipeline     the schedule's own action lists run with these costs (trident/plan/simulate.py), the p2p message of
                  each stage boundary on the link between the two ranks (its CPU on the actions that send and receive
                  it); the bubble is what the simulation leaves idle
@@ -28,8 +30,8 @@
                  gradient and parameter copies between them
 
 No term is fitted to a layout the planner ranks: every rate is a measurement of the machine (``--calibrate``) or a
-datasheet figure, and the step is scaled by one held-out run's measured over modelled step (trident/plan/residual.py;
-1 for a datasheet).
+datasheet figure, the framework's overheads are fitted to held-out runs of the model's tiny twin, and the step is
+scaled by one held-out run's measured over modelled step (trident/plan/residual.py; 1 for a datasheet).
 The file is one idea read top to bottom (one step of one layout, term by term, as the list above orders them),
 so it stays whole past ~400 lines.
 """
