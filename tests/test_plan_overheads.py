@@ -192,3 +192,31 @@ def test_each_overhead_is_the_one_with_which_the_model_gives_its_runs_measured_s
 def test_the_fit_bisects_a_growing_step() -> None:
     assert residual._fit(lambda x: 0.1 + 5 * x, 0.15) == pytest.approx(0.01, rel=1e-6)
     assert residual._fit(lambda x: 0.1 + 5 * x, 0.05) == 0.0
+
+
+def test_any_recomputation_reruns_cps_exchange_and_a_kept_core_hides_none_of_it() -> None:
+    """The ring's exchange is no kernel a selective policy keeps: every recomputation of a cp layer's forward runs
+    it again, full and attention policies behind the recomputed core's kernels, selective without the core (its
+    kernels kept) with nothing to hide behind; the cp pass's framework work reruns with it."""
+    m = compose_config(REPO / "conf", TINY).model
+    shape = Shape(1, m.seq_len // 2, 1, False, "fp32", 2, "ring")
+
+    def ring(policy: str) -> list[tuple]:
+        return [o.shape for o in recompute_ops(m, shape, policy) if o.kind == "collective" and o.shape[0] == "ring"]
+
+    def cp_work(policy: str) -> int:
+        return sum(
+            o.count for o in recompute_ops(m, shape, policy) if o.kind == "framework" and o.shape == ("cp:ring",)
+        )
+
+    for policy in ("full", "attention", "selective", "selective[attn_core]", "selective[mlp]"):
+        assert len(ring(policy)) == 1 and cp_work(policy) == ring_quarters(2), policy
+    assert ring("full")[0][-1] == ring("attention")[0][-1] == ring("selective[attn_core]")[0][-1] == "fwd"
+    assert ring("selective")[0][-1] == ring("selective[mlp]")[0][-1] == "alone"
+    # Priced: a recomputed step hides behind its block's attention, one alone behind nothing.
+    placement = RankPlacement(2, 2, cores=2)
+    pricer = Pricer(cpu_profile(), "fp32", placement, cp=2)
+    hidden, alone = (
+        pricer.ops(recompute_ops(m, shape, policy), 1, "I")[1] for policy in ("selective[attn_core]", "selective")
+    )
+    assert alone > hidden

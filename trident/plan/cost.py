@@ -221,8 +221,8 @@ class Pricer:
                 message = amid_time(self.profile, "p2p", 2, op.nbytes, across, segment)
                 cpu, cpu_wall = comm_cpu(self.profile, self.placement, "p2p", 2, op.nbytes)
                 block, kind = ring
-                # the dK/dV's trip home (kind "home") overlaps nothing
-                hidden = 0.0 if kind == "home" else self.attention(*block, kind) * self.profile.framework
+                # the dK/dV's trip home overlaps nothing, nor a step recomputed without its block's kernels
+                hidden = 0.0 if kind in ("home", "alone") else self.attention(*block, kind) * self.profile.framework
                 hidden += self.profile.dispatch
                 return op.count * cpu, op.count * max(0.0, message - cpu_wall - hidden)
             cpu, cpu_wall = comm_cpu(self.profile, self.placement, name, group, op.nbytes)

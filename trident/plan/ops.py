@@ -137,7 +137,9 @@ def layer_parts(m: ModelConfig, s: Shape, sparse: bool = False) -> dict[str, lis
     q_bytes, k_bytes = t * heads * dh * e, t * kv * dh * e
     # x * cos + cat(-x2, x1) * sin on q and k: five kernels over each
     parts["rope"] = _elementwise(5 * 2 * (q_bytes + k_bytes), 10) if m.position == "rope" else []
-    parts["attn_core"] = _attention(s, heads, kv, dh)
+    # cp's exchange (and its work beyond the kernels) reruns in any recomputation of the layer's forward: the
+    # exchange is no kernel a selective policy keeps the output of (models/checkpointing.py).
+    parts["attn_core"], parts["cp_exchange"] = _attention(s, heads, kv, dh)
     parts["copy"] = _elementwise(2 * q_bytes, 1)  # the output's [b, h, T, d] -> [b, T, h d] copy
     parts["projections"] += _linear(s, d, heads * dh)
     if m.mlp == "swiglu":
@@ -190,12 +192,12 @@ def _sparse_mlp(m: ModelConfig, s: Shape) -> dict[str, list[Op]]:
     return {"mlp": mlp, "mlp_act": act, "dispatch": dispatch}
 
 
-def _attention(s: Shape, heads: int, kv: int, dh: int) -> list[Op]:
-    """The attention core of one layer on this rank: its share of the causal pairs (module docstring) and, under
-    context parallelism, the exchange that brings it the keys and values (recomputed with it)."""
+def _attention(s: Shape, heads: int, kv: int, dh: int) -> tuple[list[Op], list[Op]]:
+    """The attention core of one layer on this rank, its share of the causal pairs (module docstring), and under
+    context parallelism the exchange that brings it the keys and values."""
     if s.cp == 1:
         shape = (s.batch, heads, kv, s.seq, dh)
-        return [Op("attention", "F", shape), Op("attention", "I", shape)]
+        return [Op("attention", "F", shape), Op("attention", "I", shape)], []
     if s.cp_comm == "ulysses":
         # All-to-all to the whole sequence on heads / cp (kv heads split, or repeated where fewer than cp).
         local_kv = kv // s.cp if kv % s.cp == 0 else 1
@@ -204,7 +206,7 @@ def _attention(s: Shape, heads: int, kv: int, dh: int) -> list[Op]:
     else:
         shape = (s.batch, heads, kv, s.seq, dh)
         core = [Op("attention", "F", shape, count=s.cp), Op("attention", "I", shape, count=s.cp)]
-    return core + _cp_exchange(s, heads, kv, dh, shape)
+    return core, _cp_exchange(s, heads, kv, dh, shape)
 
 
 def _cp_exchange(s: Shape, heads: int, kv: int, dh: int, block: tuple) -> list[Op]:
@@ -214,7 +216,8 @@ def _cp_exchange(s: Shape, heads: int, kv: int, dh: int, block: tuple) -> list[O
                of the block held (``block``, the attention shape of one step); backward cp - 1 steps passing K/V
                on and cp - 1 passing the running dK/dV (fp32), overlapped likewise but for the dK/dV's last trip
                home, which nothing overlaps (its pass ``home``); the op's shape names the block and its pass, which a
-               recomputed forward keeps
+               recomputed forward keeps (``alone`` where the recomputation keeps the core's kernels: nothing to
+               overlap)
     allgather  an all-gather of every rank's token positions (int64), then of the whole sequence's K/V, before
                attention; backward the reduce-scatter of their gradients (the gathered K/V are kept for backward)
     ulysses    all-to-alls of q, k, v (sequence-split to head-split) and of the output back, each a rank's
@@ -268,26 +271,35 @@ def layer_ops(m: ModelConfig, s: Shape, sparse: bool = False) -> list[Op]:
 
 
 # What every selective policy recomputes besides its modules: the cheap work between the kept matmuls (and tp's
-# collectives and ep's all-to-alls, which rerun: the recomputed stream needs their results).
-_ALWAYS = ("residual", "rope", "copy", "collectives", "dispatch")
+# collectives, ep's all-to-alls and cp's exchange, which rerun: the recomputed stream needs their results).
+_ALWAYS = ("residual", "rope", "copy", "collectives", "dispatch", "cp_exchange")
 
 
 def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -> list[Op]:
     """What backward recomputes for one recomputed layer under ``policy`` (a recomputation label without ``/N``):
-    every forward op (``full``), the attention core (``attention``), or selective's modules and the cheap work
-    between them."""
+    every forward op (``full``), the attention core and its cp exchange (``attention``), or selective's modules and
+    the cheap work between them."""
     name, modules, _ = parse_label(policy)
     parts = layer_parts(m, s, sparse)
     if name == "full":
         chosen = list(parts)
     elif name == "attention":
-        chosen = ["attn_core"]
+        chosen = ["attn_core", "cp_exchange"]
     elif name == "selective":
         chosen = [*_ALWAYS, *modules] + (["mlp_act"] if "mlp" in modules else [])
     else:
         return []
     again = [o.in_phase("I") for part in dict.fromkeys(chosen) for o in parts[part] if o.phase == "F"]
+    if "attn_core" not in chosen:  # the core's kernels are kept: the ring's messages rerun with nothing to hide behind
+        again = [_alone(o) for o in again]
     return [Op("framework", "I", ("recompute",), 0.0, 1), *again]  # and the checkpoint's own work (cost.py)
+
+
+def _alone(op: Op) -> Op:
+    """``op``, a ring step's message marked to overlap nothing (its pass ``alone``), if it is one."""
+    if op.kind == "collective" and op.shape[0] == "ring":
+        return dataclasses.replace(op, shape=(*op.shape[:3], "alone"))
+    return op
 
 
 def embedding_ops(m: ModelConfig, s: Shape) -> list[Op]:
