@@ -147,35 +147,34 @@ def _fit(step: Callable[[float], float], measured: float) -> float:
     return low
 
 
-def _measured_step(cfg: Config, run: dict, profile: Profile, repo: Path) -> tuple[float | None, str]:
-    """The median step of a run of the tiny twin's ``run`` and its layout's label (None: it failed or was
-    refused)."""
+def _measured(cfg: Config, run: dict, profile: Profile, repo: Path, steps: int, warmup: int) -> tuple:
+    """(the measure.Measurement of a run of ``run`` for ``steps`` steps, the median after ``warmup``; the model's
+    prediction of it with ``profile``)."""
     from trident.plan import measure  # noqa: PLC0415
     from trident.plan.planner import predict  # noqa: PLC0415
 
     prediction = predict(cfg, run["world"], profile)
     with tempfile.TemporaryDirectory(prefix="trident-calibrate-") as root:
         (m,) = measure.measure(
-            [prediction], run["overrides"], run["world"], repo, Path(root), TINY_STEPS, TINY_WARMUP, log=_quiet,
-            profiled=False,
-        )  # fmt: skip
+            [prediction], run["overrides"], run["world"], repo, Path(root), steps, warmup, log=_quiet, profiled=False
+        )
+    return m, prediction
+
+
+def _measured_step(cfg: Config, run: dict, profile: Profile, repo: Path) -> tuple[float | None, str]:
+    """The median step of a run of the tiny twin's ``run`` and its layout's label (None: it failed or was
+    refused)."""
+    m, prediction = _measured(cfg, run, profile, repo, TINY_STEPS, TINY_WARMUP)
     return m.step_s, prediction.label
 
 
 def measure_residual(profile: Profile, run: dict, repo: Path, log: Callable[[str], None]) -> float:
     """The held-out ``run``'s measured step over the model's prediction of it with ``profile`` unscaled (1.0 when
     the run is refused or fails: said in ``log``)."""
-    from trident.plan import measure  # noqa: PLC0415 (the planner imports the profile this fills)
-    from trident.plan.planner import predict  # noqa: PLC0415
-    from trident.tool_config import load_config  # noqa: PLC0415
+    from trident.tool_config import load_config  # noqa: PLC0415 (the planner imports the profile this fills)
 
     cfg = load_config(repo / "conf", run["overrides"])
-    prediction = predict(cfg, run["world"], dataclasses.replace(profile, residual=1.0))
-    with tempfile.TemporaryDirectory(prefix="trident-calibrate-") as root:
-        overrides, world = run["overrides"], run["world"]
-        (m,) = measure.measure(
-            [prediction], overrides, world, repo, Path(root), STEPS, WARMUP, log=_quiet, profiled=False
-        )
+    m, prediction = _measured(cfg, run, dataclasses.replace(profile, residual=1.0), repo, STEPS, WARMUP)
     if m.step_s is None or m.predicted_step_s is None:
         log(f"calibrating: the held-out run {prediction.label} gave no step ({m.error}): the model is not scaled")
         return 1.0

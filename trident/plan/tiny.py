@@ -2,8 +2,9 @@
 
 Its ops are the model's, one for one, but their kernels cost next to nothing, so what running it takes is the
 framework's: autograd's nodes, module calls, allocations, a pipeline's executor and its messages. A calibration
-times a block of it alone (trident/plan/calibrate.py: the framework's time per op) and runs it in a pipeline
-(trident/plan/residual.py: the framework's time per pipeline action).
+times a block of it alone (trident/plan/calibrate.py: the framework's time per op) and runs it in small layouts
+that each add one kind of work no op is (trident/plan/residual.py: the framework's time per split backward action,
+cp pass and recomputed layer).
 """
 
 from __future__ import annotations
