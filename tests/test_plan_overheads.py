@@ -15,7 +15,7 @@ from trident.config import compose_config, validate
 from trident.layout import Layout
 from trident.plan import residual, simulate, tiny
 from trident.plan.cost import Pricer, RankPlacement, comm_cpu, step_time
-from trident.plan.ops import Op, Shape, chunk_ops, recompute_ops, ring_quarters
+from trident.plan.ops import Op, Shape, chunk_ops, layer_parts, recompute_ops, ring_quarters
 from trident.plan.planner import placement_for, predict
 from trident.plan.profile import Rate, collective_key
 
@@ -114,6 +114,29 @@ def test_the_frameworks_work_per_cp_pass_recomputed_layer_and_split_action_is_pr
     assert _step(plain, dataclasses.replace(profile, overheads={"split": x})).compute == _step(plain, profile).compute
 
 
+def test_selective_checkpointings_dispatch_mode_is_priced_per_op_of_the_forward_and_the_recomputation() -> None:
+    """``Profile.overheads["selective"]``: seconds per kernel of a selectively checkpointed layer's forward (F) and
+    of what its backward recomputes (I), which its dispatch mode runs a Python policy on; a full or attention
+    recomputation runs no such mode, and a layer not recomputed neither."""
+    m = compose_config(REPO / "conf", TINY).model
+    profile = cpu_profile()
+    x = 1e-4
+    shape = Shape(2, m.seq_len, 1, False, "fp32")
+    placement = RankPlacement(1, 1)
+    parts = layer_parts(m, shape)
+    kernels = ("matmul", "attention", "elementwise")
+    forward = sum(o.count for part in parts.values() for o in part if o.phase == "F" and o.kind in kernels)
+    again = sum(o.count for o in recompute_ops(m, shape, "selective") if o.kind in kernels)
+    assert 0 < again < forward
+    with_it = dataclasses.replace(profile, overheads={"selective": x})
+    for policy, counts in (("selective", {"F": forward, "I": again}), ("full", {"F": 0, "I": 0})):
+        ops = chunk_ops(m, shape, m.n_layers, True, True, policy, recomputed=1)
+        for phase in ("F", "I", "W"):
+            more = Pricer(with_it, "fp32", placement).ops(ops, 1, phase)[0]
+            less = Pricer(profile, "fp32", placement).ops(ops, 1, phase)[0]
+            assert more - less == pytest.approx(counts.get(phase, 0) * x), (policy, phase)
+
+
 def test_the_tiny_twin_has_the_models_ops_on_a_few_elements() -> None:
     cfg = compose_config(REPO / "conf", TINY)
     model = dataclasses.asdict(cfg.model)
@@ -132,12 +155,15 @@ def test_the_tiny_twin_has_the_models_ops_on_a_few_elements() -> None:
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_each_tiny_run_adds_one_kind_of_work_to_the_tiny_twin(world: int) -> None:
-    """The tiny twin's runs are layouts train.py accepts on ``world`` ranks: full recomputation over all of them;
+    """The tiny twin's runs are layouts train.py accepts on ``world`` ranks: full and selective recomputation over
+    all of them;
     on an even world also cp over two ranks by each cp_comm, and two zb-h1 stages; one sequence per micro-batch,
     eight per replica; none of them at the plan's own model."""
     cfg = compose_config(REPO / "conf", TINY)
     runs = residual.tiny_runs(cfg, world, TINY)
-    expected = {"recompute"} | ({"cp:ring", "cp:allgather", "cp:ulysses", "split"} if world % 2 == 0 else set())
+    expected = {"recompute", "selective"} | (
+        {"cp:ring", "cp:allgather", "cp:ulysses", "split"} if world % 2 == 0 else set()
+    )
     assert set(runs) == expected
     for name, run in runs.items():
         assert run["world"] == world and run["overrides"][: len(TINY)] == TINY
@@ -150,6 +176,7 @@ def test_each_tiny_run_adds_one_kind_of_work_to_the_tiny_twin(world: int) -> Non
             kind
             == {
                 "recompute": ("full", 1, None, 1),
+                "selective": ("selective", 1, None, 1),
                 "cp:ring": ("none", 2, "ring", 1),
                 "cp:allgather": ("none", 2, "allgather", 1),
                 "cp:ulysses": ("none", 2, "ulysses", 1),
@@ -163,7 +190,8 @@ def test_each_overhead_is_the_one_with_which_the_model_gives_its_runs_measured_s
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``measure_overheads`` bisects each overhead until the model's step of its tiny run is the measured one (here
-    a third above the model's own); one whose run the model already prices at or above what it measured is 0."""
+    a third above the model's own, selective recomputation's twice it); one whose run the model already prices at
+    or above what it measured is 0."""
     cfg = compose_config(REPO / "conf", TINY)
     runs = residual.tiny_runs(cfg, 2, TINY)
     profile = cpu_profile()
@@ -171,7 +199,9 @@ def test_each_overhead_is_the_one_with_which_the_model_gives_its_runs_measured_s
         name: predict(compose_config(REPO / "conf", run["overrides"]), 2, profile).time.step
         for name, run in runs.items()
     }
-    measured = {name: (step * 4 / 3 if name != "cp:ulysses" else step / 2) for name, step in modelled.items()}
+    # Selective recomputation runs the recomputed layers' own overhead too, fitted first: twice the model's step.
+    scale = {"cp:ulysses": 1 / 2, "selective": 2.0}
+    measured = {name: step * scale.get(name, 4 / 3) for name, step in modelled.items()}
 
     def measured_step(cfg_, run, profile_, repo):
         return measured[next(n for n, r in runs.items() if r is run)], "a tiny run"

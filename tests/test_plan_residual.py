@@ -66,9 +66,11 @@ def test_a_calibration_given_the_repository_runs_the_held_out_layout_once(
     profile = calibrate(needs, 1, cache=cache, log=lines.append, accept_busy=True, repo=REPO)
     assert profile.residual_run == needs.run and 0.05 < profile.residual < 20, lines
     assert any("held-out run" in line and "scaled by" in line for line in lines)
-    # Before it, the tiny twin's run with full recomputation (one rank: no cp or pipeline pair) priced its overhead.
-    assert set(profile.overheads) == {"recompute"} and profile.overheads["recompute"] >= 0
+    # Before it, the tiny twin's runs with full and selective recomputation (one rank: no cp or pipeline pair)
+    # priced their overheads.
+    assert set(profile.overheads) == {"recompute", "selective"} and min(profile.overheads.values()) >= 0
     assert any("tiny twin's" in line and "per layer recomputed" in line for line in lines), lines
+    assert any("tiny twin's" in line and "per op under selective checkpointing" in line for line in lines), lines
     assert load_cached("cpu", 1, profile.threads, cache) == profile
 
     def refuse(*args: object) -> float:

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from trident.peak import cpu_model
-from trident.plan import tiny
+from trident.plan import outliers, tiny
 from trident.plan.contention import Conditions, OtherLoad
 from trident.plan.ops import chunk_ops
 from trident.plan.probes import (
@@ -175,8 +175,13 @@ def measure_compute(profile: Profile, todo: Needs, device: torch.device, log: Ca
     """The matmuls and attention ``todo`` lists, into ``profile``."""
     if todo.matmuls:
         log(f"calibrating: {len(todo.matmuls)} matmul shapes ...")
-        for shape in sorted(todo.matmuls):
-            profile.matmuls[matmul_key(*shape)] = time_matmul(*shape, device)
+        times = {shape: time_matmul(*shape, device) for shape in sorted(todo.matmuls)}
+        for shape, (first, kept) in outliers.retime(times, lambda s: time_matmul(*s, device)).items():
+            log(
+                f"calibrating: matmul {matmul_key(*shape)} timed {1e6 * first:.0f} us, slower than a shape that "
+                f"contains it: retimed, {1e6 * kept:.0f} us"
+            )
+        profile.matmuls.update({matmul_key(*shape): t for shape, t in times.items()})
         profile.matmul_efficiency = matmul_efficiency(profile, profile.matmul_efficiency)
     if todo.attention:
         log(f"calibrating: {len(todo.attention)} attention shapes ...")

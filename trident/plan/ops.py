@@ -292,7 +292,20 @@ def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -
     again = [o.in_phase("I") for part in dict.fromkeys(chosen) for o in parts[part] if o.phase == "F"]
     if "attn_core" not in chosen:  # the core's kernels are kept: the ring's messages rerun with nothing to hide behind
         again = [_alone(o) for o in again]
-    return [Op("framework", "I", ("recompute",), 0.0, 1), *again]  # and the checkpoint's own work (cost.py)
+    work = [Op("framework", "I", ("recompute",), 0.0, 1)]  # and the checkpoint's own work (cost.py)
+    if name == "selective":  # and its dispatch mode's, on every op of the forward and of the recomputation
+        forward = [o for part in parts.values() for o in part if o.phase == "F"]
+        work += [*_under_selective(forward, "F"), *_under_selective(again, "I")]
+    return [*work, *again]
+
+
+def _under_selective(ops: list[Op], phase: str) -> list[Op]:
+    """What selective checkpointing's dispatch mode adds to the kernels of ``ops`` (models/checkpointing.py: a Python
+    policy on every op, its output cached or replayed): a ``("selective",)`` framework op per kernel (cost.py: the
+    profile's seconds per op). cp's bookkeeping is not counted: priced in proportion to its own time, a tiny twin's
+    cp ring under selective checkpointing came to more than twice its measured step."""
+    kernels = sum(o.count for o in ops if o.kind in ("matmul", "attention", "elementwise"))
+    return [Op("framework", phase, ("selective",), 0.0, kernels)] if kernels else []
 
 
 def _alone(op: Op) -> Op:

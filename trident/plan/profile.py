@@ -33,7 +33,7 @@ from trident.json_cache import add_entry, read_entries
 from trident.plan.contention import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
-VERSION = 13  # what a cached calibration measured: an entry of another version is measured again (13: collective_cpu)
+VERSION = 14  # what a cached calibration measured: an entry of another version is measured again (14: selective)
 # The lone compute a rank does before each collective in the calibration's two figures amid compute (``Profile.amid``
 # and ``amid_long``, probes.amid_compute): about a layer's pass at a CPU's, and a layer's at micro-batch 1 of a small
 # model on one thread, where a rank more often finds a peer the scheduler stopped in mid-stretch.
@@ -128,7 +128,8 @@ class Profile:
     # by what it is per: ``split`` each action of zb's split backward (I, W: torch's split of the autograd graph),
     # ``cp:<parallel.cp_comm>`` each forward or backward of a layer's cp attention (masks, waits on a peer; the
     # ring's per quarter of a block it computes, its merges), ``recompute`` each layer recomputed (the checkpoint's
-    # hooks). Each is what makes the model give the step a held-out run of the model's tiny twin measured
+    # hooks), ``selective`` each op of a selectively checkpointed layer's forward and recomputation (its dispatch
+    # mode). Each is what makes the model give the step a held-out run of the model's tiny twin measured
     # (trident/plan/residual.py). Empty: not measured.
     overheads: dict[str, float] = field(default_factory=dict)
     # A held-out run's measured step over the model's (trident/plan/residual.py): every step is scaled by it. 1: none.
