@@ -117,7 +117,8 @@ def test_the_frameworks_work_per_cp_pass_recomputed_layer_and_split_action_is_pr
 def test_selective_checkpointings_dispatch_mode_is_priced_per_op_of_the_forward_and_the_recomputation() -> None:
     """``Profile.overheads["selective"]``: seconds per kernel of a selectively checkpointed layer's forward (F) and
     of what its backward recomputes (I), which its dispatch mode runs a Python policy on; a full or attention
-    recomputation runs no such mode, and a layer not recomputed neither."""
+    recomputation runs no such mode, and a layer not recomputed neither; cp's bookkeeping there takes a measured
+    fraction more."""
     m = compose_config(REPO / "conf", TINY).model
     profile = cpu_profile()
     x = 1e-4
@@ -135,6 +136,16 @@ def test_selective_checkpointings_dispatch_mode_is_priced_per_op_of_the_forward_
             more = Pricer(with_it, "fp32", placement).ops(ops, 1, phase)[0]
             less = Pricer(profile, "fp32", placement).ops(ops, 1, phase)[0]
             assert more - less == pytest.approx(counts.get(phase, 0) * x), (policy, phase)
+    # Under cp, its bookkeeping takes ``selective:cp`` times more in the forward and the recomputation: the ring's
+    # quarters of a pass, at ``cp:ring``'s seconds each.
+    ring = Shape(2, m.seq_len // 2, 1, False, "fp32", 2, "ring")
+    fraction = dataclasses.replace(profile, overheads={"cp:ring": x, "selective:cp": 0.5})
+    alone = dataclasses.replace(profile, overheads={"cp:ring": x})
+    ops = chunk_ops(m, ring, m.n_layers, True, True, "selective", recomputed=1)
+    for phase in ("F", "I", "W"):
+        more = Pricer(fraction, "fp32", placement).ops(ops, 1, phase)[0]
+        less = Pricer(alone, "fp32", placement).ops(ops, 1, phase)[0]
+        assert more - less == pytest.approx(0.5 * x * ring_quarters(2) * (phase != "W")), phase
 
 
 def test_the_tiny_twin_has_the_models_ops_on_a_few_elements() -> None:
@@ -156,13 +167,13 @@ def test_the_tiny_twin_has_the_models_ops_on_a_few_elements() -> None:
 @pytest.mark.parametrize("world", [3, 4])
 def test_each_tiny_run_adds_one_kind_of_work_to_the_tiny_twin(world: int) -> None:
     """The tiny twin's runs are layouts train.py accepts on ``world`` ranks: full and selective recomputation over
-    all of them;
-    on an even world also cp over two ranks by each cp_comm, and two zb-h1 stages; one sequence per micro-batch,
+    all of them; on an even world also cp over two ranks by each cp_comm (the ring also under selective
+    recomputation), and two zb-h1 stages; one sequence per micro-batch,
     eight per replica; none of them at the plan's own model."""
     cfg = compose_config(REPO / "conf", TINY)
     runs = residual.tiny_runs(cfg, world, TINY)
     expected = {"recompute", "selective"} | (
-        {"cp:ring", "cp:allgather", "cp:ulysses", "split"} if world % 2 == 0 else set()
+        {"cp:ring", "cp:allgather", "cp:ulysses", "split", "selective:cp"} if world % 2 == 0 else set()
     )
     assert set(runs) == expected
     for name, run in runs.items():
@@ -177,6 +188,7 @@ def test_each_tiny_run_adds_one_kind_of_work_to_the_tiny_twin(world: int) -> Non
             == {
                 "recompute": ("full", 1, None, 1),
                 "selective": ("selective", 1, None, 1),
+                "selective:cp": ("selective", 2, "ring", 1),
                 "cp:ring": ("none", 2, "ring", 1),
                 "cp:allgather": ("none", 2, "allgather", 1),
                 "cp:ulysses": ("none", 2, "ulysses", 1),
@@ -200,7 +212,7 @@ def test_each_overhead_is_the_one_with_which_the_model_gives_its_runs_measured_s
         for name, run in runs.items()
     }
     # Selective recomputation runs the recomputed layers' own overhead too, fitted first: twice the model's step.
-    scale = {"cp:ulysses": 1 / 2, "selective": 2.0}
+    scale = {"cp:ulysses": 1 / 2, "selective": 2.0, "selective:cp": 3.0}
     measured = {name: step * scale.get(name, 4 / 3) for name, step in modelled.items()}
 
     def measured_step(cfg_, run, profile_, repo):

@@ -233,7 +233,10 @@ class Pricer:
     def kernels(self, op: Op) -> float:
         """Seconds of a compute op's kernels alone (a ``framework`` op's: the profile's measured figure for it)."""
         if op.kind == "framework":
-            return op.count * self.profile.overheads.get(op.shape[0], 0.0)
+            overheads = self.profile.overheads
+            if op.shape[0] == "selective:cp":  # cp's bookkeeping under selective checkpointing: a fraction more
+                return op.count * overheads.get("selective:cp", 0.0) * overheads.get(op.shape[1], 0.0)
+            return op.count * overheads.get(op.shape[0], 0.0)
         if op.kind == "matmul":
             return op.count * self.matmul(*op.shape)
         if op.kind == "attention":

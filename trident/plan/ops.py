@@ -300,12 +300,14 @@ def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -
 
 
 def _under_selective(ops: list[Op], phase: str) -> list[Op]:
-    """What selective checkpointing's dispatch mode adds to the kernels of ``ops`` (models/checkpointing.py: a Python
-    policy on every op, its output cached or replayed): a ``("selective",)`` framework op per kernel (cost.py: the
-    profile's seconds per op). cp's bookkeeping is not counted: priced in proportion to its own time, a tiny twin's
-    cp ring under selective checkpointing came to more than twice its measured step."""
+    """What selective checkpointing's dispatch mode adds to ``ops`` (models/checkpointing.py: a Python policy on
+    every op, its output cached or replayed): a ``("selective",)`` framework op per kernel (cost.py: the profile's
+    seconds per op), and for cp's bookkeeping (its framework ops, whose many small ops go through the mode too) one
+    ``("selective:cp", <its key>)`` per count, priced as a measured fraction of that bookkeeping's time."""
     kernels = sum(o.count for o in ops if o.kind in ("matmul", "attention", "elementwise"))
-    return [Op("framework", phase, ("selective",), 0.0, kernels)] if kernels else []
+    out = [Op("framework", phase, ("selective",), 0.0, kernels)] if kernels else []
+    cp = [o for o in ops if o.kind == "framework" and o.shape[0].startswith("cp:")]
+    return out + [Op("framework", phase, ("selective:cp", *o.shape), 0.0, o.count) for o in cp]
 
 
 def _alone(op: Op) -> Op:

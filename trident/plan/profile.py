@@ -129,7 +129,8 @@ class Profile:
     # ``cp:<parallel.cp_comm>`` each forward or backward of a layer's cp attention (masks, waits on a peer; the
     # ring's per quarter of a block it computes, its merges), ``recompute`` each layer recomputed (the checkpoint's
     # hooks), ``selective`` each op of a selectively checkpointed layer's forward and recomputation (its dispatch
-    # mode). Each is what makes the model give the step a held-out run of the model's tiny twin measured
+    # mode), ``selective:cp`` (a fraction, not seconds) how much more cp's bookkeeping takes under that mode. Each
+    # is what makes the model give the step a held-out run of the model's tiny twin measured
     # (trident/plan/residual.py). Empty: not measured.
     overheads: dict[str, float] = field(default_factory=dict)
     # A held-out run's measured step over the model's (trident/plan/residual.py): every step is scaled by it. 1: none.

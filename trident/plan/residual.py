@@ -15,13 +15,15 @@ Some work is no op at all: torch's split of the autograd graph around each actio
 cp attention's bookkeeping (the ring's quarters and merges, masks) and its waits on a peer, selective
 checkpointing's dispatch mode (a Python policy on every op of a checkpointed layer's forward and recomputation).
 On a 2-core Xeon with 8 ranks it is most of the step of a layout of many small passes (micro-batch 1, interleaved
-chunks), which the model had priced at half the measured step. So a calibration first runs the plan's model's tiny twin
-(trident/plan/tiny.py: its kernels cost next to nothing) in small layouts that each add one such kind of work
-(``tiny_runs``: a zb-h1 pipeline, cp over two ranks by each parallel.cp_comm, full and selective recomputation)
-and keeps the seconds per action, pass, layer or op with which the model gives each run's measured step
-(``measure_overheads``). The twin is no model a plan ranks. Its runs add about 15 s each to a calibration at world
-8 here (six of them). On one such calibration the tiny twin's selective recomputation measured 0.49 s a step
-against 0.30 s without the dispatch mode's 83 us per op, and its full recomputation 0.31 s.
+chunks), which the model had priced at half the measured step. So a calibration first runs the plan's model's tiny
+twin (trident/plan/tiny.py: its kernels cost next to nothing) in small layouts that each add one such kind of work
+(``tiny_runs``: a zb-h1 pipeline, cp over two ranks by each parallel.cp_comm, full and selective recomputation, the
+cp ring under selective recomputation) and keeps the seconds per action, pass, layer or op (or the fraction) with
+which the model gives each run's measured step (``measure_overheads``). The twin is no model a plan ranks. Its runs
+add about 15 s each to a calibration at world 8 here (seven of them). On one such calibration the tiny twin's
+selective recomputation measured 0.49 s a step against 0.30 s modelled without its dispatch mode (83 us per op),
+its full recomputation 0.31 s; at cp 4 on the ring, 0.76 s against 0.55 s with that mode's per op alone (cp's
+bookkeeping 1.4 times more).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from trident.plan.profile import Profile
 
 STEPS, WARMUP = 5, 2  # the held-out run's timed steps and the first ones not counted (start-up, allocator growth)
 TINY_MICRO = 8  # micro-batches per replica of the tiny twin's runs
+LARGEST = 100.0  # the most an overhead is fitted to (seconds; ``selective:cp``: times cp's bookkeeping)
 TINY_STEPS, TINY_WARMUP = 12, 4  # its steps are a fraction of a second: more of them, for a steadier median
 LAYOUT = {
     "parallel.tp": 1,
@@ -92,6 +95,7 @@ def tiny_runs(cfg: Config, world: int, overrides: list[str]) -> dict[str, dict]:
         dp = world // 2
         pairs = {**everyone, "parallel.dp": dp, "train.global_batch_size": dp * TINY_MICRO}
         layouts |= {f"cp:{kind}": {**pairs, "parallel.cp": 2, "parallel.cp_comm": kind} for kind in CP_COMMS}
+        layouts["selective:cp"] = {**layouts["cp:ring"], "train.activation_checkpointing": "selective"}
         if cfg.model.n_layers >= 2:
             layouts["split"] = {**pairs, "parallel.pp": 2, "parallel.schedule": "zb-h1"}
     model = tiny.overrides(dataclasses.asdict(cfg.model))
@@ -130,9 +134,12 @@ def measure_overheads(profile: Profile, runs: dict[str, dict], repo: Path, log: 
             "selective": "op under selective checkpointing",
             "cp:ring": "ring quarter",
         }.get(name, "cp pass")
+        said = f"{1e3 * seconds:.2f} ms of a rank's compute per {what}"
+        if name == "selective:cp":  # a fraction, not seconds
+            said = f"cp's bookkeeping takes {seconds:.2f} times more under selective checkpointing"
         log(
             f"calibrating: the tiny twin's {label}: step {measured:.3f} s measured, {step(0.0):.3f} s modelled from "
-            f"its ops: {1e3 * seconds:.2f} ms of a rank's compute per {what}"
+            f"its ops: {said}"
         )
         base = with_overhead(base, name, seconds)
     return dataclasses.replace(base, residual=profile.residual)
@@ -144,11 +151,12 @@ def _step_of(cfg: Config, world: int, profile: Profile, name: str, predict: Call
 
 
 def _fit(step: Callable[[float], float], measured: float) -> float:
-    """The seconds (at least 0) at which ``step``, growing with them, gives ``measured``: bisected."""
+    """The seconds (at least 0, at most about ``LARGEST``) at which ``step``, growing with them, gives
+    ``measured``: bisected."""
     low, high = 0.0, 1e-3
     if step(low) >= measured:
         return 0.0
-    while step(high) < measured and high < 1.0:
+    while step(high) < measured and high < LARGEST:
         low, high = high, 2 * high
     for _ in range(30):
         mid = (low + high) / 2
