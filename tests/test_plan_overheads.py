@@ -14,8 +14,8 @@ from tests.test_plan import cpu_profile
 from trident.config import compose_config, validate
 from trident.layout import Layout
 from trident.plan import residual, simulate, tiny
-from trident.plan.cost import Pricer, RankPlacement, comm_cpu, step_time
-from trident.plan.ops import Op, Shape, chunk_ops, layer_parts, recompute_ops, ring_quarters
+from trident.plan.cost import Pricer, RankPlacement, _pipeline, comm_cpu, step_time
+from trident.plan.ops import Op, Shape, chunk_ops, layer_ops, layer_parts, recompute_ops, ring_quarters
 from trident.plan.planner import placement_for, predict
 from trident.plan.profile import Rate, collective_key
 
@@ -262,3 +262,30 @@ def test_any_recomputation_reruns_cps_exchange_and_a_kept_core_hides_none_of_it(
         pricer.ops(recompute_ops(m, shape, policy), 1, "I")[1] for policy in ("selective[attn_core]", "selective")
     )
     assert alone > hidden
+
+
+def test_a_recomputed_zb_chunks_weight_pass_recomputes_and_walks_the_input_gradient_path_again() -> None:
+    """The executor's W pass of a checkpointed chunk is one backward to all its weights
+    (parallel/pipeline/executor.py ``backward_weight``'s ``together``): it recomputes the forward and walks every
+    layer's input-gradient path again. So on the second stage W costs, beyond its own weight gradients, each
+    layer's recomputation and its I pass; on the first stage (I is its whole backward) nothing more."""
+    m = compose_config(REPO / "conf", TINY).model
+    profile = cpu_profile()
+    placement = RankPlacement(2, 2, cores=2)
+    layout = Layout(
+        dp=1, pp=2, micro_batch_size=2, micro_batches=4, schedule="zb-h1", device="cpu", activation_checkpointing="full"
+    )
+    plain = dataclasses.replace(layout, activation_checkpointing="none")
+
+    def weight_pass(lay: Layout, stage: int) -> float:
+        costs = _pipeline(m, lay, profile, placement, Pricer(profile, "fp32", placement))[0]
+        return costs[(stage, "W")][0]
+
+    shape = Shape(2, m.seq_len, 1, False, "fp32")
+    pricer = Pricer(profile, "fp32", placement)
+    again = pricer.ops(recompute_ops(m, shape, "full"), 1, "I")[0]
+    path = pricer.ops([o for o in layer_ops(m, shape) if o.phase == "I"], 1, "I")[0]
+    layers = m.n_layers // 2
+    assert again > 0 and path > 0
+    assert weight_pass(layout, 1) - weight_pass(plain, 1) == pytest.approx(layers * (again + path))
+    assert weight_pass(layout, 0) == pytest.approx(weight_pass(plain, 0))

@@ -53,7 +53,7 @@ from trident.models.checkpointing import recomputed_layers
 from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_grads, stage_of, stage_placement
 from trident.parallel.placement import is_expert
 from trident.plan import simulate
-from trident.plan.ops import BYTES, Op, Shape, chunk_ops, recompute_ops
+from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops, recompute_ops
 from trident.plan.profile import (
     AMID_LONG_SEGMENT_S,
     AMID_SEGMENT_S,
@@ -588,20 +588,26 @@ def _pipeline(
         f, i, w = (pricer.ops(ops, layout.tp, ph, by_class[ph]) for ph in ("F", "I", "W"))
         if layout.schedule in ("zb-h1", "zb-v") and recomputed and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
-            # I's backward: W's one backward recomputes once more (not on the first stage, whose I is its whole
-            # backward).
-            again: tuple[dict[str, float], dict[str, float]] = ({}, {})
-            dense, sparse_again = (
-                pricer.ops(recompute_ops(m, shape, policy, kind), layout.tp, "I", again[kind]) for kind in (False, True)
+            # I's backward: W's backward recomputes once more (not on the first stage, whose I is its whole
+            # backward). And it is one backward for all the chunk's weights (``backward_weight``'s ``together``:
+            # separate ones would each recompute), which walks the input-gradient path between them again: every
+            # layer's I (its kernels, its collectives and cp's exchange), whose results the saved gradients replace.
+            dense_input = [o for o in layer_ops(m, shape) if o.phase == "I"]
+            sparse_input = [o for o in layer_ops(m, shape, sparse=True) if o.phase == "I"]
+            redone = (
+                (recompute_ops(m, shape, policy), recomputed - sparse[1]),
+                (recompute_ops(m, shape, policy, True), sparse[1]),
+                (dense_input, layers - sparse[0]),
+                (sparse_input, sparse[0]),
             )
-            k = recomputed - sparse[1]
-            for kind in set(again[0]) | set(again[1]):
-                extra = k * again[0].get(kind, 0.0) + sparse[1] * again[1].get(kind, 0.0)
-                by_class["W"][kind] = by_class["W"].get(kind, 0.0) + extra
-            w = (
-                w[0] + k * dense[0] + sparse[1] * sparse_again[0],
-                w[1] + k * dense[1] + sparse[1] * sparse_again[1],
-            )
+            for again_ops, k in redone:
+                if not k:
+                    continue
+                into: dict[str, float] = {}
+                compute, comm = pricer.ops(again_ops, layout.tp, "I", into)
+                for kind, t in into.items():
+                    by_class["W"][kind] = by_class["W"].get(kind, 0.0) + k * t
+                w = (w[0] + k * compute, w[1] + k * comm)
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
         for kind in ("F", "I", "W"):
