@@ -5,7 +5,9 @@
     model.position  learned (GPT-2)   | rope (Llama)            a position table, or rotary q and k
     model.n_kv_heads                    n_heads (MHA, default), fewer (grouped-query), 1 (multi-query)
     model.bias, model.tie_embeddings    biases in linear layers; the LM head tied to the token embedding
-    model.qk_norm                       RMSNorm over each query and key head before RoPE (Qwen3)
+    model.head_dim                      each head's width, when not d_model / n_heads (Qwen3)
+    model.qk_norm, model.qk_norm_scope  RMSNorm of queries and keys before RoPE: per head (Qwen3) or over the whole
+                                        projection (OLMoE)
     model.moe.*                         mixture-of-experts MLPs on the sparse layers (models/moe.py)
 
 Attention is causal, through scaled_dot_product_attention. The model is one file read top to bottom (norm,
@@ -52,7 +54,7 @@ from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache
 from trident.models.moe import MoE, TokenSplit
 from trident.models.rope import apply_rope, rope_frequencies, rope_tables
-from trident.parallel.comm import GroupShape, rank_and_size
+from trident.parallel.comm import GroupShape, copy_to_region, rank_and_size, reduce_from_region
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
 from trident.parallel.random import (
     ATTENTION,
@@ -114,7 +116,7 @@ class CausalSelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         tp_rank, tp_size = rank_and_size(tp_group)
-        heads, kv_heads, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        heads, kv_heads, dh = cfg.n_heads, cfg.kv_heads, cfg.head_size
         self.layer, self.head_dim = layer, dh
         self.n_heads = heads // tp_size  # this rank's query heads
         self.n_kv_heads = kv_heads // tp_size if kv_heads % tp_size == 0 else 1  # and the kv heads they read
@@ -126,7 +128,7 @@ class CausalSelfAttention(nn.Module):
         self.drop = Dropout(cfg.dropout, rng, layer, ATTENTION, shard_dim=0, rank=tp_rank, parts=tp_size)
         d, sp = cfg.d_model, sequence_parallel
         if kv_heads == heads:
-            self.qkv = ColumnParallelLinear(d, 3 * d, tp_group, bias=cfg.bias, sequence_parallel=sp)
+            self.qkv = ColumnParallelLinear(d, 3 * heads * dh, tp_group, bias=cfg.bias, sequence_parallel=sp)
         else:
             self.q = ColumnParallelLinear(d, heads * dh, tp_group, bias=cfg.bias, sequence_parallel=sp)
             if kv_heads % tp_size == 0:
@@ -134,10 +136,20 @@ class CausalSelfAttention(nn.Module):
             else:
                 self.kv = ReplicatedColumnLinear(d, 2 * kv_heads * dh, kv_heads, tp_group, bias=cfg.bias)
         self.proj = RowParallelLinear(heads * dh, d, tp_group, bias=cfg.bias, sequence_parallel=sp)
-        if cfg.qk_norm:  # one gain per head dim, shared by every head: held whole by every tp rank
+        if cfg.qk_norm and cfg.qk_norm_scope == "projection":  # a gain per unit, split over tp with the heads
+            if kv_heads % tp_size:
+                raise ValueError(
+                    f"model.qk_norm_scope=projection needs tp={tp_size} to divide model.n_kv_heads={kv_heads}: a rank "
+                    "holding every kv head computes only the one its query heads read"
+                )
+            self.q_norm = ProjectionRMSNorm(heads, dh, cfg.norm_eps, tp_group)
+            self.k_norm = ProjectionRMSNorm(kv_heads, dh, cfg.norm_eps, tp_group)
+        elif cfg.qk_norm:  # one gain per head dim, shared by every head: held whole by every tp rank
             self.q_norm, self.k_norm = nn.RMSNorm(dh, eps=cfg.norm_eps), nn.RMSNorm(dh, eps=cfg.norm_eps)
             for p in (self.q_norm.weight, self.k_norm.weight):
                 replicated(p)
+                if tp_size > 1:  # each rank's backward saw only its own heads: the gradient is a partial sum
+                    add_grad_sum(p, "tp")
 
     def project(
         self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
@@ -196,6 +208,31 @@ class CausalSelfAttention(nn.Module):
         mask = torch.ones(t, held, dtype=torch.bool, device=q.device).tril(held - t)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole projection, every head of it at once (OLMoE's and OLMo 2's q and k norms): ``x``
+    ``[b, heads, T, head_dim]`` normalised over its heads and head dims together, a gain per unit.
+
+    Under tp each rank holds some of the heads: the sum of squares is all-reduced over the group, forward and
+    backward (every rank's normalised heads depend on every rank's units), and the gain is split with the heads
+    (rank r holds units ``[r*k, (r+1)*k)``, k = heads / tp x head_dim)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, tp_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        tp_rank, tp_size = rank_and_size(tp_group)
+        self.width, self.eps, self.head_dim = heads * head_dim, eps, head_dim
+        self.tp_group = tp_group if tp_size > 1 else None
+        placement = Placement((self.width,), split_dim=0, tp_rank=tp_rank, tp_size=tp_size)
+        self.weight = set_placement(nn.Parameter(torch.ones(placement.local_shape)), placement)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.square().sum(dim=(1, 3), keepdim=True)
+        if self.tp_group is not None:
+            squares = reduce_from_region(copy_to_region(squares, self.tp_group), self.tp_group)
+        y = (xf * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+        return y * self.weight.view(-1, 1, self.head_dim)
 
 
 def causal_attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -293,8 +330,9 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = x + _dropped(self.drop_attn, self.attn(self.ln_1(x), cache, documents), documents)
         h = self.ln_2(x)
-        if isinstance(self.mlp, MoE) and isinstance(documents, ContextWindow):  # a capacity needs the batch's split
-            return x + _dropped(self.drop_mlp, self.mlp(h, window=documents.span.index), documents)
+        if isinstance(self.mlp, MoE):  # a capacity needs the batch's split (cp), or the pairs a cache has routed
+            window = documents.span.index if isinstance(documents, ContextWindow) else None
+            return x + _dropped(self.drop_mlp, self.mlp(h, window=window, cache=cache), documents)
         return x + _dropped(self.drop_mlp, self.mlp(h), documents)
 
 
@@ -487,7 +525,7 @@ def _block_matmul_params(cfg: ModelConfig, layer: int = 0, active: bool = True) 
     """Weights of block ``layer``'s matmuls: q, k, v and the output projection, and the MLP (SwiGLU has three). A
     sparse layer's MLP: the router, the shared experts and the top-k routed experts a token meets (``active``), or
     all of them."""
-    d, f, dh = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    d, f, dh = cfg.d_model, cfg.ffn_dim, cfg.head_size
     attention = d * cfg.n_heads * dh + 2 * d * cfg.kv_heads * dh + cfg.n_heads * dh * d
     mats = 3 if cfg.mlp == "swiglu" else 2
     moe = cfg.moe
@@ -506,9 +544,10 @@ def count_params(cfg: ModelConfig) -> int:
     for layer in range(L):
         width = (shared if cfg.moe.is_sparse(layer) else f) if cfg.bias else 0  # the dense MLP's (biases)
         mlp_bias = (2 * width if cfg.mlp == "swiglu" else width) + d if width else 0
-        attn_bias = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim + d
+        attn_bias = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_size + d
         biases = attn_bias + mlp_bias if cfg.bias else 0
-        qk = 2 * cfg.head_dim if cfg.qk_norm else 0
+        qk_widths = (cfg.n_heads, cfg.kv_heads) if cfg.qk_norm_scope == "projection" else (1, 1)
+        qk = sum(qk_widths) * cfg.head_size if cfg.qk_norm else 0
         total += _block_matmul_params(cfg, layer, active=False) + biases + 2 * norm + qk
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     positions = cfg.seq_len * d if cfg.position == "learned" else 0

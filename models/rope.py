@@ -18,7 +18,7 @@ from trident.config import ModelConfig
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """The inverse frequency of each of the head_dim / 2 pairs, fp32 on the CPU."""
-    dh = cfg.head_dim
+    dh = cfg.head_size
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh))
     if cfg.rope_scaling == "llama3":
         inv_freq = _llama3_scaled(inv_freq, cfg)

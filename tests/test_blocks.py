@@ -71,7 +71,7 @@ def test_grouped_kv_heads_are_multi_head_attention_with_each_kv_head_repeated_fo
     k and v rows repeated per query head, gives the same logits (Hugging Face's repeat_kv convention)."""
     gqa, mha_cfg = build(LLAMA), dataclasses.replace(LLAMA, n_kv_heads=None)
     mha = build(mha_cfg)
-    heads, kv_heads, dh = LLAMA.n_heads, LLAMA.kv_heads, LLAMA.head_dim
+    heads, kv_heads, dh = LLAMA.n_heads, LLAMA.kv_heads, LLAMA.head_size
     for name, p in mha.named_parameters():
         if name.endswith("attn.qkv.weight"):
             layer = name[: -len("qkv.weight")]
@@ -115,7 +115,7 @@ def test_rope_is_hugging_faces(scaling):
 
 def test_rope_scores_depend_only_on_the_distance():
     cfg = ModelConfig(d_model=32, n_heads=4, position="rope")
-    q, k = torch.randn(2, cfg.head_dim).unbind(0)
+    q, k = torch.randn(2, cfg.head_size).unbind(0)
 
     def score(m: int, n: int) -> torch.Tensor:
         cos, sin = rope_tables(torch.tensor([m, n]), rope_frequencies(cfg))

@@ -66,7 +66,7 @@ def test_the_count_sees_each_block_option() -> None:
     multi-head, SwiGLU's third matrix more than GELU's two, and an untied head no more than a tied one (both multiply
     once by the vocabulary)."""
     flops = {name: counted_flops(SHAPES[name], 1, 32) for name in ("llama-tiny", "llama-tiny-mha", "llama-tiny-tied")}
-    d, dh = LLAMA_TINY.d_model, LLAMA_TINY.head_dim
+    d, dh = LLAMA_TINY.d_model, LLAMA_TINY.head_size
     kv_saved = 2 * d * (LLAMA_TINY.n_heads - LLAMA_TINY.kv_heads) * dh  # the k and v weights grouping removes
     assert flops["llama-tiny-mha"] - flops["llama-tiny"] == 6 * LLAMA_TINY.n_layers * kv_saved * 32
     assert flops["llama-tiny-tied"] == flops["llama-tiny"]

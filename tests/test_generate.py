@@ -92,7 +92,7 @@ def test_the_cache_holds_the_prompt_and_the_new_tokens_in_the_weights_dtype(monk
     assert model.wte.weight.dtype == torch.bfloat16 and model.cfg.seq_len == 4096
     generate.sample(model, [5, 17, 2, 60, 33], 40, 0.0, 0, torch.Generator())
     (cache,) = made  # 45 tokens > the 32-token training window: no restart, the model's context is 4096
-    size = 2 * cfg.n_layers * (1 * cfg.kv_heads * 45 * cfg.head_dim)  # k and v per layer, [b, g, 45, dh]
+    size = 2 * cfg.n_layers * (1 * cfg.kv_heads * 45 * cfg.head_size)  # k and v per layer, [b, g, 45, dh]
     assert (cache.max_len, cache.dtype, cache.nbytes) == (45, torch.bfloat16, size * 2)
 
     made.clear()

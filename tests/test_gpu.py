@@ -253,7 +253,7 @@ def test_sdpa_takes_the_flash_kernel_for_the_presets_attention_and_matches_the_m
     m = make_config(f"model={preset}", "model.seq_len=1024").model
     attention = CausalSelfAttention(m, None, False, None, 0)  # its core holds no weights: only the SDPA call
     gen = torch.Generator("cuda").manual_seed(0)
-    b, t, dh = 2, m.seq_len, m.head_dim
+    b, t, dh = 2, m.seq_len, m.head_size
     q, k, v = (
         torch.randn(b, heads, t, dh, device="cuda", generator=gen).to(torch.bfloat16)
         for heads in (m.n_heads, m.kv_heads, m.kv_heads)

@@ -95,7 +95,7 @@ def test_a_contiguous_block_of_qkv_rows_holds_whole_heads():
     x = torch.randn(2, CFG.seq_len, CFG.d_model)
     with torch.no_grad():
         full = attn.core(*attn.project(x))  # [b, t, h*d]
-        tp, d = 2, CFG.head_dim
+        tp, d = 2, CFG.head_size
         rows = 3 * CFG.d_model // tp
         for r in range(tp):
             w, b = attn.qkv.weight[r * rows : (r + 1) * rows], attn.qkv.bias[r * rows : (r + 1) * rows]

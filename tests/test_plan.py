@@ -343,7 +343,7 @@ def test_context_parallel_attention_is_a_rank_share_of_the_pairs() -> None:
         return sum(pricer.kernels(o) for o in layer_ops(m, shape) if o.kind == kind)
 
     whole = priced(1, "ring", "attention")
-    assert whole == pytest.approx(3.5 * flops_attention(1, m.n_heads, m.seq_len, m.head_dim, "fwd") / 1e9)
+    assert whole == pytest.approx(3.5 * flops_attention(1, m.n_heads, m.seq_len, m.head_size, "fwd") / 1e9)
     for cp in (2, 4):
         for comm in ("ring", "allgather", "ulysses"):
             assert priced(cp, comm, "attention") == pytest.approx(whole / cp)
@@ -358,7 +358,7 @@ def test_context_parallel_cost_grows_with_exposed_communication() -> None:
     attention of its block; only the excess is exposed, none with a link fast enough; the gradients' trip home
     hides behind nothing."""
     m = compose_config(REPO / "conf", TINY).model
-    layers, kv = m.n_layers, 2 * m.seq_len * m.n_heads * m.head_dim * 4 * 8  # K and V of 8 sequences, fp32
+    layers, kv = m.n_layers, 2 * m.seq_len * m.n_heads * m.head_size * 4 * 8  # K and V of 8 sequences, fp32
     positions = 8 * 8 * m.seq_len  # every token's position in the sequence, int64
     profile = cpu_profile()
     gathered = Layout(dp=1, cp=2, cp_comm="allgather", micro_batch_size=8, micro_batches=1, device="cpu")
@@ -379,7 +379,7 @@ def test_context_parallel_cost_grows_with_exposed_communication() -> None:
     )
 
     ring = dataclasses.replace(gathered, cp_comm="ring")
-    block = flops_attention(8, m.n_heads, m.seq_len // 2, m.head_dim, "fwd") / 1e9  # one step's block, forward
+    block = flops_attention(8, m.n_heads, m.seq_len // 2, m.head_size, "fwd") / 1e9  # one step's block, forward
     p2p = Rate(1e-3, 1e9)
     # Forward and backward a K/V block behind the block's attention; backward their fp32 gradients home, exposed.
     exposed = layers * (max(0.0, p2p.time(kv / 2) - block) + max(0.0, p2p.time(kv / 2) - 2.5 * block))
@@ -400,7 +400,7 @@ def test_collectives_the_passes_meet_are_priced_at_their_rate_amid_compute() -> 
     passes (here cp's all-gathers and reduce-scatters, and a pipeline's messages), and only those: the gradient
     all-reduce after the passes, and a layout that meets no collective in its passes, keep the back-to-back rate."""
     m = compose_config(REPO / "conf", TINY).model
-    kv = 2 * m.seq_len * m.n_heads * m.head_dim * 4 * 8  # K and V of 8 sequences, fp32
+    kv = 2 * m.seq_len * m.n_heads * m.head_size * 4 * 8  # K and V of 8 sequences, fp32
     profile = cpu_profile()
     slow = Rate(5e-3, 0.2e9)
     amid = {collective_key(op, 2): slow for op in ("all_gather", "reduce_scatter", "all_reduce", "p2p")}

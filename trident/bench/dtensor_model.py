@@ -26,7 +26,7 @@ from trident.config import ModelConfig
 class TorchAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        d, self.head_dim = cfg.d_model, cfg.head_dim
+        d, self.head_dim = cfg.d_model, cfg.head_size
         self.qkv = nn.Linear(d, 3 * d, bias=cfg.bias)
         self.proj = nn.Linear(d, d, bias=cfg.bias)
 

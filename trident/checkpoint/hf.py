@@ -193,7 +193,7 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_ids: list[int] | 
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
+        "head_dim": cfg.head_size,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -380,7 +380,7 @@ def _rows(stacked: str, ours: str, **sizes: int) -> torch.Tensor:
 def sources(cfg: ModelConfig) -> dict[str, Source]:
     """Our canonical name -> its Source, for every tensor a model of ``cfg`` has; GPT-2 also lists the biases a
     model without them lacks (exported as zeros)."""
-    d, f, heads, kv, dh = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    d, f, heads, kv, dh = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.kv_heads, cfg.head_size
     out: dict[str, Source] = {}
     gpt2 = architecture(cfg) == GPT2
     top, layer = ("transformer.", "transformer.h.") if gpt2 else ("model.", "model.layers.")

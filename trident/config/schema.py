@@ -86,7 +86,13 @@ class ModelConfig:
     # tokenizer's.
     bos_id: int | None = None
     eos_ids: list[int] | None = None
-    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    # Each attention head's width; None: d_model / n_heads. Qwen3 decouples it (30B-A3B: hidden 2048, 32 heads of
+    # 128): q, k and v project to heads x head_dim, the output projection from it.
+    head_dim: int | None = None
+    qk_norm: bool = False  # RMSNorm of the queries and keys before RoPE (Qwen3, OLMoE)
+    # What qk_norm normalises: each head's vector, one gain of head_dim shared by the heads (Qwen3), or the whole
+    # projection, q's heads x head_dim and k's kv heads x head_dim, a gain per unit (OLMoE, OLMo 2).
+    qk_norm_scope: str = "head"  # head | projection
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -102,8 +108,9 @@ class ModelConfig:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """Each attention head's width: ``head_dim``, or d_model / n_heads when it is not set."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -128,7 +135,9 @@ SHAPE_KEYS = (
     "mlp",
     "position",
     "tie_embeddings",
+    "head_dim",
     "qk_norm",
+    "qk_norm_scope",
     "moe",
 )
 

@@ -138,10 +138,13 @@ def validate(cfg: Config, world_size: int) -> Layout:
         "holds the windows it trains on: raise it, or leave it out",
     )
     _need(0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)")
+    _need(m.head_dim is None or m.head_dim >= 1, f"model.head_dim={m.head_dim} must be >= 1, or left out")
     _need(
-        m.d_model % m.n_heads == 0,
-        f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; choose n_heads that divides d_model",
+        m.head_dim is not None or m.d_model % m.n_heads == 0,
+        f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; choose n_heads that divides d_model "
+        "(or set model.head_dim)",
     )
+    _one_of("model.qk_norm_scope", m.qk_norm_scope, ("head", "projection"))
     _one_of("model.norm", m.norm, ("layernorm", "rmsnorm"))
     _one_of("model.mlp", m.mlp, ("gelu", "swiglu"))
     _one_of("model.position", m.position, ("learned", "rope"))
@@ -166,8 +169,9 @@ def validate(cfg: Config, world_size: int) -> Layout:
             f"model.rope_high_freq_factor={m.rope_high_freq_factor}",
         )
     _need(
-        m.position != "rope" or m.head_dim % 2 == 0,
-        f"model.position=rope needs an even head size; d_model / n_heads = {m.head_dim}",
+        m.position != "rope" or m.head_size % 2 == 0,
+        f"model.position=rope needs an even head size; "
+        f"{'model.head_dim' if m.head_dim is not None else 'd_model / n_heads'} = {m.head_size}",
     )
     _need(
         m.n_kv_heads is None or (m.n_kv_heads >= 1 and m.n_heads % m.n_kv_heads == 0),
@@ -231,6 +235,11 @@ def validate(cfg: Config, world_size: int) -> Layout:
         _need(error is None, error or "")
     error = kv_heads_error(m.n_heads, m.kv_heads, par.tp)
     _need(error is None, error or "")
+    _need(
+        not (m.qk_norm and m.qk_norm_scope == "projection") or m.kv_heads % par.tp == 0,
+        f"model.qk_norm_scope=projection normalises all {m.kv_heads} kv heads together, which parallel.tp={par.tp} "
+        f"does not divide; use a parallel.tp that divides model.n_kv_heads",
+    )
 
     _need(tr.micro_batch_size >= 1, f"train.micro_batch_size={tr.micro_batch_size} must be >= 1")
     _need(tr.global_batch_size >= 1, f"train.global_batch_size={tr.global_batch_size} must be >= 1")

@@ -122,7 +122,7 @@ def layer_parts(m: ModelConfig, s: Shape, sparse: bool = False) -> dict[str, lis
     """One transformer layer, forward and backward, without recomputation, by part: what a selective policy
     keeps or recomputes (models/checkpointing.py) is a choice of parts. ``sparse``: a mixture-of-experts layer,
     whose MLP is ``_sparse_mlp``'s."""
-    d, f, dh, tp, e = m.d_model, m.ffn_dim // s.tp, m.head_dim, s.tp, s.e
+    d, f, dh, tp, e = m.d_model, m.ffn_dim // s.tp, m.head_size, s.tp, s.e
     heads, kv = local_heads(m, tp)
     t, t_sp = s.tokens, s.tokens // (tp if s.sequence_parallel else 1)
     parts: dict[str, list[Op]] = {}
