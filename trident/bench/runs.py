@@ -27,6 +27,7 @@ from pathlib import Path
 
 from trident.config import Config, validate
 from trident.errors import ConfigError
+from trident.process_tree import run_tree
 from trident.tool_config import default_world, load_config
 
 SHORT = {
@@ -100,7 +101,7 @@ def run_trial(repo: Path, trial: Trial, run_dir: Path, timeout_s: float) -> Tria
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_SILENT="true")
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=repo)
+        proc = run_tree(cmd, timeout_s, env=env, cwd=repo)  # no rank outlives its run, however the run ends
         if proc.returncode != 0:
             lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "stopped by"))]
             tail = proc.stderr.strip().splitlines()
