@@ -64,7 +64,8 @@ from tests.helpers import REPO
 from trident.plan import measure
 
 base = [*BASE, "data.dataset_dir=" + sys.argv[1]]
-measure.measure(_best(2), base, 2, REPO, Path(sys.argv[2]), steps=400, warmup=1, log=lambda line: print(line, flush=True))
+runs = Path(sys.argv[2])
+measure.measure(_best(2), base, 2, REPO, runs, steps=400, warmup=1, log=lambda line: print(line, flush=True))
 """
 
 
