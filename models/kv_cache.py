@@ -6,6 +6,11 @@ One process, one model (tp = pp = 1). ``GPT.forward(ids, cache)`` reads ``cache.
 held, and the model then advances ``length``. Storage is allocated once per layer, for ``max_len`` tokens (what the
 generation needs: tools/generate.py asks for the prompt and the new tokens), in the dtype of the keys and values,
 which is the model's.
+
+A sparse layer with a capacity (models/moe.py) keeps each sequence's (token, expert) pairs per expert in token
+order, at most the capacity of each expert per sequence; the cache holds, per sparse layer, how many pairs each
+sequence has sent each expert so far, so that a new token's pairs are placed after them and a decode keeps the
+pairs a full forward of the whole sequence keeps.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ class KVCache:
         self.length = 0
         self._k: dict[int, torch.Tensor] = {}
         self._v: dict[int, torch.Tensor] = {}
+        self._routed: dict[object, torch.Tensor] = {}
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` ``[b, heads, t, d]`` at positions [length, length + t); return all keys and values
@@ -32,6 +38,13 @@ class KVCache:
         self._k[layer][..., self.length : end, :] = k
         self._v[layer][..., self.length : end, :] = v
         return self._k[layer][..., :end, :], self._v[layer][..., :end, :]
+
+    def routed(self, layer: object, batch: int, experts: int, device: torch.device) -> torch.Tensor:
+        """The pairs each of the ``batch`` sequences has sent each expert of sparse layer ``layer`` (the MoE module)
+        so far, ``[batch, experts]`` int64: zeros at first; the layer adds the new tokens' pairs in place."""
+        if layer not in self._routed:
+            self._routed[layer] = torch.zeros(batch, experts, dtype=torch.int64, device=device)
+        return self._routed[layer]
 
     def advance(self, t: int) -> None:
         self.length += t

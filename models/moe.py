@@ -6,11 +6,23 @@ outputs are summed with the router's weights, and ``shared_experts`` (if any) se
                 ``bias_update_rate``), weighted by the scores alone, renormalised to sum 1 (``norm_topk``, always
                 with sigmoid)
     dispatch    the (token, expert) pairs sorted by expert, stable, so each expert's tokens are one contiguous run
-                in token order; with a capacity the pairs past it are dropped, in token order
+                in token order; with a capacity the pairs past it are dropped, in token order (below)
     experts     every expert's MLP at once: ``torch._grouped_mm`` over the runs (the row offsets), or a loop of
                 one matmul per expert where the build lacks it or the widths are not 16-byte aligned
     combine     each pair's output times its weight, added back into its token's row (``index_add_``, pairs of a
                 token in expert order)
+
+A capacity (``capacity_factor``) is one function of each sequence, however its tokens are fed: an expert takes at
+most ``C = ceil(capacity_factor * seq_len * top_k / experts)`` of a sequence's pairs, ``seq_len`` the model's
+training window (the config's, not the length of the call), and keeps them in token order, the later ones dropped.
+That rule is causal, so a prefix's forward gives the full forward's first tokens, and a KV-cache decode computes the
+same (the cache holds, per sparse layer, each sequence's pairs per expert so far: models/kv_cache.py). Training,
+evaluation, generation and a full forward compute one function; a context longer than ``seq_len`` (generation
+over ``max_seq_len``) keeps the same C for the whole sequence.
+
+The loss-free balancing bias (``Router.expert_bias``) is part of the function whatever ``bias_update_rate`` (which
+only moves it): checkpoints keep it (``buffers/<name>``, ``balancing_state``), and so do the consolidated file,
+generation and ``checkpoint.init_from`` (``load_balancing_state``).
 
 The experts' weights are three 2-D parameters, each expert a block of ``d_expert`` rows (``[E * f, d]``): ``gate``
 and ``up`` hold W_gate and W_up (``out x in`` rows, as nn.Linear), ``down`` holds W_down transposed, so every
@@ -60,6 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.config import ModelConfig, MoEConfig
+from trident.models.kv_cache import KVCache
 from trident.parallel.comm import (
     GroupShape,
     InFlight,
@@ -215,8 +228,9 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):  # routing in fp32 whatever the compute dtype
             logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if self.moe.router == "softmax" else logits.sigmoid()
-        choose = scores + self.expert_bias if self.moe.bias_update_rate > 0 else scores
-        chosen = choose.topk(self.moe.top_k, dim=-1).indices
+        # The bias is part of the function whatever the rate (which only moves it): a model started from a trained
+        # one with another rate, or exported, chooses as it was trained to. Zero, it changes no choice.
+        chosen = (scores + self.expert_bias).topk(self.moe.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
         if self.moe.router == "sigmoid" or self.moe.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -317,6 +331,9 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.moe = cfg.moe
+        # The window a capacity is taken over: the model's training sequence (tools/generate.py, which builds the
+        # model over a longer context, keeps it at the trained one).
+        self.seq_len = cfg.seq_len
         self.split = split if split is not None and split.parts > 1 else None  # a sequence split over ranks
         self.router = Router(cfg)
         self.ep_rank, self.ep_size = rank_and_size(ep_group)
@@ -332,14 +349,18 @@ class MoE(nn.Module):
         self.register_buffer("step_sums", torch.zeros(4, dtype=torch.float64), persistent=False)
 
     def capacity(self, tokens: int) -> int | None:
-        """The most (token, expert) pairs an expert takes from a sequence of ``tokens`` tokens; None: dropless."""
+        """The most (token, expert) pairs an expert takes from a sequence, for a window of ``tokens`` tokens (the
+        forward passes ``seq_len``, whatever the length of the call); None: dropless."""
         if self.moe.capacity_factor is None:
             return None
         return math.ceil(self.moe.capacity_factor * tokens * self.moe.top_k / self.moe.experts)
 
-    def forward(self, x: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, window: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """``x`` [b, t, d] (or [n, d]). ``window``: under context parallelism the places of this cp rank's tokens in
-        their sequences, as its batch split them (``TokenSplit.index``); a capacity keeps pairs by them."""
+        their sequences, as its batch split them (``TokenSplit.index``); a capacity keeps pairs by them. ``cache``
+        (generation, one process): ``x`` continues the sequences it holds; a capacity counts their pairs so far."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k, e = x.shape[0], self.moe.top_k, self.moe.experts
@@ -355,7 +376,7 @@ class MoE(nn.Module):
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=e)
-        cap = self.capacity(t * parts)
+        cap = self.capacity(self.seq_len)
         if cap is None:
             run = flat[order] * b + order // k // t  # (expert, sequence) of each sorted pair: contiguous runs
             per_seq = torch.bincount(run, minlength=e * b)
@@ -366,6 +387,10 @@ class MoE(nn.Module):
             if split is not None:
                 mine = split.index(t, x.device, window).expand(b, -1)
                 place = place.gather(1, mine.unsqueeze(-1).expand(-1, -1, k))
+            if cache is not None:  # after the pairs of the tokens the cache holds
+                held = cache.routed(self, b, e, x.device)
+                place = place + held.gather(1, chosen.view(b, t * k)).view(b, t, k)
+                held += per_seq.view(e, b).t()
             order = order[place.reshape(-1)[order] < cap]
             kept = torch.bincount(flat[order], minlength=e)
         token = order // k
@@ -521,6 +546,22 @@ def balancing_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.mlp.router.expert_bias": m.router.expert_bias for i, m in moe_layers(modules).items()}
 
 
+@torch.no_grad()
+def load_balancing_state(modules: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
+    """Set the sparse layers' loss-free biases from ``state`` (``balancing_state``'s names; a layer it does not
+    name keeps its bias), kept fp32 whatever the model's dtype: routing is fp32. Raises ValueError on a name that
+    is no sparse layer's or a bias of another shape."""
+    layers = {f"layers.{i}.mlp.router.expert_bias": m.router for i, m in moe_layers(modules).items()}
+    for name, tensor in state.items():
+        router = layers.get(name)
+        if router is None or tensor.shape != router.expert_bias.shape:
+            held = "no such bias" if router is None else f"shape {list(router.expert_bias.shape)}"
+            raise ValueError(f"{name} {list(tensor.shape)} does not fit this model ({held})")
+        if router.expert_bias.dtype != torch.float32:  # a model cast to its weights' dtype (tools/generate.py)
+            router.expert_bias = router.expert_bias.float()
+        router.expert_bias.copy_(tensor)  # in place: a checkpointer holds the buffer (balancing_state)
+
+
 def set_loss_multiplier(model: nn.Module, multiplier: float) -> None:
     """What a runner multiplies the summed token loss by before backward: the auxiliary losses' gradient per
     token (``MoE.loss_multiplier``). A dense model has nothing to set."""
@@ -536,14 +577,17 @@ def step_stats(
     dp_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    skipped: bool = False,
 ) -> dict[str, float]:
     """After the optimizer step: the step's routing summed over dp (one all-reduce; ``dp_group`` is dp x cp under
     context parallelism, and under sequence parallelism a second over ``tp_group``: every rank routed its own tokens),
     the loss-free bias moved by it, and the metrics of every sparse layer (gathered over the pipeline stages,
     ``pp_group``): ``moe/aux_loss`` (mean over the sparse layers, token-weighted over the step), ``moe/z_loss``,
     ``moe/load/<layer>`` (max over mean tokens per expert) and, with a capacity, ``moe/dropped`` (the share of (token,
-    expert) pairs dropped). The sums start again from zero. Every rank calls it; a dense model returns an empty row (no
-    collective)."""
+    expert) pairs dropped). The sums start again from zero. A ``skipped`` step (fp16's loss scaler found its gradients
+    not finite) changed no weight, so the bias does not move either: it stays with the weights it balances, and the
+    step's routing is reported but dropped, not carried into the next step's update. Every rank calls it; a dense
+    model returns an empty row (no collective)."""
     if not moe.enabled:
         return {}
     layers = moe_layers(modules)
@@ -566,7 +610,7 @@ def step_stats(
                 tokens * m.moe.top_k,
                 load,
             )
-            if m.moe.bias_update_rate > 0:  # DeepSeek-V3: under-loaded experts up, over-loaded down
+            if m.moe.bias_update_rate > 0 and not skipped:  # DeepSeek-V3: under-loaded experts up, over-loaded down
                 m.router.expert_bias += m.moe.bias_update_rate * torch.sign(mean - counts).float()
             m.step_counts.zero_()
             m.step_sums.zero_()

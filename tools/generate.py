@@ -24,16 +24,19 @@ from trident.checkpoint.files import saved_model_config
 from trident.errors import CheckpointError, TridentError
 from trident.models.gpt import GPT
 from trident.models.kv_cache import KVCache
+from trident.models.moe import load_balancing_state, moe_layers
 from trident.parallel.placement import placement_of
 
 
 @torch.no_grad()
 def build_model(weights: ModelWeights, device: torch.device) -> GPT:
-    """A one-process GPT holding ``weights`` (logical tensors: each parameter pads its own again), in their dtype (a
-    bf16 Hugging Face model runs in bf16, as transformers runs it), over the model's whole context: with RoPE, a
-    model trained on shorter windows still has all the positions of the one it was started from."""
-    cfg = saved_model_config(weights.config, weights.source)
-    cfg = dataclasses.replace(cfg, seq_len=cfg.context_len)
+    """A one-process GPT holding ``weights`` (logical tensors: each parameter pads its own again) and their buffers
+    (the sparse layers' balancing biases; zero where a source has none), in their dtype (a bf16 Hugging Face model
+    runs in bf16, as transformers runs it), over the model's whole context: with RoPE, a model trained on shorter
+    windows still has all the positions of the one it was started from. A sparse layer's capacity stays that of the
+    trained window (models/moe.py)."""
+    trained = saved_model_config(weights.config, weights.source)
+    cfg = dataclasses.replace(trained, seq_len=trained.context_len)
     try:
         model = GPT(cfg)
     except ValueError as e:
@@ -45,7 +48,14 @@ def build_model(weights: ModelWeights, device: torch.device) -> GPT:
             param.copy_(placement_of(param).shard(weights.tensors[name]))
         except ValueError as e:
             raise CheckpointError(f"the checkpoint's {name} does not fit this model: {e}") from None
-    return model.to(device=device, dtype=weights.tensors["wte.weight"].dtype).eval()
+    model.to(device=device, dtype=weights.tensors["wte.weight"].dtype)
+    try:
+        load_balancing_state([model], weights.buffers)
+    except ValueError as e:
+        raise CheckpointError(f"the checkpoint's buffer {e}") from None
+    for moe in moe_layers([model]).values():
+        moe.seq_len = trained.seq_len  # a capacity is the trained window's, whatever the context
+    return model.eval()
 
 
 @torch.no_grad()

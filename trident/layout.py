@@ -1,11 +1,11 @@
 """The one description of a launch's layout: what ``validate`` (trident/config/validate.py) resolves a config into.
 
 Every key that decides how a step is split over ranks and micro-batches, and what each rank holds, resolved once:
-dp from the world size, the schedule from vpp, no ZeRO-3 settings below ZeRO 3, no offload ratio without offload,
-the micro-batch count from the global batch. The runtime (train.py, trident/build.py, the loop), the memory
-estimator, the planner (its candidates are layouts) and the fuzzer all read this one frozen object; a new parallel
-dimension is added here first, then in the validator, the topology, the estimator, the planner's space and the
-fuzzer's space.
+dp from the world size, the schedule from vpp (and vpp 2 from zb-v, which always runs two chunks a rank), no
+ZeRO-3 settings below ZeRO 3, no offload ratio without offload, the micro-batch count from the global batch. The
+runtime (train.py, trident/build.py, the loop), the memory estimator, the planner (its candidates are layouts) and
+the fuzzer all read this one frozen object; a new parallel dimension is added here first, then in the validator,
+the topology, the estimator, the planner's space and the fuzzer's space.
 
 ``PLANNED_KEYS`` are the config keys the planner chooses (and ``parallel.auto`` keeps when given);
 ``overrides`` writes a layout back as those keys, ``apply`` into a config.
@@ -45,6 +45,12 @@ _PLANNED = {
 PLANNED_KEYS = tuple(_PLANNED)
 
 
+def chunks_per_rank(schedule: str | None, pp: int, vpp: int) -> int:
+    """The model chunks a pipeline rank holds: ``vpp``, but two under zb-v when vpp is left at 1 (its V is always
+    two chunks; another vpp with zb-v is the validator's to refuse)."""
+    return 2 if schedule == "zb-v" and pp > 1 and vpp == 1 else vpp
+
+
 @dataclass(frozen=True)
 class Layout:
     """A resolved launch: how it is split, how a step is batched, and what a rank holds."""
@@ -78,6 +84,7 @@ class Layout:
         # A layout written by hand resolves as validate's do: the default schedule of a pipeline, none without one.
         schedule = resolve_schedule(self.schedule, self.vpp) if self.pp > 1 else None
         object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "vpp", chunks_per_rank(schedule, self.pp, self.vpp))
 
     @property
     def world(self) -> int:

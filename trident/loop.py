@@ -146,9 +146,10 @@ class Trainer:
             loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
         shared = self._share_loss(loss_sum)  # on the wire while the optimizer steps
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
-        # The loss-free bias moves after the step; the routing of every stage's sparse layers is in every row.
+        # The loss-free bias moves after the step (not after a skipped one); the routing of every stage's sparse
+        # layers is in every row.
         pp_group = self.groups.pp_group if self.groups.pp_size > 1 else None
-        moe = step_stats(self.model_chunks, self.moe, self.groups.grad_group, pp_group, self.routing_tp_group)
+        moe = step_stats(self.model_chunks, self.moe, self.groups.grad_group, pp_group, self.routing_tp_group, skipped)
         loss = shared() / self.tokens_per_step
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=skipped, moe=moe)
 

@@ -4,7 +4,9 @@
 
 The file is safetensors (a JSON header and raw tensor bytes: nothing in it can run code). It holds every
 model parameter as its full logical tensor under its canonical name (the embedding without padding rows,
-tied copies once), and in the header's string metadata:
+tied copies once), the model's state outside the gradient under ``buffers/<name>``, as a checkpoint holds it (a
+sparse layer's loss-free balancing bias, ``buffers/layers.<i>.mlp.router.expert_bias``, [experts] fp32: part of
+the function the model computes, models/moe.py), and in the header's string metadata:
 
     format           "trident-consolidated-1"
     step             the step of the checkpoint it came from
@@ -33,7 +35,7 @@ from trident.checkpoint.dcp import Sharded, read_metadata, read_sharded, write_s
 from trident.checkpoint.files import find_resume_path, new_temporary, publish, read_head
 from trident.checkpoint.hf import check_parts, read_box, sources
 from trident.checkpoint.hf_dir import HFDir, is_hf_dir
-from trident.checkpoint.state import MODEL
+from trident.checkpoint.state import BUFFERS, MODEL
 from trident.config import Config, ModelConfig
 from trident.data.tokenizer import FILE_NAMES, SENTENCEPIECE, Tokenizer, find_tokenizer_file, tokenizer_from_bytes
 from trident.errors import CheckpointError, DataError
@@ -41,16 +43,18 @@ from trident.errors import CheckpointError, DataError
 FORMAT = "trident-consolidated-1"
 
 
-def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every model parameter of a checkpoint as its full logical tensor, in this process (no process group)."""
+def read_model_tensors(path: Path, prefix: str = MODEL) -> dict[str, torch.Tensor]:
+    """Every model parameter of a checkpoint as its full logical tensor, in this process (no process group);
+    ``prefix`` ``BUFFERS``: its buffers (the loss-free balancing biases) instead."""
     metadata = read_metadata(path)
     state = {
         key: Sharded.whole(torch.zeros(entry.size, dtype=entry.properties.dtype))
         for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith(MODEL)
+        if key.startswith(prefix)
     }
-    read_sharded(state, path, metadata)
-    return {key[len(MODEL) :]: s.boxes[0][1] for key, s in state.items()}
+    if state:
+        read_sharded(state, path, metadata)
+    return {key[len(prefix) :]: s.boxes[0][1] for key, s in state.items()}
 
 
 @dataclass
@@ -63,6 +67,9 @@ class ModelWeights:
     tokenizer: bytes | None  # the tokenizer file's bytes
     source: Path  # the checkpoint directory, the consolidated file or the Hugging Face directory
     tokenizer_file: str | None = None  # its name, one of FILE_NAMES (None with bytes: a sentencepiece model)
+    # State outside the gradient by name (models/moe.py ``balancing_state``: each sparse layer's loss-free balancing
+    # bias); none from a Hugging Face directory or a dense model. An exit with no place for one must refuse it.
+    buffers: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.tokenizer_file is None:
@@ -83,7 +90,8 @@ def from_checkpoint(path: Path) -> ModelWeights:
     """The model part of one checkpoint directory (any layout), read in this process."""
     meta, config = read_head(path)
     tokenizer, name = _read_tokenizer(find_tokenizer_file(path))
-    return ModelWeights(read_model_tensors(path), config, meta["step"], tokenizer, path, name)
+    tensors, buffers = read_model_tensors(path), read_model_tensors(path, BUFFERS)
+    return ModelWeights(tensors, config, meta["step"], tokenizer, path, name, buffers)
 
 
 def _read_tokenizer(path: Path | None) -> tuple[bytes | None, str | None]:
@@ -117,6 +125,8 @@ def _columns(name: str, cfg: ModelConfig) -> tuple[int, ...]:
         return (cfg.d_model,)
     if not name.endswith(".weight") or ".ln_" in name or name.startswith("ln_") or "_norm." in name:
         return ()
+    if name.endswith("attn.proj.weight"):  # from the heads, which need not be d_model wide (model.head_dim)
+        return (cfg.n_heads * cfg.head_size,)
     return (cfg.ffn_dim,) if name.endswith("mlp.proj.weight") else (cfg.d_model,)
 
 
@@ -129,7 +139,8 @@ def write_consolidated(weights: ModelWeights, out: Path) -> None:
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         try:
-            save_file({name: t.contiguous() for name, t in weights.tensors.items()}, tmp, metadata=metadata)
+            tensors = {**weights.tensors, **{BUFFERS + name: t for name, t in weights.buffers.items()}}
+            save_file({name: t.contiguous() for name, t in tensors.items()}, tmp, metadata=metadata)
         except SafetensorError as e:  # its I/O errors are not OSErrors
             raise OSError(" ".join(str(e).split())) from None
         os.replace(tmp, out)
@@ -143,11 +154,12 @@ def read_consolidated(path: Path) -> ModelWeights:
             metadata = f.metadata() or {}
             if metadata.get("format") != FORMAT:
                 raise ValueError(f"not a trident consolidated model (format {metadata.get('format')!r})")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {name: f.get_tensor(name) for name in f.keys() if not name.startswith(BUFFERS)}
+            buffers = {name[len(BUFFERS) :]: f.get_tensor(name) for name in f.keys() if name.startswith(BUFFERS)}
         config = json.loads(metadata["config"])
         name = next((n for n in FILE_NAMES if n in metadata), None)
         tokenizer = base64.b64decode(metadata[name], validate=True) if name is not None else None
-        return ModelWeights(tensors, config, int(metadata["step"]), tokenizer, path, name)
+        return ModelWeights(tensors, config, int(metadata["step"]), tokenizer, path, name, buffers)
     except Exception as e:  # damaged or foreign: safetensors, json, base64 and int each raise their own errors
         raise CheckpointError(f"cannot read {path}: {' '.join(str(e).split())}") from None
 
@@ -164,12 +176,13 @@ def load_weights(source: Path, what: str = "checkpoint") -> ModelWeights:
 
 def write_checkpoint(weights: ModelWeights, root: Path) -> Path:
     """Write ``weights`` as a trident checkpoint ``root/step_XXXXXXXX`` (the weights' step) in this process: the
-    model tensors, the run config and the tokenizer, no optimizer state. ``checkpoint.init_from``,
+    model tensors and buffers, the run config and the tokenizer, no optimizer state. ``checkpoint.init_from``,
     ``tools/generate.py`` and this tool read it; returns its path."""
     step = weights.step
     tmp = new_temporary(root, step)
     try:
         state = {MODEL + name: Sharded.whole(t.detach().contiguous()) for name, t in weights.tensors.items()}
+        state.update({BUFFERS + name: Sharded.whole(t.detach().contiguous()) for name, t in weights.buffers.items()})
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             write_sharded(state, tmp)

@@ -33,10 +33,11 @@ from trident.checkpoint.files import find_resume_path, read_head, saved_model_co
 from trident.checkpoint.hf import check_parts, read_box, sources
 from trident.checkpoint.hf_dir import HFDir, is_hf_dir
 from trident.checkpoint.sharded import Sharded
-from trident.checkpoint.state import MODEL, named_parameters
-from trident.config import SHAPE_KEYS, Config, ModelConfig
+from trident.checkpoint.state import BUFFERS, MODEL, named_parameters
+from trident.config import SHAPE_KEYS, Config, ModelConfig, MoEConfig
 from trident.errors import CheckpointError, ConfigError
 from trident.models.gpt import GPT
+from trident.models.moe import balancing_state
 from trident.parallel.agree import on_every_rank
 from trident.parallel.placement import placement_of
 
@@ -45,6 +46,10 @@ T = TypeVar("T")
 # The model.* keys a source fixes: every parameter shape, and the functions of the block.
 _SCALING = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
 ADOPTED = (*SHAPE_KEYS, "norm_eps", "rope_theta", "rope_scaling", *_SCALING)
+# Of model.moe, the keys that fix a shape or the function a source's weights compute; the others are training knobs
+# (the auxiliary losses, how fast the balancing bias moves, a capacity: a fine-tune may choose its own) and the
+# kernel, which a run may set as it likes.
+MOE_FIXED = ("experts", "top_k", "shared_experts", "d_expert", "every", "first_dense", "router", "norm_topk")
 # The model.* keys a source carries without fixing any function: its context (kept when the run trains on shorter
 # windows) and its token ids, which its export gives back. Taken from it unless the command line sets them.
 CARRIED = ("max_seq_len", "bos_id", "eos_ids")
@@ -80,20 +85,27 @@ def open_source(path: str, what: str = "checkpoint.init_from") -> InitSource:
 
 
 def _effective(cfg: ModelConfig, key: str) -> object:
-    """The value that matters: d_ff None is 4 * d_model, n_kv_heads None is n_heads, and RoPE's scaling factors
-    none without RoPE scaling."""
+    """The value that matters: d_ff None is 4 * d_model, n_kv_heads None is n_heads, d_expert None is d_ff, and
+    RoPE's scaling factors none without RoPE scaling. ``moe.KEY``: a key of model.moe."""
+    if key.startswith("moe."):
+        return cfg.expert_dim if key == "moe.d_expert" else getattr(cfg.moe, key[len("moe.") :])
     if key in _SCALING and cfg.rope_scaling is None:
         return None
     return {"d_ff": cfg.ffn_dim, "n_kv_heads": cfg.kv_heads}.get(key, getattr(cfg, key))
 
 
+def _compared(keys: Iterable[str]) -> list[str]:
+    """``keys`` with ``moe`` as the model.moe keys a source fixes (``MOE_FIXED``), each its own ``moe.KEY``."""
+    return [k for key in keys for k in ([f"moe.{m}" for m in MOE_FIXED] if key == "moe" else [key])]
+
+
 def conflicts(mine: ModelConfig, source: InitSource, keys: Iterable[str]) -> list[str]:
-    """Those of ``keys`` whose value in ``mine`` contradicts the source. With RoPE, ``seq_len`` fixes no parameter:
-    training on windows up to the source's is no contradiction."""
+    """Those of ``keys`` (a model.moe key as ``moe.KEY``) whose value in ``mine`` contradicts the source. With RoPE,
+    ``seq_len`` fixes no parameter: training on windows up to the source's is no contradiction."""
     theirs = dataclasses.replace(mine, **{k: v for k, v in source.model.items() if k != "name"})
     out = []
     for key in keys:
-        if key not in source.model or key == "name":
+        if key.split(".")[0] not in source.model or key == "name":
             continue
         if key == "seq_len" and theirs.position == "rope" and mine.seq_len <= theirs.seq_len:
             continue
@@ -113,14 +125,19 @@ def _refuse(cfg: ModelConfig, source: InitSource, keys: list[str], verb: str) ->
 
 
 def given_model_keys(overrides: Iterable[str], conf_dir: Path) -> set[str]:
-    """The model.* keys a command line sets: ``model.KEY=...`` and every key of a preset ``model=NAME``."""
+    """The model.* keys a command line sets: ``model.KEY=...`` and every key of a preset ``model=NAME``; a key of
+    model.moe as ``moe.KEY``."""
     given: set[str] = set()
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
         if key == "model" and value:
             preset = conf_dir / "model" / f"{value}.yaml"
             if preset.is_file():
-                given |= {str(k) for k in OmegaConf.load(preset).keys()}
+                loaded = OmegaConf.load(preset)
+                given |= {str(k) for k in loaded.keys() if k != "moe"}
+                given |= {f"moe.{k}" for k in (loaded.get("moe") or {}).keys()}
+        elif key.startswith("model.moe."):
+            given.add("moe." + key.split(".")[2])
         elif key.startswith("model."):
             given.add(key.split(".")[1])
     return given
@@ -147,12 +164,15 @@ def adopt_init_from(cfg: Config, overrides: Iterable[str], conf_dir: Path, run_d
     resumed = resume_checkpoint(cfg, run_dir)
     source = open_source(str(resumed) if resumed else cfg.checkpoint.init_from)
     given = given_model_keys(overrides, conf_dir)
-    bad = conflicts(cfg.model, source, [k for k in ADOPTED if k in given])
+    bad = conflicts(cfg.model, source, [k for k in _compared(ADOPTED) if k in given])
     if bad:
         _refuse(cfg.model, source, bad, "the command line sets")
-    # Kept: a shorter RoPE window the user asked for (no contradiction, see ``conflicts``), a preset's name, and what
-    # the command line sets of the keys the source only carries.
+    # Kept: a shorter RoPE window the user asked for (no contradiction, see ``conflicts``), a preset's name, what
+    # the command line sets of the keys the source only carries, and the model.moe training knobs it sets.
     values = {k: v for k, v in source.model.items() if k not in given or k not in ("seq_len", "name", *CARRIED)}
+    if "moe" in values:
+        knobs = [f.name for f in dataclasses.fields(MoEConfig) if f"moe.{f.name}" in given and f.name not in MOE_FIXED]
+        values["moe"] = dataclasses.replace(values["moe"], **{k: getattr(cfg.model.moe, k) for k in knobs})
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **values))
 
 
@@ -163,7 +183,7 @@ def check_init_from(cfg: Config, run_dir: Path) -> InitSource | None:
     if cfg.checkpoint.init_from is None or resume_checkpoint(cfg, run_dir) is not None:
         return None
     source = open_source(cfg.checkpoint.init_from)
-    bad = conflicts(cfg.model, source, ADOPTED)
+    bad = conflicts(cfg.model, source, _compared(ADOPTED))
     if bad:
         _refuse(cfg.model, source, bad, "this run's config has")
     return source
@@ -176,12 +196,15 @@ def load_init_weights(chunks: list[GPT], source: InitSource) -> None:
     """Fill this rank's parameters (its blocks of the logical tensors, padding left zero) from ``source``. Every
     rank calls it (a trident source is read collectively); a failure on any rank is raised on every rank."""
     params = named_parameters(chunks)
-    if source.kind == "hf":
+    if source.kind == "hf":  # Hugging Face models have no balancing bias: it stays zero
         _agreed(lambda: _load_hf(params, chunks[0].cfg, source.path), f"read {source.path}")
     else:
         from trident.checkpoint.dcp import read_sharded  # DCP is imported by a load only (sharded.py says why)
 
-        state, metadata = _agreed(lambda: _trident_boxes(params, source.path), f"read checkpoint {source.path}")
+        buffers = balancing_state(chunks)
+        state, metadata = _agreed(
+            lambda: _trident_boxes(params, buffers, source.path), f"read checkpoint {source.path}"
+        )
         read_sharded(state, source.path, metadata)
 
 
@@ -189,13 +212,25 @@ def _agreed(fn: Callable[[], T], what: str) -> T:
     return on_every_rank(fn, what) if dist.is_initialized() else fn()
 
 
-def _trident_boxes(params: dict[str, nn.Parameter], path: Path) -> tuple[dict[str, Sharded], object]:
+def _trident_boxes(
+    params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor], path: Path
+) -> tuple[dict[str, Sharded], object]:
     """This rank's boxes of each model tensor (a tied copy reads the tensor it copies), checked against the
-    checkpoint's index."""
+    checkpoint's index, and the buffers it saved (the loss-free balancing biases: every rank reads them whole; a
+    checkpoint without one leaves it zero)."""
     from trident.checkpoint.dcp import read_metadata
 
     metadata = read_metadata(path)
     state: dict[str, Sharded] = {}
+    for name, buffer in buffers.items():
+        entry = metadata.state_dict_metadata.get(BUFFERS + name)
+        if entry is None:
+            continue
+        if tuple(entry.size) != tuple(buffer.shape):
+            raise CheckpointError(
+                f"checkpoint {path} holds {name} with shape {list(entry.size)}; this model's is {list(buffer.shape)}"
+            )
+        state[BUFFERS + name] = Sharded.whole(buffer)
     for name, param in params.items():
         placement = placement_of(param)
         tensor = placement.tied_to or name

@@ -10,7 +10,7 @@ import math
 from trident.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from trident.device import device_type
 from trident.errors import ConfigError
-from trident.layout import Layout
+from trident.layout import Layout, chunks_per_rank
 from trident.models.checkpointing import MODULES, POLICIES, SELECTIVE_MODULES
 from trident.parallel.context.attention import CP_COMMS
 from trident.parallel.context.split import split_error
@@ -72,7 +72,7 @@ def grad_accum_steps(train: TrainConfig, dp: int) -> int:
     return train.global_batch_size // (train.micro_batch_size * dp)
 
 
-def _batch_error(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str) -> str | None:
+def _batch_error(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str, vpp: int) -> str | None:
     """What is wrong with the batch arithmetic of one dp size, or None."""
     per_step = tr.micro_batch_size * dp
     if tr.global_batch_size % per_step != 0:
@@ -81,7 +81,7 @@ def _batch_error(tr: TrainConfig, par: ParallelConfig, dp: int, schedule: str) -
             f"{tr.micro_batch_size} x dp {dp} = {per_step}; use a multiple of {per_step}"
         )
     # Exactly what the schedule builder accepts (the interleaved one takes any micro-batch count).
-    error = schedule_error(schedule, par.pp, par.vpp, grad_accum_steps(tr, dp)) if par.pp > 1 else None
+    error = schedule_error(schedule, par.pp, vpp, grad_accum_steps(tr, dp)) if par.pp > 1 else None
     return None if error is None else f"{error}; change train.global_batch_size or train.micro_batch_size"
 
 
@@ -97,6 +97,11 @@ def _check_moe(m: ModelConfig) -> None:
         f"use model.moe.top_k={min(max(moe.top_k, 1), moe.experts)}",
     )
     _one_of("model.moe.router", moe.router, ("softmax", "sigmoid"))
+    _need(
+        not (moe.router == "softmax" and moe.norm_topk and moe.top_k == 1),
+        "model.moe.norm_topk=true with model.moe.top_k=1 makes every routing weight 1, so the router never learns "
+        "from the token loss; set model.moe.norm_topk=false for top_k=1",
+    )
     _need(m.expert_dim >= 1, f"model.moe.d_expert={moe.d_expert} must be >= 1")
     _need(moe.shared_experts >= 0, f"model.moe.shared_experts={moe.shared_experts} must be >= 0")
     _need(moe.every >= 1, f"model.moe.every={moe.every} must be >= 1")
@@ -106,6 +111,23 @@ def _check_moe(m: ModelConfig) -> None:
     _need(
         moe.capacity_factor is None or moe.capacity_factor > 0,
         f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null for dropless routing",
+    )
+
+
+def _shared_experts_error(m: ModelConfig, tp: int) -> str | None:
+    """The shared experts are one MLP of ``shared_experts * d_expert`` units split over tp like the dense MLP: a
+    one-line message naming both keys if tp does not divide that width, with a d_expert and a tp that do."""
+    moe = m.moe
+    width = moe.shared_experts * m.expert_dim
+    if not moe.enabled or width == 0 or width % tp == 0:
+        return None
+    step = tp // math.gcd(moe.shared_experts, tp)  # d_expert a multiple of this makes the width one of tp
+    fit = -(-m.expert_dim // step) * step
+    smaller = max(d for d in range(1, tp) if width % d == 0)
+    return (
+        f"the shared experts' width model.moe.shared_experts={moe.shared_experts} x model.moe.d_expert="
+        f"{m.expert_dim} = {width} is not divisible by parallel.tp={tp}; use model.moe.d_expert={fit} or "
+        f"parallel.tp={smaller}"
     )
 
 
@@ -188,18 +210,19 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _need(par.vpp == 1 or par.pp > 1, f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")
     schedule = resolve_schedule(par.schedule, par.vpp)
     _one_of("parallel.schedule", schedule, SCHEDULES)
+    vpp = chunks_per_rank(schedule, par.pp, par.vpp)
     _need(
-        schedule != "interleaved" or par.vpp > 1,
+        schedule != "interleaved" or vpp > 1,
         "parallel.schedule=interleaved needs parallel.vpp > 1 model chunks per pipeline rank",
     )
     _need(
-        schedule != "zb-v" or par.vpp == 2,
-        f"parallel.vpp={par.vpp} with parallel.schedule=zb-v, which runs two model chunks per pipeline rank in a V; "
-        "set parallel.vpp=2",
+        schedule != "zb-v" or vpp == 2 or par.pp == 1,
+        f"parallel.vpp={vpp} with parallel.schedule=zb-v, which runs two model chunks per pipeline rank in a V; "
+        "set parallel.vpp=2 (or leave it out)",
     )
     _need(
-        par.vpp == 1 or schedule in ("interleaved", "zb-v"),
-        f"parallel.vpp={par.vpp} needs parallel.schedule=interleaved (or zb-v at vpp=2; got {schedule})",
+        vpp == 1 or schedule in ("interleaved", "zb-v"),
+        f"parallel.vpp={vpp} needs parallel.schedule=interleaved (or zb-v at vpp=2; got {schedule})",
     )
     _need(par.bucket_mb > 0, f"parallel.bucket_mb={par.bucket_mb} must be > 0")
     _need(par.timeout_s > 0, f"parallel.timeout_s={par.timeout_s} must be > 0")
@@ -220,10 +243,10 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _check_ep(par.ep, m)
 
     # Divisibility rules of the model split.
-    chunks = par.pp * par.vpp
+    chunks = par.pp * vpp
     _need(
         m.n_layers % chunks == 0,
-        f"model.n_layers={m.n_layers} is not divisible by pp {par.pp} x vpp {par.vpp} = {chunks}; "
+        f"model.n_layers={m.n_layers} is not divisible by pp {par.pp} x vpp {vpp} = {chunks}; "
         "change the layer count or the pipeline layout",
     )
     # Heads (and with them d_model), the MLP width and, under sequence parallelism, the sequence split over tp.
@@ -234,6 +257,8 @@ def validate(cfg: Config, world_size: int) -> Layout:
         error = tp_split_error(key, value, par.tp)
         _need(error is None, error or "")
     error = kv_heads_error(m.n_heads, m.kv_heads, par.tp)
+    _need(error is None, error or "")
+    error = _shared_experts_error(m, par.tp)
     _need(error is None, error or "")
     _need(
         not (m.qk_norm and m.qk_norm_scope == "projection") or m.kv_heads % par.tp == 0,
@@ -303,14 +328,14 @@ def validate(cfg: Config, world_size: int) -> Layout:
 
     # The fit to the launch comes before the batch arithmetic: the arithmetic of a dp that cannot run on this
     # world (parallel.dp=3 on 2 processes) would ask for a batch change that fixes nothing.
-    dp = resolve_dp(par, world_size, _batch_error(tr, par, par.dp, schedule) if par.dp is not None else None)
+    dp = resolve_dp(par, world_size, _batch_error(tr, par, par.dp, schedule, vpp) if par.dp is not None else None)
     ranks = dp * par.cp  # the ranks holding the same piece of the model, ep's to draw from
     fits = max(k for k in range(1, par.ep + 1) if ranks % k == 0 and m.moe.experts % k == 0)
     held = f"{dp} data-parallel ranks" if par.cp == 1 else f"{ranks} ranks of dp {dp} x cp {par.cp}"
     _need(ranks % par.ep == 0, f"parallel.ep={par.ep} does not divide the {held}; use parallel.ep={fits}")
-    error = _batch_error(tr, par, dp, schedule)
+    error = _batch_error(tr, par, dp, schedule, vpp)
     _need(error is None, error or "")
-    return _resolve(cfg, dp, schedule)
+    return _resolve(cfg, dp, schedule, vpp)
 
 
 def _context_rules(m: ModelConfig, par: ParallelConfig) -> None:
@@ -334,16 +359,17 @@ def _context_rules(m: ModelConfig, par: ParallelConfig) -> None:
         _need(error is None, error or "")
 
 
-def _resolve(cfg: Config, dp: int, schedule: str) -> Layout:
-    """The layout a valid config launches with dp ranks: settings that do not apply take Layout's defaults, so one
-    launch has one layout (no schedule at pp = 1, no gather mode below ZeRO 3, no ratio without offload)."""
+def _resolve(cfg: Config, dp: int, schedule: str, vpp: int) -> Layout:
+    """The layout a valid config launches with dp ranks and vpp chunks a pipeline rank: settings that do not apply
+    take Layout's defaults, so one launch has one layout (no schedule at pp = 1, no gather mode below ZeRO 3, no
+    ratio without offload)."""
     par, tr, default = cfg.parallel, cfg.train, Layout()
     zero3 = par.zero == 3
     return Layout(
         dp=dp,
         tp=par.tp,
         pp=par.pp,
-        vpp=par.vpp,
+        vpp=vpp,
         cp=par.cp,
         cp_comm=par.cp_comm if par.cp > 1 else default.cp_comm,
         schedule=schedule if par.pp > 1 else None,
