@@ -1,6 +1,9 @@
 """Hugging Face mixture-of-experts models both ways, one process: Mixtral and Qwen3-MoE models that transformers
 itself wrote with save_pretrained read back with its logits (fp32, within 1e-5) and its greedy tokens, and our
-models export to the class that loads them with ours."""
+models export to the class that loads them with ours; the balancing coefficient is converted so that an import
+trains on transformers' own balancing term, and the presets hold our number of the released one; an export refuses
+the router state Hugging Face's dropless experts have no place for (tests/test_hf_families.py: the released
+shapes, OLMoE and Qwen3 among them)."""
 
 from __future__ import annotations
 
@@ -17,13 +20,13 @@ from safetensors.torch import load_file
 from tests.helpers.layouts import make_config, train_rank
 from tests.helpers.tools import run_tool
 from tests.test_init_from import adopted, first_batch, run_args
-from trident.checkpoint.consolidated import ModelWeights, load_weights
+from trident.checkpoint.consolidated import ModelWeights, load_weights, write_checkpoint
 from trident.checkpoint.export import write_hf
-from trident.checkpoint.hf import architecture
+from trident.checkpoint.hf import MIXTRAL, OLMOE, QWEN3_MOE, architecture, hf_config, model_from_hf
 from trident.config import model_config_from_dict
 from trident.errors import CheckpointError
 from trident.models.gpt import GPT
-from trident.models.moe import MoE
+from trident.models.moe import MoE, set_loss_multiplier
 from trident.parallel.placement import placement_of
 from trident.ranks import run_distributed
 
@@ -164,3 +167,100 @@ def test_an_expert_block_no_class_holds_is_refused_naming_the_key(moe, line):
         architecture(cfg)
     if "norm_topk" in moe or "every" in moe:  # what Qwen3-MoE has (decoder_sparse_step, norm_topk_prob)
         assert architecture(dataclasses.replace(cfg, qk_norm=True)) == "Qwen3MoeForCausalLM"
+
+
+def test_the_balancing_term_an_import_trains_on_is_transformers_own(tmp_path):
+    """transformers adds router_aux_loss_coef x E sum_e f_e P_e once, pooled over the sparse layers (k when
+    balanced); we add aux_loss_coef x aux per layer (1 when balanced). Imported as it was, ours was L / k = 4 times
+    theirs; converted, the two agree where the routing is balanced, and near balance (transformers' own init,
+    probabilities close to uniform) within 5%: they differ by how the layers' and sequences' loads vary about
+    their mean (ours averages a product over them, theirs multiplies the averages)."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    hf = transformers.MixtralForCausalLM(config)
+    hf.save_pretrained(tmp_path)
+    weights = load_weights(tmp_path)
+    cfg = model_config_from_dict(weights.config["model"])
+    assert cfg.moe.aux_loss_coef == 0.02 * 2 / 8
+    ids = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = float(hf.eval()(ids, output_router_logits=True).aux_loss) * config.router_aux_loss_coef
+        model = ours(weights).train()  # train mode: each sparse layer adds up its aux term (step_sums)
+        set_loss_multiplier(model, 0.0)
+        model(ids)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert len(layers) == 8
+    mine = cfg.moe.aux_loss_coef * sum(float(m.step_sums[2] / m.step_sums[1]) for m in layers)
+    assert abs(mine / theirs - 1) <= 0.05, (mine, theirs)
+
+
+@pytest.mark.parametrize(
+    "preset, cls, released",
+    [("mixtral-8x7b", MIXTRAL, 0.02), ("qwen3-30b-a3b", QWEN3_MOE, 0.001), ("olmoe-1b-7b", OLMOE, 0.01)],
+)
+def test_a_moe_preset_holds_our_coefficient_of_the_released_models_own(preset, cls, released):
+    cfg = make_config(f"model={preset}").model
+    config = hf_config(cfg)
+    assert architecture(cfg) == cls and config["router_aux_loss_coef"] == released
+    assert model_from_hf(config, preset)["moe"] == dataclasses.replace(cfg.moe, z_loss_coef=0.0)  # none in HF's
+    if preset == "qwen3-30b-a3b":  # the released heads: 32 of 128 on a 2048-wide stream, top-8 renormalised
+        assert (cfg.head_size, cfg.n_heads, cfg.d_model, cfg.moe.norm_topk) == (128, 32, 2048, True)
+
+
+def _checkpoint(tmp_path: Path, moe: dict, buffers: dict[str, torch.Tensor]) -> Path:
+    """A trident checkpoint (written in this process) of a transformers Mixtral with these model.moe keys and
+    buffers."""
+    weights = load_weights(saved("mixtral", tmp_path / "src"))
+    config = json.loads(json.dumps(weights.config))
+    config["model"]["moe"].update(moe)
+    return write_checkpoint(dataclasses.replace(weights, config=config, buffers=buffers), tmp_path / "ck")
+
+
+@pytest.mark.parametrize(
+    "moe, bias, line",
+    [
+        (
+            {"capacity_factor": 0.5},
+            0.0,
+            "error: model.moe.capacity_factor=0.5 has no place in MixtralForCausalLM: its experts are dropless",
+        ),
+        (
+            {"bias_update_rate": 0.01},
+            0.03,
+            "error: model.moe.bias_update_rate=0.01 moved the loss-free balancing bias "
+            "(layers.1.mlp.router.expert_bias, max |bias| 0.03), which MixtralForCausalLM has no place for",
+        ),
+        ({"bias_update_rate": 0.01}, 0.0, None),  # a bias that never moved changes no choice: exported
+    ],
+    ids=["capacity", "moved-bias", "zero-bias"],
+)
+def test_an_export_refuses_router_state_hf_has_no_place_for_in_one_line(moe, bias, line, tmp_path, monkeypatch, capsys):
+    buffers = {f"layers.{i}.mlp.router.expert_bias": torch.zeros(4) for i in range(2)}
+    buffers["layers.1.mlp.router.expert_bias"][2] = bias
+    ck = _checkpoint(tmp_path, moe, buffers)
+    out = tmp_path / "hf"
+    args = [str(ck), "--to", "hf", "--out", str(out)]
+    code, _, err = run_tool("convert_checkpoint", *args, monkeypatch=monkeypatch, capsys=capsys)
+    if line is None:
+        assert code == 0 and (out / "model.safetensors").is_file(), err
+        return
+    assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
+    assert not out.exists()  # refused before anything was written
+
+
+def test_a_gpt2_block_with_experts_is_refused_naming_its_block_keys(tmp_path):
+    cfg = make_config("model=moe-tiny", "model.norm=layernorm", "model.mlp=gelu", "model.position=learned").model
+    model = GPT(cfg)
+    tensors = {name: placement_of(p).real_part(p.detach()) for name, p in model.named_parameters()}
+    weights = ModelWeights(tensors, {"model": dataclasses.asdict(cfg)}, 0, None, tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        write_hf(weights, tmp_path / "hf")
+    assert str(e.value) == (
+        "model.norm=layernorm, model.mlp=gelu, model.position=learned with experts has no Hugging Face class: "
+        "GPT2LMHeadModel has no experts, and MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM need "
+        "model.norm=rmsnorm, model.mlp=swiglu, model.position=rope"
+    )

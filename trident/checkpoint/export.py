@@ -1,6 +1,7 @@
-"""Export a model to Hugging Face: a directory that ``transformers.GPT2LMHeadModel.from_pretrained`` (GPT-2 blocks)
-or ``transformers.LlamaForCausalLM.from_pretrained`` (Llama blocks) loads with our logits, with the model's
-tokenizer file beside it under its own name (``tokenizer.model`` or ``tokenizer.json``).
+"""Export a model to Hugging Face: a directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads with
+our logits as the class ``trident.checkpoint.hf.architecture`` names (GPT2LMHeadModel, LlamaForCausalLM,
+Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM), with the model's tokenizer file
+beside it under its own name (``tokenizer.model`` or ``tokenizer.json``).
 
 The input is the logical (one-process, unpadded) tensors under their canonical names, as
 ``trident.checkpoint.consolidated`` reads them from a checkpoint of any layout. Which class, the names and the
@@ -16,6 +17,10 @@ row layouts are ``trident.checkpoint.hf``'s table, the one import reads through 
   through training), else the tokenizer's.
 - ``vocab_size`` is the real vocabulary: the padding rows of the embedding never reach a checkpoint.
 - ``tie_word_embeddings = model.tie_embeddings``: a tied model writes no ``lm_head.weight``.
+- Mixture of experts: ``router_aux_loss_coef`` is ``model.moe.aux_loss_coef`` converted to Hugging Face's form
+  (trident/checkpoint/hf.py). These families are dropless and route on the router's scores alone, so a model that
+  computes otherwise is refused in one line before anything is written: one with ``model.moe.capacity_factor``
+  set, or with a loss-free balancing bias that has moved off zero (``model.moe.bias_update_rate``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from trident.checkpoint.consolidated import ModelWeights
 from trident.checkpoint.files import saved_model_config
 from trident.config import ModelConfig
 from trident.data.tokenizer import FILE_NAMES
-from trident.errors import TridentError
+from trident.errors import CheckpointError, TridentError
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -62,6 +67,31 @@ def hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return hf.to_hf(tensors, cfg)
 
 
+def check_exportable(cfg: ModelConfig, buffers: dict[str, torch.Tensor]) -> str:
+    """The class a model of ``cfg`` with these buffers (``ModelWeights.buffers``) exports as, or a CheckpointError
+    naming the key whose state that class has no place for: a capacity, which drops pairs Hugging Face's dropless
+    experts compute, or a balancing bias that changes which experts a token meets."""
+    cls = hf.architecture(cfg)
+    if cls not in hf.MOE_CLASSES:
+        return cls
+    moe = cfg.moe
+    if moe.capacity_factor is not None:
+        raise CheckpointError(
+            f"model.moe.capacity_factor={moe.capacity_factor} has no place in {cls}: its experts are dropless, so "
+            "the export would compute another function; export a model trained with model.moe.capacity_factor=null"
+        )
+    moved = {name: float(b.abs().max()) for name, b in buffers.items() if name.endswith("expert_bias") and b.any()}
+    if moved:
+        name = max(moved, key=moved.get)
+        raise CheckpointError(
+            f"model.moe.bias_update_rate={moe.bias_update_rate} moved the loss-free balancing bias ({name}, "
+            f"max |bias| {moved[name]:.3g}), which {cls} has no place for: it routes on the scores alone, so the "
+            "export would send tokens to other experts; keep it with --to consolidated, or train with "
+            "model.moe.bias_update_rate=0"
+        )
+    return cls
+
+
 def check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise TridentError(f"--out {out} is a file; --to hf writes a directory (config.json, model.safetensors)")
@@ -74,7 +104,7 @@ def write_hf(weights: ModelWeights, out: Path) -> list[str]:
     export leaves no half-written file there. Returns the names written."""
     check_out_dir(out)
     cfg = model_config(weights)
-    hf.architecture(cfg)  # a block mix Hugging Face has no class for is refused before anything is written
+    check_exportable(cfg, weights.buffers)  # a model no Hugging Face class computes is refused before any write
     state = hf_state_dict(weights.tensors, cfg)
     config = config_json(cfg, weights)
     out.parent.mkdir(parents=True, exist_ok=True)

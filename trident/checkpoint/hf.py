@@ -1,17 +1,40 @@
 """The one mapping between our tensors and Hugging Face's, per architecture, that export and import both use; and
 the translation of ``model.*`` to and from a Hugging Face ``config.json``.
 
-Two Hugging Face classes hold our blocks:
+Three Hugging Face classes hold our dense blocks:
 
-    GPT2LMHeadModel   model.norm=layernorm, model.mlp=gelu, model.position=learned, multi-head attention
-    LlamaForCausalLM  model.norm=rmsnorm, model.mlp=swiglu, model.position=rope, any n_kv_heads
+    GPT2LMHeadModel   model.norm=layernorm, model.mlp=gelu, model.position=learned, multi-head attention, heads
+                      d_model / n_heads wide
+    LlamaForCausalLM  model.norm=rmsnorm, model.mlp=swiglu, model.position=rope, any n_kv_heads and head_dim
                       (attention_bias = mlp_bias = model.bias)
+    Qwen3ForCausalLM  Llama's block with model.qk_norm=true (per head, model.qk_norm_scope=head), no biases
 
-and two the mixture-of-experts blocks (``model.moe``, models/moe.py) with Llama's:
+and three the mixture-of-experts blocks (``model.moe``, models/moe.py) with Llama's, each a softmax router with no
+shared experts, no dense first layers and no biases:
 
-    MixtralForCausalLM   every layer sparse, softmax router with the top-k weights renormalised, no shared experts
-    Qwen3MoeForCausalLM  model.qk_norm=true, layers sparse every model.moe.every-th (decoder_sparse_step), softmax
-                         router, renormalised or not (norm_topk_prob), no shared experts
+    MixtralForCausalLM   every layer sparse, the top-k weights renormalised
+    Qwen3MoeForCausalLM  model.qk_norm=true per head, layers sparse every model.moe.every-th (decoder_sparse_step),
+                         renormalised or not (norm_topk_prob)
+    OlmoeForCausalLM     model.qk_norm=true over the whole projection (model.qk_norm_scope=projection), every layer
+                         sparse, renormalised or not (norm_topk_prob), heads d_model / n_heads wide
+
+``head_dim`` in config.json is ``model.head_dim`` (left None when it is hidden_size / num_attention_heads).
+
+The balancing coefficient is converted both ways, so that the loss means what the source's meant. transformers'
+``load_balancing_loss_func`` pools every sparse layer's router over the batch and adds ``router_aux_loss_coef *
+E sum_e f_e P_e`` once, with f_e the share of tokens routed to e (summing to k over the experts) and P_e the mean
+probability: k when balanced. trident adds ``aux_loss_coef * aux`` per sparse layer, aux being the same product
+per sequence with f normalised to sum 1: 1 when balanced, L (the sparse layers) in all. The gradients each puts on
+a token's probability of expert e at balance are ``router_aux_loss_coef * k / (L N)`` and ``aux_loss_coef / N``
+(N the batch's tokens), so
+
+    aux_loss_coef = router_aux_loss_coef * top_k / L
+
+(Mixtral-8x7B's 0.02 is 0.00125 here; Qwen3-30B-A3B's 0.001 is 1/6000). Away from balance the two differ by how
+unequal the layers' and sequences' loads are (ours is the mean over them of a product, theirs the product of the
+means). The router z-loss has no place in any of these classes' configs: an import leaves ``z_loss_coef`` 0, an
+export drops it (a training setting; the function exported is the same). Export refuses the router state these
+dropless families have no place for: a nonzero loss-free balancing bias and a capacity (trident/checkpoint/export.py).
 
 Any other mix has no class and is refused with a line naming the key.
 
@@ -36,15 +59,17 @@ along our dim 0, each transposed first when it is GPT-2's ``Conv1D`` (``[in, out
 
 (T): transposed, GPT-2's Conv1D. Llama's projections are under layers.i.self_attn. and layers.i.mlp.
 
-A sparse layer's MLP (Mixtral: layers.i.block_sparse_moe.; Qwen3-MoE: layers.i.mlp.), expert e's tensors stacked
-row-wise (Hugging Face's save_pretrained writes each expert's own, in either family):
+A sparse layer's MLP (Mixtral: layers.i.block_sparse_moe.; Qwen3-MoE and OLMoE: layers.i.mlp.), expert e's
+tensors stacked row-wise (Hugging Face's save_pretrained writes each expert's own, in every family):
 
-    ours                     Mixtral                              Qwen3-MoE
+    ours                     Mixtral                              Qwen3-MoE, OLMoE
     layers.i.mlp.router.weight   gate.weight                      gate.weight
     layers.i.mlp.experts.gate    [experts.e.w1.weight]            [experts.e.gate_proj.weight]
     layers.i.mlp.experts.up      [experts.e.w3.weight]            [experts.e.up_proj.weight]
     layers.i.mlp.experts.down    [experts.e.w2.weight (T)]        [experts.e.down_proj.weight (T)]
-    layers.i.attn.q_norm.weight  -                                self_attn.q_norm.weight (and k_norm)
+
+and the q/k norms (Qwen3, Qwen3-MoE: one gain of head_dim; OLMoE: a gain per unit of the projection, heads x head_dim
+for q and kv heads x head_dim for k): ``layers.i.attn.q_norm.weight`` is ``self_attn.q_norm.weight`` (and k_norm).
 
 Our rows are laid out so that a tp block of rows holds whole heads: qkv ``(h three dh)``, kv ``(g two dh)``; the
 stacked Hugging Face rows are regrouped to that. RoPE is Hugging
@@ -56,6 +81,7 @@ columns it covers: what lets each rank of a run read only its own shard.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,8 +91,17 @@ from einops import rearrange
 from trident.config import ModelConfig, MoEConfig
 from trident.errors import CheckpointError
 
-GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
-MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
+GPT2, LLAMA, QWEN3 = "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM"
+MIXTRAL, QWEN3_MOE, OLMOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"
+MOE_CLASSES = (MIXTRAL, QWEN3_MOE, OLMOE)
+MODEL_TYPES = {
+    GPT2: "gpt2",
+    LLAMA: "llama",
+    QWEN3: "qwen3",
+    MIXTRAL: "mixtral",
+    QWEN3_MOE: "qwen3_moe",
+    OLMOE: "olmoe",
+}
 
 # What each class fixes, as (key, value) pairs of model.*; GPT-2's multi-head attention is checked apart.
 _BLOCKS = {
@@ -93,15 +128,9 @@ def architecture(cfg: ModelConfig) -> str:
     have = {key: getattr(cfg, key) for key, _ in _BLOCKS[GPT2]}
     misses = {cls: [(k, v) for k, v in block if have[k] != v] for cls, block in _BLOCKS.items()}
     if not misses[GPT2]:
-        if cfg.kv_heads != cfg.n_heads:
-            raise CheckpointError(
-                f"model.n_kv_heads={cfg.n_kv_heads} has no Hugging Face class: {GPT2} needs model.n_kv_heads="
-                f"model.n_heads ({cfg.n_heads}); grouped-query attention exports as {LLAMA} "
-                "(model.norm=rmsnorm, model.mlp=swiglu, model.position=rope)"
-            )
-        return GPT2
+        return _gpt2_architecture(cfg)
     if not misses[LLAMA]:
-        return _moe_architecture(cfg)
+        return _llama_architecture(cfg)
     cls = min(misses, key=lambda c: len(misses[c]))
     key = misses[cls][0][0]
     rest = ", ".join(f"model.{k}={v}" for k, v in have.items() if k != key)
@@ -109,27 +138,88 @@ def architecture(cfg: ModelConfig) -> str:
     raise CheckpointError(f"model.{key}={have[key]} with {rest} has no Hugging Face class: {wants}")
 
 
-def _moe_architecture(cfg: ModelConfig) -> str:
-    """Llama's block, dense (LlamaForCausalLM) or with experts (Mixtral, Qwen3-MoE), or a CheckpointError naming
-    the key no class has."""
+def _gpt2_architecture(cfg: ModelConfig) -> str:
+    """GPT-2's block: GPT2LMHeadModel, which has multi-head attention of d_model / n_heads wide heads and nothing
+    else; experts or q/k norms are refused naming the block keys the classes that have them need."""
+    if cfg.moe.enabled or cfg.qk_norm:
+        what, classes = ("experts", MOE_CLASSES) if cfg.moe.enabled else ("q/k norms", (QWEN3, QWEN3_MOE, OLMOE))
+        block = ", ".join(f"model.{k}={getattr(cfg, k)}" for k, _ in _BLOCKS[GPT2])
+        raise CheckpointError(
+            f"{block} with {what} has no Hugging Face class: {GPT2} has no {what}, and {', '.join(classes)} need "
+            + ", ".join(f"model.{k}={v}" for k, v in _BLOCKS[LLAMA])
+        )
+    if cfg.kv_heads != cfg.n_heads:
+        raise CheckpointError(
+            f"model.n_kv_heads={cfg.n_kv_heads} has no Hugging Face class: {GPT2} needs model.n_kv_heads="
+            f"model.n_heads ({cfg.n_heads}); grouped-query attention exports as {LLAMA} "
+            "(model.norm=rmsnorm, model.mlp=swiglu, model.position=rope)"
+        )
+    if cfg.head_size * cfg.n_heads != cfg.d_model:
+        raise CheckpointError(
+            f"model.head_dim={cfg.head_dim} has no Hugging Face class: {GPT2}'s heads are d_model / n_heads = "
+            f"{cfg.d_model // cfg.n_heads} wide; another width exports as {LLAMA} (model.norm=rmsnorm, "
+            "model.mlp=swiglu, model.position=rope)"
+        )
+    return GPT2
+
+
+def _llama_architecture(cfg: ModelConfig) -> str:
+    """Llama's block, dense (Llama, Qwen3) or with experts (Mixtral, Qwen3-MoE, OLMoE), or a CheckpointError
+    naming the key no class has."""
     moe = cfg.moe
+    projection = cfg.qk_norm and cfg.qk_norm_scope == "projection"
     if not moe.enabled:
-        if cfg.qk_norm:
-            raise CheckpointError(f"model.qk_norm=true without experts has no Hugging Face class; {LLAMA} has none")
-        return LLAMA
-    cls = QWEN3_MOE if cfg.qk_norm else MIXTRAL
-    rules = [
-        ("model.moe.router", moe.router, "softmax"),
-        ("model.moe.shared_experts", moe.shared_experts, 0),
-        ("model.moe.first_dense", moe.first_dense, 0),
-        ("model.bias", cfg.bias, False),
-    ]
-    if cls == MIXTRAL:
-        rules += [("model.moe.every", moe.every, 1), ("model.moe.norm_topk", moe.norm_topk, True)]
+        if not cfg.qk_norm:
+            return LLAMA
+        if projection:
+            raise CheckpointError(
+                f"model.qk_norm_scope=projection without experts has no Hugging Face class: {QWEN3} needs "
+                "model.qk_norm_scope=head (OLMoE's norm over the whole projection exports with experts only)"
+            )
+        rules = [("model.bias", cfg.bias, False)]
+        cls = QWEN3
+    else:
+        cls = OLMOE if projection else QWEN3_MOE if cfg.qk_norm else MIXTRAL
+        rules = [
+            ("model.moe.router", moe.router, "softmax"),
+            ("model.moe.shared_experts", moe.shared_experts, 0),
+            ("model.moe.first_dense", moe.first_dense, 0),
+            ("model.bias", cfg.bias, False),
+        ]
+        if cls != QWEN3_MOE:
+            rules.append(("model.moe.every", moe.every, 1))
+        if cls == MIXTRAL:
+            rules.append(("model.moe.norm_topk", moe.norm_topk, True))
     for key, value, want in rules:
         if value != want:
             raise CheckpointError(f"{key}={value} has no Hugging Face class: {cls} needs {key}={want}")
+    if cls == OLMOE and cfg.head_size * cfg.n_heads != cfg.d_model:  # its q_norm is hidden_size wide
+        raise CheckpointError(
+            f"model.head_dim={cfg.head_dim} has no Hugging Face class: {OLMOE}'s heads are d_model / n_heads = "
+            f"{cfg.d_model // cfg.n_heads} wide"
+        )
     return cls
+
+
+def sparse_layers(cfg: ModelConfig) -> int:
+    """How many of the model's layers are sparse: the L of the balancing coefficient's conversion."""
+    return sum(cfg.moe.is_sparse(i) for i in range(cfg.n_layers))
+
+
+def _rounded(x: float) -> float:
+    """``x`` to 12 significant digits: a coefficient converted there and back is the number it was."""
+    return float(f"{x:.12g}")
+
+
+def aux_coef_to_hf(cfg: ModelConfig) -> float:
+    """Hugging Face's ``router_aux_loss_coef`` for our ``model.moe.aux_loss_coef`` (the module docstring)."""
+    return _rounded(cfg.moe.aux_loss_coef * max(sparse_layers(cfg), 1) / cfg.moe.top_k)
+
+
+def aux_coef_from_hf(coef: float, top_k: int, sparse: int) -> float:
+    """Our ``model.moe.aux_loss_coef`` for Hugging Face's ``router_aux_loss_coef`` of a model of ``sparse`` sparse
+    layers routing each token to ``top_k`` experts."""
+    return _rounded(coef * top_k / max(sparse, 1))
 
 
 # --- config.json -------------------------------------------------------------------------------------------
@@ -168,7 +258,9 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_ids: list[int] | 
     cls = architecture(cfg)
     moe = cfg.moe
     extra: dict = {}
-    if cls == MIXTRAL:
+    if cls == QWEN3:
+        extra = {"use_sliding_window": False, "sliding_window": None}
+    elif cls == MIXTRAL:
         extra = {"num_local_experts": moe.experts, "sliding_window": None, "router_jitter_noise": 0.0}
     elif cls == QWEN3_MOE:
         extra = {
@@ -180,26 +272,31 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_ids: list[int] | 
             "use_sliding_window": False,
             "sliding_window": None,
         }
-    if cls != LLAMA:
-        extra.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef, output_router_logits=False)
+    elif cls == OLMOE:  # its own defaults would pad with token 1 and clip nothing: written, not left to them
+        extra = {"num_experts": moe.experts, "norm_topk_prob": moe.norm_topk, "clip_qkv": None, "pad_token_id": None}
+    if cls in MOE_CLASSES:
+        extra.update(
+            num_experts_per_tok=moe.top_k, router_aux_loss_coef=aux_coef_to_hf(cfg), output_router_logits=False
+        )
     return {
         "architectures": [cls],
-        "model_type": {LLAMA: "llama", MIXTRAL: "mixtral", QWEN3_MOE: "qwen3_moe"}[cls],
+        "model_type": MODEL_TYPES[cls],
         **extra,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.context_len,  # not the window it was trained on last
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.expert_dim if cls == MIXTRAL else cfg.ffn_dim,
+        # Mixtral's and OLMoE's experts are intermediate_size wide (every layer sparse); Qwen3-MoE's dense layers are
+        "intermediate_size": cfg.expert_dim if cls in (MIXTRAL, OLMOE) else cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_size,
+        **({} if cls == OLMOE else {"head_dim": cfg.head_size}),  # OLMoE's is always hidden / heads
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": _rope_scaling(cfg),
         "attention_bias": cfg.bias,
-        "mlp_bias": cfg.bias,
+        **({"mlp_bias": cfg.bias} if cls == LLAMA else {}),
         "attention_dropout": 0.0,
         "initializer_range": cfg.init_std,
         "use_cache": True,
@@ -273,6 +370,7 @@ def model_from_hf(config: dict, where: str) -> dict:
             "d_model": d,
             "n_heads": _get(config, "n_head", int, where),
             "n_kv_heads": None,
+            "head_dim": None,
             "seq_len": _get(config, "n_positions", int, where),
             "vocab_size": _get(config, "vocab_size", int, where),
             "d_ff": 4 * d if inner is None else _get(config, "n_inner", int, where),
@@ -283,87 +381,113 @@ def model_from_hf(config: dict, where: str) -> dict:
             "position": "learned",
             "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
             "qk_norm": False,
+            "qk_norm_scope": "head",
             "moe": MoEConfig(),
             **_token_ids(config, where),
         }
-    if kind in ("llama", "mixtral", "qwen3_moe"):
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"{where}: hidden_act={act!r} is not supported; Llama import needs silu")
-        rope = config.get("rope_parameters") or {}
-        scaling = config.get("rope_scaling") or rope
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            raise CheckpointError(
-                f"{where}: rope_scaling={scaling} is not supported; trident imports rope_type default and llama3"
-            )
-        if config["model_type"] != "llama" and config.get("attention_bias", False):
-            raise CheckpointError(f"{where}: attention_bias=true is not supported for {config['model_type']}")
-        if config.get("attention_bias", False) != config.get("mlp_bias", False):
-            raise CheckpointError(
-                f"{where}: attention_bias={config.get('attention_bias')} with mlp_bias={config.get('mlp_bias')} is "
-                "not supported; model.bias sets both"
-            )
-        d, heads = _get(config, "hidden_size", int, where), _get(config, "num_attention_heads", int, where)
-        head_dim = config.get("head_dim")
-        if head_dim is not None and head_dim * heads != d:
-            raise CheckpointError(
-                f"{where}: head_dim={head_dim} is not hidden_size / num_attention_heads = {d // heads}; not supported"
-            )
-        kv = config.get("num_key_value_heads")
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        positions = _get(config, "max_position_embeddings", int, where)
-        return {
-            "n_layers": _get(config, "num_hidden_layers", int, where),
-            "d_model": d,
-            "n_heads": heads,
-            "n_kv_heads": None if kv is None or kv == heads else _get(config, "num_key_value_heads", int, where),
-            "seq_len": positions,
-            "max_seq_len": positions,
-            "vocab_size": _get(config, "vocab_size", int, where),
-            "d_ff": _get(config, "intermediate_size", int, where),
-            "bias": bool(config.get("attention_bias", False)),
-            "norm": "rmsnorm",
-            "norm_eps": float(_get(config, "rms_norm_eps", (int, float), where, 1e-6)),
-            "mlp": "swiglu",
-            "position": "rope",
-            "rope_theta": float(theta),
-            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-            **_rope_scaling_keys(scaling if kind == "llama3" else None, where),
-            **_token_ids(config, where),
-            **_moe_from_hf(config, where),
-        }
+    if kind in LLAMA_TYPES:
+        return _llama_from_hf(config, kind, where)
     raise CheckpointError(
-        f"{where}: model_type={kind!r} is not supported; trident imports gpt2, llama, mixtral and qwen3_moe"
+        f"{where}: model_type={kind!r} is not supported; trident imports gpt2, {', '.join(LLAMA_TYPES)}"
     )
 
 
-def _moe_from_hf(config: dict, where: str) -> dict:
-    """``model.qk_norm`` and ``model.moe`` of a Mixtral or Qwen3-MoE ``config.json`` (a Llama's: none)."""
-    kind = config["model_type"]
-    if kind == "llama":
-        return {"qk_norm": False, "moe": MoEConfig()}
-    if config.get("sliding_window") is not None and config.get("use_sliding_window", kind == "mixtral"):
+LLAMA_TYPES = ("llama", "qwen3", "mixtral", "qwen3_moe", "olmoe")  # Llama's block, with what each adds
+
+
+def _llama_from_hf(config: dict, kind: str, where: str) -> dict:
+    """The ``model.*`` of a Llama-family ``config.json`` (``model_type`` ``kind``, one of ``LLAMA_TYPES``)."""
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{where}: hidden_act={act!r} is not supported; Llama import needs silu")
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise CheckpointError(
+            f"{where}: rope_scaling={scaling} is not supported; trident imports rope_type default and llama3"
+        )
+    if kind != "llama" and config.get("attention_bias", False):
+        raise CheckpointError(
+            f"{where}: attention_bias=true is not supported for {kind}: its MLPs have no biases, and model.bias "
+            "sets both"
+        )
+    if config.get("attention_bias", False) != config.get("mlp_bias", False):
+        raise CheckpointError(
+            f"{where}: attention_bias={config.get('attention_bias')} with mlp_bias={config.get('mlp_bias')} is "
+            "not supported; model.bias sets both"
+        )
+    # Sliding-window attention: Mixtral's is on whenever sliding_window is set, Qwen3's under use_sliding_window.
+    if config.get("use_sliding_window", False):
+        raise CheckpointError(
+            f"{where}: use_sliding_window=true is not supported; trident's attention sees the whole causal context"
+        )
+    if kind in ("mixtral", "olmoe") and config.get("sliding_window") is not None:
         raise CheckpointError(f"{where}: sliding_window={config['sliding_window']} is not supported")
-    common = {
-        "top_k": _get(config, "num_experts_per_tok", int, where),
-        "aux_loss_coef": float(_get(config, "router_aux_loss_coef", (int, float), where, 0.0)),
+    if kind == "olmoe" and config.get("clip_qkv") is not None:
+        raise CheckpointError(f"{where}: clip_qkv={config['clip_qkv']} is not supported; OLMoE import needs null")
+    d, heads = _get(config, "hidden_size", int, where), _get(config, "num_attention_heads", int, where)
+    # Qwen3Config's head_dim defaults to 128; every other class's to hidden_size / num_attention_heads.
+    head_dim = _get(config, "head_dim", (int, type(None)), where, 128 if kind == "qwen3" else None)
+    if head_dim is not None and head_dim * heads == d:
+        head_dim = None
+    if kind == "olmoe" and head_dim is not None:  # OlmoeAttention's q_norm is hidden_size wide
+        raise CheckpointError(
+            f"{where}: head_dim={head_dim} is not supported for olmoe; its heads are hidden_size / "
+            f"num_attention_heads = {d // heads} wide"
+        )
+    kv = config.get("num_key_value_heads")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    positions = _get(config, "max_position_embeddings", int, where)
+    n_layers = _get(config, "num_hidden_layers", int, where)
+    return {
+        "n_layers": n_layers,
+        "d_model": d,
+        "n_heads": heads,
+        "n_kv_heads": None if kv is None or kv == heads else _get(config, "num_key_value_heads", int, where),
+        "head_dim": head_dim,
+        "seq_len": positions,
+        "max_seq_len": positions,
+        "vocab_size": _get(config, "vocab_size", int, where),
+        "d_ff": _get(config, "intermediate_size", int, where),
+        "bias": bool(config.get("attention_bias", False)),
+        "norm": "rmsnorm",
+        "norm_eps": float(_get(config, "rms_norm_eps", (int, float), where, 1e-6)),
+        "mlp": "swiglu",
+        "position": "rope",
+        "rope_theta": float(theta),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "qk_norm": kind in ("qwen3", "qwen3_moe", "olmoe"),
+        "qk_norm_scope": "projection" if kind == "olmoe" else "head",
+        **_rope_scaling_keys(scaling if rope_type == "llama3" else None, where),
+        **_token_ids(config, where),
+        "moe": _moe_from_hf(config, kind, n_layers, where),
     }
+
+
+def _moe_from_hf(config: dict, kind: str, n_layers: int, where: str) -> MoEConfig:
+    """``model.moe`` of a Mixtral, Qwen3-MoE or OLMoE ``config.json`` (a dense one's: none), the balancing
+    coefficient converted to ours (the module docstring)."""
+    if kind in ("llama", "qwen3"):
+        return MoEConfig()
+    top_k = _get(config, "num_experts_per_tok", int, where)
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, and OLMoE's as num_experts
+    experts = _get(config, "num_experts" if "num_experts" in config else "num_local_experts", int, where)
     if kind == "mixtral":
-        experts = _get(config, "num_local_experts", int, where)
-        d_expert = _get(config, "intermediate_size", int, where)
-        return {"qk_norm": False, "moe": MoEConfig(experts=experts, d_expert=d_expert, norm_topk=True, **common)}
-    if config.get("mlp_only_layers"):
-        raise CheckpointError(f"{where}: mlp_only_layers={config['mlp_only_layers']} is not supported")
-    moe = MoEConfig(
-        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
-        experts=_get(config, "num_experts" if "num_experts" in config else "num_local_experts", int, where),
-        d_expert=_get(config, "moe_intermediate_size", int, where),
-        every=_get(config, "decoder_sparse_step", int, where, 1),
-        norm_topk=bool(config.get("norm_topk_prob", False)),
-        **common,
-    )
-    return {"qk_norm": True, "moe": moe}
+        every, d_expert, norm_topk = 1, _get(config, "intermediate_size", int, where), True
+    elif kind == "olmoe":
+        every, d_expert = 1, _get(config, "intermediate_size", int, where)
+        norm_topk = bool(config.get("norm_topk_prob", False))
+    else:
+        if config.get("mlp_only_layers"):
+            raise CheckpointError(f"{where}: mlp_only_layers={config['mlp_only_layers']} is not supported")
+        every = _get(config, "decoder_sparse_step", int, where, 1)
+        d_expert = _get(config, "moe_intermediate_size", int, where)
+        norm_topk = bool(config.get("norm_topk_prob", False))
+    moe = MoEConfig(experts=experts, top_k=top_k, d_expert=d_expert, every=every, norm_topk=norm_topk)
+    coef = float(_get(config, "router_aux_loss_coef", (int, float), where, 0.0))
+    sparse = sum(moe.is_sparse(i) for i in range(n_layers))
+    return dataclasses.replace(moe, aux_loss_coef=aux_coef_from_hf(coef, top_k, sparse))
 
 
 # --- tensors -------------------------------------------------------------------------------------------------
@@ -408,15 +532,17 @@ def sources(cfg: ModelConfig) -> dict[str, Source]:
         out[ours + "ln_2.weight"] = Source((theirs + "post_attention_layernorm.weight",), (d,))
         attn = theirs + "self_attn."
         if kv == heads:
-            add(ours + "attn.qkv", [attn + "q_proj", attn + "k_proj", attn + "v_proj"], [d, d, d], rows=qkv)
+            parts = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
+            add(ours + "attn.qkv", parts, [heads * dh] * 3, rows=qkv)
         else:
             add(ours + "attn.q", [attn + "q_proj"], [heads * dh])
             kv_rows = _rows("two g dh", "g two dh", two=2, g=kv, dh=dh)
             add(ours + "attn.kv", [attn + "k_proj", attn + "v_proj"], [kv * dh, kv * dh], rows=kv_rows)
         add(ours + "attn.proj", [attn + "o_proj"], [d])
-        if cfg.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                out[f"{ours}attn.{norm}.weight"] = Source((f"{attn}{norm}.weight",), (dh,))
+        if cfg.qk_norm:  # per head: one gain of dh; over the projection (OLMoE): one per unit of q and of k
+            widths = (heads * dh, kv * dh) if cfg.qk_norm_scope == "projection" else (dh, dh)
+            for norm, width in zip(("q_norm", "k_norm"), widths, strict=True):
+                out[f"{ours}attn.{norm}.weight"] = Source((f"{attn}{norm}.weight",), (width,))
         if cfg.moe.is_sparse(i):
             out.update(_expert_sources(cfg, ours + "mlp.", theirs))
             continue
