@@ -1,5 +1,5 @@
 """Convert a model: a trident checkpoint (saved under any layout) into one plain file or a Hugging Face model, and a
-Hugging Face GPT-2 / Llama directory into a trident checkpoint.
+Hugging Face directory (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, OLMoE) into a trident checkpoint.
 
     python tools/convert_checkpoint.py runs/a/checkpoints --out model.safetensors
     python tools/convert_checkpoint.py runs/a/checkpoints --to hf --out llama-mine
@@ -13,9 +13,11 @@ process, without torchrun. Nothing is downloaded.
 full logical tensor under its canonical name, with the run config, the step and the tokenizer in the file's
 metadata. ``tools/generate.py`` samples from it as from the checkpoint.
 
-``--to hf`` writes a directory that ``transformers.GPT2LMHeadModel.from_pretrained(DIR)`` (GPT-2 blocks) or
-``transformers.LlamaForCausalLM.from_pretrained(DIR)`` (RMSNorm, SwiGLU, RoPE) loads with our logits
-(config.json, model.safetensors), with the model's tokenizer file beside it. Another block mix is refused.
+``--to hf`` writes a directory that ``transformers.GPT2LMHeadModel.from_pretrained(DIR)`` (GPT-2 blocks),
+``transformers.LlamaForCausalLM.from_pretrained(DIR)`` (RMSNorm, SwiGLU, RoPE) or the class of the model's family
+(Qwen3ForCausalLM with q/k norms; MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM with experts) loads with
+our logits (config.json, model.safetensors), with the model's tokenizer file beside it. Another block mix is
+refused, and so is router state the dropless expert classes have no place for (a capacity, a moved balancing bias).
 
 ``--to checkpoint`` (the default with ``--from hf``) writes ``OUT/step_00000000``, a trident checkpoint of the
 weights alone (no optimizer state): ``checkpoint.init_from=OUT`` starts a run from it, and ``--to hf`` and
