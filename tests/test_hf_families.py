@@ -178,4 +178,3 @@ def test_the_projection_norm_is_olmoes_to_the_bit(dtype):
     x = torch.randn(2, 7, heads * dh, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
     got = mine.to(dtype)(rearrange(x, "b t (h d) -> b h t d", h=heads))
     assert torch.equal(got, rearrange(theirs.to(dtype)(x), "b t (h d) -> b h t d", h=heads))
-

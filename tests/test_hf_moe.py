@@ -206,6 +206,7 @@ def test_a_moe_preset_holds_our_coefficient_of_the_released_models_own(preset, c
     cfg = make_config(f"model={preset}").model
     config = hf_config(cfg)
     assert architecture(cfg) == cls and config["router_aux_loss_coef"] == released
+    assert cfg.moe.aux_loss_coef == pytest.approx(released * cfg.moe.top_k / cfg.n_layers, rel=1e-9)  # ours
     assert model_from_hf(config, preset)["moe"] == dataclasses.replace(cfg.moe, z_loss_coef=0.0)  # none in HF's
     if preset == "qwen3-30b-a3b":  # the released heads: 32 of 128 on a 2048-wide stream, top-8 renormalised
         assert (cfg.head_size, cfg.n_heads, cfg.d_model, cfg.moe.norm_topk) == (128, 32, 2048, True)

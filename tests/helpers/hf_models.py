@@ -37,9 +37,15 @@ FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
     # Qwen3-30B-A3B's kind: every layer sparse, the top-k weights renormalised, heads of head_dim.
     "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(
-            **SHAPE, **MOE, intermediate_size=96, moe_intermediate_size=32, num_experts=8, decoder_sparse_step=1,
-            norm_topk_prob=True, head_dim=32,
-        )  # fmt: skip
+            **SHAPE,
+            **MOE,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            head_dim=32,
+        )
     ),
     "mixtral": lambda: transformers.MixtralForCausalLM(
         transformers.MixtralConfig(**SHAPE, **MOE, intermediate_size=32, num_local_experts=8, rope_theta=500.0)
