@@ -1,8 +1,9 @@
 """The released Llama-family shapes both ways, one process: Qwen3 (dense), Qwen3-MoE, Mixtral and OLMoE models that
 transformers itself wrote read back with its logits (fp32, within 1e-5) and its greedy tokens, our export of each
-loads in transformers with ours, and HF -> trident -> HF gives back every tensor and the config. Heads are not
-d_model / n_heads wide where the family allows it (head_dim 32 on a width of 64, 4 heads), as in every released
-Qwen3; what a family cannot compute is refused in one line naming the key."""
+loads in transformers with our logits (and, trained at tp=2, with our greedy tokens: tests/test_hf_trained.py), and
+HF -> trident -> HF gives back every tensor and the config. Heads are not d_model / n_heads wide where the family
+allows it (head_dim 32 on a width of 64, 4 heads), as in every released Qwen3; what a family cannot compute is
+refused in one line naming the key."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_a_transformers_model_reads_back_with_its_logits_and_greedy_tokens(famil
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_an_export_loads_in_transformers_with_our_logits_and_greedy_tokens(family, tmp_path):
+def test_an_export_loads_in_transformers_with_our_logits(family, tmp_path):
     weights = load_weights(saved(family, tmp_path / "src"))
     model = ours(weights)
     with torch.no_grad():  # our own weights now, away from transformers' file
@@ -74,7 +75,6 @@ def test_an_export_loads_in_transformers_with_our_logits_and_greedy_tokens(famil
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (model(ids) - hf.eval()(ids).logits).abs().max() <= 1e-5
-    assert greedy(model, prompts(), 8) == hf_greedy(hf, prompts(), 8)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
