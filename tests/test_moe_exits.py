@@ -18,6 +18,7 @@ from tests.helpers.layouts import make_config, tiny, train_in_process, train_ran
 from trident.checkpoint.consolidated import ModelWeights, load_weights, write_checkpoint, write_consolidated
 from trident.checkpoint.dcp import read_metadata, read_sharded
 from trident.checkpoint.init_from import adopt_init_from, check_init_from
+from trident.checkpoint.manager import schedule_changes
 from trident.checkpoint.sharded import Sharded
 from trident.checkpoint.state import BUFFERS
 from trident.config import ModelConfig, MoEConfig, validate
@@ -286,3 +287,21 @@ def test_zb_v_runs_two_chunks_when_vpp_is_left_out():
         2,
     )
     assert explicit == layout
+
+
+# --- resume: model.moe's training knobs may change, its function keys may not --------------------------------
+
+
+@pytest.mark.multiprocess
+def test_a_resume_may_change_the_moe_training_knobs_but_not_its_function(tiny_dataset, tmp_path):
+    overrides = tiny(tiny_dataset, "model=moe-tiny", "train.steps=3", "checkpoint.every=2", "train.eval_every=0")
+    train_in_process(tmp_path / "run", [*overrides, "train.steps=2"])
+    resume = [*overrides, f"checkpoint.dir={tmp_path / 'run' / 'checkpoints'}"]
+    (history,) = train_in_process(tmp_path / "knobs", [*resume, "model.moe.aux_loss_coef=0.05"])
+    assert [row["step"] for row in history] == [3]
+    assert schedule_changes(
+        {"model": {"moe": dataclasses.asdict(MoEConfig(experts=4))}},
+        {"model": {"moe": dataclasses.asdict(MoEConfig(experts=4, aux_loss_coef=0.05))}},
+    ) == ["model.moe.aux_loss_coef 0.0 -> 0.05"]  # what the resumed run's note says
+    with pytest.raises(Exception, match=r"has model\.moe\.top_k=2 but this run has 1"):
+        train_in_process(tmp_path / "function", [*resume, "model.moe.top_k=1", "model.moe.norm_topk=false"])

@@ -29,7 +29,7 @@ def plot(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_vpp_above_one_picks_the_interleaved_schedule_as_train_py_does(tmp_path, capsys) -> None:
     title = plot(tmp_path, capsys, "--pp", "4", "--vpp", "2", "--micro", "8")
     assert title.startswith("interleaved, pp=4, vpp=2, 8 micro-batches (planned): bubble 0.188")
-    assert TOOL["decide"](None, 4, 2, 8) == "interleaved"
+    assert TOOL["decide"](None, 4, 2, 8) == ("interleaved", 2)
 
 
 def test_one_chunk_per_rank_picks_1f1b_and_an_explicit_schedule_is_kept(tmp_path, capsys) -> None:
@@ -43,13 +43,16 @@ def test_zb_v_is_drawn_in_its_v_with_its_bubble(tmp_path, capsys) -> None:
     assert title.startswith("zb-v, pp=4, vpp=2, 8 micro-batches (planned): bubble 0.062 of busy time, formula 0.062")
     title = plot(tmp_path, capsys, "--pp", "4", "--vpp", "2", "--schedule", "zb-v", "--micro", "4")
     assert title.endswith("bubble 0.250 of busy time")
+    # zb-v always runs two chunks a rank: --vpp left out draws the same V, as train.py runs it.
+    title = plot(tmp_path, capsys, "--pp", "4", "--schedule", "zb-v", "--micro", "8")
+    assert title.startswith("zb-v, pp=4, vpp=2, 8 micro-batches (planned): bubble 0.062 of busy time, formula 0.062")
 
 
 @pytest.mark.parametrize(
     "argv, line",
     [
         (["--pp", "4", "--vpp", "2", "--schedule", "1f1b"], "error: --vpp=2 needs --schedule=interleaved (or zb-v"),
-        (["--pp", "4", "--schedule", "zb-v"], "error: --vpp=1 with --schedule=zb-v, which runs two model chunks"),
+        (["--pp", "4", "--vpp", "3", "--schedule", "zb-v"], "error: --vpp=3 with --schedule=zb-v, which runs two"),
         (["--pp", "2", "--schedule", "interleaved"], "error: --schedule=interleaved needs --vpp > 1 model chunks"),
         (["--pp", "1", "--vpp", "2"], "error: --vpp=2 needs pipeline parallelism (--pp > 1)"),
     ],

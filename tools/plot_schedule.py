@@ -36,6 +36,7 @@ from pathlib import Path
 
 from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from trident.errors import ConfigError
+from trident.layout import chunks_per_rank
 from trident.parallel.pipeline.schedules import SCHEDULES, UNIT_COSTS
 from trident.plan.machine import DEVICES, profile_for
 from trident.schedule_plot import (
@@ -64,11 +65,12 @@ FLAGS = {
 }
 
 
-def decide(schedule: str | None, pp: int, vpp: int, micro: int) -> str:
-    """The schedule train.py runs for this pipeline (``schedule`` None: its default for ``vpp``), checked by
-    train.py's own validator on a config of that layout: one rank per stage, one sequence per micro-batch."""
+def decide(schedule: str | None, pp: int, vpp: int, micro: int) -> tuple[str, int]:
+    """The schedule train.py runs for this pipeline (``schedule`` None: its default for ``vpp``) and its chunks per
+    rank (zb-v's two when ``vpp`` is left at 1), checked by train.py's own validator on a config of that layout: one
+    rank per stage, one sequence per micro-batch."""
     par = ParallelConfig(pp=pp, vpp=vpp, schedule=schedule)
-    model = ModelConfig(n_layers=max(1, pp * vpp))
+    model = ModelConfig(n_layers=max(1, pp * chunks_per_rank(schedule, pp, vpp)))
     cfg = Config(model=model, parallel=par, train=TrainConfig(micro_batch_size=1, global_batch_size=micro))
     try:
         layout = validate(cfg, world_size=pp)
@@ -77,7 +79,7 @@ def decide(schedule: str | None, pp: int, vpp: int, micro: int) -> str:
         for key, flag in FLAGS.items():
             message = message.replace(key, flag)
         raise SystemExit(f"error: {message}") from None
-    return layout.schedule or "1f1b"  # one rank: gradient accumulation, 1F1B's order
+    return layout.schedule or "1f1b", layout.vpp  # one rank: gradient accumulation, 1F1B's order
 
 
 # --- the layout planner's costs (--plan) ------------------------------------------------------------------------
@@ -109,7 +111,7 @@ def timelines(args: argparse.Namespace) -> tuple[list[Panel], str, str | None]:
             **{k: float(v) for k, v in (kv.split("=") for kv in (args.costs or "").split(",") if kv)},
         }
         pp, vpp, micro = (d if v is None else v for v, d in ((args.pp, 4), (args.vpp, 1), (args.micro, 8)))
-        schedule = decide(args.schedule, pp, vpp, micro)
+        schedule, vpp = decide(args.schedule, pp, vpp, micro)
         spans, title = planned(schedule, pp, vpp, micro, costs)
     return [Panel("", boxes_of(spans))], title, "ms" if args.measured is not None else None
 

@@ -34,7 +34,7 @@ from trident.checkpoint.hf import check_parts, read_box, sources
 from trident.checkpoint.hf_dir import HFDir, is_hf_dir
 from trident.checkpoint.sharded import Sharded
 from trident.checkpoint.state import BUFFERS, MODEL, named_parameters
-from trident.config import SHAPE_KEYS, Config, ModelConfig, MoEConfig
+from trident.config import MOE_FIXED, SHAPE_KEYS, Config, ModelConfig, MoEConfig
 from trident.errors import CheckpointError, ConfigError
 from trident.models.gpt import GPT
 from trident.models.moe import balancing_state
@@ -46,10 +46,6 @@ T = TypeVar("T")
 # The model.* keys a source fixes: every parameter shape, and the functions of the block.
 _SCALING = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
 ADOPTED = (*SHAPE_KEYS, "norm_eps", "rope_theta", "rope_scaling", *_SCALING)
-# Of model.moe, the keys that fix a shape or the function a source's weights compute; the others are training knobs
-# (the auxiliary losses, how fast the balancing bias moves, a capacity: a fine-tune may choose its own) and the
-# kernel, which a run may set as it likes.
-MOE_FIXED = ("experts", "top_k", "shared_experts", "d_expert", "every", "first_dense", "router", "norm_topk")
 # The model.* keys a source carries without fixing any function: its context (kept when the run trains on shorter
 # windows) and its token ids, which its export gives back. Taken from it unless the command line sets them.
 CARRIED = ("max_seq_len", "bos_id", "eos_ids")

@@ -43,7 +43,7 @@ from trident.checkpoint.state import (
     rng_state,
 )
 from trident.checkpoint.zero_state import MasterState, MomentState
-from trident.config import SHAPE_KEYS
+from trident.config import MOE_FIXED, SHAPE_KEYS
 from trident.errors import CheckpointError, TridentError
 from trident.models.moe import balancing_state
 from trident.parallel.agree import on_every_rank, on_one_rank
@@ -207,11 +207,14 @@ class Checkpointer:
         the trainer state; return a function that loads the tensors (the collective part)."""
         meta, config = read_head(path)
         saved_model = dataclasses.asdict(saved_model_config(config, f"checkpoint {path}"))
-        for key in SHAPE_KEYS:
-            mine = self.config["model"][key]
-            if saved_model[key] != mine:
+        # model.moe's training knobs (the auxiliary losses, the bias's rate, a capacity) may change on resume, as the
+        # learning rate may; its keys that fix the function may not.
+        compared = [(f"moe.{k}", saved_model["moe"][k], self.config["model"]["moe"][k]) for k in MOE_FIXED]
+        compared += [(key, saved_model[key], self.config["model"][key]) for key in SHAPE_KEYS if key != "moe"]
+        for key, saved, mine in compared:
+            if saved != mine:
                 raise CheckpointError(
-                    f"checkpoint {path} has model.{key}={saved_model[key]} but this run has {mine}; "
+                    f"checkpoint {path} has model.{key}={saved} but this run has {mine}; "
                     "resume with the same model shape or set checkpoint.resume=none"
                 )
         try:
@@ -260,13 +263,18 @@ _SCHEDULE_KEYS = {"train": ("steps",), "optim": ("lr", "min_lr", "warmup_steps",
 
 
 def schedule_changes(saved: dict, current: dict) -> list[str]:
-    """``key old -> new`` for each schedule setting that differs between two run configs."""
+    """``key old -> new`` for each schedule setting (and model.moe training knob) that differs between two run
+    configs."""
     changes = []
     for section, keys in _SCHEDULE_KEYS.items():
         for key in keys:
             old, new = _setting(saved, section, key), _setting(current, section, key)
             if old is not None and old != new:
                 changes.append(f"{section}.{key} {old} -> {new}")
+    saved_moe, moe = (_setting(c, "model", "moe") or {} for c in (saved, current))
+    for key in sorted(set(saved_moe) - set(MOE_FIXED)):  # the training knobs of model.moe, which a resume may change
+        if key in moe and saved_moe[key] != moe[key]:
+            changes.append(f"model.moe.{key} {saved_moe[key]} -> {moe[key]}")
     return changes
 
 

@@ -10,6 +10,7 @@ returns) down. The names below are the package's public API, re-exported so call
 
 from trident.config.compose import compose_config, launch_id, register_configs, to_config
 from trident.config.schema import (
+    MOE_FIXED,
     SHAPE_KEYS,
     CheckpointConfig,
     Config,
@@ -27,6 +28,7 @@ from trident.config.schema import (
 from trident.config.validate import grad_accum_steps, mix_entry, resolve_dp, validate
 
 __all__ = [
+    "MOE_FIXED",
     "SHAPE_KEYS",
     "CheckpointConfig",
     "Config",

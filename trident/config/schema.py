@@ -141,6 +141,11 @@ SHAPE_KEYS = (
     "moe",
 )
 
+# Of model.moe, the keys that fix a shape or the function a model's weights compute (a checkpoint resumes, and a run
+# starts from one, only with the same); the others are training knobs (the auxiliary losses, how fast the balancing
+# bias moves, a capacity: a fine-tune may choose its own) and the kernel, which a run may set as it likes.
+MOE_FIXED = ("experts", "top_k", "shared_experts", "d_expert", "every", "first_dense", "router", "norm_topk")
+
 # Keys a saved config may hold under an older name.
 _RENAMED_MODEL_KEYS = {"ln_eps": "norm_eps"}
 
