@@ -1,5 +1,9 @@
 """Activations predicted, per rank: kept for backward at the schedule's peak.
 
+Where trident/memory/trace.py covers a layout (a dense model's one chunk on a CPU, tp over a fake group) a chunk's
+bytes are traced from the real model; the formula below is kept for the rest (GPU layouts, cp, mixture-of-experts,
+pipelines) until the trace covers them, and the tests compare the two (tests/test_memory_trace.py).
+
 They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"): count, per
 transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the micro-batches
 in flight on a pipeline stage. Counted for this model's operators rather than Megatron's: attention runs a fused
@@ -95,7 +99,9 @@ import torch
 
 from trident.config import ModelConfig
 from trident.layout import Layout
+from trident.memory import trace
 from trident.memory.params import local_heads, rank_chunks
+from trident.memory.trace import traceable
 from trident.models.checkpointing import parse_label, recomputed_layers
 from trident.models.gpt import padded_vocab_size
 from trident.models.moe import grouped_mm_fits
@@ -456,12 +462,19 @@ def head_bytes(m: ModelConfig, layout: Layout) -> int:
 
 
 def activation_bytes(
-    m: ModelConfig, layout: Layout, stage: int, policy: str | None = None, routing: str = WORST
+    m: ModelConfig,
+    layout: Layout,
+    stage: int,
+    policy: str | None = None,
+    routing: str = WORST,
+    traced: bool = True,
 ) -> int:
     """Peak activation bytes pipeline stage ``stage`` keeps for backward: walk its schedule, adding a chunk's
     bytes at each forward and releasing them at its backward. ``policy``: a recomputation label
     (models/checkpointing.py ``recompute_label``), the layout's own by default. ``routing``: the sparse layers'
-    (``routed_rows``): the worst, a bound, by default."""
+    (``routed_rows``): the worst, a bound, by default. A chunk's bytes are traced (trident/memory/trace.py) where
+    the trace covers the layout, else this module's formula; ``traced=False``: the formula alone (the tests
+    compare the two)."""
     policy = policy or layout.recompute
     name, _, every = parse_label(policy)
     kept = policy.partition("/")[0]
@@ -477,6 +490,10 @@ def activation_bytes(
 
     chunk_bytes = []
     for c in chunks:
+        if traced and traceable(m, layout):  # the real chunk traced, a sparse layer's MLP from the formula
+            traced, sparse = trace.chunk_bytes(m, layout, c, policy)
+            chunk_bytes.append(traced + sum(n * _sparse_mlp_bytes(m, layout, p, routing) for p, n in sparse))
+            continue
         held = range(c * layers, (c + 1) * layers)  # virtual stage c's global layers (parallel/pipeline/stages.py)
         recomputed = set(recomputed_layers(held, name, every))
         chunk_bytes.append(
@@ -488,6 +505,14 @@ def activation_bytes(
         )
     placement = stage_placement(layout.schedule)
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
+
+
+def _sparse_mlp_bytes(m: ModelConfig, layout: Layout, policy: str, routing: str) -> int:
+    """What a sparse layer's MLP keeps under ``policy`` (a label without ``/N``), which the trace leaves out: none
+    under ``full`` (the block keeps its input alone), ``moe_bytes`` otherwise."""
+    if policy == "full":
+        return 0
+    return moe_bytes(m, layout, policy if parse_label(policy)[0] == "selective" else "none", routing)
 
 
 def stage_actions(layout: Layout, stage: int) -> list:

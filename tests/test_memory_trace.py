@@ -1,0 +1,71 @@
+"""trident/memory/trace.py: a model chunk traced on fake tensors keeps, per micro-batch, what today's formula
+(trident/memory/activations.py) counts on the configurations the formula was checked on, for every recomputation
+policy and tp layout; and it counts what the formula does not know (qk_norm, a head width of its own)
+as a real forward keeps it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.test_memory import LLAMA, MOE, SHAPES, _held
+from trident.config import ModelConfig
+from trident.layout import Layout
+from trident.memory.activations import POLICIES, activation_bytes
+from trident.memory.estimate import estimate
+from trident.memory.trace import _trace, chunk_bytes, traceable
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("cfg,tp", [(SHAPES[1], 2), (LLAMA, 4)], ids=["gpt-odd-tp2", "llama-tp4"])
+def test_tp_chunks_traced_over_a_fake_group_are_the_formula(cfg: ModelConfig, tp: int, sp: bool) -> None:
+    """tp > 1 traced over torch's fake process group, with and without sequence parallelism (the vocab-parallel
+    loss, replicated kv heads at tp=4): the formula's bytes, which tests/test_memory.py measured on real gloo
+    ranks."""
+    layout = Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, device="cpu")
+    assert traceable(cfg, layout)
+    for policy in POLICIES:
+        assert activation_bytes(cfg, layout, 0, policy) == activation_bytes(cfg, layout, 0, policy, traced=False)
+
+
+def test_a_layer_is_traced_once_per_kind_and_reused() -> None:
+    """A 12-layer chunk is traced with one layer, then two: the same bytes as the formula's twelve; a layout of the
+    same activations' shape (another dp, ZeRO stage) traces nothing again."""
+    cfg = dataclasses.replace(LLAMA, name="llama-12", n_layers=12)
+    layout = Layout(micro_batch_size=2, device="cpu")
+    before = _trace.cache_info().misses
+    assert chunk_bytes(cfg, layout, 0, "none")[0] == activation_bytes(cfg, layout, 0, "none", traced=False)
+    assert _trace.cache_info().misses - before == 2
+    estimate(cfg, layout)
+    traced = _trace.cache_info().misses
+    estimate(cfg, dataclasses.replace(layout, dp=4, zero=3))
+    assert _trace.cache_info().misses == traced
+
+
+QK_NORM = [
+    dataclasses.replace(LLAMA, name="qwen3-like", head_dim=32, qk_norm=True),
+    dataclasses.replace(LLAMA, name="olmoe-like", head_dim=24, qk_norm=True, qk_norm_scope="projection"),
+]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", QK_NORM, ids=[c.name for c in QK_NORM])
+def test_qk_norm_and_a_head_width_of_its_own_are_counted_as_a_forward_keeps_them(
+    cfg: ModelConfig, precision: str
+) -> None:
+    """model.head_dim (heads wider than d_model / n_heads) and model.qk_norm (per head, or over the projection):
+    the estimate of one micro-batch equals what a real forward keeps, under every recomputation, with no
+    estimator code for either."""
+    (stage,) = estimate(cfg, Layout(micro_batch_size=2, precision=precision, device="cpu")).stages
+    assert stage.activations == {p: _held(cfg, p, batch=2, precision=precision) for p in POLICIES}
+
+
+def test_the_trace_keeps_out_of_what_it_cannot_run() -> None:
+    """A GPU layout, context parallelism, a mixture-of-experts model and a pipeline keep the formula for now
+    (trident/memory/trace.py says why)."""
+    assert traceable(LLAMA, Layout(device="cpu"))
+    assert not traceable(LLAMA, Layout(device="cuda"))
+    assert not traceable(LLAMA, Layout(cp=2, device="cpu"))
+    assert not traceable(MOE, Layout(device="cpu"))
+    assert not traceable(LLAMA, Layout(pp=2, device="cpu"))
