@@ -60,6 +60,8 @@ LONGEST_FIRST = (
     "test_compile.py",
     "test_plan_auto.py",
     "test_moe_ep.py",
+    "test_hf_families.py",
+    "test_hf_trained.py",
     "test_plan.py",
     "test_plan_measure.py",
     "test_pipeline_layouts.py",

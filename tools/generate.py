@@ -4,10 +4,11 @@
     python tools/generate.py ~/models/llama-3.2-1b --prompt "The capital of France is" --tokens 20 --temperature 0
 
 CHECKPOINT is one checkpoint (``step_XXXXXXXX``, saved under any layout), a directory of them (the newest is
-used), the one file ``tools/convert_checkpoint.py`` makes of one, or a local Hugging Face GPT-2 / Llama directory
-(its tokenizer.json or tokenizer.model decodes). The prompt is encoded as transformers' ``tokenizer(prompt)``
-encodes it (a Llama tokenizer.json's BOS first). Generation keeps a KV cache: the prompt runs once, then each new
-token alone; the model runs in its weights' dtype, and the cache holds the prompt and the new tokens in that dtype.
+used), the one file ``tools/convert_checkpoint.py`` makes of one, or a local Hugging Face directory of a family
+trident maps (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, OLMoE; its tokenizer.json or tokenizer.model decodes). The
+prompt is encoded as transformers' ``tokenizer(prompt)`` encodes it (a Llama tokenizer.json's BOS first). Generation
+keeps a KV cache: the prompt runs once, then each new token alone; the model runs in its weights' dtype, and the cache
+holds the prompt and the new tokens in that dtype.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ def _read_tokenizer(path: Path | None) -> tuple[bytes | None, str | None]:
 
 
 def from_hf(path: Path) -> ModelWeights:
-    """A Hugging Face GPT-2 or Llama directory as our logical tensors and a run config of its model, step 0."""
+    """A Hugging Face directory of a family trident maps (trident/checkpoint/hf.py) as our logical tensors and a run
+    config of its model, step 0."""
     hf = HFDir(path)
     cfg = hf.model_config()
     table = sources(cfg)
@@ -166,7 +167,7 @@ def read_consolidated(path: Path) -> ModelWeights:
 
 def load_weights(source: Path, what: str = "checkpoint") -> ModelWeights:
     """A consolidated file, a checkpoint directory, a directory of checkpoints (the newest), or a Hugging Face
-    GPT-2 / Llama directory."""
+    directory of a family trident maps (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, OLMoE)."""
     if source.is_file():
         return read_consolidated(source)
     if is_hf_dir(source):

@@ -1,5 +1,6 @@
 """``checkpoint.init_from=PATH``: start a run from the weights of a trident checkpoint (any layout) or of a local
-Hugging Face GPT-2 / Llama directory, under any layout, with a fresh optimizer at step 0.
+Hugging Face directory (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, OLMoE), under any layout, with a fresh optimizer at
+step 0.
 
 The model's shape comes from that source. ``adopt_init_from`` (train.py's ``main``, and tests) gives every
 ``model.*`` key the user did not set on the command line the source's value; a key the user did set (directly,
