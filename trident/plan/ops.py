@@ -137,6 +137,8 @@ def layer_parts(m: ModelConfig, s: Shape, sparse: bool = False) -> dict[str, lis
     q_bytes, k_bytes = t * heads * dh * e, t * kv * dh * e
     # x * cos + cat(-x2, x1) * sin on q and k: five kernels over each
     parts["rope"] = _elementwise(5 * 2 * (q_bytes + k_bytes), 10) if m.position == "rope" else []
+    # RMSNorm of q and k (model.qk_norm): each read twice (its squares, its scaling) and written once, in six kernels
+    parts["qk_norm"] = _elementwise(3 * (q_bytes + k_bytes), 12) if m.qk_norm else []
     # cp's exchange (and its work beyond the kernels) reruns in any recomputation of the layer's forward: the
     # exchange is no kernel a selective policy keeps the output of (models/checkpointing.py).
     parts["attn_core"], parts["cp_exchange"] = _attention(s, heads, kv, dh)
@@ -272,7 +274,7 @@ def layer_ops(m: ModelConfig, s: Shape, sparse: bool = False) -> list[Op]:
 
 # What every selective policy recomputes besides its modules: the cheap work between the kept matmuls (and tp's
 # collectives, ep's all-to-alls and cp's exchange, which rerun: the recomputed stream needs their results).
-_ALWAYS = ("residual", "rope", "copy", "collectives", "dispatch", "cp_exchange")
+_ALWAYS = ("residual", "rope", "qk_norm", "copy", "collectives", "dispatch", "cp_exchange")
 
 
 def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -> list[Op]:
