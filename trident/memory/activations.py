@@ -491,8 +491,8 @@ def activation_bytes(
     chunk_bytes = []
     for c in chunks:
         if traced and traceable(m, layout):  # the real chunk traced, a sparse layer's MLP from the formula
-            traced, sparse = trace.chunk_bytes(m, layout, c, policy)
-            chunk_bytes.append(traced + sum(n * _sparse_mlp_bytes(m, layout, p, routing) for p, n in sparse))
+            held, sparse = trace.chunk_bytes(m, layout, c, policy)
+            chunk_bytes.append(held + sum(n * _sparse_mlp_bytes(m, layout, p, routing) for p, n in sparse))
             continue
         held = range(c * layers, (c + 1) * layers)  # virtual stage c's global layers (parallel/pipeline/stages.py)
         recomputed = set(recomputed_layers(held, name, every))
