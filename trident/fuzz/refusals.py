@@ -84,6 +84,25 @@ REFUSALS: tuple[Unsupported, ...] = (
         "`parallel.auto=true` on a world size no layout of the model and batch can use",
         r"parallel\.auto=true: no layout of \d+ ranks",
     ),
+    Unsupported(
+        "rotary positions with an odd head width (`model.position=rope` with an odd `model.head_dim`, or d_model / "
+        "n_heads)",
+        r"model\.position=rope needs an even head size",
+    ),
+    Unsupported(
+        "q/k norms over the whole projection with key/value heads that `tp` does not divide "
+        "(`model.qk_norm_scope=projection`)",
+        r"model\.qk_norm_scope=projection normalises all \d+ kv heads together",
+    ),
+    Unsupported(
+        "shared experts whose width (`model.moe.shared_experts` x `model.moe.d_expert`) `tp` does not divide",
+        r"the shared experts' width model\.moe\.shared_experts=\d+ x model\.moe\.d_expert=\d+ = \d+ is not "
+        r"divisible by parallel\.tp=\d+",
+    ),
+    Unsupported(
+        "`model.moe.norm_topk=true` with `model.moe.top_k=1` (every routing weight would be 1)",
+        r"model\.moe\.norm_topk=true with model\.moe\.top_k=1",
+    ),
 )
 
 
