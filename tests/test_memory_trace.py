@@ -62,10 +62,10 @@ def test_qk_norm_and_a_head_width_of_its_own_are_counted_as_a_forward_keeps_them
 
 
 def test_the_trace_keeps_out_of_what_it_cannot_run() -> None:
-    """A GPU layout, context parallelism, a mixture-of-experts model and a pipeline keep the formula for now
-    (trident/memory/trace.py says why)."""
+    """A GPU layout, context parallelism and a mixture-of-experts model keep the formula for now
+    (trident/memory/trace.py says why); a pipeline's chunks are traced (tests/test_memory_pipeline.py)."""
     assert traceable(LLAMA, Layout(device="cpu"))
+    assert traceable(LLAMA, Layout(pp=2, vpp=2, device="cpu"))
     assert not traceable(LLAMA, Layout(device="cuda"))
     assert not traceable(LLAMA, Layout(cp=2, device="cpu"))
     assert not traceable(MOE, Layout(device="cpu"))
-    assert not traceable(LLAMA, Layout(pp=2, device="cpu"))

@@ -70,7 +70,10 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
 For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
 without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
 vocab-parallel lookup's mask and local ids), the last stage the final norm, the head's whole input and the loss's
-fp32 probabilities over this rank's vocab block, 4 b s V (tied or untied head alike). Micro-batches in flight come
+fp32 probabilities over this rank's vocab block, 4 b s V (tied or untied head alike). Under a pipeline the runner
+keeps of each forward its output (every chunk but the last) and its received input (every chunk but the first), sbh
+e / t_sp each, the input only where the chunk's first layer keeps a cast copy of it (``stream_bytes``; checked on a
+real chunk, tests/test_memory_pipeline.py). Micro-batches in flight come
 from walking the rank's own action list, the one the executor runs (parallel/pipeline/schedules.py
 ``build_schedule``, ``activation_peak``): a chunk's bytes are taken at its forward and given back at the action that
 finishes its backward (B; under zb-h1 and zb-v its W, which keeps the weight path's inputs after I). GPipe holds all
@@ -433,6 +436,19 @@ def context_bytes(m: ModelConfig, layout: Layout) -> int:
     return 8 * (x.b if x.documents else 1) * whole + (4 * x.b * whole if x.documents else 0)
 
 
+def stream_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool, last: bool) -> int:
+    """What a runner keeps of a chunk's forward beside what the chunk keeps (parallel/pipeline/executor.py
+    ``saved``), sbh e / t_sp each: on every chunk but the last its output, the residual stream it sends and runs
+    backward from; on every chunk but the first the residual stream received, where the chunk's first layer (under
+    ``policy``) keeps a copy of it rather than itself: its norm's input cast, RMSNorm's in 16 bits, LayerNorm's
+    under 16-bit autocast on CUDA (full and selective recomputation keep the input itself)."""
+    x = _Shape.of(m, layout)
+    stream = x.s * x.b * x.h * x.e // x.t_sp
+    cast = x.e != FP32 and (m.norm == "rmsnorm" or x.device != "cpu")
+    received = not first and cast and parse_label(policy)[0] not in ("full", "selective")
+    return stream * ((not last) + received)
+
+
 def embed_bytes(m: ModelConfig, layout: Layout) -> int:
     """What the first stage's embedding keeps per micro-batch: with learned positions the int64 position ids (this
     rank's share of them under sequence parallelism); at tp > 1 the vocab-parallel lookup's bool mask and int64
@@ -502,6 +518,7 @@ def activation_bytes(
             + (head_bytes(m, layout) if c == last else 0)
             + documents_bytes(m, layout, policy if recomputed else "none", c == 0)
             + context_bytes(m, layout)
+            + stream_bytes(m, layout, kept if held[0] in recomputed else "none", c == 0, c == last)
         )
     placement = stage_placement(layout.schedule)
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)

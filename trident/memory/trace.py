@@ -28,9 +28,11 @@ Not traced yet (``traceable``; their formulas stay in activations.py):
 - a mixture-of-experts model: a sparse layer's routing decides its shapes on the host (``counts.tolist()`` in
   models/moe.py). ``chunk_bytes`` can run such a layer with its MLP kept out (``moe_bytes`` to add), but at tp=2
   that trace came 2 x 4 sbh + 4 n bytes under the measured forward: not wired in;
-- a pipeline of several chunks: a chunk after the first is traced from a received residual stream, which matched
-  the formula in fp32 but not under bf16 with dropout (12 KiB apart at llama-tiny's shape), and no real pipeline
-  chunk's activations are measured to say which is right.
+
+A pipeline's chunk is run as the executor runs it (parallel/pipeline/executor.py): after the first from a residual
+stream received into a buffer that requires grad, and counted with what the executor keeps of the forward until its
+backward, the received buffer and the output (the last chunk's loss), which a real chunk keeps to the byte
+(tests/test_memory_pipeline.py).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def traceable(m: ModelConfig, layout: Layout) -> bool:
     """Whether the trace covers ``layout``'s activations: a dense model on a CPU, one pipeline chunk, no context
     parallelism, and tp only where this process has no process group of its own (the fake groups need the default
     one). The rest keep trident/memory/activations.py's formula for now (see the module docstring)."""
-    if layout.device != "cpu" or layout.cp > 1 or m.moe.enabled or layout.pp * layout.vpp > 1:
+    if layout.device != "cpu" or layout.cp > 1 or m.moe.enabled:
         return False
     return layout.tp == 1 or not dist.is_initialized()
 
@@ -196,13 +198,14 @@ def _traced(
 
         def forward() -> object:
             x = tokens
-            if not first:  # the residual stream received from the stage before: kept while the graph needs it
+            if not first:  # the residual stream received from the stage before, into a buffer of the step's
                 shape = (b, tokens.shape[1] // (tp if sp and tp > 1 else 1), m.d_model)
-                x = torch.empty(shape, dtype=dtype, requires_grad=True)
+                x = torch.empty(shape, dtype=dtype).requires_grad_()
             with autocast(precision, torch.device("cpu")), rng.context(0, range(b)):
                 out = chunk(x, documents=ids, positions=positions, index=index)
-            # The last chunk's loss; else the graph alone (its output is sent on, and freed: not an activation).
-            return chunk.loss_sum(out, targets) if last else out.grad_fn
+            # What a runner keeps of a forward until its backward (parallel/pipeline/executor.py ``saved``): the
+            # received input and the output it runs backward from, the last chunk's loss.
+            return x, chunk.loss_sum(out, targets) if last else out
 
         _, held = held_by_forward(forward, [*state, *inputs])
     return held
