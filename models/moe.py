@@ -59,6 +59,10 @@ experts compute; the received rows, source by source, are put expert-major (stab
 received buffer, its padding and headers skipped), computed, put back, and returned by the reverse all-to-all, each
 pair's output to the row it left from (``ToExperts``, ``FromExperts``: two autograd nodes, the reverse exchanges in
 backward). Only the order of the rows the experts see changes, so the result is the one-process one.
+
+The memory estimator traces this layer on fake tensors (trident/memory/trace.py), which have no values to read: the
+sizes the layer reads of its routing on the host (the rows each expert takes, the exchange's counts) are then given
+(``MoE.traced``, a ``TracedRouting``; None in a run, which reads them from its data as above).
 """
 
 from __future__ import annotations
@@ -305,6 +309,17 @@ def _places(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
 PADDED_DISPATCH_BYTES = 1 << 20
 
 
+class TracedRouting(NamedTuple):
+    """What a sparse layer reads of its routing on the host, given instead (``MoE.traced``): for a forward on fake
+    tensors, whose values none can read (the memory estimator's trace, trident/memory/trace.py). ``kept``: this
+    rank's pairs kept per expert; ``received`` (ep > 1): the rows each rank of the ep group sends each of this rank's
+    experts, ``[source][local expert]``. The tensors' values are left as the data makes them; only the sizes the host
+    would read come from here."""
+
+    kept: list[int]
+    received: list[list[int]] | None = None
+
+
 class Dispatch(NamedTuple):
     """Rows on their way to the experts' owners (``MoE._dispatch``): the rows sent (in pair order), the exchange in
     flight, and either (padded) ``sent`` (the rows sent to each rank, on the device), ``block`` (the rows of each
@@ -341,6 +356,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, self.ep_rank, self.ep_size)
         self.shared = shared
         self.timer: Timer | None = None  # a context each all-to-all of the experts runs in (tools/bench.py moe)
+        self.traced: TracedRouting | None = None  # the memory trace's routing; None: read from the data (a run)
         # The gradient the auxiliary losses get per token of a micro-batch: set by the runner (set_loss_multiplier).
         self.loss_multiplier = 0.0
         # A step's sums (training forwards only, each counted once): tokens per expert (before any drop), dropped
@@ -391,11 +407,14 @@ class MoE(nn.Module):
                 held = cache.routed(self, b, e, x.device)
                 place = place + held.gather(1, chosen.view(b, t * k)).view(b, t, k)
                 held += per_seq.view(e, b).t()
-            order = order[place.reshape(-1)[order] < cap]
+            if self.traced is None:
+                order = order[place.reshape(-1)[order] < cap]
+            else:  # as many pairs as the traced routing keeps, in a tensor of their own as the selection makes
+                order = order[: sum(self.traced.kept)].clone()
             kept = torch.bincount(flat[order], minlength=e)
         token = order // k
         if self.ep_size == 1:
-            y = self.experts(x[token], kept.tolist())
+            y = self.experts(x[token], kept.tolist() if self.traced is None else self.traced.kept)
         else:  # on the wire to their experts' owners while the balancing statistics and the shared experts compute
             dispatch = self._dispatch(x, token, kept)
 
@@ -458,7 +477,7 @@ class MoE(nn.Module):
         started = start_all_to_all(send_counts, [1] * ep, [1] * ep, self.ep_group, self.timer)
         rows = x.index_select(0, token)
         counts = started.wait()  # [source, local expert]
-        table = torch.cat([counts, send_counts.sum(1, keepdim=True)], 1).tolist()  # the one read on the host
+        table = self._table(counts, send_counts.sum(1))
         sizes = [row[local] for row in table], [sum(row[:local]) for row in table], [row[:local] for row in table]
         started = start_all_to_all(rows, sizes[0], sizes[1], self.ep_group, self.timer)
         return Dispatch(rows, started, None, 0, None, sizes)
@@ -472,7 +491,7 @@ class MoE(nn.Module):
             (send, recv, table), starts = d.sizes, None
         else:  # each source's block: its counts, then its rows and the padding
             counts = received.view(ep, -1).view(torch.uint8)[:, : local * 8].view(torch.int64)
-            header = torch.cat([counts, d.sent.unsqueeze(1)], 1).tolist()  # the one read on the host
+            header = self._table(counts, d.sent)
             send, table = [row[local] for row in header], [row[:local] for row in header]
             recv = [sum(row) for row in table]
             starts = [r * d.block + d.head for r in range(ep)]
@@ -481,6 +500,14 @@ class MoE(nn.Module):
         xe = ToExperts.apply(d.rows, received, taken, to_source, route)
         y = self.experts(xe, [sum(column) for column in zip(*table, strict=True)])
         return FromExperts.apply(y, to_source, to_expert, route)
+
+    def _table(self, counts: torch.Tensor, sent: torch.Tensor) -> list[list[int]]:
+        """The exchange's one read on the host: per source, the rows it sends each local expert (``counts``
+        [source, local expert]) and last the rows this rank sends it (``sent`` [ep]); a traced routing's instead."""
+        if self.traced is None:
+            return torch.cat([counts, sent.unsqueeze(1)], 1).tolist()
+        kept, local = self.traced.kept, self.n_local
+        return [[*rows, sum(kept[r * local : (r + 1) * local])] for r, rows in enumerate(self.traced.received)]
 
     @property
     def n_local(self) -> int:

@@ -35,7 +35,7 @@ def test_a_layer_is_traced_once_per_kind_and_reused() -> None:
     cfg = dataclasses.replace(LLAMA, name="llama-12", n_layers=12)
     layout = Layout(micro_batch_size=2, device="cpu")
     before = _trace.cache_info().misses
-    assert chunk_bytes(cfg, layout, 0, "none")[0] == activation_bytes(cfg, layout, 0, "none", traced=False)
+    assert chunk_bytes(cfg, layout, 0, "none") == activation_bytes(cfg, layout, 0, "none", traced=False)
     assert _trace.cache_info().misses - before == 2
     estimate(cfg, layout)
     traced = _trace.cache_info().misses
@@ -62,10 +62,11 @@ def test_qk_norm_and_a_head_width_of_its_own_are_counted_as_a_forward_keeps_them
 
 
 def test_the_trace_keeps_out_of_what_it_cannot_run() -> None:
-    """A GPU layout, context parallelism and a mixture-of-experts model keep the formula for now
-    (trident/memory/trace.py says why); a pipeline's chunks are traced (tests/test_memory_pipeline.py)."""
+    """A GPU layout and context parallelism keep the formula for now (trident/memory/trace.py says why); a
+    pipeline's chunks (tests/test_memory_pipeline.py) and a mixture-of-experts model (tests/test_moe_memory.py) are
+    traced."""
     assert traceable(LLAMA, Layout(device="cpu"))
     assert traceable(LLAMA, Layout(pp=2, vpp=2, device="cpu"))
+    assert traceable(MOE, Layout(dp=2, ep=2, tp=2, device="cpu"))
     assert not traceable(LLAMA, Layout(device="cuda"))
     assert not traceable(LLAMA, Layout(cp=2, device="cpu"))
-    assert not traceable(MOE, Layout(device="cpu"))

@@ -1,8 +1,9 @@
 """Activations predicted, per rank: kept for backward at the schedule's peak.
 
-Where trident/memory/trace.py covers a layout (a dense model's one chunk on a CPU, tp over a fake group) a chunk's
-bytes are traced from the real model; the formula below is kept for the rest (GPU layouts, cp, mixture-of-experts,
-pipelines) until the trace covers them, and the tests compare the two (tests/test_memory_trace.py).
+Where trident/memory/trace.py covers a layout (a CPU layout without context parallelism: every chunk of a pipeline,
+tp and ep over fake groups, sparse layers under the routing asked for) a chunk's bytes are traced from the real
+model; the formula below is kept for the rest (GPU layouts, whose kernels a CPU cannot run even on fake tensors, and
+cp), and the tests compare the two (tests/test_memory_trace.py).
 
 They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"): count, per
 transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the micro-batches
@@ -506,9 +507,9 @@ def activation_bytes(
 
     chunk_bytes = []
     for c in chunks:
-        if traced and traceable(m, layout):  # the real chunk traced, a sparse layer's MLP from the formula
-            held, sparse = trace.chunk_bytes(m, layout, c, policy)
-            chunk_bytes.append(held + sum(n * _sparse_mlp_bytes(m, layout, p, routing) for p, n in sparse))
+        if traced and traceable(m, layout):  # the real chunk traced, its sparse layers routed as ``routing``
+            rows = routed_rows(m, layout, routing) if m.moe.enabled else None
+            chunk_bytes.append(trace.chunk_bytes(m, layout, c, policy, rows and (rows.sent, rows.received)))
             continue
         held = range(c * layers, (c + 1) * layers)  # virtual stage c's global layers (parallel/pipeline/stages.py)
         recomputed = set(recomputed_layers(held, name, every))
@@ -522,14 +523,6 @@ def activation_bytes(
         )
     placement = stage_placement(layout.schedule)
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
-
-
-def _sparse_mlp_bytes(m: ModelConfig, layout: Layout, policy: str, routing: str) -> int:
-    """What a sparse layer's MLP keeps under ``policy`` (a label without ``/N``), which the trace leaves out: none
-    under ``full`` (the block keeps its input alone), ``moe_bytes`` otherwise."""
-    if policy == "full":
-        return 0
-    return moe_bytes(m, layout, policy if parse_label(policy)[0] == "selective" else "none", routing)
 
 
 def stage_actions(layout: Layout, stage: int) -> list:

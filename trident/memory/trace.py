@@ -12,27 +12,32 @@ A chunk's layers differ only by their kind (recomputed or not, dense or sparse),
 on the others, so a chunk is traced with one layer of each kind it holds, and once more with a second layer of each
 kind it holds several of: the difference is that kind's bytes, scaled by its count (``chunk_bytes``). What the
 chunk keeps once (the embedding's, the head's and loss's, the recomputed chunk's mask and positions under packed
-documents, the ring plan of context parallelism) is in the first trace. Each trace is cached by what shapes it: the
-model, micro-batch size, tp, sequence parallelism, cp and its exchange, precision, packed documents and the layer
-kinds (``_trace``).
-
-Tensor parallelism runs over a fake process group (torch's ``fake`` backend: collectives return at once, their
-outputs shaped as a real group's). It needs the default process group, so a process that has a real one (a training
-run) cannot trace it: ``traceable`` says which layouts the trace covers, and trident/memory/activations.py keeps its
-formula for the others. Context parallelism is one of those: its exchanges classify their masks on the host
-(parallel/context/core.py ``classify``: ``mask.all()``, ``torch.equal``), which fake tensors cannot answer.
-
-Not traced yet (``traceable``; their formulas stay in activations.py):
-- a GPU layout, whose kernels (SDPA's CUDA flash and efficient kernels, fp32 norms under CUDA autocast, flex
-  attention) a CPU cannot dispatch, even on fake CUDA tensors (SDPA's kernel choice reads the real device);
-- a mixture-of-experts model: a sparse layer's routing decides its shapes on the host (``counts.tolist()`` in
-  models/moe.py). ``chunk_bytes`` can run such a layer with its MLP kept out (``moe_bytes`` to add), but at tp=2
-  that trace came 2 x 4 sbh + 4 n bytes under the measured forward: not wired in;
+documents) is in the first trace. Each trace is cached by what shapes it: the model, micro-batch size, tp, sequence
+parallelism, ep, precision, packed documents, the chunk's place, the layer kinds and the routing's sizes
+(``_trace``).
 
 A pipeline's chunk is run as the executor runs it (parallel/pipeline/executor.py): after the first from a residual
 stream received into a buffer that requires grad, and counted with what the executor keeps of the forward until its
-backward, the received buffer and the output (the last chunk's loss), which a real chunk keeps to the byte
+backward, the received buffer and the output (the last chunk's loss), as a real chunk keeps them
 (tests/test_memory_pipeline.py).
+
+A sparse layer (models/moe.py) reads its routing on the host: the rows each expert takes, and under ep the rows each
+rank sends each expert. The trace gives it those sizes (``MoE.traced``: a ``TracedRouting`` built from the routing
+asked for, ``traced_routing``), the worst routing's, a bound, or a balanced one's (trident/memory/activations.py
+``routed_rows``), and the rest of the layer runs as it does on real data. Two of its ops fake tensors cannot shape
+are shaped here (``_ShapesOnly``: ``bincount``, and ``_grouped_mm`` in fp32 on a CPU).
+
+Tensor and expert parallelism run over a fake process group (torch's ``fake`` backend: collectives return at once,
+their outputs shaped as a real group's). It needs the default process group, so a process that has a real one (a
+training run) cannot trace it: ``traceable`` says which layouts the trace covers, and trident/memory/activations.py
+keeps its formula for the others.
+
+Not traced (``traceable``; their formulas stay in activations.py):
+- a GPU layout (device ``cuda``), whose kernels (SDPA's CUDA flash and efficient kernels, fp32 norms under CUDA
+  autocast, flex attention) a CPU cannot dispatch, even on fake CUDA tensors (SDPA's kernel choice reads the real
+  device);
+- context parallelism: its exchanges classify their masks on the host (parallel/context/core.py ``classify``:
+  ``mask.all()``, ``torch.equal``) from every rank's span, which a fake all-gather does not deliver.
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ import contextlib
 import functools
 import gc
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trident.config import ModelConfig
 from trident.layout import Layout
@@ -53,9 +60,8 @@ from trident.memory.measure import held_by_forward
 from trident.memory.params import _key
 from trident.models.checkpointing import apply_activation_checkpointing, parse_label, recomputed_layers
 from trident.models.gpt import GPT
-from trident.models.moe import set_loss_multiplier
+from trident.models.moe import MoE, TracedRouting, set_loss_multiplier
 from trident.parallel.batch import Batch, document_ids
-from trident.parallel.comm import GroupShape
 from trident.parallel.context.batch import context_part
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.precision import autocast
@@ -67,39 +73,73 @@ DOCUMENT_EVERY = 7
 
 
 def traceable(m: ModelConfig, layout: Layout) -> bool:
-    """Whether the trace covers ``layout``'s activations: a dense model on a CPU, one pipeline chunk, no context
-    parallelism, and tp only where this process has no process group of its own (the fake groups need the default
-    one). The rest keep trident/memory/activations.py's formula for now (see the module docstring)."""
-    if layout.device != "cpu" or layout.cp > 1 or m.moe.enabled:
+    """Whether the trace covers ``layout``'s activations: a CPU layout without context parallelism, and tp or ep
+    only where this process has no process group of its own (the fake groups need the default one). The rest keep
+    trident/memory/activations.py's formula for now (see the module docstring)."""
+    if layout.device != "cpu" or layout.cp > 1:
         return False
-    return layout.tp == 1 or not dist.is_initialized()
+    return (layout.tp == 1 and layout.ep == 1) or not dist.is_initialized()
 
 
-class _NoMLP(nn.Module):
-    """A sparse layer's MLP kept out of the trace (its rows depend on the routing): a fresh tensor that keeps
-    nothing, so the block around it keeps what it keeps for any MLP."""
-
-    def forward(self, x: torch.Tensor, **_: object) -> torch.Tensor:
-        return torch.zeros_like(x)
+Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]
 
 
 @contextlib.contextmanager
-def _fake_groups(tp: int, cp: int) -> Iterator[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]:
-    """(tp group, cp group) of a fake world of tp x cp ranks this process is rank 0 of, for the trace's duration;
-    None for a group of one."""
-    if tp == 1 and cp == 1:
-        yield None, None
+def _fake_groups(tp: int, cp: int, ep: int) -> Iterator[Groups]:
+    """(tp group, cp group, ep group) of a fake world this process is rank 0 of, for the trace's duration; None
+    for a group of one."""
+    if tp == cp == ep == 1:
+        yield None, None, None
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp * ep)
     try:
-        # Ranks as trident/parallel/topology.py orders them within a dp rank: tp fastest, then cp.
+        # Ranks as trident/parallel/topology.py orders them: tp fastest, then cp within each dp rank; an ep group
+        # the first ep members of rank 0's dp x cp group.
         tp_group = dist.new_group(list(range(tp))) if tp > 1 else None
         cp_group = dist.new_group(list(range(0, tp * cp, tp))) if cp > 1 else None
-        yield tp_group, cp_group
+        ep_group = dist.new_group(list(range(0, tp * ep, tp))) if ep > 1 else None
+        yield tp_group, cp_group, ep_group
     finally:
         dist.destroy_process_group()
+
+
+class _ShapesOnly(TorchDispatchMode):
+    """What fake tensors cannot run for a sparse layer, by its shapes alone: ``bincount`` (its length depends on
+    the largest value; every count of models/moe.py has ``minlength`` above its values, so that length, the values
+    left unknown as fake tensors leave them all) and ``_grouped_mm`` outside bf16 (torch's meta function has only
+    the CUDA kernel's dtype check; the CPU kernel takes fp32 too, with the same [rows, out] result)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.bincount.default:
+            x, minlength = args[0], kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.zeros(minlength, dtype=torch.int64, device=x.device)
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            a, b = args[0], args[1]
+            if a.dim() != 2 or b.dim() != 3:
+                raise NotImplementedError(f"the trace runs _grouped_mm of 2-D rows by 3-D weights, not {func}")
+            return a.new_empty((a.shape[0], b.shape[-1]))
+        return func(*args, **kwargs)
+
+
+def traced_routing(m: ModelConfig, layout: Layout, sent: int, received: int) -> TracedRouting:
+    """A routing of ``sent`` pairs kept by this rank (ep rank 0) and ``received`` rows for its experts from the ep
+    group (trident/memory/activations.py ``routed_rows``): its L = E / ep experts take received / ep of its own
+    pairs and as many from every other rank, the rest of its pairs go to the others' experts, each count as even as
+    integers allow (what a layer keeps depends on the totals alone)."""
+    experts, ep = m.moe.experts, layout.ep
+    local = experts // ep
+    own = received // ep
+
+    def even(total: int, parts: int) -> list[int]:
+        return [total // parts + (i < total % parts) for i in range(parts)]
+
+    if ep == 1:
+        return TracedRouting(even(sent, experts))
+    mine = even(own, local)
+    return TracedRouting(mine + even(sent - own, experts - local), [mine] * ep)
 
 
 def _batch(m: ModelConfig, layout: Layout) -> Batch:
@@ -145,20 +185,23 @@ def _trace(
     last: bool,
     layers: tuple[int, ...],
     policy: str,
+    rows: tuple[int, int] | None = None,
 ) -> int:
     """Bytes the chunk of global ``layers`` (with the embedding if ``first``, the head and loss if ``last``) keeps
-    for backward after one micro-batch's forward under recomputation ``policy`` (a label with ``/N``)."""
+    for backward after one micro-batch's forward under recomputation ``policy`` (a label with ``/N``); its sparse
+    layers routed as ``rows`` says (pairs kept, rows received: ``traced_routing``)."""
     m = ModelConfig(*model)
-    layout = Layout(micro_batch_size=b, tp=tp, sequence_parallel=sp, cp=cp, cp_comm=cp_comm, document_mask=documents)
+    layout = Layout(
+        micro_batch_size=b, tp=tp, sequence_parallel=sp, cp=cp, cp_comm=cp_comm, document_mask=documents, ep=ep
+    )
     batch = _batch(m, layout)
-    dtype = PRECISION_DTYPES[precision]
-    name, modules, every = parse_label(policy)
+    routing = traced_routing(m, layout, *rows) if rows is not None else None
     # held_by_forward collects garbage to see what the forward really left alive; the objects that existed before
     # the trace are none of it, and leaving them out of the collection (a full one costs ~0.5 s in a big process)
     # leaves the count unchanged.
     gc.freeze()
     try:
-        return _traced(m, layout, batch, dtype, precision, ep, first, last, layers, name, modules, every)
+        return _traced(m, layout, batch, precision, first, last, layers, policy, routing)
     finally:
         gc.unfreeze()
 
@@ -167,24 +210,22 @@ def _traced(
     m: ModelConfig,
     layout: Layout,
     batch: Batch,
-    dtype: torch.dtype,
     precision: str,
-    ep: int,
     first: bool,
     last: bool,
     layers: tuple[int, ...],
-    name: str,
-    modules: tuple[str, ...],
-    every: int,
+    policy: str,
+    routing: TracedRouting | None,
 ) -> int:
-    b, tp, sp, cp, cp_comm = layout.micro_batch_size, layout.tp, layout.sequence_parallel, layout.cp, layout.cp_comm
-    with _fake_groups(tp, cp) as (tp_group, cp_group), FakeTensorMode() as mode:
+    b, tp, sp, cp, ep = layout.micro_batch_size, layout.tp, layout.sequence_parallel, layout.cp, layout.ep
+    dtype = PRECISION_DTYPES[precision]
+    name, modules, every = parse_label(policy)
+    with _fake_groups(tp, cp, ep) as (tp_group, cp_group, ep_group), FakeTensorMode() as mode:
         rng = RNGTracker(0)
-        ep_group = GroupShape(0, ep) if ep > 1 else None
-        chunk = GPT(m, tp_group, sp, rng, layers, first, last, cp_group, cp_comm, ep_group)
-        for block in chunk.layers.values():
-            if m.moe.enabled and m.moe.is_sparse(block.attn.layer):
-                block.mlp = _NoMLP()
+        chunk = GPT(m, tp_group, sp, rng, layers, first, last, cp_group, layout.cp_comm, ep_group)
+        for module in chunk.modules():
+            if isinstance(module, MoE):
+                module.traced = routing
         _fake_cast(chunk, dtype)
         set_loss_multiplier(chunk, 1.0)  # as a runner has it: the auxiliary losses' graph kept
         apply_activation_checkpointing(chunk, name, modules=modules, every=every)
@@ -207,13 +248,15 @@ def _traced(
             # received input and the output it runs backward from, the last chunk's loss.
             return x, chunk.loss_sum(out, targets) if last else out
 
-        _, held = held_by_forward(forward, [*state, *inputs])
+        with _ShapesOnly():
+            _, held = held_by_forward(forward, [*state, *inputs])
     return held
 
 
-def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str) -> tuple[int, list[tuple[str, int]]]:
-    """What model chunk ``chunk`` (a virtual stage) keeps per micro-batch under ``policy``, traced, but for its sparse
-    layers' MLPs; and those: (the policy each sparse layer runs under, its count)."""
+def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: tuple[int, int] | None = None) -> int:
+    """What model chunk ``chunk`` (a virtual stage) keeps per micro-batch under ``policy``, traced; a sparse layer
+    routed as ``rows`` says (pairs this rank keeps, rows its experts receive: trident/memory/activations.py
+    ``routed_rows``)."""
     chunks = layout.pp * layout.vpp
     held = list(stage_layers(m.n_layers, layout.pp, layout.vpp, chunk))
     name, _, every = parse_label(policy)
@@ -238,6 +281,7 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str) -> tupl
             chunk == chunks - 1,
             tuple(sorted(layers)),
             policy,
+            rows if m.moe.enabled else None,
         )
 
     one_each = [indices[0] for indices in by_kind.values()]
@@ -245,6 +289,4 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str) -> tupl
     for indices in by_kind.values():
         if len(indices) > 1:
             total += (len(indices) - 1) * (trace([*one_each, indices[1]]) - trace(one_each))
-    kept = policy.partition("/")[0]
-    sparse = [(kept if r else "none", len(indices)) for (r, s), indices in by_kind.items() if s]
-    return total, sparse
+    return total
