@@ -6,6 +6,7 @@ process)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -52,7 +53,11 @@ def _held(cfg: ModelConfig, layout: Layout, stage: int, policy: str) -> int:
         return x, chunk.loss_sum(out, targets) if chunk.is_last else out
 
     rope = [m.inv_freq for m in chunk.modules() if getattr(m, "inv_freq", None) is not None]
-    return held_by_forward(forward, [*chunk.parameters(), *chunk.buffers(), *rope, tokens, targets])[1]
+    gc.freeze()  # held_by_forward's collection then skips the objects older than the forward, none of it (fast)
+    try:
+        return held_by_forward(forward, [*chunk.parameters(), *chunk.buffers(), *rope, tokens, targets])[1]
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize("cfg,precision", CASES, ids=[f"{c.name}-{p}" for c, p in CASES])

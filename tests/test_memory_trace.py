@@ -12,7 +12,7 @@ import pytest
 from tests.test_memory import LLAMA, MOE, SHAPES, _held
 from trident.config import ModelConfig
 from trident.layout import Layout
-from trident.memory.activations import POLICIES, activation_bytes
+from trident.memory.activations import POLICIES, activation_bytes, recompute_bytes
 from trident.memory.estimate import estimate
 from trident.memory.trace import _trace, chunk_bytes, traceable
 
@@ -70,3 +70,21 @@ def test_the_trace_keeps_out_of_what_it_cannot_run() -> None:
     assert traceable(MOE, Layout(dp=2, ep=2, tp=2, device="cpu"))
     assert not traceable(LLAMA, Layout(device="cuda"))
     assert not traceable(LLAMA, Layout(cp=2, device="cpu"))
+
+
+@pytest.mark.parametrize(
+    "cfg,layout",
+    [
+        (LLAMA, Layout(micro_batch_size=2, precision="bf16", device="cpu")),
+        (MOE, Layout(tp=2, sequence_parallel=True, micro_batch_size=2, device="cpu")),
+    ],
+    ids=["llama-bf16", "moe-shared-tp2-sp"],
+)
+def test_the_recomputed_layer_is_traced_as_the_formula_counts_it(cfg: ModelConfig, layout: Layout) -> None:
+    """The transient of backward's recomputation (a layer's bytes without recomputation less what it keeps under
+    the policy, the larger of a dense and a sparse layer's) traced: the formula's, for each policy and routing."""
+    policies = [*POLICIES[1:], "selective[mlp]"]
+    for routing in ("worst", "balanced"):
+        traced = {p: recompute_bytes(cfg, layout, p, routing) for p in policies}
+        assert traced == {p: recompute_bytes(cfg, layout, p, routing, traced=False) for p in policies}
+        assert all(v > 0 for v in traced.values())

@@ -1,9 +1,11 @@
 """Activations predicted, per rank: kept for backward at the schedule's peak.
 
 Where trident/memory/trace.py covers a layout (a CPU layout without context parallelism: every chunk of a pipeline,
-tp and ep over fake groups, sparse layers under the routing asked for) a chunk's bytes are traced from the real
-model; the formula below is kept for the rest (GPU layouts, whose kernels a CPU cannot run even on fake tensors, and
-cp), and the tests compare the two (tests/test_memory_trace.py).
+tp and ep over fake groups, sparse layers under the routing asked for) a chunk's bytes, and the layer a recomputation
+replays, are traced from the real model; the formula below is kept for the rest: GPU layouts (device ``cuda``, whose
+kernels a CPU cannot run even on fake tensors) and context parallelism (whose exchanges read their masks on the
+host). Its CPU terms stay for cp; the tests compare it with the trace (tests/test_memory_trace.py). What only a
+traced CPU layout met (packed documents' dense mask and SDPA's float copy of it) is counted by the trace alone.
 
 They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"): count, per
 transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the micro-batches
@@ -46,11 +48,10 @@ q = h / t this rank's query width and k its key width (its kv heads x head_dim):
                                   outputs (``_selective_layer_bytes``); the default recomputes norms and activations
     full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
     every N-th block              the policy's bytes for global layers 0, N, 2N, ..., none's for the others
-    packed documents (CPU)        per layer: SDPA's float copy of the dense mask b s^2 e (the explicit core's inverted
-                                  mask b s^2 instead of the causal s^2), RoPE's tables per sample (b x); per chunk
-                                  under recomputation: the bool mask b s^2 and the int64 positions 8 b s its
-                                  arguments keep; the learned position ids are per sample (b x). On CUDA flex
-                                  attention's block mask, whose few block indices are not counted.
+    packed documents              per layer RoPE's tables per sample (b x); per chunk under recomputation the int64
+                                  positions 8 b s its arguments keep; the learned position ids are per sample (b x);
+                                  flex attention's block mask, whose few block indices are not counted (on a CPU
+                                  the trace counts the dense mask and SDPA's float copy of it)
     context parallelism (cp)      s is a rank's seq_len / cp tokens; attention keeps what its exchange keeps
                                   (``_Shape.context_attention``: the core's fp32 output, allgather's gathered k, v
                                   and mask, ulysses' head-split q, k, v and mask) instead of the fused kernel's;
@@ -74,16 +75,16 @@ vocab-parallel lookup's mask and local ids), the last stage the final norm, the 
 fp32 probabilities over this rank's vocab block, 4 b s V (tied or untied head alike). Under a pipeline the runner
 keeps of each forward its output (every chunk but the last) and its received input (every chunk but the first), sbh
 e / t_sp each, the input only where the chunk's first layer keeps a cast copy of it (``stream_bytes``; checked on a
-real chunk, tests/test_memory_pipeline.py). Micro-batches in flight come
-from walking the rank's own action list, the one the executor runs (parallel/pipeline/schedules.py
-``build_schedule``, ``activation_peak``): a chunk's bytes are taken at its forward and given back at the action that
-finishes its backward (B; under zb-h1 and zb-v its W, which keeps the weight path's inputs after I). GPipe holds all
-M, 1F1B min(pp - r, M) on stage r, zb-h1 more (its W passes are delayed), zb-v up to 2 pp chunks of half a 1F1B
-stage on every rank (1F1B's first stage), interleaved its warm-up + 1 chunk forwards (on the first stage
-Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers when M is a multiple of pp). On a CPU every term is
-checked to the byte against a real forward (tests/test_memory.py); the CUDA terms (LayerNorm and RMSNorm in fp32
-under autocast, fused attention for every head layout) are from the kernels' signatures, not measured here. Not
-counted: allocator fragmentation, communication buffers, the CUDA context and workspaces.
+real chunk, tests/test_memory_pipeline.py). Micro-batches in flight come from walking the rank's own action list,
+the one the executor runs (parallel/pipeline/schedules.py ``build_schedule``, ``activation_peak``): a chunk's bytes
+are taken at its forward and given back at the action that finishes its backward (B; under zb-h1 and zb-v its W,
+which keeps the weight path's inputs after I). GPipe holds all M, 1F1B min(pp - r, M) on stage r, zb-h1 more (its W
+passes are delayed), zb-v up to 2 pp chunks of half a 1F1B stage on every rank (1F1B's first stage), interleaved its
+warm-up + 1 chunk forwards (on the first stage Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers when M is a multiple
+of pp). On a CPU the prediction is checked to the byte against a real forward (tests/test_memory.py, the cp, MoE and
+pipeline memory tests); the CUDA terms (LayerNorm and RMSNorm in fp32 under autocast, fused attention for every head
+layout) are from the kernels' signatures, not measured here. Not counted: allocator fragmentation, communication
+buffers, the CUDA context and workspaces.
 
 Above the held activations, backward allocates transients: under recomputation one layer recomputed
 (``recompute_bytes``); on the last stage the loss's backward (``loss_backward_bytes``), the larger of the two,
@@ -232,19 +233,12 @@ class _Shape:
 
     def explicit_core(self) -> int:
         """The explicit core's probabilities, their dropped copy and keep mask [b, a, s, keys], and the inverted
-        mask masked_fill keeps: the causal one, with packed documents the samples' own, under context parallelism
-        the spans' [b or 1, s, cp s]."""
+        mask masked_fill keeps: the causal one, under context parallelism the spans' [b or 1, s, cp s]."""
         keys = self.s * self.cp
         core = self.b * self.a * self.s * keys // self.t * (2 * self.e + 1)
         if self.cp > 1:
             return core + (self.b if self.documents else 1) * self.s * keys
-        return core + (self.document_mask() or self.s * self.s)
-
-    def document_mask(self) -> int:
-        """Packed documents on a CPU: the dense bool mask [b, 1, s, s], whole on every tp rank (attention sees
-        the whole sequence). On CUDA flex attention's block mask, whose few block indices are left out. Under
-        context parallelism the exchange's own mask instead (``context_attention``)."""
-        return self.b * self.s * self.s if self.documents and self.device == "cpu" and self.cp == 1 else 0
+        return core + self.s * self.s
 
 
 def layer_bytes(m: ModelConfig, layout: Layout, policy: str, sparse: bool = False, routing: str = WORST) -> int:
@@ -264,8 +258,8 @@ def layer_bytes(m: ModelConfig, layout: Layout, policy: str, sparse: bool = Fals
     if policy == "none":
         if explicit:  # the explicit core (models/gpt.py, models/context_window.py under cp)
             core = x.explicit_core()
-        else:  # the fused kernel's fp32 logsumexp, and with packed documents its own copy of the mask as a float
-            core = FP32 * x.a * x.b * x.s // x.t + x.document_mask() * x.e
+        else:  # the fused kernel's fp32 logsumexp
+            core = FP32 * x.a * x.b * x.s // x.t
     # The fc (or gate and up) input, and GELU: fc output, GELU output; SwiGLU: gate and up outputs, silu(gate), their
     # product. A sparse layer: what its router, experts and shared experts keep instead.
     mlp = sbh * x.e + (4 if m.mlp == "swiglu" else 2) * sbf * x.e // x.t
@@ -416,14 +410,14 @@ def moe_bytes(m: ModelConfig, layout: Layout, policy: str = "none", routing: str
 
 def documents_bytes(m: ModelConfig, layout: Layout, policy: str, first: bool) -> int:
     """What packed documents add per chunk and micro-batch under recomputation: its arguments keep the chunk's
-    mask and int64 positions [b, s] (on the first stage, with learned positions and no sequence parallelism,
-    those positions are the embedding's own, counted there). Without recomputation the mask is freed once
-    attention has taken its copy."""
+    int64 positions [b, s] (on the first stage, with learned positions and no sequence parallelism, those positions
+    are the embedding's own, counted there) and flex attention's block mask, whose few block indices are left
+    out."""
     x = _Shape.of(m, layout)
     if not x.documents or policy == "none":
         return 0
     shared = first and m.position == "learned" and x.t_sp == 1
-    return x.document_mask() + (0 if shared else 8 * x.b * x.s)
+    return 0 if shared else 8 * x.b * x.s
 
 
 def context_bytes(m: ModelConfig, layout: Layout) -> int:
@@ -557,13 +551,24 @@ def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:
     return pad + cast + rows + seed
 
 
-def recompute_bytes(m: ModelConfig, layout: Layout, policy: str | None = None, routing: str = WORST) -> int:
+def recompute_bytes(
+    m: ModelConfig, layout: Layout, policy: str | None = None, routing: str = WORST, traced: bool = True
+) -> int:
     """Transient bytes above the held activations while backward recomputes one layer: what the layer would keep
-    without recomputation and does not under ``policy`` (the larger of a dense and a sparse layer's)."""
+    without recomputation and does not under ``policy`` (the larger of a dense and a sparse layer's); traced where
+    the trace covers the layout (``traced=False``: the formula alone)."""
     policy = (policy or layout.recompute).partition("/")[0]
     if policy == "none":
         return 0
     kinds = {m.moe.is_sparse(i) for i in range(m.n_layers)}
+    if traced and traceable(m, layout):  # each kind's layer traced, without recomputation and under the policy
+        rows = routed_rows(m, layout, routing) if m.moe.enabled else None
+        key = rows and (rows.sent, rows.received)
+        return max(
+            trace.layer_bytes(m, layout, "none", sparse, key)
+            - (0 if policy == "full" else trace.layer_bytes(m, layout, policy, sparse, key))
+            for sparse in kinds
+        )
     return max(
         layer_bytes(m, layout, "none", sparse, routing)
         - (0 if policy == "full" else layer_bytes(m, layout, policy, sparse, routing))

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -253,6 +253,24 @@ def _traced(
     return held
 
 
+def _canonical(m: ModelConfig, layers: Iterable[int], policy: str) -> tuple[int, ...]:
+    """``layers`` in order, each replaced by the first global index after the one before of the same kind (recomputed
+    under ``policy`` or not, sparse or dense): a chunk of the same shapes, so that chunks alike share one trace
+    (what a layer keeps depends on its kind, not its index)."""
+    name, _, every = parse_label(policy)
+
+    def kind(i: int) -> tuple[bool, bool]:
+        return bool(recomputed_layers([i], name, every)), m.moe.is_sparse(i)
+
+    out: list[int] = []
+    for i in sorted(layers):
+        j = out[-1] + 1 if out else 0
+        while kind(j) != kind(i):
+            j += 1
+        out.append(j)
+    return tuple(out)
+
+
 def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: tuple[int, int] | None = None) -> int:
     """What model chunk ``chunk`` (a virtual stage) keeps per micro-batch under ``policy``, traced; a sparse layer
     routed as ``rows`` says (pairs this rank keeps, rows its experts receive: trident/memory/activations.py
@@ -279,7 +297,7 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: t
             layout.ep,
             chunk == 0,
             chunk == chunks - 1,
-            tuple(sorted(layers)),
+            _canonical(m, layers, policy),
             policy,
             rows if m.moe.enabled else None,
         )
@@ -290,3 +308,32 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: t
         if len(indices) > 1:
             total += (len(indices) - 1) * (trace([*one_each, indices[1]]) - trace(one_each))
     return total
+
+
+def layer_bytes(m: ModelConfig, layout: Layout, policy: str, sparse: bool, rows: tuple[int, int] | None = None) -> int:
+    """What one layer of a kind (``sparse`` or dense) keeps per micro-batch under ``policy`` (a label without
+    ``/N``), traced: a one-chunk model with the layer beside another (or alone, in a one-layer model) less the same
+    without it, as ``chunk_bytes`` scales a kind."""
+    layer = next(i for i in range(m.n_layers) if m.moe.is_sparse(i) == sparse)
+    others = tuple(i for i in range(m.n_layers) if i != layer)[:1]
+    sp = layout.sequence_parallel and layout.tp > 1
+
+    def trace(layers: tuple[int, ...]) -> int:
+        return _trace(
+            _key(m),
+            layout.micro_batch_size,
+            layout.tp,
+            sp,
+            layout.cp,
+            layout.cp_comm if layout.cp > 1 else "ring",
+            layout.precision,
+            layout.document_mask,
+            layout.ep,
+            True,
+            True,
+            _canonical(m, layers, policy),
+            policy,
+            rows if m.moe.enabled else None,
+        )
+
+    return trace((*others, layer)) - trace(others)
