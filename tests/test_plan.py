@@ -71,25 +71,36 @@ def _validators_verdict(cfg: Config, world: int, part: Callable[[dict], bool]) -
     return accepted, enumerate_layouts(cfg, world)
 
 
-def _assert_enumeration_is(accepted: set[Layout], found: Enumeration, part: Callable[[dict], bool]) -> None:
+def _assert_enumeration_is(
+    accepted: set[Layout], found: Enumeration, part: Callable[[dict], bool], world: int = 4
+) -> None:
     listed = [layout for layout, _ in found.accepted if part(layout.keys())]
     assert len(listed) == len(set(listed)) and set(listed) == accepted
-    assert all(validate(variant, 4) == layout for layout, variant in found.accepted if part(layout.keys()))
+    assert all(validate(variant, world) == layout for layout, variant in found.accepted if part(layout.keys()))
 
 
-def test_enumeration_is_the_validators_verdict_on_the_whole_grid() -> None:
-    """Every combination of the layout keys' domains (the schedule named or not, offload ratios without offload,
-    vpp and pp that do not divide, ...) without context parallelism goes to ``validate``; the launches it accepts,
-    written one way, are exactly the planner's accepted candidates, and the planner lists nothing twice."""
-    cfg = compose_config(REPO / "conf", TINY)
-    world = 4
+@pytest.mark.parametrize(
+    "overrides",
+    [["model=gpt-tiny", "train.global_batch_size=2"], ["model=moe-tiny", "train.global_batch_size=1"]],
+    ids=["dense", "moe"],
+)
+def test_enumeration_is_the_validators_verdict_on_the_whole_grid(overrides: list[str]) -> None:
+    """Every combination of every planned key's domain (the schedule named or not, offload ratios without offload,
+    vpp and pp that do not divide, each cp_comm, every ep of the world's divisors, ...) on two ranks goes to
+    ``validate``; the launches it accepts, written one way, are exactly the planner's accepted candidates, and the
+    planner lists nothing twice. For the model with experts that includes ep drawn from dp x cp (cp 2, ep 2 on
+    two ranks: dp is 1), which the validator accepts."""
+    cfg = compose_config(REPO / "conf", overrides)
+    world = 2
 
     def part(keys: dict) -> bool:
-        return keys["parallel.cp"] == 1 and keys["parallel.cp_comm"] == Layout.cp_comm
+        return True
 
     accepted, found = _validators_verdict(cfg, world, part)
-    _assert_enumeration_is(accepted, found, part)
+    _assert_enumeration_is(accepted, found, part, world)
     assert len(accepted) > 500  # the space is not trivially small: every key varies
+    if cfg.model.moe.enabled:
+        assert (1, 2, 2) in {(layout.dp, layout.cp, layout.ep) for layout in accepted}
     # What the planner refuses, the validator refuses, with its own line.
     for keys, line in found.refused[:50]:
         with pytest.raises(ConfigError, match=line[:30].replace("(", r"\(").replace(")", r"\)")):

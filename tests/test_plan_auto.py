@@ -41,11 +41,12 @@ def profile(monkeypatch: pytest.MonkeyPatch) -> Profile:
 
 def test_auto_launches_the_plans_best_and_keeps_given_keys(profile: Profile) -> None:
     cfg = make_config("model=gpt-tiny", "train.global_batch_size=16", "parallel.auto=true")
-    ranked = plan(cfg, 4, profile).ranked
+    whole = plan(cfg, 4, profile)
+    ranked, accepted = whole.ranked, whole.ranked + whole.unfit
     chosen, line = auto.choose(cfg, 4)
     best = ranked[0]
     assert validate(chosen, 4) == dataclasses.replace(best.layout, device="cpu")
-    assert line.startswith(f"parallel.auto: {best.label}, the best of {len(ranked)} layouts for 4 ranks")
+    assert line.startswith(f"parallel.auto: {best.label}, the best of {len(accepted)} layouts for 4 ranks")
     assert "\n" not in line and chosen.parallel.auto
 
     given = ["parallel.pp=2", "train.activation_checkpointing=full"]
@@ -53,7 +54,8 @@ def test_auto_launches_the_plans_best_and_keeps_given_keys(profile: Profile) -> 
     assert kept.parallel.pp == 2 and kept.train.activation_checkpointing == "full"
     with_given = [p for p in ranked if p.layout.pp == 2 and p.layout.activation_checkpointing == "full"]
     assert validate(kept, 4) == dataclasses.replace(with_given[0].layout, device="cpu")
-    assert f"the best of {len(with_given)} layouts with parallel.pp=2 train.activation_checkpointing=full" in line
+    given_accepted = [p for p in accepted if p.layout.pp == 2 and p.layout.activation_checkpointing == "full"]
+    assert f"the best of {len(given_accepted)} layouts with parallel.pp=2 train.activation_checkpointing=full" in line
 
 
 def test_auto_refuses_in_one_line(profile: Profile) -> None:

@@ -12,6 +12,8 @@ The first lines say what it plans for: the global batch (train.global_batch_size
 tokens) and the precision, which on a GPU (a datasheet --device, or this machine's GPU) is bf16 unless
 train.precision is given, and on a CPU train.py's default, fp32. While it works, stderr shows the layouts examined,
 the time spent and the time left; the table ends with the whole torchrun command that launches the best layout.
+It estimates and times only as many layouts as it takes to know the --top best (bounds on memory and step time
+rule out the rest, trident/plan/planner.py); --measure, which samples the whole ranking, times every one.
 The layouts are every combination of tp, pp, vpp, schedule, ZeRO stage (and ZeRO-3's gather mode), optimizer
 offload (and ratio), recomputation, micro-batch size and sequence parallelism that train.py's validator accepts,
 with dp the rest of the world; those whose predicted peak does not fit the device are dropped. The layouts include
@@ -94,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             held_out=(overrides, REPO),
         )
         keep = given_keys(args.overrides) if args.keep else None
-        result = plan(cfg, args.world, profile, args.nodes, progress=Progress(sys.stderr), keep=keep)
+        # The table's rows are all a plan needs to find (--measure picks from the whole ranking).
+        top = None if args.measure else max(1, args.top)
+        result = plan(cfg, args.world, profile, args.nodes, progress=Progress(sys.stderr), keep=keep, top=top)
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -71,21 +71,22 @@ def _choose(cfg: Config, world: int, keys: dict[str, str], profile: Profile) -> 
 
 
 def _best(cfg: Config, world: int, keys: dict[str, str], profile: Profile) -> tuple[Prediction, int]:
-    """The best of the layouts with the given keys, and how many of them fit. Only those are planned; the whole
-    space only to say why none fits."""
-    result: Plan = plan(cfg, world, profile, keep=keys)  # ranks only the layouts that have the keys
+    """The best of the layouts with the given keys, and how many of them were examined (accepted by the validator).
+    Only those are planned, and only as far as their best needs (``plan``'s ``top``); the whole space only to say
+    why none fits."""
+    result: Plan = plan(cfg, world, profile, keep=keys, top=1)  # ranks only the layouts that have the keys
     if result.ranked:
-        return result.ranked[0], len(result.ranked)
-    result = plan(cfg, world, profile) if keys else result
+        return result.ranked[0], result.examined
+    result = plan(cfg, world, profile, top=1) if keys else result
     reasons = {line for _, line in result.refused}
-    if not result.ranked and not result.unfit and len(reasons) == 1:
+    if not result.examined and len(reasons) == 1:
         raise ConfigError(reasons.pop())  # the model or batch itself is wrong, whatever the layout
     head = f"parallel.auto=true: no layout of {world} ranks"
-    if not result.ranked and not result.unfit:
+    if not result.examined:
         example = min(reasons, key=len) if reasons else "none to try"
         why = f"is accepted for {cfg.model.name} with a global batch of {cfg.train.global_batch_size} ({example})"
     elif not result.ranked:
         why = f"fits {cfg.model.name} in {format_bytes(profile.usable_fraction * profile.memory_bytes)}"
     else:
-        why = f"has {' '.join(f'{k}={v}' for k, v in keys.items())} ({len(result.ranked)} others fit)"
+        why = f"has {' '.join(f'{k}={v}' for k, v in keys.items())} (others fit)"
     raise ConfigError(f"{head} {why}; launch another number of processes or change the batch or the given keys")

@@ -39,6 +39,7 @@ so it stays whole past ~400 lines.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from trident.models.checkpointing import recomputed_layers
 from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_grads, stage_of, stage_placement
 from trident.parallel.placement import is_expert
 from trident.plan import simulate
-from trident.plan.ops import BYTES, Op, Shape, chunk_ops, layer_ops, recompute_ops
+from trident.plan.ops import BYTES, Op, Shape, chunk_ops, embedding_ops, head_ops, layer_ops, recompute_ops
 from trident.plan.profile import (
     AMID_LONG_SEGMENT_S,
     AMID_SEGMENT_S,
@@ -89,6 +90,8 @@ class RankPlacement:
 
     def spans_nodes(self, stride: int, size: int) -> bool:
         """Whether a group of ``size`` ranks ``stride`` apart (tp: 1; dp: tp; pp: dp x tp) crosses a node."""
+        if size <= 1:
+            return False
         return stride * (size - 1) >= self.ranks_per_node or (
             self.ranks_per_node % stride != 0 and stride * size > self.ranks_per_node
         )
@@ -187,6 +190,11 @@ class Pricer:
     ep: int = 1
     ep_across_nodes: bool = False
 
+    @property
+    def flags(self) -> tuple:
+        """What prices a collective besides its op: each group's size and whether it crosses a node."""
+        return (self.tp_across_nodes, self.cp, self.cp_across_nodes, self.ep, self.ep_across_nodes)
+
     def matmul(self, m: int, n: int, k: int, layout: str = "nn") -> float:
         self.needs.matmuls.add((self.precision, m, n, k, layout))
         measured = self.profile.matmuls.get(matmul_key(self.precision, m, n, k, layout))
@@ -246,9 +254,18 @@ class Pricer:
         assert rate is not None
         return op.count * rate.latency + op.nbytes / rate.bandwidth
 
-    def ops(self, ops: Iterable[Op], tp: int, phases: str, into: dict[str, float] | None = None) -> tuple[float, float]:
+    def ops(
+        self,
+        ops: Iterable[Op],
+        tp: int,
+        phases: str,
+        into: dict[str, float] | None = None,
+        least: bool = False,
+    ) -> tuple[float, float]:
         """(compute, communication) seconds of the ``ops`` of ``phases``; ``into`` sums their kernels' seconds by op
-        class (matmul, attention, elementwise: what a profiled step splits, trident/plan/breakdown.py)."""
+        class (matmul, attention, elementwise: what a profiled step splits, trident/plan/breakdown.py). ``least``:
+        each collective at what it costs after the least compute (``amid_time`` without a segment), a lower bound of
+        its cost among any other ops, so that ops priced apart add up to at most their price together."""
         compute = comm = 0.0
         collectives = []
         for o in ops:
@@ -265,7 +282,7 @@ class Pricer:
             if into is not None:
                 into[o.kind] = into.get(o.kind, 0.0) + k
         # Each collective after its share of the pass's compute: the compute between two of them.
-        segment = compute / max(1, sum(o.count for o in collectives))
+        segment = None if least else compute / max(1, sum(o.count for o in collectives))
         for o in collectives:
             cpu, wait = self.op(o, tp, segment)
             compute, comm = compute + cpu, comm + wait
@@ -331,12 +348,19 @@ def _stage_expert_numel(m: ModelConfig, layout: Layout, stage: int, cache: dict 
     return cache[key]
 
 
-def _dense_numel(m: ModelConfig, layout: Layout, chunk: int) -> int:
+def _dense_numel(m: ModelConfig, layout: Layout, chunk: int, cache: dict | None = None) -> int:
     """Parameter elements of model chunk ``chunk`` whose gradients reduce over dp x cp: all but the expert weights
     split over ep (``_stage_expert_numel``)."""
-    rank, local = holder_of(chunk, layout.pp, stage_placement(layout.schedule))
+    placement = stage_placement(layout.schedule)
+    key = ("dense", layout.tp, layout.pp, layout.vpp, layout.ep, layout.sequence_parallel, placement, chunk)
+    if cache is not None and key in cache:
+        return cache[key]
+    rank, local = holder_of(chunk, layout.pp, placement)
     model = stage_params(m, layout, rank).chunks[local]
-    return sum(p.numel() for p in model.parameters() if layout.ep == 1 or not is_expert(p))
+    numel = sum(p.numel() for p in model.parameters() if layout.ep == 1 or not is_expert(p))
+    if cache is not None:
+        cache[key] = numel
+    return numel
 
 
 def _dp_reduce(
@@ -405,32 +429,12 @@ def step_time(
     recomputation, micro-batch) for model ``m`` on ``profile`` with ranks placed as ``placement``. ``needs``
     collects the shapes and group sizes it priced (what a calibration measures); ``cache`` keeps simulations for
     layouts that differ only in ZeRO stage and offload."""
-    pricer = Pricer(
-        profile,
-        layout.precision,
-        placement,
-        placement.spans_nodes(1, layout.tp),
-        layout.cp,
-        placement.spans_nodes(layout.tp, layout.cp),
-        ep=layout.ep,
-        ep_across_nodes=placement.spans_nodes(layout.tp * layout.cp, layout.ep),  # ep: runs of a dp group
-    )
-    if needs is not None:
-        pricer.needs = needs
+    pricer = _pricer(layout, profile, placement, needs)
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
     where = stage_placement(layout.schedule)  # how the chunks sit on the pipeline ranks
-    # The schedule's simulation does not depend on the ZeRO stage or offload: layouts differing only in those share it.
-    key = dataclasses.replace(
-        layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0, zero3_gather="", zero3_prefetch=0
-    )
-    if cache is not None and key in cache:
-        costs, spans, hop, kernels, sent = cache[key]
-    else:
-        costs, spans, hop, kernels, sent = _pipeline(m, layout, profile, placement, pricer)
-        if cache is not None:
-            cache[key] = costs, spans, hop, kernels, sent
+    key, walk = _walk(m, layout, profile, placement, pricer, cache)
+    costs, spans, hop, ends = walk.costs, walk.spans, walk.hop, walk.ends
     zero3 = _zero3_gathers(m, layout, profile, placement, costs) if layout.zero == 3 else 0.0
-    ends = simulate.rank_ends(spans, pp)
     pipeline = max(ends)
     all_busy = placement.share(placement.ranks_per_node if placement.nodes > 1 else placement.world)
 
@@ -440,7 +444,7 @@ def step_time(
     dp_across = placement.spans_nodes(layout.tp, grads)
     step_end = 0.0
     expert_ranks = grads // layout.ep  # the expert-data-parallel group
-    expert_across = placement.spans_nodes(layout.tp * layout.cp * layout.ep, expert_ranks)
+    expert_across = expert_dp_across(layout, placement)
     for r in range(pp):
         # Expert weights (ep > 1) reduce over their own group once the dense buckets are done.
         experts = _stage_expert_numel(m, layout, r, cache)
@@ -451,11 +455,18 @@ def step_time(
         elif grads == 1:
             tail = 0.0
         else:
-            weights = _weight_spans(spans, r, pp, where)
-            chunks = [
-                (_dense_numel(m, layout, stage_of(c, r, pp, where)), s.start, s.compute_end) for c, s in weights.items()
-            ]
-            tail = max(0.0, _chunk_reduce_end(profile, layout, chunks, dp_across) - ends[r])
+            # The queue's end is the same for every ZeRO stage reducing alike (all-reduce at 0, else reduce-scatter).
+            reduced = ("reduce end", key, r, layout.zero == 0, layout.bucket_mb, dp_across)
+            end = cache.get(reduced) if cache is not None else None
+            if end is None:
+                chunks = [
+                    (_dense_numel(m, layout, stage_of(c, r, pp, where), cache), start, stop)
+                    for c, start, stop in walk.weights[r]
+                ]
+                end = _chunk_reduce_end(profile, layout, chunks, dp_across)
+                if cache is not None:
+                    cache[reduced] = end
+            tail = max(0.0, end - ends[r])
         if layout.zero >= 2 and micro > 1 and grads > 1:
             # ZeRO 2-3 reduce-scatter every micro-batch (into fresh staging buffers), pipelines or not. On a GPU
             # each overlaps the next micro-batch's work; a CPU's gloo does the reduction on the cores the ranks
@@ -481,22 +492,14 @@ def step_time(
     optimizer = optimizer_compute + optimizer_comm
     step = step_end + zero3 + optimizer
 
-    # The rank of the last stage (the last pipeline rank, zb-v's first): it runs every micro-batch's loss.
-    loss_rank, _ = holder_of(layout.chunks - 1, pp, where)
-    last = [s for s in spans if s.rank == loss_rank]
-    compute = sum(s.compute_end - s.start for s in last)
-    tp_comm = sum(s.end - s.compute_end for s in last)
     # What a held-out run measured beyond the model (trident/plan/residual.py) scales the step and its split.
-    split = _split(
-        spans, costs, kernels, layout, ends, step_end + optimizer_comm, optimizer_compute, zero3, sent,
-        profile.overheads.get("split", 0.0),
-    )  # fmt: skip
+    split = _split_of(walk.ranks, pp, ends, step_end + optimizer_comm, optimizer_compute, zero3)
     return StepTime(
         step=step * profile.residual,
         pipeline=pipeline,
-        compute=compute,
-        bubble=simulate.bubble(spans, pp) if pp > 1 else 0.0,
-        tp_comm=tp_comm,
+        compute=walk.loss_rank_spans[0],
+        bubble=walk.bubble,
+        tp_comm=walk.loss_rank_spans[1],
         p2p=hop * 2 * micro * vpp if pp > 1 else 0.0,
         dp_comm=dp_comm,
         optimizer=optimizer,
@@ -525,22 +528,43 @@ def _split(
     are waited on inside the passes, before a block's forward or backward: communication in them; the CPU of the
     pipeline's messages (``sent``, per rank and action) is pipeline wait, where a profiled step sees it, and each
     split backward action's ``overhead`` the framework's."""
+    ranks = _rank_split(spans, costs, kernels, layout, sent or {}, overhead)
+    return _split_of(ranks, layout.pp, ends, synced, optimizer, zero3)
+
+
+def _rank_split(
+    spans: list[simulate.TimedSpan], costs: dict, kernels: dict, layout: Layout, sent: dict, overhead: float
+) -> list[tuple[float, float, float, dict[str, float]]]:
+    """``_split``'s part that reads the schedule's spans, per pipeline rank: (busy, communication, priced seconds,
+    seconds by class), one pass over the spans (layouts that share a simulation share it)."""
     pp, where = layout.pp, stage_placement(layout.schedule)
+    busy, comm, priced = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    classes: list[dict[str, float]] = [{} for _ in range(pp)]
+    for s in spans:
+        r = s.rank
+        busy[r] += s.compute_end - s.start
+        comm[r] += s.end - s.compute_end
+        stage = stage_of(s.action.chunk, r, pp, where)
+        message = sent.get((r, s.action), 0.0)
+        priced[r] += costs[(stage, s.action.kind)][0] + message + (overhead if s.action.kind in SPLIT else 0.0)
+        mine = classes[r]
+        mine["pipeline wait"] = mine.get("pipeline wait", 0.0) + message
+        for kind, t in kernels[(stage, s.action.kind)].items():
+            mine[kind] = mine.get(kind, 0.0) + t
+    return list(zip(busy, comm, priced, classes, strict=True))
+
+
+def _split_of(
+    ranks: list[tuple[float, float, float, dict[str, float]]],
+    pp: int,
+    ends: list[float],
+    synced: float,
+    optimizer: float,
+    zero3: float,
+) -> dict[str, float]:
     kinds = ("matmul", "attention", "elementwise", "framework", "core wait", "comm in passes", "pipeline wait")
     out = dict.fromkeys(kinds, 0.0)
-    for r in range(pp):
-        busy = comm = priced = 0.0
-        classes: dict[str, float] = {}
-        for s in spans:
-            if s.rank != r:
-                continue
-            busy, comm = busy + s.compute_end - s.start, comm + s.end - s.compute_end
-            stage = stage_of(s.action.chunk, r, pp, where)
-            message = (sent or {}).get((r, s.action), 0.0)
-            priced += costs[(stage, s.action.kind)][0] + message + (overhead if s.action.kind in SPLIT else 0.0)
-            classes["pipeline wait"] = classes.get("pipeline wait", 0.0) + message
-            for kind, t in kernels[(stage, s.action.kind)].items():
-                classes[kind] = classes.get(kind, 0.0) + t
+    for r, (busy, comm, priced, classes) in enumerate(ranks):
         for kind, t in classes.items():
             out["comm in passes" if kind == COMM_CPU else kind] += t / pp
         out["framework"] += (priced - sum(classes.values())) / pp
@@ -554,15 +578,194 @@ def _split(
     return out
 
 
-def _pipeline(
-    m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, pricer: Pricer
-) -> tuple[dict, list[simulate.TimedSpan], float, dict, dict]:
-    """Per-stage action costs, the simulated schedule's spans, the p2p hop's seconds (what is left of it beyond its
-    CPU), per-stage action kernels' seconds by op class, and per (rank, action) the CPU of its pipeline messages."""
-    seq = m.seq_len // layout.cp  # a rank's part of each sequence
-    shape = Shape(
+class _Walk:
+    """One simulated schedule and what every layout sharing it reads off its spans (they differ in ZeRO and
+    offload only): each rank's end, and (read when a layout is timed) each chunk's last weight-gradient span per
+    rank (its buckets fill there), the loss rank's compute and communication, the bubble, and the split's per-rank
+    sums."""
+
+    def __init__(
+        self,
+        costs: dict,
+        spans: list[simulate.TimedSpan],
+        hop: float,
+        kernels: dict,
+        sent: dict,
+        layout: Layout,
+        overhead: float,
+    ) -> None:
+        self.costs, self.spans, self.hop, self.kernels, self.sent = costs, spans, hop, kernels, sent
+        self.layout, self.overhead = layout, overhead
+        self.ends = simulate.rank_ends(spans, layout.pp)
+
+    @functools.cached_property
+    def weights(self) -> list[list[tuple[int, float, float]]]:
+        pp, where = self.layout.pp, stage_placement(self.layout.schedule)
+        out = []
+        for r in range(pp if pp > 1 else 0):
+            last = _weight_spans(self.spans, r, pp, where)
+            out.append([(c, s.start, s.compute_end) for c, s in last.items()])
+        return out
+
+    @functools.cached_property
+    def loss_rank_spans(self) -> tuple[float, float]:
+        """The compute and communication of the rank of the last stage (the last pipeline rank, zb-v's first): it
+        runs every micro-batch's loss."""
+        loss_rank, _ = holder_of(self.layout.chunks - 1, self.layout.pp, stage_placement(self.layout.schedule))
+        last = [s for s in self.spans if s.rank == loss_rank]
+        return sum(s.compute_end - s.start for s in last), sum(s.end - s.compute_end for s in last)
+
+    @functools.cached_property
+    def bubble(self) -> float:
+        return simulate.bubble(self.spans, self.layout.pp) if self.layout.pp > 1 else 0.0
+
+    @functools.cached_property
+    def ranks(self) -> list[tuple[float, float, float, dict[str, float]]]:
+        return _rank_split(self.spans, self.costs, self.kernels, self.layout, self.sent, self.overhead)
+
+
+def expert_dp_across(layout: Layout, placement: RankPlacement) -> bool:
+    """Whether an expert-data-parallel group (every ep-th member of a dp x cp group, parallel/topology.py: ranks
+    tp x ep apart) crosses a node."""
+    return placement.spans_nodes(layout.tp * layout.ep, layout.grad_ranks // layout.ep)
+
+
+def _pricer(layout: Layout, profile: Profile, placement: RankPlacement, needs: Needs | None = None) -> Pricer:
+    pricer = Pricer(
+        profile,
+        layout.precision,
+        placement,
+        placement.spans_nodes(1, layout.tp),
+        layout.cp,
+        placement.spans_nodes(layout.tp, layout.cp),
+        ep=layout.ep,
+        # ep: runs of ep consecutive members of a dp x cp group (parallel/topology.py), whose members are tp apart
+        ep_across_nodes=placement.spans_nodes(layout.tp, layout.ep),
+    )
+    if needs is not None:
+        pricer.needs = needs
+    return pricer
+
+
+def _walk(
+    m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, pricer: Pricer, cache: dict | None
+) -> tuple[Layout, _Walk]:
+    """The schedule's simulation of ``layout`` and its cache key: it does not depend on the ZeRO stage or offload,
+    so layouts differing only in those share it."""
+    key = dataclasses.replace(
+        layout, zero=0, offload="none", offload_ratio=1.0, bucket_mb=0.0, zero3_gather="", zero3_prefetch=0
+    )
+    walk = cache.get(key) if cache is not None else None
+    if walk is None:
+        walk = _Walk(*_pipeline(m, layout, profile, placement, pricer), layout, profile.overheads.get("split", 0.0))
+        if cache is not None:
+            cache[key] = walk
+    return key, walk
+
+
+def pipeline_floor(
+    m: ModelConfig,
+    layout: Layout,
+    profile: Profile,
+    placement: RankPlacement,
+    needs: Needs | None = None,
+    cache: dict | None = None,
+) -> float:
+    """A lower bound of ``step_time(...).step`` shared by the layouts that differ in ZeRO and offload alone: the
+    simulated schedule's last end (the reduction, ZeRO's gathers and the optimizer come after it), with the
+    simulation kept in ``cache`` for ``step_time``."""
+    _, walk = _walk(m, layout, profile, placement, _pricer(layout, profile, placement, needs), cache)
+    return max(walk.ends) * profile.residual
+
+
+def step_floor(
+    m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, cache: dict | None = None
+) -> float:
+    """A lower bound of ``step_time(...).step``, at a fraction of its cost (no schedule is simulated, no parameter
+    counted): a pipeline rank runs its actions one after another, each at least its compute (at the fastest
+    speed sharing can give) and its communication, its first cannot start before the first micro-batch's forward
+    has passed every stage below it, and (but under zb's split backward) the gradient of its last passes every
+    stage below it after it. A chunk's passes are priced as the sum of their parts (a layer, a
+    recomputed layer, the embedding, the head), each collective at its least cost (``Pricer.ops``' ``least``).
+    What the bound leaves out costs time or nothing: the accumulation of gradients, zb's second recomputation,
+    messages, the reduction, ZeRO's gathers, the optimizer. The planner times exactly only the layouts whose bound
+    can still reach the best few. ``cache`` keeps the parts priced per micro-batch shape (every layout with that
+    shape shares them)."""
+    cache = cache if cache is not None else {}
+    shape = _shape(m, layout)
+    policy = layout.recompute.partition("/")[0]
+    flags = (
+        placement.spans_nodes(1, layout.tp),
+        layout.cp,
+        placement.spans_nodes(layout.tp, layout.cp),
+        layout.ep,
+        placement.spans_nodes(layout.tp, layout.ep),
+    )
+    key = ("floor", shape, policy, flags)
+    if key not in cache:
+        pricer = _pricer(layout, profile, placement)
+        fastest = max([1.0, *(placement.share(k) for k in range(1, placement.world + 1))])
+
+        def priced(ops: list[Op]) -> tuple[float, float]:
+            """(forward, forward and backward) seconds of ``ops`` at their least."""
+            f, i, w = (pricer.ops(ops, layout.tp, ph, least=True) for ph in ("F", "I", "W"))
+            return f[0] / fastest + f[1], (f[0] + i[0] + w[0]) / fastest + f[1] + i[1] + w[1]
+
+        cache[key] = {
+            "layer": priced(layer_ops(m, shape)),
+            "sparse": priced(layer_ops(m, shape, sparse=True)) if m.moe.enabled else (0.0, 0.0),
+            "again": priced(recompute_ops(m, shape, policy)),
+            "sparse again": priced(recompute_ops(m, shape, policy, True)) if m.moe.enabled else (0.0, 0.0),
+            "embedding": priced(embedding_ops(m, shape)),
+            "head": priced(head_ops(m, shape)),
+        }
+    parts = cache[key]
+    pp, vpp = layout.pp, layout.vpp
+    counted = ("counts", pp, vpp, layout.activation_checkpointing, layout.recompute_every)
+    if counted not in cache:
+        cache[counted] = _part_counts(m, layout)
+    forward, both = [], []  # per stage: a micro-batch's forward, and its forward and backward, in seconds
+    for counts in cache[counted]:
+        forward.append(sum(k * parts[name][0] for name, k in counts))
+        both.append(sum(k * parts[name][1] for name, k in counts))
+    where = stage_placement(layout.schedule)
+    # Without a split backward a rank's last action is a backward, after which the gradient still passes every
+    # stage below it (at least those below the rank's first stage); zb's last actions may be weight passes.
+    drains = layout.schedule not in ("zb-h1", "zb-v")
+    worst = lead = 0.0  # lead: the stages below rank r, forward (and backward, where it drains)
+    for r in range(pp):
+        work = layout.micro_batches * sum(both[stage_of(c, r, pp, where)] for c in range(vpp))
+        worst = max(worst, lead + work)
+        lead += both[r] if drains else forward[r]
+    return worst * profile.residual
+
+
+def _part_counts(m: ModelConfig, layout: Layout) -> list[list[tuple[str, int]]]:
+    """Per stage, how many of each part ``step_floor`` prices its chunk has (as ``_pipeline`` builds it)."""
+    layers = _layers_per_chunk(m, layout)
+    stages = layout.pp * layout.vpp
+    out = []
+    for stage in range(stages):
+        held = range(stage * layers, (stage + 1) * layers)
+        again_in = recomputed_layers(held, layout.activation_checkpointing, layout.recompute_every)
+        sparse = (sum(map(m.moe.is_sparse, held)), sum(map(m.moe.is_sparse, again_in)))
+        counts = {
+            "layer": layers - sparse[0],
+            "sparse": sparse[0],
+            "again": len(again_in) - sparse[1],
+            "sparse again": sparse[1],
+            "embedding": int(stage == 0),
+            "head": int(stage == stages - 1),
+        }
+        out.append([(name, k) for name, k in counts.items() if k])
+    return out
+
+
+def _shape(m: ModelConfig, layout: Layout) -> Shape:
+    """One micro-batch on one rank of ``layout`` (its part of each sequence under cp)."""
+    return Shape(
         layout.micro_batch_size,
-        seq,
+        m.seq_len // layout.cp,
         layout.tp,
         layout.sequence_parallel,
         layout.precision,
@@ -570,6 +773,14 @@ def _pipeline(
         layout.cp_comm,
         layout.ep,
     )
+
+
+def _pipeline(
+    m: ModelConfig, layout: Layout, profile: Profile, placement: RankPlacement, pricer: Pricer
+) -> tuple[dict, list[simulate.TimedSpan], float, dict, dict]:
+    """Per-stage action costs, the simulated schedule's spans, the p2p hop's seconds (what is left of it beyond its
+    CPU), per-stage action kernels' seconds by op class, and per (rank, action) the CPU of its pipeline messages."""
+    shape = _shape(m, layout)  # a rank's part of each sequence
     pp, vpp, micro = layout.pp, layout.vpp, layout.micro_batches
     layers = _layers_per_chunk(m, layout)
     stages = pp * vpp
@@ -635,9 +846,13 @@ def _pipeline(
     # And each action of zb's split backward, torch's split of the graph around it (Profile.overheads).
     split = profile.overheads.get("split", 0.0)
 
+    memo: dict[tuple[int, Action], tuple[float, float]] = {}  # the simulation asks for an action's cost twice
+
     def cost(rank: int, a: Action) -> tuple[float, float]:
-        compute, comm = costs[(stage_of(a.chunk, rank, pp, where), a.kind)]
-        return compute + sent.get((rank, a), 0.0) + (split if a.kind in SPLIT else 0.0), comm
+        if (rank, a) not in memo:
+            compute, comm = costs[(stage_of(a.chunk, rank, pp, where), a.kind)]
+            memo[rank, a] = compute + sent.get((rank, a), 0.0) + (split if a.kind in SPLIT else 0.0), comm
+        return memo[rank, a]
 
     if placement.cores >= placement.ranks_per_node * placement.threads and not placement.sharing:
         speed = simulate.full_speed  # every rank has its own compute (a GPU's; a CPU's sharing curve says)

@@ -39,12 +39,19 @@ def header(plan: Plan, cfg: Config) -> list[str]:
         if plan.profile.device == "cpu"
         else ""
     )
+    floored = f" ({plan.floored:,} by a lower bound of their memory)" if plan.floored else ""
+    untimed = (
+        f"; {plan.untimed:,} not estimated, their step (or its lower bound) behind the best {plan.top}"
+        if plan.untimed
+        else ""
+    )
     return [
         f"plan: {m.name} on {plan.world} ranks ({nodes}{threads}), {plan.profile.describe()}",
         f"batch {tr.global_batch_size} x {m.seq_len} tokens, {tr.precision}; "
-        f"{len(plan.ranked) + len(plan.unfit)} layouts accepted by the validator ({len(plan.refused)} refused), "
-        f"{len(plan.unfit)} do not fit in {format_bytes(plan.profile.usable_fraction * plan.profile.memory_bytes)}"
-        f"{' per node' if plan.profile.device == 'cpu' else ' per device'}; planned in {plan.seconds:.1f} s",
+        f"{plan.examined:,} layouts accepted by the validator ({len(plan.refused):,} refused), "
+        f"{plan.do_not_fit:,} do not fit in {format_bytes(plan.profile.usable_fraction * plan.profile.memory_bytes)}"
+        f"{' per node' if plan.profile.device == 'cpu' else ' per device'}{floored}{untimed}; "
+        f"planned in {plan.seconds:.1f} s",
     ]
 
 
