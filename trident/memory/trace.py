@@ -8,13 +8,14 @@ alive after it. So the prediction is by construction the count a real forward's 
 feature (a norm, a head width, a recomputation module) is counted with no estimator code. Fake tensors have shapes,
 dtypes and devices but no data: a trace of llama-8b's layer allocates nothing.
 
-A chunk's layers differ only by their kind (recomputed or not, dense or sparse), and what one keeps does not depend
-on the others, so a chunk is traced with one layer of each kind it holds, and once more with a second layer of each
-kind it holds several of: the difference is that kind's bytes, scaled by its count (``chunk_bytes``). What the
-chunk keeps once (the embedding's, the head's and loss's, the recomputed chunk's mask and positions under packed
-documents) is in the first trace. Each trace is cached by what shapes it: the model, micro-batch size, tp, sequence
-parallelism, ep, precision, packed documents, the chunk's place, the layer kinds and the routing's sizes
-(``_trace``).
+A chunk's layers differ only by their kind (recomputed or not, dense or sparse), and what one keeps depends neither
+on the others nor on the chunk's place, so a chunk is traced with one layer of each kind it holds (its first among
+them), and each further layer of a kind adds that kind's bytes: a one-chunk model with the layer less the same
+without it (``layer_bytes``, shared by every chunk, pipeline stage and policy that runs the kind alike, and by the
+recomputation's transient). What the chunk keeps once (the embedding's, the head's and loss's, the recomputed
+chunk's mask and positions under packed documents, the received stream) is in its own trace. Each trace is cached
+by what shapes it: the model, micro-batch size, tp, sequence parallelism, ep, precision, packed documents, the
+chunk's place, its layers' kinds in order and the routing's sizes (``_trace``).
 
 A pipeline's chunk is run as the executor runs it (parallel/pipeline/executor.py): after the first from a residual
 stream received into a buffer that requires grad, and counted with what the executor keeps of the forward until its
@@ -81,11 +82,11 @@ def traceable(m: ModelConfig, layout: Layout) -> bool:
     return (layout.tp == 1 and layout.ep == 1) or not dist.is_initialized()
 
 
-Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]
+_Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]
 
 
 @contextlib.contextmanager
-def _fake_groups(tp: int, cp: int, ep: int) -> Iterator[Groups]:
+def _fake_groups(tp: int, cp: int, ep: int) -> Iterator[_Groups]:
     """(tp group, cp group, ep group) of a fake world this process is rank 0 of, for the trace's duration; None
     for a group of one."""
     if tp == cp == ep == 1:
@@ -248,7 +249,7 @@ def _traced(
             # received input and the output it runs backward from, the last chunk's loss.
             return x, chunk.loss_sum(out, targets) if last else out
 
-        with _ShapesOnly():
+        with _ShapesOnly() if m.moe.enabled else contextlib.nullcontext():  # a mode costs every op a call
             _, held = held_by_forward(forward, [*state, *inputs])
     return held
 
@@ -302,11 +303,11 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: t
             rows if m.moe.enabled else None,
         )
 
-    one_each = [indices[0] for indices in by_kind.values()]
-    total = trace(one_each)
-    for indices in by_kind.values():
+    total = trace([indices[0] for indices in by_kind.values()])
+    kept = policy.partition("/")[0]
+    for (recomputed_kind, sparse), indices in by_kind.items():  # the others of a kind: its layer's bytes each
         if len(indices) > 1:
-            total += (len(indices) - 1) * (trace([*one_each, indices[1]]) - trace(one_each))
+            total += (len(indices) - 1) * layer_bytes(m, layout, kept if recomputed_kind else "none", sparse, rows)
     return total
 
 
