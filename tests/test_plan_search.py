@@ -116,3 +116,10 @@ def test_an_expert_group_drawn_from_dp_x_cp_is_priced_on_its_ranks_links() -> No
             assert expert_dp_across(layout, placement) == crosses(topology.expert_dp_groups())
             checked += 1
     assert checked > 10
+
+
+def test_a_precision_a_calibration_did_not_time_is_priced_at_its_fp32_peak() -> None:
+    """A CPU calibrated for an fp32 plan, asked to plan an fp16 run (parallel.auto with train.precision=fp16): the
+    matmuls it never timed are priced from the fp32 peak, not a KeyError out of the planner."""
+    calibrated = dataclasses.replace(DATASHEETS["h100"], peak_tflops={"fp32": 2.0})
+    assert calibrated.peak("fp16") == calibrated.peak("fp32") == 2e12

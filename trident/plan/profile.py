@@ -162,8 +162,13 @@ class Profile:
         return what if self.conditions is None else f"{what}, {self.conditions.describe()}"
 
     def peak(self, precision: str) -> float:
-        """Dense FLOP/s of one rank's device in ``precision``."""
-        return self.peak_tflops[precision] * 1e12
+        """Dense FLOP/s of one rank's device in ``precision``; a precision the profile has no figure of (a CPU
+        calibrated for an fp32 plan, then asked to plan an fp16 run) at its fp32 figure: every layout of a plan has
+        the one precision, so the ranking stands (its matmuls not timed are priced from this alone)."""
+        figure = self.peak_tflops.get(precision, self.peak_tflops.get("fp32"))
+        if figure is None:
+            raise KeyError(f"profile {self.name} has no peak for {precision} or fp32")
+        return figure * 1e12
 
 
 def _gpu(
