@@ -1,9 +1,11 @@
 """Random layouts against one process: the layout fuzzer behind ``tools/fuzz_layouts.py``.
 
 Each case draws a configuration from the whole space (world size, dp, tp, pp, vpp, schedule, ZeRO stage, CPU
-offload, sequence parallelism, recomputation, micro-batch and bucket sizes, layer count, a vocabulary tp may not
-divide, dropout, precision, and the block: norm, MLP, positions, kv heads, biases, a tied or untied head), valid or
-not: the validator is under test as much as the training. Then:
+offload, sequence parallelism, context and expert parallelism, recomputation, micro-batch and bucket sizes, layer
+count, a vocabulary tp may not divide, dropout, precision, the block: norm, MLP, positions, kv heads, biases, a tied
+or untied head, and the other model keys: FFN and head widths, q/k norms, the context, every key of the experts;
+space.py says which keys are left out and why), valid or not: the validator is under test as much as the training.
+Then:
 
 - refused: the refusal is a one-line ``ConfigError`` naming a combination docs/configuration.md lists as unsupported
   (``REFUSALS`` is that list; anything else is a finding), and, for some cases, the real command
@@ -12,14 +14,18 @@ not: the validator is under test as much as the training. Then:
   bf16 / fp16: no skipped step and losses within 2% of fp32), and its mid-run checkpoint resumes under another
   random valid layout with the uninterrupted run's next losses; for a third of them a run started from that
   checkpoint's weights (``checkpoint.init_from``) under that layout gives one process's curve from the same
-  weights. Every run has a time limit: nothing may hang.
+  weights. The trained model also leaves by every exit it has (``exits.py``): its final checkpoint resumed in one
+  process is the truth, and the consolidated file, generation (a KV-cache decode against the full forward),
+  ``checkpoint.init_from`` and the Hugging Face export loaded by transformers (or its one-line refusal naming a key)
+  must compute it. Every run has a time limit: nothing may hang.
 
 Cases are deterministic per (seed, case index), so one failing case is reproduced alone. Training runs
 in-process on warm rank pools (``trident.ranks``) through ``run(cfg, run_dir)`` of the checkout's ``train.py``,
 and each one-process reference is computed once per sweep and shared by every case with the same model and batch.
 
 The package: ``space.py`` draws the cases, ``refusals.py`` lists what may be refused, ``runner.py`` runs a case,
-``cover.py`` says what a short sweep must exercise and picks the cheapest of a sweep's cases that do (the CI sample).
+``exits.py`` checks a trained model's exits, ``cover.py`` says what a short sweep must exercise and picks the
+cheapest of a sweep's cases that do (the CI sample).
 """
 
 from trident.fuzz.cover import (

@@ -16,10 +16,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from trident.checkpoint.hf import GPT2, LLAMA, MIXTRAL, OLMOE, QWEN3, QWEN3_MOE
 from trident.config import Config, compose_config
+from trident.fuzz.exits import export_class
 from trident.fuzz.refusals import REFUSALS, unsupported_entry
 from trident.fuzz.runner import base_overrides, resolve
-from trident.fuzz.space import SAVE_AT, STEPS, Case, draw_case, draw_resume_layout, starts_from_weights
+from trident.fuzz.space import (
+    CAPACITIES,
+    HEAD_DIMS,
+    SAVE_AT,
+    SHARED_EXPERTS,
+    STEPS,
+    Case,
+    draw_case,
+    draw_resume_layout,
+    starts_from_weights,
+)
 from trident.layout import Layout, override_value
 from trident.parallel.zero.stage3 import GATHER_MODES
 
@@ -33,6 +45,8 @@ def _is(key: str, value: object) -> str:
 def _words(key: str, values: Iterable[object]) -> list[str]:
     return [_is(key, v) for v in values]
 
+
+HF_CLASSES = (GPT2, LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, OLMOE)  # every class an export of the space can load as
 
 SINGLES = (
     *_words("world", (1, 2, 3, 4, 6, 8)),  # 5 and 7: dp 5 or 7 divides no global batch of the space (8, 16, 24)
@@ -85,10 +99,26 @@ SINGLES = (
     *_words("model.moe.experts", (0, 2, 4)),
     *_words("model.moe.router", ("softmax", "sigmoid")),  # these with experts only
     *_words("model.moe.top_k", (1, 2)),
-    *_words("model.moe.capacity_factor", (None, 1.0)),
+    *_words("model.moe.capacity_factor", (None, 1.0, *CAPACITIES)),
     "model.moe.bias_update_rate>0",
+    "model.moe.bias_update_rate=0.01",
     "model.moe.every=2",
     *_words("parallel.ep", (1, 2, 4)),
+    # The keys issue 48 added to the space (space.py's _draw_model_keys), and the exits' Hugging Face side: an
+    # export that transformers loads, of each class the space can train, and one refused.
+    *_words("model.d_ff", (None, 176)),
+    *_words("model.head_dim", (None, *HEAD_DIMS)),
+    *_words("model.qk_norm", (True, False)),
+    *_words("model.qk_norm_scope", ("head", "projection")),  # with qk_norm
+    *_words("model.max_seq_len", (None, 128)),  # with rotary positions
+    *_words("model.moe.shared_experts", tuple(SHARED_EXPERTS)),
+    *_words("model.moe.norm_topk", (True, False)),  # with the softmax router
+    *_words("model.moe.first_dense", (0, 1)),
+    *_words("model.moe.d_expert", (32, 64)),
+    *_words("model.moe.grouped_mm", (True, False)),
+    "model.moe.aux_loss_coef>0",
+    "model.moe.z_loss_coef>0",
+    *_words("export", (*HF_CLASSES, None)),
 )
 
 # Pairs that meet in the code: each must be exercised by one trained case.
@@ -150,6 +180,34 @@ PAIRS = (
     # holds it (cp 2 x dp 2 at ep 4).
     *(("ep>1", f"{axis}>1") for axis in ("tp", "pp")),
     *(("ep>1", f"parallel.zero={z}") for z in (1, 2, 3)),
+    # q/k norms' gains replicated over tp, summed over it without SP and with it (issue 48's first finding), and
+    # the projection's norm with its squares summed over tp; a head width of its own split over tp and cp.
+    ("model.qk_norm=true", "tp>1", "parallel.sequence_parallel=false"),
+    ("model.qk_norm=true", "parallel.sequence_parallel=true"),
+    ("model.qk_norm=true", "pp>1"),
+    ("model.qk_norm_scope=projection", "tp>1"),
+    ("head_dim set", "tp>1"),
+    ("head_dim set", "cp>1"),
+    # Shared experts split over tp like the dense MLP; a capacity that drops, with the sequence split over ranks.
+    ("model.moe.shared_experts>0", "tp>1"),
+    ("model.moe.capacity_factor=0.5", "cp>1"),
+    ("model.moe.capacity_factor=0.5", "tp>1"),
+)
+
+# What the trained cases whose exits a short sweep checks must exercise between them (tests/test_fuzz.py checks
+# the exits of a few of its sample's cases, not all): an export of each class and a refused one, and the keys whose
+# state or arithmetic an exit must carry (the balancing bias, a capacity, q/k norms, a head width, shared experts, a
+# longer context).
+EXIT_FACTS = (
+    *_words("export", (*HF_CLASSES, None)),
+    "model.moe.bias_update_rate>0",
+    "model.moe.capacity_factor=0.5",
+    *_words("model.qk_norm_scope", ("head", "projection")),
+    "head_dim set",
+    "model.moe.shared_experts>0",
+    "model.max_seq_len=128",
+    "model.moe.first_dense=1",
+    "model.moe.every=2",
 )
 
 REQUIRED: tuple[tuple[str, ...], ...] = (
@@ -182,7 +240,7 @@ def draw_facts(repo: Path, seed: int, index: int, with_resume: bool = False) -> 
 
     case = draw_case(seed, index)
     cfg = config(case.overrides)
-    outcome = resolve(cfg, case.world)
+    outcome = resolve(cfg, case.world, case.overrides)
     resume = None
     if with_resume and not isinstance(outcome, BaseException):
         world, overrides = draw_resume_layout(case, lambda w, o: not isinstance(resolve(config(o), w), BaseException))
@@ -215,7 +273,11 @@ def exercised(drawn: Drawn) -> frozenset[str]:
         *(["world>1"] if case.world > 1 else []),
     }
     keys = ["vocab_size", "n_layers", "dropout", "norm", "norm_eps", "mlp", "position", "bias", "tie_embeddings"]
-    keys += ["rope_scaling"] + (["rope_theta"] if model.position == "rope" else [])
+    keys += ["rope_scaling", "d_ff", "head_dim", "qk_norm"]
+    keys += ["rope_theta", "max_seq_len"] if model.position == "rope" else []
+    keys += ["qk_norm_scope"] if model.qk_norm else []
+    facts |= {"head_dim set"} if model.head_dim is not None else set()
+    facts.add(_is("export", export_class(drawn.cfg)))
     if model.rope_scaling is not None:
         keys += ["rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len"]
     facts |= {_is(f"model.{key}", getattr(model, key)) for key in keys}
@@ -226,6 +288,12 @@ def exercised(drawn: Drawn) -> frozenset[str]:
         facts.add(_is("model.moe.capacity_factor", moe.capacity_factor))
         facts |= {"model.moe.bias_update_rate>0"} if moe.bias_update_rate > 0 else set()
         facts |= {"model.moe.every=2"} if moe.every == 2 else set()
+        facts |= {_is(f"model.moe.{key}", getattr(moe, key)) for key in ("bias_update_rate", "shared_experts")}
+        facts |= {_is(f"model.moe.{key}", getattr(moe, key)) for key in ("first_dense", "d_expert", "grouped_mm")}
+        facts |= {"model.moe.shared_experts>0"} if moe.shared_experts > 0 else set()
+        facts |= {_is("model.moe.norm_topk", moe.norm_topk)} if moe.router == "softmax" else set()
+        facts |= {"model.moe.aux_loss_coef>0"} if moe.aux_loss_coef > 0 else set()
+        facts |= {"model.moe.z_loss_coef>0"} if moe.z_loss_coef > 0 else set()
     if cfg.parallel.auto:
         return frozenset(facts)
     facts |= {_is(f"parallel.{key}", getattr(layout, key)) for key in ("tp", "pp", "vpp", "zero", "sequence_parallel")}
@@ -289,7 +357,15 @@ def estimated_seconds(drawn: Drawn) -> float:
     seconds = reference + _run_seconds(drawn.layout, *model, STEPS) + _run_seconds(resumed, *model, STEPS - SAVE_AT)
     if starts_from_weights(drawn.case):
         seconds += reference + _run_seconds(resumed, *model, STEPS)
-    return seconds
+    return seconds + _exit_seconds(drawn.cfg)
+
+
+def _exit_seconds(cfg: Config) -> float:
+    """The exits' checks in the sweep's process (trident/fuzz/exits.py), roughly: 0.7 to 2.6 s measured for tiny
+    models, a sparse model's decode the dearest, and a loaded export about half a second (transformers' import, once
+    a sweep, about 9 s, is left out)."""
+    decode = 0.1 * cfg.model.n_layers * (3 if cfg.model.moe.enabled else 1)
+    return 0.6 + decode + (0.5 if export_class(cfg) is not None else 0.0)
 
 
 def greedy_cover(meets: dict[int, frozenset], cost: dict[int, float]) -> list[int]:

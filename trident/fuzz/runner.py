@@ -16,13 +16,14 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trident.config import Config, DataConfig, compose_config, validate
 from trident.curves import curve_mismatches
 from trident.data.prepare import resolve_dataset
+from trident.fuzz.exits import Exits
 from trident.fuzz.refusals import refusal_problem
 from trident.fuzz.space import (
     CORPUS_PACKAGES,
@@ -46,20 +47,20 @@ from trident.ranks import run_distributed
 # --- configs and runs
 
 
-def resolve(cfg: Config, world: int) -> Layout | BaseException:
+def resolve(cfg: Config, world: int, given: Sequence[str] = ()) -> Layout | BaseException:
     """The layout the validator resolves ``cfg`` into on ``world`` processes (with ``parallel.auto``, the one the
-    planner chooses, as train.py's ``run`` does), or its refusal."""
+    planner chooses keeping the layout keys ``given`` sets, as train.py's ``run`` does), or its refusal."""
     try:
         if cfg.parallel.auto:
-            cfg, _ = choose_layout(cfg, world)
+            cfg, _ = choose_layout(cfg, world, given)
         return validate(cfg, world)
     except Exception as e:  # anything but a ConfigError is itself a finding, reported by refusal_problem
         return e
 
 
-def verdict(cfg: Config, world: int) -> BaseException | None:
+def verdict(cfg: Config, world: int, given: Sequence[str] = ()) -> BaseException | None:
     """The validator's refusal of ``cfg`` on ``world`` processes, or None when it accepts it."""
-    outcome = resolve(cfg, world)
+    outcome = resolve(cfg, world, given)
     return outcome if isinstance(outcome, BaseException) else None
 
 
@@ -96,16 +97,18 @@ def base_overrides(dataset: Path) -> tuple[str, ...]:
     )
 
 
-_RUN: dict[str, Callable[[Config, Path], list[dict]]] = {}
+_RUN: dict[str, Callable[[Config, Path, Sequence[str]], list[dict]]] = {}
 
 
-def _train_on_rank(rank: int, world: int, train_py: str, cfg: Config, run_dir: Path) -> list[dict]:
+def _train_on_rank(
+    rank: int, world: int, train_py: str, cfg: Config, run_dir: Path, given: Sequence[str]
+) -> list[dict]:
     # train.py is a script, not part of the package: loaded by path once per rank process, then reused.
     run = _RUN.get(train_py)
     if run is None:
         run = _RUN[train_py] = runpy.run_path(train_py)["run"]
     with contextlib.redirect_stdout(io.StringIO()):  # the console lines of hundreds of runs are noise here
-        return run(cfg, run_dir)
+        return run(cfg, run_dir, given)
 
 
 # --- comparisons
@@ -163,14 +166,24 @@ def _first_line(error: BaseException) -> str:
 class Fuzzer:
     """Runs cases on one dataset; keeps the one-process references of a sweep."""
 
-    def __init__(self, repo: Path, dataset: Path, timeout_s: float = 180.0, work_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        repo: Path,
+        dataset: Path,
+        timeout_s: float = 180.0,
+        work_dir: Path | None = None,
+        exits_of: Callable[[Case], bool] = lambda case: True,
+    ) -> None:
+        """``exits_of``: whether a trained case also checks its model's exits (all of them do by default)."""
         self.repo = repo
+        self.exits_of = exits_of
         self.train_py = str(repo / "train.py")
         self.dataset = dataset
         self.timeout_s = timeout_s
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="fuzz-")
         self.work_dir = work_dir or Path(self._tmp.name)
         self._references: dict[tuple[str, ...], list[dict]] = {}
+        self._exits: Exits | None = None
         self._second: Path | None = None
         self._runs = 0
 
@@ -213,18 +226,25 @@ class Fuzzer:
             self._second = resolve_dataset(data, CORPUS_VOCAB, log=lambda _: None, progress=None)
         return self._second
 
+    @property
+    def exits(self) -> Exits:
+        if self._exits is None:
+            self._exits = Exits(self.repo, self.dataset, self.work_dir)
+        return self._exits
+
     def config(self, overrides: tuple[str, ...] | list[str]) -> Config:
         return compose_config(self.repo / "conf", self.overrides(overrides))
 
     def accepts(self, world: int, overrides: tuple[str, ...]) -> bool:
-        return verdict(self.config(overrides), world) is None
+        return verdict(self.config(overrides), world, self.overrides(overrides)) is None
 
     def train(self, world: int, overrides: tuple[str, ...] | list[str]) -> tuple[Path, list[list[dict]]]:
         """Every rank's history of one run, in a fresh run directory; raises what the run raised, or TimeoutError."""
         self._runs += 1
         run_dir = self.work_dir / f"run{self._runs:05d}"
-        cfg = self.config(overrides)
-        return run_dir, run_distributed(_train_on_rank, world, self.train_py, cfg, run_dir, timeout_s=self.timeout_s)
+        cfg, given = self.config(overrides), self.overrides(overrides)
+        histories = run_distributed(_train_on_rank, world, self.train_py, cfg, run_dir, given, timeout_s=self.timeout_s)
+        return run_dir, histories
 
     def reference(self, case: Case, *extra: str) -> list[dict]:
         """The fp32 one-process curve of the case's model and batch (one micro-batch a step), with ``extra``."""
@@ -240,7 +260,7 @@ class Fuzzer:
 
     def run_case(self, case: Case, check_launch: bool = False) -> CaseResult:
         start = time.monotonic()
-        outcome = resolve(self.config(case.overrides), case.world)
+        outcome = resolve(self.config(case.overrides), case.world, self.overrides(case.overrides))
         refusal = outcome if isinstance(outcome, BaseException) else None
         result = CaseResult(case, refused=refusal is not None, layout=None if refusal else outcome)
         try:
@@ -273,16 +293,21 @@ class Fuzzer:
             problems += curve_problems(reference, history, case.precision, f"rank {rank}")
         if problems:
             return problems
+        # The trained model leaves by every exit it has (trident/fuzz/exits.py); a failed one is the case's problem,
+        # and the resume and the run from its weights are checked all the same.
+        final = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+        exits = self.exits.problems(self.config(case.overrides), final) if self.exits_of(case) else []
         world, overrides = draw_resume_layout(case, self.accepts)
         checkpoint = run_dir / "checkpoints" / f"step_{SAVE_AT:08d}"
         resume = (f"checkpoint.resume={checkpoint}",)
         problems = self._rerun(case, world, overrides, resume, lambda: histories[0][SAVE_AT:], "resumed")
         if problems or not starts_from_weights(case):
-            return problems
+            return exits + problems
         # checkpoint.init_from: the saved weights, a fresh optimizer at step 0, under the other layout, against
         # one process started from the same weights.
         init = f"checkpoint.init_from={checkpoint}"
-        return self._rerun(case, world, overrides, (init,), lambda: self.reference(case, init), "started from it")
+        started = self._rerun(case, world, overrides, (init,), lambda: self.reference(case, init), "started from it")
+        return exits + started
 
     def _rerun(
         self,

@@ -220,10 +220,104 @@ def _draw_experts(rng: random.Random, mistake: float) -> dict[str, Any]:
     }
 
 
+# The model keys of trident/config/schema.py and where each is drawn. ModelConfig: n_layers, vocab_size, dropout
+# (``_draw_knobs``); norm, norm_eps, mlp, position, rope_theta, rope_scaling and its four factors, n_kv_heads, bias,
+# tie_embeddings (``_draw_block``); d_ff, head_dim, qk_norm, qk_norm_scope, max_seq_len (``_draw_model_keys``);
+# moe (below). Not drawn: name (a label); d_model, n_heads and seq_len (gpt-tiny's 64, 4 and 64: the rules on them
+# are met through tp 3, cp 3 and head_dim, and another width would only split the references); init_std (a scale
+# of the same initialisation); vocab_multiple (the padding is met by the vocabulary 515 at every tp); bos_id and
+# eos_ids (token ids an export's config.json carries, no part of the function). MoEConfig: experts, top_k,
+# d_expert, router, aux_loss_coef, z_loss_coef, bias_update_rate, capacity_factor, every (``_draw_experts``);
+# shared_experts, norm_topk, first_dense, grouped_mm and the rates and capacities beyond those
+# (``_draw_model_keys``): every key.
+SHARED_EXPERTS = {0: 0.6, 1: 0.25, 2: 0.15}
+HEAD_DIMS = (32, 8)  # gpt-tiny's heads are 64 / 4 = 16 wide: wider and narrower (Qwen3's head_dim decoupled)
+CAPACITIES = (0.5, 1.25)  # 0.5 drops about half the pairs; 1.25 a few when the routing is uneven
+
+
+def _draw_model_keys(
+    rng: random.Random, mistake: float, tp: int, block: dict[str, Any], experts: dict[str, Any]
+) -> dict[str, Any]:
+    """The model keys the block and the experts leave (issue 48): the FFN width, a head width other than d_model /
+    n_heads, q/k norms per head or over the whole projection, a longer context with RoPE; and of the experts, shared
+    experts, the top-k renormalisation, a first dense layer, the loop kernel, a capacity that drops and a faster
+    balancing bias. Drawn among the values the case's tp and block allow, except with probability ``mistake``: an
+    odd head width (refused with RoPE), a projection norm tp cannot split, an FFN or shared-expert width tp does not
+    divide, ``norm_topk`` with one expert a token. From a stream of its own, so that every earlier knob stays.
+
+    Where ``_draw_experts`` drew top_k=1 with the softmax router, ``norm_topk`` is false (but as a mistake): true
+    would make every routing weight 1, which the validator refuses."""
+
+    def wrong() -> bool:
+        return rng.random() < mistake
+
+    keys: dict[str, Any] = {}
+    if rng.random() < 0.25:
+        keys["model.d_ff"] = 90 if wrong() else 176  # 90: tp 4 does not divide it
+    if rng.random() < 0.2:
+        keys["model.head_dim"] = 7 if wrong() else rng.choice(HEAD_DIMS)  # 7: odd, refused with RoPE only
+    rope = block.get("model.position") == "rope"
+    if rope and rng.random() < 0.2:  # the context an export and generation read, beyond the training windows
+        keys["model.max_seq_len"] = 128
+    if rng.random() < 0.25:
+        keys["model.qk_norm"] = True
+        scope = rng.choice(["head", "projection"])
+        kv_heads = int(block.get("model.n_kv_heads", 4))
+        # The projection's norm spans every kv head: tp must divide them. Broken in half the cases that could break
+        # it (not MISTAKE's tenth): few cases can, and a tenth of them met the refusal in none of 1000 cases.
+        if scope == "projection" and kv_heads % tp != 0 and rng.random() >= 0.5:
+            scope = "head"
+        keys["model.qk_norm_scope"] = scope
+    if not experts:
+        return keys
+    shared = _weighted(rng, SHARED_EXPERTS)
+    if shared:
+        keys["model.moe.shared_experts"] = shared
+        if tp > 1 and wrong():  # one shared expert of a width tp does not divide
+            keys["model.moe.shared_experts"] = 1
+            keys["model.moe.d_expert"] = {2: 33, 3: 32, 4: 30}.get(tp, 33)
+    if experts["model.moe.router"] == "softmax":
+        top_k = experts["model.moe.top_k"]
+        keys["model.moe.norm_topk"] = rng.choice([True, False]) if top_k != 1 else wrong()
+    if rng.random() < 0.25:
+        keys["model.moe.first_dense"] = 1
+    if rng.random() < 0.35:
+        keys["model.moe.capacity_factor"] = rng.choice(CAPACITIES)
+    if rng.random() < 0.25:
+        keys["model.moe.bias_update_rate"] = 0.01
+    if rng.random() < 0.2:
+        keys["model.moe.grouped_mm"] = False
+    if rng.random() < 0.25:  # drawn freely, hardly a sparse case would have a Hugging Face class to export to
+        keys |= _moe_family(rng.choice(MOE_FAMILIES), tp, block, experts)
+    return keys
+
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+
+
+def _moe_family(family: str, tp: int, block: dict[str, Any], experts: dict[str, Any]) -> dict[str, Any]:
+    """The keys that make a sparse case one of Hugging Face's MoE classes (trident/checkpoint/hf.py): Llama's
+    block without biases, the softmax router, no shared experts, no first dense layer, dropless routing and no
+    balancing bias (the classes have no place for either); Mixtral renormalises the top k (so k is 2) and has no q/k
+    norm, Qwen3-MoE norms each head and may skip layers, OLMoE norms the whole projections (kv heads tp divides,
+    heads d_model / n_heads wide)."""
+    keys: dict[str, Any] = {"model.norm": "rmsnorm", "model.mlp": "swiglu", "model.position": "rope"}
+    keys |= {"model.bias": False, "model.moe.router": "softmax", "model.moe.shared_experts": 0}
+    keys |= {"model.moe.first_dense": 0, "model.moe.capacity_factor": "null", "model.moe.bias_update_rate": 0.0}
+    if family == "mixtral":
+        return keys | {"model.moe.every": 1, "model.moe.top_k": 2, "model.moe.norm_topk": True, "model.qk_norm": False}
+    keys |= {"model.qk_norm": True, "model.moe.norm_topk": False}
+    if family == "qwen3_moe":
+        return keys | {"model.qk_norm_scope": "head"}
+    kv_heads = int(block.get("model.n_kv_heads", 4))
+    keys |= {"model.qk_norm_scope": "projection", "model.moe.every": 1, "model.head_dim": "null"}
+    return keys | ({"model.n_kv_heads": 4} if kv_heads % tp else {})
+
+
 def draw_case(seed: int, index: int) -> Case:
     """The case ``index`` of sweep ``seed``: the same on every machine and Python run (string seeds hash alike).
-    The block, the data, context parallelism and the experts come from streams of their own, so adding them
-    changed no other knob (except what a new one rules out, below)."""
+    The block, the data, context parallelism and the experts, and the model keys beyond them, come from streams of
+    their own, so adding them changed no other knob (except what a new one rules out, below)."""
     world, knobs = _draw_knobs(random.Random(f"fuzz:{seed}:{index}"), MISTAKE)
     block = _draw_block(random.Random(f"fuzz-block:{seed}:{index}"), MISTAKE)
     extra_rng = random.Random(f"fuzz-cp-moe:{seed}:{index}")
@@ -243,7 +337,10 @@ def draw_case(seed: int, index: int) -> Case:
     elif not experts and extra_rng.random() < MISTAKE / 4:
         context["parallel.ep"] = 2
     knobs = {**knobs, **context}
-    block = {**block, **experts}
+    keys = _draw_model_keys(
+        random.Random(f"fuzz-keys:{seed}:{index}"), MISTAKE, int(knobs["parallel.tp"]), block, experts
+    )
+    block = {**block, **experts, **keys}
     data_rng = random.Random(f"fuzz-data:{seed}:{index}")
     data: dict[str, Any] = {"data.tokenizer": DATASET_TOKENIZER} if data_rng.random() < 0.2 else {}
     if data_rng.random() < 0.25:  # packed documents: it changes the math, so the reference and a resume keep it
@@ -252,10 +349,11 @@ def draw_case(seed: int, index: int) -> Case:
         weight = data_rng.choice([0.5, 0.7, 0.9])
         data = {**data, "data.mix": f"[{MIX_FIRST}:{weight},{MIX_SECOND}:{round(1 - weight, 1)}]"}
         data.pop("data.tokenizer", None)
-    # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out.
+    # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out,
+    # but context parallelism: the planner keeps a given cp and cp_comm and chooses the rest around them.
     if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
-        knobs = {k: v for k, v in knobs.items() if k not in PLANNED_KEYS} | {"parallel.auto": True}
-        knobs = {k: v for k, v in knobs.items() if not k.startswith("parallel.cp")}  # the planner has no cp yet
+        kept = {k: v for k, v in knobs.items() if k not in PLANNED_KEYS or k.startswith("parallel.cp")}
+        knobs = kept | {"parallel.auto": True}
     return Case(seed, index, world, _overrides({**block, **data, **knobs}))
 
 
