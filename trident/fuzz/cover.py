@@ -25,7 +25,6 @@ from trident.fuzz.space import (
     CAPACITIES,
     HEAD_DIMS,
     SAVE_AT,
-    SHARED_EXPERTS,
     STEPS,
     Case,
     draw_case,
@@ -111,7 +110,7 @@ SINGLES = (
     *_words("model.qk_norm", (True, False)),
     *_words("model.qk_norm_scope", ("head", "projection")),  # with qk_norm
     *_words("model.max_seq_len", (None, 128)),  # with rotary positions
-    *_words("model.moe.shared_experts", tuple(SHARED_EXPERTS)),
+    "model.moe.shared_experts>0",  # 1 or 2 of them: one MLP either way, 2 only wider
     *_words("model.moe.norm_topk", (True, False)),  # with the softmax router
     *_words("model.moe.first_dense", (0, 1)),
     *_words("model.moe.d_expert", (32, 64)),
