@@ -32,7 +32,7 @@ from trident.fuzz import (
     verdict,
 )
 from trident.fuzz.cover import EXIT_FACTS, exercised
-from trident.fuzz.exits import fixed_batch, one_process, one_thread, trained_logits
+from trident.fuzz.exits import fixed_batch, one_process_groups, one_thread, trained_logits
 from trident.fuzz.space import STEPS
 
 # --- drawing
@@ -265,7 +265,7 @@ def test_a_trained_model_leaves_by_every_exit_and_a_lost_bias_is_seen(fuzzer: Fu
     weights = load_weights(final)
     assert weights.buffers and max(float(b.abs().max()) for b in weights.buffers.values()) > 0
     ids = fixed_batch(fuzzer.dataset, cfg.model.seq_len)
-    with one_thread(), one_process() as groups:
+    with one_thread(), one_process_groups() as groups:
         truth = trained_logits(cfg, final, groups, ids)
     lost = dataclasses.replace(weights, buffers={})
     (problem,) = fuzzer.exits.weights_problems("without its bias", lost, ids, truth)

@@ -72,7 +72,7 @@ def one_thread() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def one_process() -> Iterator[ProcessGroups]:
+def one_process_groups() -> Iterator[ProcessGroups]:
     """A one-rank gloo group in this process (as a plain ``python train.py`` has), torn down after."""
     if dist.is_initialized():
         raise RuntimeError("the exits build their one-process model in a process with no process group")
@@ -194,7 +194,7 @@ class Exits:
         self._count += 1
         out = self.work_dir / f"exits{self._count:05d}"
         ids = fixed_batch(self.dataset, cfg.model.seq_len)
-        with one_thread(), one_process() as groups:
+        with one_thread(), one_process_groups() as groups:
             try:
                 truth = trained_logits(cfg, checkpoint, groups, ids)
             except Exception as e:

@@ -565,8 +565,8 @@ def recompute_bytes(
         rows = routed_rows(m, layout, routing) if m.moe.enabled else None
         key = rows and (rows.sent, rows.received)
         return max(
-            trace.layer_bytes(m, layout, "none", sparse, key)
-            - (0 if policy == "full" else trace.layer_bytes(m, layout, policy, sparse, key))
+            trace.traced_layer_bytes(m, layout, "none", sparse, key)
+            - (0 if policy == "full" else trace.traced_layer_bytes(m, layout, policy, sparse, key))
             for sparse in kinds
         )
     return max(

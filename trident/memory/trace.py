@@ -307,11 +307,14 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: t
     kept = policy.partition("/")[0]
     for (recomputed_kind, sparse), indices in by_kind.items():  # the others of a kind: its layer's bytes each
         if len(indices) > 1:
-            total += (len(indices) - 1) * layer_bytes(m, layout, kept if recomputed_kind else "none", sparse, rows)
+            policy_of = kept if recomputed_kind else "none"
+            total += (len(indices) - 1) * traced_layer_bytes(m, layout, policy_of, sparse, rows)
     return total
 
 
-def layer_bytes(m: ModelConfig, layout: Layout, policy: str, sparse: bool, rows: tuple[int, int] | None = None) -> int:
+def traced_layer_bytes(
+    m: ModelConfig, layout: Layout, policy: str, sparse: bool, rows: tuple[int, int] | None = None
+) -> int:
     """What one layer of a kind (``sparse`` or dense) keeps per micro-batch under ``policy`` (a label without
     ``/N``), traced: a one-chunk model with the layer beside another (or alone, in a one-layer model) less the same
     without it, as ``chunk_bytes`` scales a kind."""
