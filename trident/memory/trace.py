@@ -283,25 +283,9 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: t
     by_kind: dict[tuple[bool, bool], list[int]] = {}
     for i in held:
         by_kind.setdefault((i in recomputed, m.moe.is_sparse(i)), []).append(i)
-    sp = layout.sequence_parallel and layout.tp > 1
 
     def trace(layers: list[int]) -> int:
-        return _trace(
-            _key(m),
-            layout.micro_batch_size,
-            layout.tp,
-            sp,
-            layout.cp,
-            layout.cp_comm if layout.cp > 1 else "ring",
-            layout.precision,
-            layout.document_mask,
-            layout.ep,
-            chunk == 0,
-            chunk == chunks - 1,
-            _canonical(m, layers, policy),
-            policy,
-            rows if m.moe.enabled else None,
-        )
+        return _trace_layers(m, layout, layers, policy, rows, chunk == 0, chunk == chunks - 1)
 
     total = trace([indices[0] for indices in by_kind.values()])
     kept = policy.partition("/")[0]
@@ -312,6 +296,29 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: t
     return total
 
 
+def _trace_layers(
+    m: ModelConfig, layout: Layout, layers, policy: str, rows: tuple[int, int] | None, first: bool, last: bool
+) -> int:
+    """``_trace`` of these layers of ``m`` in one chunk (the embedding on it if ``first``, the head if ``last``),
+    keyed by what of the layout shapes them."""
+    return _trace(
+        _key(m),
+        layout.micro_batch_size,
+        layout.tp,
+        layout.sequence_parallel and layout.tp > 1,
+        layout.cp,
+        layout.cp_comm if layout.cp > 1 else "ring",
+        layout.precision,
+        layout.document_mask,
+        layout.ep,
+        first,
+        last,
+        _canonical(m, layers, policy),
+        policy,
+        rows if m.moe.enabled else None,
+    )
+
+
 def traced_layer_bytes(
     m: ModelConfig, layout: Layout, policy: str, sparse: bool, rows: tuple[int, int] | None = None
 ) -> int:
@@ -320,24 +327,8 @@ def traced_layer_bytes(
     without it, as ``chunk_bytes`` scales a kind."""
     layer = next(i for i in range(m.n_layers) if m.moe.is_sparse(i) == sparse)
     others = tuple(i for i in range(m.n_layers) if i != layer)[:1]
-    sp = layout.sequence_parallel and layout.tp > 1
 
     def trace(layers: tuple[int, ...]) -> int:
-        return _trace(
-            _key(m),
-            layout.micro_batch_size,
-            layout.tp,
-            sp,
-            layout.cp,
-            layout.cp_comm if layout.cp > 1 else "ring",
-            layout.precision,
-            layout.document_mask,
-            layout.ep,
-            True,
-            True,
-            _canonical(m, layers, policy),
-            policy,
-            rows if m.moe.enabled else None,
-        )
+        return _trace_layers(m, layout, layers, policy, rows, True, True)
 
     return trace((*others, layer)) - trace(others)
