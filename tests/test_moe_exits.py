@@ -245,6 +245,13 @@ def test_init_from_a_moe_takes_other_training_knobs_and_names_a_key_that_fixes_t
             "from the token loss; set model.moe.norm_topk=false for top_k=1",
         ),
         (
+            ["model.moe.top_k=1", "model.moe.router=sigmoid", "model.moe.norm_topk=false"],
+            1,
+            "model.moe.router=sigmoid renormalises the chosen scores to sum 1, so with model.moe.top_k=1 every routing "
+            "weight is 1 and the router never learns from the token loss; use model.moe.top_k=2 or "
+            "model.moe.router=softmax",
+        ),
+        (
             ["model.moe.shared_experts=1", "model.moe.d_expert=33", "parallel.tp=2"],
             2,
             "the shared experts' width model.moe.shared_experts=1 x model.moe.d_expert=33 = 33 is not divisible by "
@@ -263,7 +270,7 @@ def test_init_from_a_moe_takes_other_training_knobs_and_names_a_key_that_fixes_t
             "parallel.vpp=2 (or leave it out)",
         ),
     ],
-    ids=["norm_topk-top1", "shared-width-tp2", "shared-width-tp4", "zb-v-vpp3"],
+    ids=["norm_topk-top1", "sigmoid-top1", "shared-width-tp2", "shared-width-tp4", "zb-v-vpp3"],
 )
 def test_moe_and_zb_v_refusals_are_one_line(overrides, world, line):
     with pytest.raises(ConfigError) as info:
@@ -273,7 +280,6 @@ def test_moe_and_zb_v_refusals_are_one_line(overrides, world, line):
 
 def test_top_k_1_trains_without_renormalising_and_every_preset_validates():
     assert validate(make_config("model=moe-tiny", "model.moe.top_k=1", "model.moe.norm_topk=false"), 1)
-    assert validate(make_config("model=moe-tiny", "model.moe.top_k=1", "model.moe.router=sigmoid"), 1)
     assert validate(make_config("model=moe-tiny", "model.moe.shared_experts=1", "parallel.tp=2"), 2)
     for preset in sorted((CONF / "model").glob("*.yaml")):
         assert validate(make_config(f"model={preset.stem}"), 1), preset.stem

@@ -102,6 +102,12 @@ def _check_moe(m: ModelConfig) -> None:
         "model.moe.norm_topk=true with model.moe.top_k=1 makes every routing weight 1, so the router never learns "
         "from the token loss; set model.moe.norm_topk=false for top_k=1",
     )
+    _need(
+        not (moe.router == "sigmoid" and moe.top_k == 1),
+        "model.moe.router=sigmoid renormalises the chosen scores to sum 1, so with model.moe.top_k=1 every routing "
+        "weight is 1 and the router never learns from the token loss; use model.moe.top_k=2 or "
+        "model.moe.router=softmax",
+    )
     _need(m.expert_dim >= 1, f"model.moe.d_expert={moe.d_expert} must be >= 1")
     _need(moe.shared_experts >= 0, f"model.moe.shared_experts={moe.shared_experts} must be >= 0")
     _need(moe.every >= 1, f"model.moe.every={moe.every} must be >= 1")

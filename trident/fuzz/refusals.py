@@ -103,6 +103,10 @@ REFUSALS: tuple[Unsupported, ...] = (
         "`model.moe.norm_topk=true` with `model.moe.top_k=1` (every routing weight would be 1)",
         r"model\.moe\.norm_topk=true with model\.moe\.top_k=1",
     ),
+    Unsupported(
+        "the sigmoid router with `model.moe.top_k=1` (its chosen score is renormalised to a weight of 1)",
+        r"model\.moe\.router=sigmoid renormalises the chosen scores to sum 1",
+    ),
 )
 
 

@@ -243,10 +243,11 @@ def _draw_model_keys(
     experts, the top-k renormalisation, a first dense layer, the loop kernel, a capacity that drops and a faster
     balancing bias. Drawn among the values the case's tp and block allow, except with probability ``mistake``: an
     odd head width (refused with RoPE), a projection norm tp cannot split, an FFN or shared-expert width tp does not
-    divide, ``norm_topk`` with one expert a token. From a stream of its own, so that every earlier knob stays.
+    divide, ``norm_topk`` or the sigmoid router with one expert a token. From a stream of its own, so that every earlier knob stays.
 
     Where ``_draw_experts`` drew top_k=1 with the softmax router, ``norm_topk`` is false (but as a mistake): true
-    would make every routing weight 1, which the validator refuses."""
+    would make every routing weight 1, which the validator refuses; with the sigmoid router (which always
+    renormalises) top_k=1 becomes 2 likewise."""
 
     def wrong() -> bool:
         return rng.random() < mistake
@@ -276,8 +277,8 @@ def _draw_model_keys(
         if tp > 1 and wrong():  # one shared expert of a width tp does not divide
             keys["model.moe.shared_experts"] = 1
             keys["model.moe.d_expert"] = {2: 33, 3: 32, 4: 30}.get(tp, 33)
+    top_k = experts["model.moe.top_k"]
     if experts["model.moe.router"] == "softmax":
-        top_k = experts["model.moe.top_k"]
         keys["model.moe.norm_topk"] = rng.choice([True, False]) if top_k != 1 else wrong()
     if rng.random() < 0.25:
         keys["model.moe.first_dense"] = 1
@@ -289,6 +290,9 @@ def _draw_model_keys(
         keys["model.moe.grouped_mm"] = False
     if rng.random() < 0.25:  # drawn freely, hardly a sparse case would have a Hugging Face class to export to
         keys |= _moe_family(rng.choice(MOE_FAMILIES), tp, block, experts)
+    # The sigmoid router's one chosen score is renormalised to 1 (refused): drawn last, so no other key moves.
+    if keys.get("model.moe.router", experts["model.moe.router"]) == "sigmoid" and top_k == 1 and not wrong():
+        keys["model.moe.top_k"] = 2
     return keys
 
 
