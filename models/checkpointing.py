@@ -118,6 +118,10 @@ def _policy(regions: _Regions, modules: frozenset[str]) -> Callable:
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001, ANN002, ANN003
         region = regions.current
         recompute = CheckpointPolicy.PREFER_RECOMPUTE
+        # Work under no_grad (a sparse layer's routing statistics) is no input of the backward and is not repeated in
+        # the recomputation: kept, it would shift the cache of its op by one and hand a later call the wrong output.
+        if not torch.is_grad_enabled():
+            return recompute
         # Views alias what they view (keeping one would keep a recomputed tensor's storage); a mutating op (a
         # collective writing its output) must run again.
         if op.is_view or op._schema.is_mutable:

@@ -181,6 +181,27 @@ def test_recomputation_counts_routing_once():
     assert model.layers["0"].mlp.router.weight.grad is not None
 
 
+@pytest.mark.parametrize("modules", [("attn_core",), ("norm",), ("norm", "mlp_act"), ("mlp",)])
+def test_a_sparse_block_under_each_selective_list_keeps_the_gradients_and_counts_routing_once(modules):
+    """The routing statistics run under no_grad in the forward and not in its replay; kept by the policy (a product
+    in the MLP region while ``mlp_act`` is not listed), they shifted the cache of ``aten.mul`` by one and the replay
+    took a scalar for a [128, 64] activation (CheckpointError; fuzz seed 0 case 34)."""
+    cfg = moe_cfg(aux_loss_coef=0.1, z_loss_coef=0.01)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads, counts = [], []
+    for policy in ("none", "selective"):
+        model = GPT(cfg)
+        init_weights(model, cfg, 0)
+        set_loss_multiplier(model, 1.0)
+        apply_activation_checkpointing(model, policy, modules=modules)
+        model.train()
+        model.loss_sum(model(tokens), tokens).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        counts.append(model.layers["0"].mlp.step_counts.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    assert torch.equal(counts[1], counts[0]) and counts[0].sum() == tokens.numel() * cfg.moe.top_k
+
+
 def test_counts_are_of_every_expert_and_flops_of_the_active_ones():
     cfg = moe_cfg(shared_experts=1, first_dense=1)
     model = GPT(cfg)
