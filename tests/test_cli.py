@@ -54,3 +54,30 @@ def test_the_first_rank_of_a_node_to_meet_an_agreed_error_says_it(tmp_path, monk
     assert cli._says_for_the_node()  # LOCAL_RANK is 0
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert not cli._says_for_the_node()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_the_agent_ends_during_start_up_leaves_its_line_in_the_error_file(tmp_path) -> None:
+    """torchrun ends the other workers when one fails; one still starting exits on its SIGTERM with 143 and, before
+    this, no error file, so the agent's summary said "To enable traceback see ..." for it (seen on a loaded CI)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import textwrap
+
+    error_file = tmp_path / "error.json"
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from trident.signals import StopRequest
+        with StopRequest(grace_s=5.0):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        """
+    )
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message == "stopped by SIGTERM before training started; rerun the same command to start"

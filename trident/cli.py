@@ -12,7 +12,6 @@ printed once per node under torchrun: by the first rank of the node to meet it, 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from trident.config.compose import hydra_error_line
+from trident.error_file import record
 from trident.errors import TridentError, gist, is_lost_peer
 from trident.launcher import launcher_pid
 from trident.signals import Stopped
@@ -45,19 +45,6 @@ def say(line: str) -> None:
     ("error: a" "error: a" "\n" "\n"). One write of a short line to the shared pipe is never split."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
-
-
-def record(line: str, callstack: str | None = None) -> None:
-    """Under torchrun, leave ``line`` (and a bug's traceback) where its agent looks for a worker's cause: the JSON
-    file ``TORCHELASTIC_ERROR_FILE`` names, as torch.distributed.elastic's ``record`` writes it. The agent's closing
-    summary then names the cause instead of "To enable traceback see ...", even of a rank it killed first."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    extra = {"timestamp": str(int(time.time())), **({"py_callstack": callstack} if callstack else {})}
-    with contextlib.suppress(OSError):
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": extra}}, f)
 
 
 def _says_for_the_node() -> bool:

@@ -26,6 +26,7 @@ from types import FrameType, TracebackType
 import torch
 import torch.distributed as dist
 
+from trident.error_file import record
 from trident.parallel.groups import launch_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -147,6 +148,7 @@ class StopRequest:
             # Silent on SIGTERM: during start-up that is most often the launcher ending this rank because another
             # failed, and that rank's error must stay the last word.
             line = f"stopped by {signal_name(signum)} before training started; rerun the same command to start"
+            record(line)  # the agent's summary names it, not "To enable traceback see ..."
             self._exit(signum, line, signum == signal.SIGINT and _is_rank_zero())
         if not self.signum:
             self.signum, self._first_at = signum, now
