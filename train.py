@@ -31,6 +31,7 @@ from trident.data.vocab import adopt_data_vocab
 from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores
 from trident.launcher import launcher_pid, stop_when_orphaned
 from trident.loop import Trainer
+from trident.memory.activations import activation_sets
 from trident.memory.estimate import estimate
 from trident.memory.measure import log_model_states
 from trident.metrics import MetricsLogger, announce_run
@@ -91,10 +92,11 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
         checkpointer = build_checkpointer(cfg, groups, parts, checkpoint_root, data.tokenizer_path)
         if groups.is_logging_rank:
             announce_run(cfg, topology, parts.chunks, device, len(data.train), run_dir, peak)
-        # memory.json: each rank's model-state bytes beside the prediction made before launch.
-        predicted = estimate(cfg.model, layout).to_dict()
-        # memory.json: the most activation sets this rank held in its first step, beside the estimator's count.
-        sets = predicted["stages"][groups.pp_rank]["activation_sets"]
+        # memory.json: each rank's model-state bytes beside the prediction made before launch, which the logging
+        # rank alone writes and so alone makes (a trace's FakeTensorMode imports torch._dynamo: 1.4 s of a core).
+        predicted = estimate(cfg.model, layout).to_dict() if groups.is_logging_rank else None
+        # memory.json: the most activation sets this rank held in its first step, beside the schedule walk's count.
+        sets = activation_sets(layout, groups.pp_rank)
         config_dict = dataclasses.asdict(cfg)
         trainer = Trainer(
             cfg,
@@ -109,7 +111,7 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
                 parts.optimizer.step,
                 groups,
                 run_dir,
-                {"estimate": predicted},
+                {"estimate": predicted} if predicted is not None else None,
                 {"activation_sets": {"measured": parts.runner.peak_activation_sets, "predicted": sets}},
             ),
             eos_id=data.eos_id,

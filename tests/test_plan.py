@@ -172,7 +172,9 @@ def test_memory_predictions_are_the_estimators(overrides: list[str]) -> None:
     if "parallel.ep=2" in overrides:  # every expert-parallel layout: the experts' states and the routing's bound
         accepted_layouts = [(layout, variant) for layout, variant in accepted_layouts if layout.ep > 1]
         assert {layout.ep for layout, _ in accepted_layouts} == {2, 4}  # of 4 experts
-    for accepted, variant in accepted_layouts[:: max(1, len(accepted_layouts) // 150)]:
+    # A spread of about 40 (every trace is made twice, each model-state walk once per device): the two paths share
+    # their code, and this checks the planner's own bookkeeping of it.
+    for accepted, variant in accepted_layouts[:: max(1, len(accepted_layouts) // 40)]:
         for device in ("cpu", "cuda"):
             layout = dataclasses.replace(accepted, device=device)
             worst = estimate(variant.model, layout).worst
