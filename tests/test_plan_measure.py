@@ -16,6 +16,7 @@ from trident.config import Config, compose_config
 from trident.layout import Layout
 from trident.memory.estimate import estimate
 from trident.plan import measure, planner
+from trident.plan.breakdown import RUNNABLE
 from trident.plan.cost import StepTime
 from trident.plan.planner import Plan, Prediction
 
@@ -136,7 +137,10 @@ def test_measure_runs_train_py_and_compares_with_the_plan(plan: Plan, tiny_datas
         # The profiled step's split, scaled to the median of the 3 timed after the warm-up (not the profiled one).
         assert m.step_s == pytest.approx(sorted(r["step_time_s"] for r in m.trial.rows[1:4])[1])
         assert m.split is not None and sum(m.split.values()) == pytest.approx(m.step_s)
-        assert m.split["matmul"] > 0 and m.split["attention"] > 0 and m.split["framework"] > 0
+        # Each op class was timed, unless the rank waited for a core longer than it ran: then the core wait takes
+        # all of those parts (trident/plan/breakdown.py ``with_core_wait``; seen in a loaded fresh-clone CI run).
+        timed = all(m.split[k] > 0 for k in ("matmul", "attention", "framework"))
+        assert timed or (sum(m.split[k] for k in RUNNABLE) == 0 and m.split["core wait"] > 0), m.split
         assert "largest miss:" in measure.breakdown(m)
         assert m.states is not None and abs(m.memory_error) < 0.01  # model states: predicted to the byte
         assert m.peak_mb is None  # a CPU run measures no activations
