@@ -68,7 +68,7 @@ class Layout:
     offload: str = "none"  # none | cpu: the optimizer shard's first ``offload_ratio`` on the host
     offload_ratio: float = 1.0  # 1.0 without offload
     sequence_parallel: bool = False
-    ep: int = 1  # expert parallelism: each sparse layer's experts over ep of the dp ranks (dividing dp)
+    ep: int = 1  # expert parallelism: each sparse layer's experts over ep of the dp x cp ranks (dividing dp x cp)
     activation_checkpointing: str = "none"  # none | selective | attention | full
     recompute_modules: tuple[str, ...] = SELECTIVE_MODULES  # what selective recomputes (selective only)
     recompute_every: int = 1  # every N-th block recomputed (1 without recomputation)
