@@ -93,7 +93,7 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
         if groups.is_logging_rank:
             announce_run(cfg, topology, parts.chunks, device, len(data.train), run_dir, peak)
         # memory.json: each rank's model-state bytes beside the prediction made before launch, which the logging
-        # rank alone writes and so alone makes (a trace's FakeTensorMode imports torch._dynamo: 1.4 s of a core).
+        # rank alone writes and so alone makes (its activations are traced: about 0.4 s of a core for gpt-tiny).
         predicted = estimate(cfg.model, layout).to_dict() if groups.is_logging_rank else None
         # memory.json: the most activation sets this rank held in its first step, beside the schedule walk's count.
         sets = activation_sets(layout, groups.pp_rank)

@@ -243,7 +243,8 @@ def _draw_model_keys(
     experts, the top-k renormalisation, a first dense layer, the loop kernel, a capacity that drops and a faster
     balancing bias. Drawn among the values the case's tp and block allow, except with probability ``mistake``: an
     odd head width (refused with RoPE), a projection norm tp cannot split, an FFN or shared-expert width tp does not
-    divide, ``norm_topk`` or the sigmoid router with one expert a token. From a stream of its own, so that every earlier knob stays.
+    divide, ``norm_topk`` or the sigmoid router with one expert a token. From a stream of its own, so that every
+    earlier knob stays.
 
     Where ``_draw_experts`` drew top_k=1 with the softmax router, ``norm_topk`` is false (but as a mistake): true
     would make every routing weight 1, which the validator refuses; with the sigmoid router (which always
