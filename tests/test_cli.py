@@ -81,3 +81,29 @@ def test_a_rank_the_agent_ends_during_start_up_leaves_its_line_in_the_error_file
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     message = json.loads(error_file.read_text())["message"]["message"]
     assert message == "stopped by SIGTERM before training started; rerun the same command to start"
+
+
+def test_an_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch) -> None:
+    """A rank ended mid-write (torchrun's SIGTERM after another rank's refusal) left an empty error file, and the
+    agent's summary died on it with JSONDecodeError instead of naming the cause (seen on a loaded CI)."""
+    import json
+
+    from trident import error_file
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def cut_short(obj, f) -> None:  # the process ends after the file is opened, before the JSON is in it
+        f.write('{"mess')
+        raise SystemExit(143)
+
+    monkeypatch.setattr(error_file.json, "dump", cut_short)
+    with pytest.raises(SystemExit):
+        error_file.record("error: one line")
+    assert not path.exists()  # the agent finds no file (and says so), not a broken one
+
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    error_file.record("error: one line")
+    assert json.loads(path.read_text())["message"]["message"] == "error: one line"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 
 
@@ -18,6 +19,10 @@ def record(line: str, callstack: str | None = None) -> None:
     if not path:
         return
     extra = {"timestamp": str(int(time.time())), **({"py_callstack": callstack} if callstack else {})}
+    # Written whole or not at all: a rank the agent ends mid-write (SIGTERM after another rank's refusal) must not
+    # leave an empty file, which the agent's summary fails to parse (JSONDecodeError) instead of naming the cause.
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with contextlib.suppress(OSError):
-        with open(path, "w") as f:
+        with open(tmp, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": extra}}, f)
+        os.replace(tmp, path)
