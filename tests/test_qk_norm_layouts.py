@@ -3,8 +3,10 @@ tensor parallelism give the one-process curve of the same seed.
 
 Per-head norms (Qwen3) hold one gain every tp rank keeps whole, applied to that rank's heads only: without a sum
 over tp each rank steps with its own partial gradient and the copies drift apart. The learning rate is high (1e-2)
-so that a drift shows within the curve's tolerance in six steps. The projection-wide norm (OLMoE) splits its gain
-with the heads and sums its squares over tp.
+so that a drift shows in six steps; it also makes the gradient norm chaotic (0.2% apart by step 6 between two CPUs'
+rounding with the fix in), so the first three steps are compared whole at the curve's tolerance and every step's
+loss at 1e-5, where the rounding stays below 2e-7 and the missing sum shows from step 3 (3.7e-5, and 4e-3 in the
+grad norm). The projection-wide norm (OLMoE) splits its gain with the heads and sums its squares over tp.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tests.helpers.layouts import assert_same_curve, four_layers, train_in_proce
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 6
+LOSS_REL = 1e-5
 
 
 def _base(dataset, *extra: str) -> list[str]:
@@ -42,4 +45,7 @@ def test_normalised_queries_and_keys_give_the_one_process_curve_under_tp(tiny_da
     reference = references.history(_base(tiny_dataset, *model))
     world = 4 if "parallel.pp=2" in layout else 2
     for history in train_in_process(tmp_path, _base(tiny_dataset, *model, *layout), world=world):
-        assert_same_curve(reference, history)
+        assert_same_curve(reference[:3], history[:3])
+        assert [r["step"] for r in history] == [r["step"] for r in reference]
+        for want, have in zip(reference, history):
+            assert have["loss"] == pytest.approx(want["loss"], rel=LOSS_REL), (want["step"], have["loss"], want["loss"])
