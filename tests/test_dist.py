@@ -50,6 +50,29 @@ def test_values_come_back_in_rank_order_from_one_reused_pool() -> None:
     assert run_distributed(_whoami, 2) == first
 
 
+def _parent_pid(conn) -> None:
+    conn.send(os.getppid())
+
+
+def _writers_parent(rank: int, world_size: int) -> tuple[int, int]:
+    """A process the rank starts as the background checkpoint writer does (trident/checkpoint/background.py): from
+    the forkserver context. Its parent, and the rank's own (the server the pool forked the rank from)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_parent_pid, args=(theirs,), daemon=True)
+    proc.start()
+    parent = ours.recv()
+    proc.join(timeout=30)
+    return parent, os.getppid()
+
+
+def test_a_ranks_own_processes_are_forked_from_the_pools_server() -> None:
+    """Not from a fork server of the rank's own, a fresh interpreter that imports torch (seconds of a core for
+    each rank of each pool whose runs save in the background)."""
+    for writer, server in run_distributed(_writers_parent, 2):
+        assert writer == server
+
+
 def test_world_sizes_keep_their_own_pools() -> None:
     pids = {world_size: _pids(world_size) for world_size in (1, 2, 4)}
     assert len({pid for ranks in pids.values() for pid in ranks}) == 7

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import gc
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -39,6 +40,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -171,8 +173,33 @@ def _clean_up(groups_before: set[dist.ProcessGroup], world: dist.ProcessGroup, p
         return False
 
 
-def _serve(rank: int, world_size: int, port: int, backend: str, conn: Connection) -> None:
+def _server_of_the_pool() -> tuple[Any, ...]:
+    """What a rank needs to ask the pool's fork server for processes of its own: its address (and, from Python
+    3.12, its authentication key)."""
+    server = multiprocessing.forkserver._forkserver
+    return (server._forkserver_address, getattr(server, "_forkserver_authkey", None))
+
+
+def _use_the_pools_server(address: Any, authkey: bytes | None) -> None:
+    """In a rank: processes it starts with the forkserver context (the background checkpoint writer) are forked
+    from the pool's fork server, which imported torch and trident once, instead of from a server of the rank's own
+    (a fresh interpreter importing torch: seconds of a core per rank of every pool, eight at world 8). The rank
+    was forked from that server too, so it holds the server's liveness pipe (``_forkserver_alive_fd``, set by
+    the server for its children) and the resource tracker's; the server outlives every pool rank."""
+    server = multiprocessing.forkserver._forkserver
+    if address is None or server._forkserver_alive_fd is None:
+        return
+    server._forkserver_address = address
+    if authkey is not None:
+        server._forkserver_authkey = authkey
+    server.ensure_running = resource_tracker.ensure_running  # running already: never start a second one
+
+
+def _serve(
+    rank: int, world_size: int, port: int, backend: str, conn: Connection, server: tuple[Any, ...] = (None, None)
+) -> None:
     """A pool rank: join the default group, then run each task the parent sends until the pipe closes."""
+    _use_the_pools_server(*server)
     # Ctrl-C reaches every process of the terminal's group; the parent alone decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Everything inherited from the fork server stays: a collection that looked at it would copy every page.
@@ -216,6 +243,8 @@ class _Pool:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([__name__])
         port = free_port()
+        multiprocessing.forkserver.ensure_running()
+        server = _server_of_the_pool()
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         try:
@@ -223,7 +252,7 @@ class _Pool:
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(
                     target=_serve,
-                    args=(rank, world_size, port, backend, child_end),
+                    args=(rank, world_size, port, backend, child_end, server),
                     name=f"dist-{backend}-{world_size}-rank{rank}",
                 )
                 proc.start()
