@@ -47,5 +47,5 @@ def test_normalised_queries_and_keys_give_the_one_process_curve_under_tp(tiny_da
     for history in train_in_process(tmp_path, _base(tiny_dataset, *model, *layout), world=world):
         assert_same_curve(reference[:3], history[:3])
         assert [r["step"] for r in history] == [r["step"] for r in reference]
-        for want, have in zip(reference, history):
+        for want, have in zip(reference, history, strict=True):
             assert have["loss"] == pytest.approx(want["loss"], rel=LOSS_REL), (want["step"], have["loss"], want["loss"])
