@@ -16,7 +16,17 @@ from einops import rearrange
 from safetensors.torch import load_file
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
-from tests.helpers.hf_models import CLASSES, FAMILIES, SHAPE, greedy, hf_greedy, ours, prompts, saved
+from tests.helpers.hf_models import (
+    CLASSES,
+    FAMILIES,
+    SHAPE,
+    assert_export_matches,
+    greedy,
+    hf_greedy,
+    ours,
+    prompts,
+    saved,
+)
 from tests.helpers.layouts import make_config
 from tests.helpers.tools import run_tool
 from trident.checkpoint.consolidated import load_weights
@@ -25,7 +35,6 @@ from trident.checkpoint.hf import architecture, model_from_hf
 from trident.config import model_config_from_dict
 from trident.errors import CheckpointError
 from trident.models.gpt import ProjectionRMSNorm
-from trident.parallel.placement import placement_of
 
 # What the import makes of each family's q/k norms and heads.
 IMPORTED = {
@@ -62,19 +71,9 @@ def test_a_transformers_model_reads_back_with_its_logits_and_greedy_tokens(famil
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_export_loads_in_transformers_with_our_logits(family, tmp_path):
-    weights = load_weights(saved(family, tmp_path / "src"))
-    model = ours(weights)
-    with torch.no_grad():  # our own weights now, away from transformers' file
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
-    tensors = {name: placement_of(p).real_part(p.detach()) for name, p in model.named_parameters()}
-    write_hf(dataclasses.replace(weights, tensors=tensors, tokenizer=None), tmp_path / "hf")
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert not any(info.values()), info  # every weight came from the file
-    assert type(hf).__name__ == CLASSES[family]
-    ids = torch.randint(0, SHAPE["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert (model(ids) - hf.eval()(ids).logits).abs().max() <= 1e-5
+    assert_export_matches(
+        load_weights(saved(family, tmp_path / "src")), tmp_path / "hf", CLASSES[family], SHAPE["vocab_size"]
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file
 
+from tests.helpers.hf_models import assert_export_matches, ours
 from tests.helpers.layouts import make_config, train_rank
 from tests.helpers.tools import run_tool
 from tests.test_init_from import adopted, first_batch, run_args
@@ -68,15 +69,6 @@ def saved(family: str, out: Path) -> Path:
     return out
 
 
-def ours(weights: ModelWeights) -> GPT:
-    cfg = model_config_from_dict(weights.config["model"])
-    model = GPT(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(placement_of(p).shard(weights.tensors[name]))
-    return model.eval()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_transformers_moe_model_reads_back_with_its_logits_and_greedy_tokens(family, tmp_path):
     source = saved(family, tmp_path / "src")
@@ -95,19 +87,8 @@ def test_a_transformers_moe_model_reads_back_with_its_logits_and_greedy_tokens(f
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_export_loads_in_transformers_with_our_logits(family, tmp_path):
-    weights = load_weights(saved(family, tmp_path / "src"))
-    model = ours(weights)
-    with torch.no_grad():  # our own weights now, away from transformers' file
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
-    tensors = {name: placement_of(p).real_part(p.detach()) for name, p in model.named_parameters()}
-    write_hf(dataclasses.replace(weights, tensors=tensors, tokenizer=None), tmp_path / "hf")
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert not any(info.values()), info  # every weight came from the file
-    assert type(hf).__name__ == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
-    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert (model(ids) - hf.eval()(ids).logits).abs().max() <= 1e-5
+    hf_class = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+    assert_export_matches(load_weights(saved(family, tmp_path / "src")), tmp_path / "hf", hf_class, 96)
 
 
 def test_hf_to_trident_to_hf_leaves_every_tensor_equal(tmp_path, monkeypatch, capsys):

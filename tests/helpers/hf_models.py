@@ -10,6 +10,7 @@ start from any of them (``checkpoint.init_from``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 import transformers
 
 from trident.checkpoint.consolidated import ModelWeights
+from trident.checkpoint.export import write_hf
 from trident.config import model_config_from_dict
 from trident.models.gpt import GPT
 from trident.parallel.placement import placement_of
@@ -106,3 +108,20 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: torch.Tensor, n: int)
     """transformers' own greedy continuation (generate, with its KV cache) of each row of ``prompt``."""
     out = model.generate(prompt, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[:, prompt.shape[1] :].tolist()
+
+
+def assert_export_matches(weights: ModelWeights, out: Path, hf_class: str, vocab_size: int) -> None:
+    """Our model of ``weights``, moved off them (our own weights now, away from transformers' file), exported to
+    ``out``: transformers loads every weight of it as ``hf_class`` and gives our logits."""
+    model = ours(weights)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    tensors = {name: placement_of(p).real_part(p.detach()) for name, p in model.named_parameters()}
+    write_hf(dataclasses.replace(weights, tensors=tensors, tokenizer=None), out)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # every weight came from the file
+    assert type(hf).__name__ == hf_class
+    ids = torch.randint(0, vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (model(ids) - hf.eval()(ids).logits).abs().max() <= 1e-5
