@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
 import time
@@ -24,11 +23,12 @@ from pathlib import Path
 
 from trident.fuzz import Fuzzer, draw_case, prepare_corpus
 from trident.fuzz.cover import cheapest_cover, draw_facts, estimated_seconds, missing
+from trident.ranks import start_fork_server
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-RANK_PRELOAD = ["trident.ranks", "trident.fuzz", "trident.build", "trident.loop", "hydra", "torch._dynamo"]
+RANK_PRELOAD = ["trident.fuzz", "trident.build", "trident.loop", "hydra", "torch._dynamo"]
 
 
 def main() -> int:
@@ -80,8 +80,7 @@ def main() -> int:
     # The rank pools fork their ranks from one server: it imports what every rank would otherwise import afresh
     # (each rank also re-runs this script's imports as its __mp_main__, and train.py's, torch.optim's dynamo, DCP):
     # 60% of a world-8 case's CPU before (case 330: 30 s).
-    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    start_fork_server(RANK_PRELOAD)
     exits = (lambda case: False) if args.no_exits else (lambda case: True)
     fuzzer = Fuzzer(REPO, prepare_corpus(args.cache_dir), timeout_s=args.timeout, exits_of=exits)
     start = time.monotonic()

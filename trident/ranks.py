@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
@@ -173,11 +173,14 @@ def _clean_up(groups_before: set[dist.ProcessGroup], world: dist.ProcessGroup, p
         return False
 
 
-def _server_of_the_pool() -> tuple[Any, ...]:
-    """What a rank needs to ask the pool's fork server for processes of its own: its address (and, from Python
-    3.12, its authentication key)."""
+def start_fork_server(preload: Sequence[str] = ()) -> tuple[Any, bytes | None]:
+    """Start the fork server that pool ranks are forked from, with this module and ``preload`` imported once (a
+    server already running is kept, with what it imported); return what a rank needs to ask
+    it for processes of its own: its address (and, from Python 3.12, its authentication key)."""
+    mp.get_context("forkserver").set_forkserver_preload([__name__, *preload])
+    multiprocessing.forkserver.ensure_running()
     server = multiprocessing.forkserver._forkserver
-    return (server._forkserver_address, getattr(server, "_forkserver_authkey", None))
+    return server._forkserver_address, getattr(server, "_forkserver_authkey", None)
 
 
 def _use_the_pools_server(address: Any, authkey: bytes | None) -> None:
@@ -195,9 +198,7 @@ def _use_the_pools_server(address: Any, authkey: bytes | None) -> None:
     server.ensure_running = resource_tracker.ensure_running  # running already: never start a second one
 
 
-def _serve(
-    rank: int, world_size: int, port: int, backend: str, conn: Connection, server: tuple[Any, ...] = (None, None)
-) -> None:
+def _serve(rank: int, world_size: int, port: int, backend: str, conn: Connection, server: tuple[Any, ...]) -> None:
     """A pool rank: join the default group, then run each task the parent sends until the pipe closes."""
     _use_the_pools_server(*server)
     # Ctrl-C reaches every process of the terminal's group; the parent alone decides what stops.
@@ -241,10 +242,8 @@ class _Pool:
         # Ranks are forked from a server process that imported torch once, so starting a pool (again, after
         # a failure) costs a fork per rank, not a torch import per rank on a machine with fewer cores than ranks.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
+        server = start_fork_server()
         port = free_port()
-        multiprocessing.forkserver.ensure_running()
-        server = _server_of_the_pool()
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import io
 import multiprocessing as mp
-import multiprocessing.forkserver
 import os
 import runpy
 import signal
@@ -32,13 +31,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import trident.ranks
+
 _CTX = mp.get_context("forkserver")
-# What the fork server imports once: the rank pools' module, train.py and these helpers (the ranks run functions
-# of tests.helpers.layouts, warm processes this module's _run_script); and what importing train.py leaves to the
-# run that needs it, which nearly every test's run does: dynamo (torch.optim's optimizers import it) and DCP (a
-# checkpoint's save or load).
+# What the fork server imports once beside the rank pools' module (trident.ranks): train.py and these helpers (the
+# ranks run functions of tests.helpers.layouts, warm processes this module's _run_script); and what importing
+# train.py leaves to the run that needs it, which nearly every test's run does: dynamo (torch.optim's optimizers
+# import it) and DCP (a checkpoint's save or load).
 PRELOAD = [
-    "trident.ranks",
     "train",
     "tests.helpers.layouts",
     "tests.helpers.warm",
@@ -50,8 +50,7 @@ PRELOAD = [
 def start_fork_server() -> None:
     """Start the fork server with ``PRELOAD`` imported, before any rank pool starts it with trident.ranks alone.
     Ranks and warm processes forked from it then import nothing; a server already running is left as it is."""
-    _CTX.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    trident.ranks.start_fork_server(PRELOAD)
 
 
 def _stdio(fd: int, unbuffered: bool) -> io.TextIOWrapper:
