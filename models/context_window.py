@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trident.parallel.context.allgather import GatherKV, gather_span
+from trident.parallel.context.allgather import GatherKV, window_keys
 from trident.parallel.context.attention import context_attention
 from trident.parallel.context.span import TokenSpan
 from trident.parallel.context.split import rank_index
@@ -41,13 +41,16 @@ class ContextWindow:
         group: dist.ProcessGroup,
         comm: str,
         index: torch.Tensor | None = None,
+        keys: TokenSpan | None = None,
     ) -> ContextWindow:
         """From this rank's positions, document ids (None: the window is one sequence) and its tokens' places in
-        the window ``[B or 1, T / cp]`` (parallel/context/batch.py; None: the head-tail split's)."""
+        the window ``[B or 1, T / cp]`` (parallel/context/batch.py; None: the head-tail split's). ``keys``: every
+        rank's span of the window on the host (the micro-batch's ``keys``), which the exchanges read their masks'
+        forms from and copy to the device; None: gathered over ``group`` at the first layer."""
         if index is None:
             rank, cp = dist.get_rank(group), dist.get_world_size(group)
             index = rank_index(positions.shape[-1] * cp, cp, rank, positions.device)
-        return cls(positions, TokenSpan(index, documents), group, comm)
+        return cls(positions, TokenSpan(index, documents), group, comm, {} if keys is None else {"host_keys": keys})
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v over the whole sequence, for this rank's queries; k and v may have fewer
@@ -68,7 +71,7 @@ class ContextWindow:
         gathered over cp (their gradients reduce-scattered back): the probabilities ``[B, H, T / cp, T]`` are the
         rows of the one-process ``[B, H, T, T]`` at this rank's queries, and the columns at the gathered keys, and
         so is their dropout mask (the logical ``[H, T, T]``'s, parallel/random.py)."""
-        keys = gather_span(self.span, self.group)
+        keys = window_keys(self.span, self.group, self.shared)
         kv = GatherKV.apply(torch.stack([k, v]), self.group)
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in kv)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))

@@ -55,6 +55,7 @@ from trident.models.kv_cache import KVCache
 from trident.models.moe import MoE, TokenSplit
 from trident.models.rope import apply_rope, rope_frequencies, rope_tables
 from trident.parallel.comm import GroupShape, copy_to_region, rank_and_size, reduce_from_region
+from trident.parallel.context.span import TokenSpan
 from trident.parallel.placement import Placement, add_grad_sum, placement_of, replicated, set_placement
 from trident.parallel.random import (
     ATTENTION,
@@ -447,6 +448,7 @@ class GPT(nn.Module):
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         index: torch.Tensor | None = None,
+        keys: TokenSpan | None = None,
     ) -> torch.Tensor:
         """Token ids on the first stage, else the residual stream from the stage before. ``cache`` (generation,
         one process): the keys and values of the tokens before ``x``, which this call extends. ``documents``
@@ -454,12 +456,12 @@ class GPT(nn.Module):
         attention inside each document and restart positions at each; every stage takes the micro-batch's.
         Under context parallelism, ``x`` and ``documents`` are this cp rank's part of the windows and
         ``positions`` ``[B, T / cp]`` its tokens' positions and ``index`` ``[B or 1, T / cp]`` their places in the
-        window (parallel/context/batch.py)."""
+        window (parallel/context/batch.py), ``keys`` every cp rank's span on the host (None: gathered)."""
         docs = None
         if self.cp_group is not None:
             if positions is None:
                 raise ValueError("under context parallelism a micro-batch carries its tokens' positions")
-            docs = ContextWindow.of(positions, documents, self.cp_group, self.cp_comm, index)
+            docs = ContextWindow.of(positions, documents, self.cp_group, self.cp_comm, index, keys)
         elif documents is not None:  # a dense mask when dropout needs the probabilities spelled out
             docs = Documents.of(documents, "dense" if self.training and self.cfg.dropout > 0 else "auto")
         if self.is_first:

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from trident.parallel.context.span import TokenSpan
+
 
 class Batch(NamedTuple):
     tokens: torch.Tensor  # token ids [B, T]
@@ -23,6 +25,10 @@ class Batch(NamedTuple):
     cp_pairs: tuple[int, ...] | None = None
     # Under context parallelism, each held token's place in its window [B or 1, T / cp] (the attention mask's).
     index: torch.Tensor | None = None
+    # Under context parallelism, every cp rank's tokens of the windows, rank 0's first (parallel/context/span.py
+    # ``TokenSpan``), in host memory (numpy): what the attention exchanges read their masks' forms from, with no
+    # gather and no device sync. It stays on the host in ``to``.
+    keys: TokenSpan | None = None
 
     def to(self, device: torch.device) -> Batch:
         """Tokens, targets, documents, positions and indices on ``device``; the sample ids stay where they are read

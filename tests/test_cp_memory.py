@@ -1,6 +1,8 @@
 """The estimator under context parallelism: what a cp rank's forward keeps for backward, measured on real gloo ranks,
-equals trident/memory/activations.py's prediction to the byte, for each exchange, with and without packed
-documents, for a GPT-2 and a grouped-query Llama block, and in training with dropout (CPU, no recomputation)."""
+equals the prediction to the byte, for each exchange, with and without packed documents, for a GPT-2 and a
+grouped-query Llama block, and in training with dropout: trident/memory/activations.py's formula without
+recomputation (what a process with a process group of its own predicts), and the trace (trident/memory/trace.py,
+made in the test's own process, which has none) under every recomputation policy."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import torch.distributed as dist
 from tests.helpers import REPO
 from trident.config import ModelConfig, compose_config
 from trident.layout import Layout
-from trident.memory.activations import activation_bytes
+from trident.memory.activations import POLICIES, activation_bytes
 from trident.memory.measure import held_by_forward
+from trident.models.checkpointing import apply_activation_checkpointing, parse_label
 from trident.models.gpt import GPT, init_weights
 from trident.parallel.batch import Batch, document_ids
 from trident.parallel.context.attention import CP_COMMS
@@ -28,12 +31,16 @@ from trident.ranks import run_distributed
 EOS, BATCH = 0, 2
 
 
-def _held(cfg: ModelConfig, group: dist.ProcessGroup, comm: str, documents: bool, precision: str) -> int:
+def _held(
+    cfg: ModelConfig, group: dist.ProcessGroup, comm: str, documents: bool, precision: str, policy: str = "none"
+) -> int:
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     rng = RNGTracker(0)
     model = GPT(cfg, cp_group=group, cp_comm=comm, rng=rng)
     init_weights(model, cfg, 0)
     model.to(PRECISION_DTYPES[precision])
+    name, modules, every = parse_label(policy)
+    apply_activation_checkpointing(model, name, modules=modules, every=every)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(1, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
     y = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
@@ -45,7 +52,9 @@ def _held(cfg: ModelConfig, group: dist.ProcessGroup, comm: str, documents: bool
 
     def forward() -> torch.Tensor:
         with autocast(precision, x.device), rng.context(0, batch.sample_ids):
-            logits = model(batch.tokens, documents=batch.documents, positions=batch.positions, index=batch.index)
+            logits = model(
+                batch.tokens, documents=batch.documents, positions=batch.positions, index=batch.index, keys=batch.keys
+            )
         loss = model.loss_sum(logits, batch.targets)
         # gloo's worker thread lets go of a collective's buffers a moment after the call returns (see
         # parallel/groups.py): give it that moment, or a transient buffer would count as kept.
@@ -58,8 +67,7 @@ def _held(cfg: ModelConfig, group: dist.ProcessGroup, comm: str, documents: bool
     return held
 
 
-def _check(rank: int, cp: int, models: dict[str, ModelConfig]) -> None:
-    group = dist.new_group(list(range(cp)))
+def _cases(cp: int, models: dict[str, ModelConfig]):
     for name, cfg in models.items():
         # With dropout training spells the probabilities out over gathered keys, whatever the exchange.
         for comm in CP_COMMS if cfg.dropout == 0 else CP_COMMS[:1]:
@@ -69,10 +77,24 @@ def _check(rank: int, cp: int, models: dict[str, ModelConfig]) -> None:
                         cp=cp, cp_comm=comm, micro_batch_size=BATCH, device="cpu", document_mask=documents,
                         precision=precision,
                     )  # fmt: skip
-                    held = _held(cfg, group, comm, documents, precision)
-                    case = f"{name} {comm} documents={documents} {precision}"
-                    predicted = activation_bytes(cfg, layout, 0, "none")
-                    assert held == predicted, f"{case}: measured {held}, predicted {predicted}"
+                    yield f"{name} {comm} documents={documents} {precision}", cfg, layout
+
+
+def _swept(cp: int, layout: Layout) -> bool:
+    """Whether every recomputation policy is measured for this case: at cp 2, in bf16 with packed documents (the
+    masks and the casts), for every model and exchange (about 10 s of the suite's time; all cases: 60 s)."""
+    return cp == 2 and layout.precision == "bf16" and layout.document_mask
+
+
+def _check(rank: int, cp: int, models: dict[str, ModelConfig], traced: dict[tuple[str, str], int]) -> None:
+    group = dist.new_group(list(range(cp)))
+    for case, cfg, layout in _cases(cp, models):
+        held = _held(cfg, group, layout.cp_comm, layout.document_mask, layout.precision)
+        predicted = activation_bytes(cfg, layout, 0, "none")  # the formula: this process has a group
+        assert held == predicted, f"{case}: measured {held}, predicted {predicted}"
+        for policy in POLICIES if _swept(cp, layout) else ():
+            held = _held(cfg, group, layout.cp_comm, layout.document_mask, layout.precision, policy)
+            assert held == traced[case, policy], f"{case} {policy}: measured {held}, traced {traced[case, policy]}"
 
 
 @pytest.mark.multiprocess
@@ -84,4 +106,10 @@ def test_cp_activations_match_the_prediction_to_the_byte(cp):
         models[preset] = dataclasses.replace(cfg, n_layers=2)
     models["llama-tiny dropout"] = dataclasses.replace(models["llama-tiny"], dropout=0.1)
     models["gpt-tiny dropout"] = dataclasses.replace(models["gpt-tiny"], dropout=0.1)
-    run_distributed(_check, cp, models)
+    traced = {
+        (case, p): activation_bytes(cfg, layout, 0, p)
+        for case, cfg, layout in _cases(cp, models)
+        if _swept(cp, layout)
+        for p in POLICIES
+    }
+    run_distributed(_check, cp, models, traced)

@@ -62,14 +62,15 @@ def test_qk_norm_and_a_head_width_of_its_own_are_counted_as_a_forward_keeps_them
 
 
 def test_the_trace_keeps_out_of_what_it_cannot_run() -> None:
-    """A GPU layout and context parallelism keep the formula for now (trident/memory/trace.py says why); a
-    pipeline's chunks (tests/test_memory_pipeline.py) and a mixture-of-experts model (tests/test_moe_memory.py) are
-    traced."""
+    """A GPU layout keeps the formula for now (trident/memory/trace.py says why); a pipeline's chunks
+    (tests/test_memory_pipeline.py), a mixture-of-experts model (tests/test_moe_memory.py) and context parallelism
+    (tests/test_cp_memory.py) are traced."""
     assert traceable(LLAMA, Layout(device="cpu"))
     assert traceable(LLAMA, Layout(pp=2, vpp=2, device="cpu"))
     assert traceable(MOE, Layout(dp=2, ep=2, tp=2, device="cpu"))
     assert not traceable(LLAMA, Layout(device="cuda"))
-    assert not traceable(LLAMA, Layout(cp=2, device="cpu"))
+    assert traceable(LLAMA, Layout(cp=2, device="cpu"))
+    assert traceable(MOE, Layout(cp=2, ep=2, device="cpu"))
 
 
 @pytest.mark.parametrize(

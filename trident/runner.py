@@ -55,7 +55,9 @@ class LocalRunner:
             self.reducer.set_sync(i == len(micro_batches) - 1)
             x = batch.tokens
             with autocast(self.precision, x.device), dropout_context(self.model, batch.step, batch.sample_ids):
-                output = self.model(x, documents=batch.documents, positions=batch.positions, index=batch.index)
+                output = self.model(
+                    x, documents=batch.documents, positions=batch.positions, index=batch.index, keys=batch.keys
+                )
             loss = loss_fn(output, batch.targets)
             del output  # the logits: the loss keeps what its backward needs (the estimator counts no more)
             self.peak_activation_sets = max(self.peak_activation_sets, 1)
@@ -71,7 +73,11 @@ class LocalRunner:
         for batch in micro_batches:
             with autocast(self.precision, batch.tokens.device):
                 output = self.model(
-                    batch.tokens, documents=batch.documents, positions=batch.positions, index=batch.index
+                    batch.tokens,
+                    documents=batch.documents,
+                    positions=batch.positions,
+                    index=batch.index,
+                    keys=batch.keys,
                 )
             total += loss_fn(output, batch.targets)
         return total

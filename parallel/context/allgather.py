@@ -35,6 +35,31 @@ def gather_span(span: TokenSpan, group: dist.ProcessGroup) -> TokenSpan:
     return TokenSpan(index, documents)
 
 
+def window_keys(span: TokenSpan, group: dist.ProcessGroup, shared: dict | None) -> TokenSpan:
+    """Every rank's span one after another, rank 0 first, on ``span``'s device: the window's (``shared["keys"]``,
+    from the micro-batch: parallel/context/batch.py), else gathered over ``group``, once for the calls that share
+    ``shared``."""
+    if shared is not None and "keys" in shared:
+        return shared["keys"]
+    if shared is not None and "host_keys" in shared:
+        keys = shared["host_keys"].to(span.index.device)
+    else:
+        keys = gather_span(span, group)
+    if shared is not None:
+        shared["keys"] = keys
+    return keys
+
+
+def host_keys(span: TokenSpan, group: dist.ProcessGroup, shared: dict | None) -> TokenSpan:
+    """``window_keys`` on the host (numpy arrays): the micro-batch's, else the gathered keys copied to the host."""
+    if shared is not None and "host_keys" in shared:
+        return shared["host_keys"]
+    keys = window_keys(span, group, shared).on_host()
+    if shared is not None:
+        shared["host_keys"] = keys
+    return keys
+
+
 def allgather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -45,7 +70,7 @@ def allgather_attention(
     shared: dict | None = None,
 ) -> torch.Tensor:
     """This rank's queries ``[B, H, T/cp, D]`` against the gathered keys and values."""
-    keys = gather_span(span, group)
+    keys = window_keys(span, group, shared)
     kv = GatherKV.apply(torch.stack([k, v]), group)  # one collective for both
     out, _ = block_attention(q, kv[0], kv[1], span.mask(keys), scale)
     return out

@@ -11,12 +11,14 @@ mask's, span.py) and the attended pairs of every rank (cp_balance).
 from __future__ import annotations
 
 from trident.parallel.batch import Batch
+from trident.parallel.context.span import TokenSpan
 from trident.parallel.context.split import balanced_order, pairs_from_order, positions_in_window, rank_part, take
 
 
 def context_part(batch: Batch, cp: int, rank: int) -> Batch:
     """This cp rank's part of ``batch``: tokens, targets, document ids and positions ``[B, T / cp]``, and their
-    global indices ``[B or 1, T / cp]``."""
+    global indices ``[B or 1, T / cp]``; every rank's span on the host (``keys``: each rank's indices and document
+    ids one after another, what a gather of the spans over cp would give)."""
     b, t = batch.tokens.shape
     positions = positions_in_window(t, batch.documents, batch.tokens.device).expand(b, t)
     order = balanced_order(t, cp, batch.documents).to(batch.tokens.device)
@@ -28,4 +30,5 @@ def context_part(batch: Batch, cp: int, rank: int) -> Batch:
         positions=take(positions, index),
         index=index.contiguous(),
         cp_pairs=tuple(pairs_from_order(positions + 1, order, cp)),
+        keys=TokenSpan(order, None if batch.documents is None else take(batch.documents, order)).on_host(),
     )

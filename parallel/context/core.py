@@ -19,9 +19,10 @@ CUDA in fp16/bf16 the memory-efficient one (not exercised by the CPU tests). Els
 devices) the same math in plain PyTorch, in the accumulation dtype (``_plain_forward``, ``_plain_backward``).
 Either way a row that sees no key gets output 0 and log-sum-exp -inf.
 
-A mask is a bool tensor, or a ``PlainMask`` where its form is known (``classify``): every key seen, or the lower
-triangle of a square block. The ring classifies its quarters once per forward (ring.py ``RingPlan``), and the CPU
-kernel then takes no bias, nothing being built or read per call.
+A mask is a bool tensor, or a ``PlainMask`` where its form is known (``plain_form``): every key seen, or the lower
+triangle of a square block. The ring reads its quarters' forms once per forward, on the host spans (ring.py
+``RingPlan``), and the CPU kernel then takes no bias, nothing being built or read per call; a bool tensor is taken
+as it is (a bias), its form never read on the device.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
@@ -59,18 +61,13 @@ class PlainMask:
 Mask = torch.Tensor | PlainMask
 
 
-def classify(mask: torch.Tensor) -> Mask | None:
-    """``mask`` as a ``PlainMask`` where it is one, else itself; None where it sees no key at all."""
-    if not mask.any():
-        return None
-    return _plain(mask) or mask
-
-
-def _plain(mask: torch.Tensor) -> PlainMask | None:
+def plain_form(mask: np.ndarray) -> PlainMask | None:
+    """A host mask (numpy bool ``[B or 1, T_q, T_k]``, from span.py's host spans) as a ``PlainMask`` where it is
+    one, else None (a dense mask, built from the device spans where it is used)."""
     if mask.all():
         return PlainMask(False, tuple(mask.shape))
     tq, tk = mask.shape[-2:]
-    if tq == tk and torch.equal(mask, torch.ones(tq, tk, dtype=torch.bool, device=mask.device).tril().expand_as(mask)):
+    if tq == tk and np.array_equal(mask, np.broadcast_to(np.tri(tq, dtype=bool), mask.shape)):
         return PlainMask(True, tuple(mask.shape))
     return None
 
@@ -242,11 +239,10 @@ def _cpu_backward(q, k, v, mask, out, lse, dout, scale):
 
 def _cpu_mask(mask: Mask, q: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
     """The kernel's (is_causal, attn_mask) for ``mask``: no mask where every key is seen, its own causal mask for
-    a lower triangle (it then skips the blocks above the diagonal: a ring's block of a chunk with itself), else the
-    mask as an additive bias [B or 1, 1, T_q, T_k] in q's dtype (it takes no boolean one)."""
-    plain = mask if isinstance(mask, PlainMask) else _plain(mask)
-    if plain is not None:
-        return plain.causal, None
+    a lower triangle (``PlainMask``s: it then skips the blocks above the diagonal, a ring's block of a chunk with
+    itself), else the bool mask as an additive bias [B or 1, 1, T_q, T_k] in q's dtype (it takes no boolean one)."""
+    if isinstance(mask, PlainMask):
+        return mask.causal, None
     return False, torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None]
 
 

@@ -18,9 +18,9 @@ head-tail split: under the causal mask a quarter whose keys all come after its q
 quarter of the pairs is (half of them in every step but the first).
 
 What depends only on the spans is worked out once per forward and shared by every layer's forward and backward
-(``RingPlan``, kept by models/context_window.py): every rank's span (one all-gather) and, for each block, the
-quarters that are not masked out with their masks classified (core.classify: under the head-tail split of causal
-windows each is all seen or a triangle, and no mask is built or read again).
+(``RingPlan``, kept by models/context_window.py): every rank's span (the micro-batch's, or one all-gather) and,
+for each block, the quarters that are not masked out with their masks' forms, read on the host spans (core.plain_form:
+under the head-tail split of causal windows each is all seen or a triangle, and no mask is built or read again).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trident.parallel.context.allgather import gather_span
-from trident.parallel.context.core import Mask, accumulation_dtype, block_backward, block_forward, classify, merge
+from trident.parallel.context.allgather import host_keys, window_keys
+from trident.parallel.context.core import Mask, accumulation_dtype, block_backward, block_forward, merge, plain_form
 from trident.parallel.context.span import TokenSpan
 
 _KV, _DKV = 0, 1  # message tags
@@ -74,24 +74,25 @@ Quarter = tuple[int, slice, slice, Mask | None]  # (query half's number, its tok
 
 
 def _quarters(queries: TokenSpan, keys: TokenSpan) -> list[Quarter]:
-    """(query half's number, its tokens, the key half's tokens, their mask, core.classify'd) of every quarter whose
-    mask is not empty, in the order they are computed."""
+    """(query half's number, its tokens, the key half's tokens, their mask's form: a ``PlainMask``, or None for a
+    dense mask) of every quarter whose mask is not empty, in the order they are computed; ``queries`` and ``keys``
+    on the host (span.py ``on_host``)."""
     out = []
     for i, qs in enumerate(_halves(len(queries))):
         for ks in _halves(len(keys)):
-            mask = classify(queries.part(qs).mask(keys.part(ks)))
-            if mask is not None:
-                out.append((i, qs, ks, mask))
+            mask = queries.part(qs).mask(keys.part(ks))
+            if mask.any():
+                out.append((i, qs, ks, plain_form(mask)))
     return out
 
 
 def _masked(
     queries: TokenSpan, keys: TokenSpan, quarters: list[Quarter] | None
 ) -> list[tuple[int, slice, slice, Mask]]:
-    """The quarters with their masks: ``quarters`` (a plan's, whose dense masks, None, are rebuilt from the spans),
-    or worked out from the spans."""
+    """The quarters with their masks: ``quarters`` (a plan's), or worked out from the spans; a dense mask (None)
+    built from the spans."""
     if quarters is None:
-        return _quarters(queries, keys)
+        quarters = _quarters(queries.on_host(), keys.on_host())
     return [(i, qs, ks, queries.part(qs).mask(keys.part(ks)) if mask is None else mask) for i, qs, ks, mask in quarters]
 
 
@@ -107,13 +108,13 @@ class RingPlan:
     quarters: list[list[Quarter]]
 
     @classmethod
-    def of(cls, span: TokenSpan, group: dist.ProcessGroup) -> RingPlan:
-        spans = _rank_spans(span, group)
-        quarters = [
-            [(i, qs, ks, None if isinstance(mask, torch.Tensor) else mask) for i, qs, ks, mask in _quarters(span, keys)]
-            for keys in spans
-        ]
-        return cls(span, spans, quarters)
+    def of(cls, span: TokenSpan, group: dist.ProcessGroup, shared: dict | None = None) -> RingPlan:
+        """The plan of this rank's ``span`` in ``group``; ``shared``: where the window keeps every rank's span
+        (allgather.py ``window_keys``)."""
+        spans = _rank_spans(window_keys(span, group, shared), len(span))
+        hosts = _rank_spans(host_keys(span, group, shared), len(span))
+        queries = hosts[dist.get_rank(group)]
+        return cls(span, spans, [_quarters(queries, keys) for keys in hosts])
 
 
 Partial = tuple[torch.Tensor | None, torch.Tensor | None]  # a query half's running (out, lse)
@@ -227,13 +228,9 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def _rank_spans(span: TokenSpan, group: dist.ProcessGroup) -> list[TokenSpan]:
-    """Every rank's span (the keys of each block that will pass by), from one small all-gather up front."""
-    gathered, n = gather_span(span, group), len(span)
-    size = dist.get_world_size(group)
-    cut = [slice(r * n, (r + 1) * n) for r in range(size)]
-    docs = gathered.documents
-    return [TokenSpan(gathered.index[..., c], None if docs is None else docs[:, c]) for c in cut]
+def _rank_spans(keys: TokenSpan, n: int) -> list[TokenSpan]:
+    """Every rank's span of ``n`` tokens (the keys of each block that will pass by), cut from the window's."""
+    return [keys.part(slice(r * n, (r + 1) * n)) for r in range(len(keys) // n)]
 
 
 def ring_attention(
@@ -249,7 +246,7 @@ def ring_attention(
     ``shared``: where the forward's ``RingPlan`` is kept for its other layers (built at the first call)."""
     plan = None if shared is None else shared.get("ring")
     if plan is None:
-        plan = RingPlan.of(span, group)
+        plan = RingPlan.of(span, group, shared)
         if shared is not None:
             shared["ring"] = plan
     return RingAttention.apply(q, k, v, plan, group, scale)

@@ -5,6 +5,9 @@ is not a triangle of local indices: it is read from each token's global ``index`
 with packed documents (``data.document_mask``), its document id. Query i sees key j iff ``index[j] <= index[i]``
 and both lie in the same document. The index is one for every sample (``[T]``: the head-tail split of causal
 windows) or each sample's own (``[B, T]``: the document-aware split, split.py ``balanced_order``).
+
+A span holds torch tensors (on the device its masks are used on) or, on the host, numpy arrays (``on_host``): the
+form core.py's ``plain_form`` reads a mask in, with no device sync, and on fake tensors too (the memory trace).
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ class TokenSpan:
             assert keys.documents is not None, "queries with document ids need keys with document ids"
             seen = seen & (self.documents[:, :, None] == keys.documents[:, None, :])
         return seen
+
+    def on_host(self) -> TokenSpan:
+        """This span as numpy arrays in host memory."""
+        return TokenSpan(*(None if t is None else t.detach().cpu().numpy() for t in (self.index, self.documents)))
+
+    def to(self, device: torch.device) -> TokenSpan:
+        """This span as torch tensors on ``device`` (from host numpy arrays or tensors elsewhere)."""
+        return TokenSpan(*(None if t is None else torch.as_tensor(t).to(device) for t in (self.index, self.documents)))
 
     @classmethod
     def cat(cls, spans: list[TokenSpan]) -> TokenSpan:

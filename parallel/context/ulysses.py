@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trident.parallel.context.allgather import gather_span
+from trident.parallel.context.allgather import window_keys
 from trident.parallel.context.core import block_attention
 from trident.parallel.context.span import TokenSpan
 
@@ -69,7 +69,7 @@ def ulysses_attention(
     cp, heads, kv_heads = dist.get_world_size(group), q.shape[1], k.shape[1]
     if error := heads_error(heads, kv_heads, cp):
         raise ValueError(error)
-    keys = gather_span(span, group)
+    keys = window_keys(span, group, shared)
     kv = torch.stack([k, v])  # [2, B, G, T/cp, D]
     if kv_heads % cp:
         kv = kv.repeat_interleave(cp // kv_heads, dim=2)  # kv head j // (cp / G) for rank j

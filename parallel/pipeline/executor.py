@@ -313,7 +313,7 @@ class _Step:
             batch, chunk = self.batches[action.micro], r.chunks[action.chunk]
             x = batch.tokens if received is None else received.requires_grad_(self.train)
             with autocast(r.precision, r.device), dropout_context(chunk, batch.step, batch.sample_ids):
-                out = chunk(x, documents=batch.documents, positions=batch.positions, index=batch.index)
+                out = chunk(x, documents=batch.documents, positions=batch.positions, index=batch.index, keys=batch.keys)
             if stage == r.stages - 1:
                 loss = self.loss_fn(out, batch.targets)
                 self.total += loss.detach()

@@ -75,7 +75,9 @@ def _rank(rank: int, world: int, cfg: Config, warmup: int, rounds: int) -> dict:
     model, batch = parts.chunks[0], trainer.micro_batches(0)[0]
 
     def forward() -> torch.Tensor:
-        logits = model(batch.tokens, documents=batch.documents, positions=batch.positions, index=batch.index)
+        logits = model(
+            batch.tokens, documents=batch.documents, positions=batch.positions, index=batch.index, keys=batch.keys
+        )
         return model.loss_sum(logits, batch.targets)
 
     inputs = [t for t in (batch.tokens, batch.targets, batch.documents, batch.positions, batch.index) if t is not None]

@@ -1,11 +1,13 @@
 """Activations predicted, per rank: kept for backward at the schedule's peak.
 
-Where trident/memory/trace.py covers a layout (a CPU layout without context parallelism: every chunk of a pipeline,
-tp and ep over fake groups, sparse layers under the routing asked for) a chunk's bytes, and the layer a recomputation
-replays, are traced from the real model; the formula below is kept for the rest: GPU layouts (device ``cuda``, whose
-kernels a CPU cannot run even on fake tensors) and context parallelism (whose exchanges read their masks on the
-host). Its CPU terms stay for cp; the tests compare it with the trace (tests/test_memory_trace.py). What only a
-traced CPU layout met (packed documents' dense mask and SDPA's float copy of it) is counted by the trace alone.
+Where trident/memory/trace.py covers a layout (a CPU layout: every chunk of a pipeline, tp, cp and ep over fake
+groups, sparse layers under the routing asked for) a chunk's bytes, and the layer a recomputation replays, are traced
+from the real model; the formula below is kept for the rest: GPU layouts (device ``cuda``, which a CPU build of
+torch cannot trace) and a process with a process group of its own at tp, cp or ep > 1 (train.py's launch estimate).
+Its CPU terms stay for those; the tests compare it with the trace (tests/test_memory_trace.py). Under context
+parallelism with recomputation the formula is not checked (tests/test_cp_memory.py measures the trace there). What
+only a traced CPU layout met (packed documents' dense mask and SDPA's float copy of it) is counted by the trace
+alone.
 
 They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"): count, per
 transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the micro-batches

@@ -33,12 +33,14 @@ their outputs shaped as a real group's). It needs the default process group, so 
 training run) cannot trace it: ``traceable`` says which layouts the trace covers, and trident/memory/activations.py
 keeps its formula for the others.
 
-Not traced (``traceable``; their formulas stay in activations.py):
-- a GPU layout (device ``cuda``), whose kernels (SDPA's CUDA flash and efficient kernels, fp32 norms under CUDA
-  autocast, flex attention) a CPU cannot dispatch, even on fake CUDA tensors (SDPA's kernel choice reads the real
-  device);
-- context parallelism: its exchanges classify their masks on the host (parallel/context/core.py ``classify``:
-  ``mask.all()``, ``torch.equal``) from every rank's span, which a fake all-gather does not deliver.
+Context parallelism is traced as a cp rank runs it: the exchanges read their masks' forms from every rank's span
+on the host (the micro-batch's ``keys``, parallel/context/batch.py: numpy arrays, which fake tensors leave alone),
+so the traced rank plans its ring as a real one does; the device masks are built on fake tensors.
+
+Not traced (``traceable``; the formula stays in activations.py): a GPU layout (device ``cuda``). A CPU build of
+torch cannot run autograd over fake CUDA tensors (it aborts looking up the CUDA device guard when a leaf that
+requires grad is first used), and the kernels' choice (SDPA's CUDA flash and efficient kernels, fp32 norms under
+CUDA autocast, flex attention) reads the real device.
 """
 
 from __future__ import annotations
@@ -74,12 +76,12 @@ DOCUMENT_EVERY = 7
 
 
 def traceable(m: ModelConfig, layout: Layout) -> bool:
-    """Whether the trace covers ``layout``'s activations: a CPU layout without context parallelism, and tp or ep
-    only where this process has no process group of its own (the fake groups need the default one). The rest keep
+    """Whether the trace covers ``layout``'s activations: a CPU layout, and tp, cp or ep only where this process
+    has no process group of its own (the fake groups need the default one). The rest keep
     trident/memory/activations.py's formula for now (see the module docstring)."""
-    if layout.device != "cpu" or layout.cp > 1:
+    if layout.device != "cpu":
         return False
-    return (layout.tp == 1 and layout.ep == 1) or not dist.is_initialized()
+    return (layout.tp == 1 and layout.cp == 1 and layout.ep == 1) or not dist.is_initialized()
 
 
 _Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]
@@ -244,7 +246,7 @@ def _traced(
                 shape = (b, tokens.shape[1] // (tp if sp and tp > 1 else 1), m.d_model)
                 x = torch.empty(shape, dtype=dtype).requires_grad_()
             with autocast(precision, torch.device("cpu")), rng.context(0, range(b)):
-                out = chunk(x, documents=ids, positions=positions, index=index)
+                out = chunk(x, documents=ids, positions=positions, index=index, keys=batch.keys)
             # What a runner keeps of a forward until its backward (parallel/pipeline/executor.py ``saved``): the
             # received input and the output it runs backward from, the last chunk's loss.
             return x, chunk.loss_sum(out, targets) if last else out
