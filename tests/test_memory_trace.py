@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from tests.test_memory import LLAMA, MOE, SHAPES, _held
 from trident.config import ModelConfig
@@ -15,6 +18,7 @@ from trident.layout import Layout
 from trident.memory.activations import POLICIES, activation_bytes, recompute_bytes
 from trident.memory.estimate import estimate
 from trident.memory.trace import _trace, chunk_bytes, traceable
+from trident.ranks import run_distributed
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -89,3 +93,28 @@ def test_the_recomputed_layer_is_traced_as_the_formula_counts_it(cfg: ModelConfi
         traced = {p: recompute_bytes(cfg, layout, p, routing) for p in policies}
         assert traced == {p: recompute_bytes(cfg, layout, p, routing, traced=False) for p in policies}
         assert all(v > 0 for v in traced.values())
+
+
+def _traced_beside_real_groups(rank: int, world: int, cfg: ModelConfig, layout: Layout, expected: int) -> None:
+    sub = dist.new_group([0, 1])
+    before = (dist.get_rank(), dist.get_world_size(), dist.get_rank(sub), sub.group_name)
+    assert activation_bytes(cfg, layout, 0, "selective") == expected
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_rank(sub), sub.group_name) == before
+    later = dist.new_group([0, 1])  # made after the trace: its name is the real world's next
+    for group in (None, sub, later):
+        t = torch.full((1,), float(rank + 1))
+        dist.all_reduce(t, group=group)
+        assert t.item() == 3
+    # torch's C++ registry of groups by name (functional collectives resolve a group through it) kept the real ones.
+    assert funcol.all_reduce(torch.ones(1), "sum", sub).item() == 2
+
+
+@pytest.mark.multiprocess
+def test_a_process_with_groups_of_its_own_traces_tp_and_cp_and_keeps_its_groups() -> None:
+    """A training run's launch estimate (train.py, on a rank whose groups exist) traces a tp 2 x cp 2 layout over
+    fake groups of a world of the trace's own, the same bytes as a process with no group traces (where the formula
+    is off: cp under recomputation), and its own groups, made before the trace or after, work on as before."""
+    layout = Layout(tp=2, cp=2, micro_batch_size=2, device="cpu")
+    expected = activation_bytes(LLAMA, layout, 0, "selective")
+    assert expected != activation_bytes(LLAMA, layout, 0, "selective", traced=False)
+    run_distributed(_traced_beside_real_groups, 2, LLAMA, layout, expected)

@@ -28,10 +28,10 @@ asked for, ``traced_routing``), the worst routing's, a bound, or a balanced one'
 ``routed_rows``), and the rest of the layer runs as it does on real data. Two of its ops fake tensors cannot shape
 are shaped here (``_ShapesOnly``: ``bincount``, and ``_grouped_mm`` in fp32 on a CPU).
 
-Tensor and expert parallelism run over a fake process group (torch's ``fake`` backend: collectives return at once,
-their outputs shaped as a real group's). It needs the default process group, so a process that has a real one (a
-training run) cannot trace it: ``traceable`` says which layouts the trace covers, and trident/memory/activations.py
-keeps its formula for the others.
+Tensor, context and expert parallelism run over a fake process group (torch's ``fake`` backend: collectives return
+at once, their outputs shaped as a real group's). It is made the default group of a world of the trace's own
+(``_own_world``), so a process with groups of its own (a training run's launch estimate) traces too, its groups set
+aside for the trace and given back.
 
 Context parallelism is traced as a cp rank runs it: the exchanges read their masks' forms from every rank's span
 on the host (the micro-batch's ``keys``, parallel/context/batch.py: numpy arrays, which fake tensors leave alone),
@@ -76,12 +76,9 @@ DOCUMENT_EVERY = 7
 
 
 def traceable(m: ModelConfig, layout: Layout) -> bool:
-    """Whether the trace covers ``layout``'s activations: a CPU layout, and tp, cp or ep only where this process
-    has no process group of its own (the fake groups need the default one). The rest keep
+    """Whether the trace covers ``layout``'s activations: a CPU layout. A GPU layout keeps
     trident/memory/activations.py's formula for now (see the module docstring)."""
-    if layout.device != "cpu":
-        return False
-    return (layout.tp == 1 and layout.cp == 1 and layout.ep == 1) or not dist.is_initialized()
+    return layout.device == "cpu"
 
 
 _Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]
@@ -96,16 +93,46 @@ def _fake_groups(tp: int, cp: int, ep: int) -> Iterator[_Groups]:
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp * ep)
-    try:
+    with _own_world():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp * ep)
         # Ranks as trident/parallel/topology.py orders them: tp fastest, then cp within each dp rank; an ep group
         # the first ep members of rank 0's dp x cp group.
         tp_group = dist.new_group(list(range(tp))) if tp > 1 else None
         cp_group = dist.new_group(list(range(0, tp * cp, tp))) if cp > 1 else None
         ep_group = dist.new_group(list(range(0, tp * ep, tp))) if ep > 1 else None
         yield tp_group, cp_group, ep_group
+
+
+# torch.distributed's module state of a world (distributed_c10d's maps that ``_World`` reads; the default group's
+# init method besides), which ``_own_world`` sets aside.
+_WORLD_STATE = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+
+
+@contextlib.contextmanager
+def _own_world() -> Iterator[None]:
+    """torch.distributed's state of a world of the trace's own, the process's (a training run's groups, if any) set
+    aside meanwhile and given back whole: the module's ``_world`` (the default group) and the maps it reads (every
+    group's ranks, names, tags and backend), swapped for fresh ones whose group names no real group has (they count
+    on from a million past the real world's), and torch's C++ registry of groups by name, from which the trace's
+    own are removed one by one (``destroy_process_group`` would remove the real ones too), the global rank set
+    back."""
+    c10d = dist.distributed_c10d
+    real_world, count = c10d._world, c10d._group_count
+    real = {name: getattr(c10d, name) for name in (*_WORLD_STATE, "_default_pg_init_method")}
+    rank = real_world.default_pg.rank() if real_world.default_pg is not None else -1
+    for name in _WORLD_STATE:
+        setattr(c10d, name, {})
+    c10d._default_pg_init_method = None
+    c10d._world, c10d._group_count = c10d._World(), count + 1_000_000
+    try:
+        yield
     finally:
-        dist.destroy_process_group()
+        for name in list(c10d._pg_names.values()):
+            c10d._unregister_process_group(name)
+        for name, value in real.items():
+            setattr(c10d, name, value)
+        c10d._world, c10d._group_count = real_world, count
+        torch._C._distributed_c10d._set_global_rank(rank)
 
 
 class _ShapesOnly(TorchDispatchMode):
