@@ -581,8 +581,9 @@ def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | No
     """Matmul and attention FLOPs pipeline stage ``stage``'s backward recomputes in one training step, over its
     chunks and micro-batches (the pointwise work recomputed beside them, norms, activations, RoPE, dropout, is
     memory-bound and left out here; the planner prices it, trident/plan/ops.py). Per recomputed layer and
-    micro-batch, the forward's: all its matmuls, 2 sb x the layer's matmul weights / tp, and attention's 4 sbsh /
-    tp (``flops_per_token``'s convention) under ``full``; the attention core's under ``attention`` or a selective
+    micro-batch, the forward's: all its matmuls but a dense MLP's output projection (torch's checkpoint stops after
+    the last tensor backward saved), 2 sb x the layer's matmul weights / tp, and attention's 4 sbsh / tp
+    (``flops_per_token``'s convention) under ``full``; the attention core's under ``attention`` or a selective
     list with ``attn_core``; the MLP's matmuls with ``mlp`` (a sparse layer's: the router's, the experts' on a
     balanced routing's rows, the shared experts'); none under the default ``selective``. Under zb-h1 and zb-v a
     chunk after virtual stage 0 recomputes twice (its I and its W pass)."""
@@ -603,9 +604,13 @@ def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | No
         sparse = 2.0 * (r.tokens * x.h * m.moe.experts + r.received * mats * x.h * m.expert_dim)
         sparse += 2.0 * sb * mats * x.h * shared / x.t
 
-    def per_layer(mlp: float) -> float:
+    down = 2.0 * sb * x.h * x.f / x.t  # the dense MLP's output projection, which full recomputation never reruns
+
+    def per_layer(sparse_layer: bool) -> float:
+        mlp = sparse if sparse_layer else dense
         return {
-            "full": core + mlp + projections,
+            # torch's checkpoint stops recomputing after the last tensor backward saved (the projection's input)
+            "full": core + mlp - (0.0 if sparse_layer else down) + projections,
             "attention": core,
             "selective": core * ("attn_core" in modules) + mlp * ("mlp" in modules),
         }[name]
@@ -616,5 +621,5 @@ def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | No
     for c in rank_chunks(layout, stage):
         for i in recomputed_layers(range(c * layers, (c + 1) * layers), name, every):
             times = 2 if zero_bubble and c > 0 else 1
-            total += times * per_layer(sparse if m.moe.is_sparse(i) else dense)
+            total += times * per_layer(m.moe.is_sparse(i))
     return total * layout.micro_batches

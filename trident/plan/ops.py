@@ -292,6 +292,8 @@ def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -
     else:
         return []
     again = [o.in_phase("I") for part in dict.fromkeys(chosen) for o in parts[part] if o.phase == "F"]
+    if name == "full" and not sparse:
+        again = _early_stopped(again, parts)
     if "attn_core" not in chosen:  # the core's kernels are kept: the ring's messages rerun with nothing to hide behind
         again = [_alone(o) for o in again]
     work = [Op("framework", "I", ("recompute",), 0.0, 1)]  # and the checkpoint's own work (cost.py)
@@ -299,6 +301,24 @@ def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -
         forward = [o for part in parts.values() for o in part if o.phase == "F"]
         work += [*_under_selective(forward, "F"), *_under_selective(again, "I")]
     return [*work, *again]
+
+
+def _early_stopped(again: list[Op], parts: dict[str, list[Op]]) -> list[Op]:
+    """A dense layer's forward recomputed whole, less what comes after the last tensor its backward saved: torch's
+    non-reentrant checkpoint (models/checkpointing.py) stops recomputing there, so the MLP's output projection, the
+    collective leaving its tp region and the last residual add are not run again (the matmuls checked against
+    torch's count of a real backward: tests/test_plan_ops_flops.py)."""
+    down = next(o for o in reversed(parts["mlp"]) if o.phase == "F").in_phase("I")
+    residual = parts["residual"][0].in_phase("I")
+    out = list(again)
+    out.remove(down)
+    for i, o in enumerate(out):
+        leaving = o.kind == "collective" and o.shape[:2] in (("all_reduce", "tp"), ("reduce_scatter", "tp"))
+        if leaving:  # one message of the count fewer; each is nbytes
+            out[i] = dataclasses.replace(o, count=o.count - 1)
+        elif o == residual:  # one kernel fewer, its share of the bytes
+            out[i] = dataclasses.replace(o, count=o.count - 1, nbytes=o.nbytes * (o.count - 1) / o.count)
+    return [o for o in out if o.count > 0]
 
 
 def _under_selective(ops: list[Op], phase: str) -> list[Op]:
