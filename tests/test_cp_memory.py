@@ -1,7 +1,8 @@
 """The estimator under context parallelism: what a cp rank's forward keeps for backward, measured on real gloo ranks,
 equals the prediction to the byte, for each exchange, with and without packed documents, for a GPT-2 and a
-grouped-query Llama block, and in training with dropout: the trace (trident/memory/trace.py) under every
-recomputation policy, and trident/memory/activations.py's formula (a GPU layout's) without recomputation."""
+grouped-query Llama block, and in training with dropout: the trace (trident/memory/trace.py ``chunk_bytes``) under
+every recomputation policy, and trident/memory/activations.py's formula, which the estimator uses for cp, without
+recomputation (under recomputation it overcounts: trace.py says by how much)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from trident.config import ModelConfig, compose_config
 from trident.layout import Layout
 from trident.memory.activations import POLICIES, activation_bytes
 from trident.memory.measure import held_by_forward
+from trident.memory.trace import chunk_bytes
 from trident.models.checkpointing import apply_activation_checkpointing, parse_label
 from trident.models.gpt import GPT, init_weights
 from trident.parallel.batch import Batch, document_ids
@@ -105,9 +107,9 @@ def test_cp_activations_match_the_prediction_to_the_byte(cp):
         models[preset] = dataclasses.replace(cfg, n_layers=2)
     models["llama-tiny dropout"] = dataclasses.replace(models["llama-tiny"], dropout=0.1)
     models["gpt-tiny dropout"] = dataclasses.replace(models["gpt-tiny"], dropout=0.1)
-    # Traced here, once (each rank would trace the same again; tests/test_memory_trace.py traces beside real groups).
+    # Traced here, once (each rank would trace the same again).
     traced = {
-        (case, p): activation_bytes(cfg, layout, 0, p)
+        (case, p): chunk_bytes(cfg, layout, 0, p)  # the trace of the one chunk (the estimator's is the formula)
         for case, cfg, layout in _cases(cp, models)
         if _swept(cp, layout)
         for p in POLICIES

@@ -15,9 +15,9 @@ import torch.distributed._functional_collectives as funcol
 from tests.test_memory import LLAMA, MOE, SHAPES, _held
 from trident.config import ModelConfig
 from trident.layout import Layout
-from trident.memory.activations import POLICIES, activation_bytes, recompute_bytes
+from trident.memory.activations import POLICIES, activation_bytes, recompute_bytes, routed_rows
 from trident.memory.estimate import estimate
-from trident.memory.trace import _trace, chunk_bytes, traceable
+from trident.memory.trace import _trace, _trace_layers, chunk_bytes, traceable
 from trident.ranks import run_distributed
 
 
@@ -66,15 +66,14 @@ def test_qk_norm_and_a_head_width_of_its_own_are_counted_as_a_forward_keeps_them
 
 
 def test_the_trace_keeps_out_of_what_it_cannot_run() -> None:
-    """A GPU layout keeps the formula for now (trident/memory/trace.py says why); a pipeline's chunks
-    (tests/test_memory_pipeline.py), a mixture-of-experts model (tests/test_moe_memory.py) and context parallelism
-    (tests/test_cp_memory.py) are traced."""
+    """A GPU layout and context parallelism keep the formula for now (trident/memory/trace.py says why); a pipeline's
+    chunks (tests/test_memory_pipeline.py) and a mixture-of-experts model (tests/test_moe_memory.py) are traced, and
+    so is tp or ep in a process with groups of its own."""
     assert traceable(LLAMA, Layout(device="cpu"))
     assert traceable(LLAMA, Layout(pp=2, vpp=2, device="cpu"))
     assert traceable(MOE, Layout(dp=2, ep=2, tp=2, device="cpu"))
     assert not traceable(LLAMA, Layout(device="cuda"))
-    assert traceable(LLAMA, Layout(cp=2, device="cpu"))
-    assert traceable(MOE, Layout(cp=2, ep=2, device="cpu"))
+    assert not traceable(LLAMA, Layout(cp=2, device="cpu"))
 
 
 @pytest.mark.parametrize(
@@ -98,7 +97,9 @@ def test_the_recomputed_layer_is_traced_as_the_formula_counts_it(cfg: ModelConfi
 def _traced_beside_real_groups(rank: int, world: int, cfg: ModelConfig, layout: Layout, expected: int) -> None:
     sub = dist.new_group([0, 1])
     before = (dist.get_rank(), dist.get_world_size(), dist.get_rank(sub), sub.group_name)
+    traces = _trace.cache_info().misses
     assert activation_bytes(cfg, layout, 0, "selective") == expected
+    assert _trace.cache_info().misses > traces  # traced here, beside the real groups
     assert (dist.get_rank(), dist.get_world_size(), dist.get_rank(sub), sub.group_name) == before
     later = dist.new_group([0, 1])  # made after the trace: its name is the real world's next
     for group in (None, sub, later):
@@ -110,11 +111,38 @@ def _traced_beside_real_groups(rank: int, world: int, cfg: ModelConfig, layout: 
 
 
 @pytest.mark.multiprocess
-def test_a_process_with_groups_of_its_own_traces_tp_and_cp_and_keeps_its_groups() -> None:
-    """A training run's launch estimate (train.py, on a rank whose groups exist) traces a tp 2 x cp 2 layout over
-    fake groups of a world of the trace's own, the same bytes as a process with no group traces (where the formula
-    is off: cp under recomputation), and its own groups, made before the trace or after, work on as before."""
-    layout = Layout(tp=2, cp=2, micro_batch_size=2, device="cpu")
-    expected = activation_bytes(LLAMA, layout, 0, "selective")
-    assert expected != activation_bytes(LLAMA, layout, 0, "selective", traced=False)
-    run_distributed(_traced_beside_real_groups, 2, LLAMA, layout, expected)
+def test_a_process_with_groups_of_its_own_traces_tp_and_ep_and_keeps_its_groups() -> None:
+    """A training run's launch estimate (train.py, on a rank whose groups exist) traces a tp 2 x ep 2 sparse layout
+    over fake groups of a world of the trace's own, the same bytes as a process with no group traces, and its own
+    groups, made before the trace or after, work on as before."""
+    layout = Layout(dp=2, tp=2, ep=2, micro_batch_size=2, device="cpu")
+    expected = activation_bytes(MOE, layout, 0, "selective")
+    run_distributed(_traced_beside_real_groups, 2, MOE, layout, expected)
+
+
+AFFINE = [
+    (LLAMA, Layout(tp=2, sequence_parallel=True, precision="bf16", document_mask=True, device="cpu")),
+    (dataclasses.replace(SHAPES[1], dropout=0.1), Layout(device="cpu")),
+    (LLAMA, Layout(cp=2, cp_comm="ring", document_mask=True, device="cpu")),
+    (LLAMA, Layout(cp=2, cp_comm="ulysses", precision="bf16", device="cpu")),
+    (dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, capacity_factor=1.0)), Layout(dp=2, ep=2, device="cpu")),
+]
+
+
+@pytest.mark.parametrize("b", [4, 7])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+@pytest.mark.parametrize("case", range(len(AFFINE)), ids=["tp2-sp-docs", "gpt-dropout", "cp2-ring-docs",
+                                                           "cp2-ulysses", "moe-ep2-capacity"])  # fmt: skip
+def test_a_chunk_traced_at_b_sequences_is_the_two_and_three_sequence_traces_extrapolated(
+    case: int, policy: str, b: int
+) -> None:
+    """What the planner's micro-batch sizes trace: two and three sequences, extrapolated (trace._trace_layers),
+    equal to the chunk traced at b, for tp with sequence parallelism and packed documents, dropout, cp's exchanges and a
+    sparse layer under the worst routing with a capacity."""
+    cfg, layout = AFFINE[case]
+    layout = dataclasses.replace(layout, micro_batch_size=b)
+    rows = routed_rows(cfg, layout) if cfg.moe.enabled else None
+    key = None if rows is None else (rows.sent, rows.received)
+    layers = range(cfg.n_layers)
+    extrapolated = _trace_layers(cfg, layout, layers, policy, key, True, True)
+    assert extrapolated == _trace_layers(cfg, layout, layers, policy, key, True, True, direct=True)

@@ -3,9 +3,10 @@
 Where trident/memory/trace.py covers a layout (a CPU layout: every chunk of a pipeline, tp, cp and ep over fake
 groups, sparse layers under the routing asked for) a chunk's bytes, and the layer a recomputation replays, are traced
 from the real model; the formula below is kept for GPU layouts (device ``cuda``, which a CPU build of torch cannot
-trace). Its CPU terms stay so that the tests can compare it with the trace and with real forwards
-(tests/test_memory_trace.py, tests/test_memory.py); under context parallelism with recomputation it is not checked
-(tests/test_cp_memory.py measures the trace there). What only a traced CPU layout met (packed documents' dense mask
+trace) and context parallelism (trident/memory/trace.py says why; under recomputation its cp figures overcount what
+the recomputed core keeps: tests/test_cp_memory.py measures the trace there, and the formula without
+recomputation). Its CPU terms stay so that the tests can compare it with the trace and with real forwards
+(tests/test_memory_trace.py, tests/test_memory.py). What only a traced CPU layout met (packed documents' dense mask
 and SDPA's float copy of it) is counted by the trace alone.
 
 They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"): count, per

@@ -10,6 +10,7 @@ planner (trident/plan/planner.py) ranks layouts by it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trident.config import ModelConfig
@@ -82,12 +83,14 @@ class Estimate:
         return dataclasses.asdict(self)
 
 
-def estimate(m: ModelConfig, layout: Layout) -> Estimate:
-    """Predicted per-rank bytes of every pipeline stage: model states, transient buffers and activations."""
+def estimate(m: ModelConfig, layout: Layout, policies: Sequence[str] = POLICIES, balanced: bool = True) -> Estimate:
+    """Predicted per-rank bytes of every pipeline stage: model states, transient buffers and activations, under
+    each recomputation of ``policies`` and the layout's own; ``balanced``: a sparse model's activations under a
+    balanced routing besides the worst's bound (each policy and routing a trace of its own on a CPU layout)."""
     out = Estimate(model=m.name, layout=layout, total_params=count_params(m))
     out.activations_are = "bound" if m.moe.enabled else "exact"
     last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))  # the loss's rank
-    policies = list(dict.fromkeys((*POLICIES, layout.recompute)))  # the layout's own too
+    policies = list(dict.fromkeys((*policies, layout.recompute)))  # the layout's own too
     for stage in range(layout.pp):
         params = stage_params(m, layout, stage)
         states = model_states(params, layout)
@@ -106,7 +109,7 @@ def estimate(m: ModelConfig, layout: Layout) -> Estimate:
                 checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
                 activation_sets=activation_sets(layout, stage),
                 activations_balanced={p: activation_bytes(m, layout, stage, p, BALANCED) for p in policies}
-                if m.moe.enabled
+                if m.moe.enabled and balanced
                 else {},
             )
         )

@@ -33,9 +33,14 @@ at once, their outputs shaped as a real group's). It is made the default group o
 (``_own_world``), so a process with groups of its own (a training run's launch estimate) traces too, its groups set
 aside for the trace and given back.
 
-Context parallelism is traced as a cp rank runs it: the exchanges read their masks' forms from every rank's span
+A context-parallel chunk traces as a cp rank runs it: the exchanges read their masks' forms from every rank's span
 on the host (the micro-batch's ``keys``, parallel/context/batch.py: numpy arrays, which fake tensors leave alone),
-so the traced rank plans its ring as a real one does; the device masks are built on fake tensors.
+so the traced rank plans its ring as a real one does; the device masks are built on fake tensors. Its bytes equal a
+real rank's under every recomputation (tests/test_cp_memory.py), where the formula's are off (it overcounts what
+the attention core keeps once the core, or the layer, is recomputed: 5-7% of gpt-tiny's activations at cp 2, up to
+20% under attention recomputation with allgather). The estimator does not use it yet (``traceable``): a cp chunk's
+trace costs 30-80 ms here and the planner's CPU space holds many cp shapes (gpt-tiny at world 4 planned in 21 s
+with them traced, 11 s without), which wants the traces kept across processes first.
 
 Not traced (``traceable``; the formula stays in activations.py): a GPU layout (device ``cuda``). A CPU build of
 torch cannot run autograd over fake CUDA tensors (it aborts looking up the CUDA device guard when a leaf that
@@ -76,9 +81,9 @@ DOCUMENT_EVERY = 7
 
 
 def traceable(m: ModelConfig, layout: Layout) -> bool:
-    """Whether the trace covers ``layout``'s activations: a CPU layout. A GPU layout keeps
-    trident/memory/activations.py's formula for now (see the module docstring)."""
-    return layout.device == "cpu"
+    """Whether the estimator traces ``layout``'s activations: a CPU layout without context parallelism. A GPU layout
+    and a cp layout keep trident/memory/activations.py's formula for now (see the module docstring)."""
+    return layout.device == "cpu" and layout.cp == 1
 
 
 _Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]
@@ -326,26 +331,48 @@ def chunk_bytes(m: ModelConfig, layout: Layout, chunk: int, policy: str, rows: t
 
 
 def _trace_layers(
-    m: ModelConfig, layout: Layout, layers, policy: str, rows: tuple[int, int] | None, first: bool, last: bool
+    m: ModelConfig,
+    layout: Layout,
+    layers,
+    policy: str,
+    rows: tuple[int, int] | None,
+    first: bool,
+    last: bool,
+    direct: bool = False,
 ) -> int:
     """``_trace`` of these layers of ``m`` in one chunk (the embedding on it if ``first``, the head if ``last``),
-    keyed by what of the layout shapes them."""
-    return _trace(
-        _key(m),
-        layout.micro_batch_size,
-        layout.tp,
-        layout.sequence_parallel and layout.tp > 1,
-        layout.cp,
-        layout.cp_comm if layout.cp > 1 else "ring",
-        layout.precision,
-        layout.document_mask,
-        layout.ep,
-        first,
-        last,
-        _canonical(m, layers, policy),
-        policy,
-        rows if m.moe.enabled else None,
-    )
+    keyed by what of the layout shapes them. What a chunk keeps is affine in its micro-batch's sequences b from two
+    on (each tensor is per sequence, like the activations and the routing's rows, or shared by them, like RoPE's
+    tables and a causal mask; at one some per-sequence copies are views), so above three sequences it is the traces
+    of two and three extrapolated (``direct``: traced at b all the same; tests/test_memory_trace.py checks the two
+    agree): the planner's many micro-batch sizes cost at most three traces."""
+    b = layout.micro_batch_size
+    if rows is not None and m.moe.enabled and (rows[0] % b or rows[1] % b):
+        direct = True  # a routing not even over the sequences (none routed_rows gives): traced as it is
+
+    def at(n: int) -> int:
+        routed = (rows[0] // b * n, rows[1] // b * n) if rows is not None and m.moe.enabled else None
+        return _trace(
+            _key(m),
+            n,
+            layout.tp,
+            layout.sequence_parallel and layout.tp > 1,
+            layout.cp,
+            layout.cp_comm if layout.cp > 1 else "ring",
+            layout.precision,
+            layout.document_mask,
+            layout.ep,
+            first,
+            last,
+            _canonical(m, layers, policy),
+            policy,
+            routed,
+        )
+
+    if direct or b <= 3:
+        return at(b)
+    two, three = at(2), at(3)
+    return two + (b - 2) * (three - two)
 
 
 def traced_layer_bytes(

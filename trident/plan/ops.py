@@ -364,7 +364,8 @@ def head_ops(m: ModelConfig, s: Shape) -> list[Op]:
     tp > 1 three all-reduces of [T] floats (max, sum, target logit)."""
     d, e, t = m.d_model, s.e, s.tokens
     t_sp = t // (s.tp if s.sequence_parallel else 1)
-    vocab = padded_vocab_size(m.vocab_size, m.vocab_multiple, s.tp) // s.tp
+    # At tp = 1 the head drops the padding rows (parallel/tensor.py ``logits``); a tp rank's block keeps them.
+    vocab = m.vocab_size if s.tp == 1 else padded_vocab_size(m.vocab_size, m.vocab_multiple, s.tp) // s.tp
     logits = t * vocab * 4
     ops = _elementwise(2 * t_sp * d * e, 1) + _linear(s, vocab, d)
     ops += [Op("elementwise", "F", (), 4 * logits, 4), Op("elementwise", "I", (), 3 * logits, 3)]
