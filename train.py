@@ -48,6 +48,7 @@ from trident.peak import device_peak_tflops
 from trident.plan.auto import choose as choose_layout
 from trident.rundir import claim_run_dir
 from trident.signals import StopRequest
+from trident.step_profile import step_profiler
 
 
 def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
@@ -115,7 +116,11 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
                 {"activation_sets": {"measured": parts.runner.peak_activation_sets, "predicted": sets}},
             ),
             eos_id=data.eos_id,
-            profile=(cfg.logging.profile_step, run_dir / "step_profile") if cfg.logging.profile_step else None,
+            profiler=step_profiler(
+                cfg.logging.profile_step, run_dir / "step_profile", groups.rank, device.type == "cuda"
+            )
+            if cfg.logging.profile_step
+            else None,
         )
         history = trainer.fit()
     if owns_group:

@@ -80,7 +80,6 @@ from trident.models.kv_cache import KVCache
 from trident.parallel.comm import (
     GroupShape,
     InFlight,
-    Timer,
     all_to_all,
     gather_sequence,
     rank_and_size,
@@ -108,7 +107,7 @@ class AuxLoss(torch.autograd.Function):
 
 class Route(NamedTuple):
     """An expert exchange's sizes (``MoE._combine``, from the host's counts): the rows this rank sends each rank of
-    ``group`` and receives from each; ``timer`` as ``MoE.timer``. The rows an owner receives come in two orders:
+    ``group`` and receives from each; The rows an owner receives come in two orders:
     source-major (source by source, each source's expert-major, as an exact all-to-all delivers them) and
     expert-major (expert by expert, sources in order, as its experts take them); ``to_expert`` (each expert-major
     row's source-major place) and its inverse ``to_source`` map one to the other."""
@@ -116,7 +115,6 @@ class Route(NamedTuple):
     send: list[int]
     recv: list[int]
     group: dist.ProcessGroup
-    timer: Timer | None
 
 
 class ToExperts(torch.autograd.Function):
@@ -135,7 +133,7 @@ class ToExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         r, (to_source,) = ctx.route, ctx.saved_tensors
-        return all_to_all(grad.index_select(0, to_source), r.recv, r.send, r.group, r.timer), None, None, None, None
+        return all_to_all(grad.index_select(0, to_source), r.recv, r.send, r.group), None, None, None, None
 
 
 class FromExperts(torch.autograd.Function):
@@ -148,12 +146,12 @@ class FromExperts(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.route = route
         ctx.save_for_backward(to_expert)
-        return all_to_all(y.index_select(0, to_source), route.recv, route.send, route.group, route.timer)
+        return all_to_all(y.index_select(0, to_source), route.recv, route.send, route.group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         r, (to_expert,) = ctx.route, ctx.saved_tensors
-        return all_to_all(grad, r.send, r.recv, r.group, r.timer).index_select(0, to_expert), None, None, None
+        return all_to_all(grad, r.send, r.recv, r.group).index_select(0, to_expert), None, None, None
 
 
 def _in_backward() -> bool:
@@ -355,7 +353,6 @@ class MoE(nn.Module):
         self.ep_group = ep_group
         self.experts = Experts(cfg, self.ep_rank, self.ep_size)
         self.shared = shared
-        self.timer: Timer | None = None  # a context each all-to-all of the experts runs in (tools/bench.py moe)
         self.traced: TracedRouting | None = None  # the memory trace's routing; None: read from the data (a run)
         # The gradient the auxiliary losses get per token of a micro-batch: set by the runner (set_loss_multiplier).
         self.loss_multiplier = 0.0
@@ -472,14 +469,14 @@ class MoE(nn.Module):
             blocks = x.new_empty(ep * block, x.shape[1])
             blocks.view(ep, -1).view(torch.uint8)[:, : local * 8] = send_counts.view(torch.uint8)
             blocks.index_copy_(0, place, rows.detach())
-            started = start_all_to_all(blocks, [block] * ep, [block] * ep, self.ep_group, self.timer)
+            started = start_all_to_all(blocks, [block] * ep, [block] * ep, self.ep_group)
             return Dispatch(rows, started, sent, head, block, None)
-        started = start_all_to_all(send_counts, [1] * ep, [1] * ep, self.ep_group, self.timer)
+        started = start_all_to_all(send_counts, [1] * ep, [1] * ep, self.ep_group)
         rows = x.index_select(0, token)
         counts = started.wait()  # [source, local expert]
         table = self._table(counts, send_counts.sum(1))
         sizes = [row[local] for row in table], [sum(row[:local]) for row in table], [row[:local] for row in table]
-        started = start_all_to_all(rows, sizes[0], sizes[1], self.ep_group, self.timer)
+        started = start_all_to_all(rows, sizes[0], sizes[1], self.ep_group)
         return Dispatch(rows, started, None, 0, None, sizes)
 
     def _combine(self, d: Dispatch) -> torch.Tensor:
@@ -496,7 +493,7 @@ class MoE(nn.Module):
             recv = [sum(row) for row in table]
             starts = [r * d.block + d.head for r in range(ep)]
         taken, to_expert, to_source = _expert_major(table, received.device, starts)
-        route = Route(send, recv, self.ep_group, self.timer)
+        route = Route(send, recv, self.ep_group)
         xe = ToExperts.apply(d.rows, received, taken, to_source, route)
         y = self.experts(xe, [sum(column) for column in zip(*table, strict=True)])
         return FromExperts.apply(y, to_source, to_expert, route)

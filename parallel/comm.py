@@ -22,8 +22,6 @@ models/moe.py's Functions put the rows in order around them, the reverse exchang
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +29,6 @@ import torch.distributed as dist
 
 SEQ_DIM = 1
 
-Timer = Callable[[torch.device], AbstractContextManager]  # a context per collective call, on that device
 
 # torch renamed the flat collectives; pyproject allows torch >= 2.4, which has only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -205,13 +202,12 @@ class InFlight:
     received. The work keeps the tensors it sends and fills alive until then, and is dropped on this thread (see
     parallel/reducer.py's finish)."""
 
-    def __init__(self, out: torch.Tensor, work: dist.Work | None, timer: Timer | None) -> None:
-        self.out, self.work, self.timer = out, work, timer
+    def __init__(self, out: torch.Tensor, work: dist.Work | None) -> None:
+        self.out, self.work = out, work
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            with self.timer(self.out.device) if self.timer is not None else nullcontext():
-                self.work.wait()
+            self.work.wait()
             self.work = None
         return self.out
 
@@ -225,24 +221,16 @@ def _exchange(
     return group.alltoall_base(out, x, recv, send, dist.AllToAllOptions())
 
 
-def all_to_all(
-    x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
-) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Rows ``[sum(send), ...]`` of ``x``: the first ``send[0]`` to rank 0 of ``group``, the next to rank 1, ...;
-    returns the ``sum(recv)`` rows received, rank 0's first (no gradient). ``timer``: called with the device, a
-    context the exchange runs in (the bench's)."""
-    with timer(x.device) if timer is not None else nullcontext():
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        _exchange(out, x.contiguous(), send, recv, group).wait()
+    returns the ``sum(recv)`` rows received, rank 0's first (no gradient)."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    _exchange(out, x.contiguous(), send, recv, group).wait()
     return out
 
 
-def start_all_to_all(
-    x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, timer: Timer | None = None
-) -> InFlight:
+def start_all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> InFlight:
     """``all_to_all``'s exchange of ``x``, started (async, no gradient): what to compute while the rows travel goes
     between this and ``wait``."""
-    with timer(x.device) if timer is not None else nullcontext():
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        work = _exchange(out, x.contiguous(), send, recv, group)
-    return InFlight(out, work, timer)
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    return InFlight(out, _exchange(out, x.contiguous(), send, recv, group))

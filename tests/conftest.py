@@ -16,11 +16,15 @@ import pytest
 import torch
 
 import tests.helpers.warm
-import trident.ranks
+import trident_dev.ranks
 from tests.helpers import REPO, SMALL_CORPUS
 from tests.helpers.layouts import References
 from trident.data.prepare import prepare_dataset
 from trident.data.sources import collect_text_files
+
+# The processes the tests start (ranks, tools, train.py under torchrun) import the development package from tools/,
+# as this process does (pyproject.toml's pytest ``pythonpath``).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tools"), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")
@@ -127,6 +131,6 @@ def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     def refuse(*args: object, **kwargs: object) -> None:
         raise TierViolation(f"{request.node.nodeid} starts a process: mark it pytest.mark.multiprocess")
 
-    monkeypatch.setattr(trident.ranks, "_pool", refuse)
+    monkeypatch.setattr(trident_dev.ranks, "_pool", refuse)
     monkeypatch.setattr(subprocess, "Popen", refuse)
     monkeypatch.setattr(tests.helpers.warm.WarmProcess, "__init__", refuse)

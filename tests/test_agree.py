@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from trident.errors import CheckpointError, ConfigError, DataError, TridentError
 from trident.parallel.agree import on_every_rank, on_one_rank
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 
 def _raise_on(ranks: set[int], error: Exception):

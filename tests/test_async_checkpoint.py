@@ -26,8 +26,8 @@ from trident.checkpoint import dcp
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.config import Config, compose_config
 from trident.errors import CheckpointError, ConfigError, DivergenceError
-from trident.ranks import run_distributed
 from trident.signals import Stopped
+from trident_dev.ranks import run_distributed
 
 
 def test_checkpoint_async_is_the_key_users_type():

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
-from trident.bench.harness import Stat, Table, alternate
-from trident.bench.runs import checked_trial, expand
-from trident.curves import REL
+from trident_dev.bench.harness import Stat, Table, alternate
+from trident_dev.bench.runs import checked_trial, expand
+from trident_dev.curves import REL
 
 TOOL = runpy.run_path(str(REPO / "tools" / "bench.py"))
 
@@ -160,7 +160,7 @@ def test_pp_tables_every_schedule_against_torch_and_one_process() -> None:
         "--micro", "4", "--mbs", "1", "--steps", "1", "--warmup", "1", "--receive-lead", "0",
     )  # fmt: skip
     assert exposed.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
-    assert_finite(exposed, "exposed before (ms)", "exposed after (ms)", "step before (ms)", "step after (ms)")
+    assert_finite(exposed, "exposed (ms)", "step (ms)")
     assert table.column("schedule") == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
     assert_finite(table, "tokens/s", "pp=1 tokens/s", "vs pp=1", "bubble", "formula")
     for cell, cpu in zip(table.column("torch tokens/s"), table.column("CPU vs torch"), strict=True):

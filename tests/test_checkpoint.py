@@ -60,7 +60,7 @@ from trident.parallel.layout import FlatLayout, Piece
 from trident.parallel.placement import placement_of
 from trident.parallel.topology import Topology
 from trident.parallel.zero.optimizer import ZeroOptimizer
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 LAYOUT = {"dp": 1, "tp": 1, "pp": 1}
 LR = 1e-2

@@ -32,7 +32,7 @@ from trident.parallel.context.split import (
     unsplit_sequence,
 )
 from trident.parallel.context.ulysses import heads_error
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 B, H, T, D = 2, 4, 32, 8
 # Packed documents crossing the chunk borders of every cp tested (chunks of 8 at cp=2, of 4 at cp=4).

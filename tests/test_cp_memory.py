@@ -27,7 +27,7 @@ from trident.parallel.context.batch import context_part
 from trident.parallel.precision import autocast
 from trident.parallel.random import RNGTracker
 from trident.peak import PRECISION_DTYPES
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 EOS, BATCH = 0, 2
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
 from tests.helpers import REPO
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 
@@ -213,7 +213,7 @@ def _kills_the_test_process(rank: int, world_size: int) -> None:
 # Run with -c from the repository root, so that tests/ imports as it does under pytest.
 _OWNER = """
 import sys
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 from tests.test_dist import _kills_the_test_process, _whoami
 
 if sys.argv[1] == "exit":

@@ -13,7 +13,7 @@ from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights
 from trident.parallel.random import ATTENTION, ATTENTION_RESIDUAL, MLP_RESIDUAL, Dropout, RNGTracker
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 P = 0.5
 

@@ -1,4 +1,4 @@
-"""The layout fuzzer (trident/fuzz/, tools/fuzz_layouts.py): its drawing, its refusal check and its comparisons
+"""The layout fuzzer (trident_dev/fuzz/, tools/fuzz_layouts.py): its drawing, its refusal check and its comparisons
 (pure), and the CI sample: a fixed, seeded set of cases run as a sweep would run them."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from tests.helpers import REPO
 from trident.checkpoint.consolidated import load_weights
 from trident.config import compose_config
-from trident.curves import REL, curve_mismatches
 from trident.errors import ConfigError
-from trident.fuzz import (
+from trident_dev.curves import REL, curve_mismatches
+from trident_dev.fuzz import (
     LOW_PRECISION_REL,
     REFUSALS,
     Case,
@@ -31,9 +31,9 @@ from trident.fuzz import (
     unsupported_entry,
     verdict,
 )
-from trident.fuzz.cover import EXIT_FACTS, exercised
-from trident.fuzz.exits import fixed_batch, one_process_groups, one_thread, trained_logits
-from trident.fuzz.space import STEPS
+from trident_dev.fuzz.cover import EXIT_FACTS, exercised
+from trident_dev.fuzz.exits import fixed_batch, one_process_groups, one_thread, trained_logits
+from trident_dev.fuzz.space import STEPS
 
 # --- drawing
 
@@ -275,7 +275,7 @@ def test_a_trained_model_leaves_by_every_exit_and_a_lost_bias_is_seen(fuzzer: Fu
 # --- the CI sample: cases of the sweep of seed 0 that train every value of every knob and every pair of REQUIRED,
 # and are refused with every listed refusal (checked by the first test below; it names what a change to the space,
 # the validator or REQUIRED leaves uncovered). It began as the cheapest cover of the first 1000 cases by the
-# estimate of trident/fuzz/cover.py (`python tools/fuzz_layouts.py --seed 0 --cover 1000 --dry-run`); that
+# estimate of trident_dev/fuzz/cover.py (`python tools/fuzz_layouts.py --seed 0 --cover 1000 --dry-run`); that
 # estimate charges a rank half a second, where 8 ranks on two cores measured up to 4 CPU-s a rank (each gloo
 # collective 3.7 ms of a core per rank at world 8, 0.6 ms at world 2). So its dearest cases, by the CPU seconds each
 # took in a suite run (a cgroup per xdist worker), were swapped for cases of the same 1000 that meet what they alone
@@ -286,7 +286,8 @@ def test_a_trained_model_leaves_by_every_exit_and_a_lost_bias_is_seen(fuzzer: Fu
 # Issue 48's keys (space.py's _draw_model_keys) and the sigmoid router's refusal at top_k=1 changed the space; the
 # sample grown by hand for them (45 cases, ~454 s by the estimate) was replaced by the cheapest cover of the first
 # 1000 by the estimate (python tools/fuzz_layouts.py --cover 1000 --dry-run: 40 cases, 20 of them trained, ~311 s).
-# EXIT_SAMPLE: the trained cases of the sample whose exits are checked (trident/fuzz/exits.py), the cheapest cover of
+# EXIT_SAMPLE: the trained cases of the sample whose exits are checked (trident_dev/fuzz/exits.py), the cheapest cover
+# of
 # EXIT_FACTS among them by the exits' estimate (an export of each class and a refused one, and the keys an exit must
 # carry): the exits of every case would add about a second and a half each.
 

@@ -35,7 +35,7 @@ from trident.parallel.groups import build_process_groups
 from trident.parallel.precision import LossScaler
 from trident.parallel.topology import Topology
 from trident.peak import gpu_peak_bf16_tflops
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 pytestmark = pytest.mark.gpu
 

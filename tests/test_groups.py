@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 

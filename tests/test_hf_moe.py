@@ -29,7 +29,7 @@ from trident.errors import CheckpointError
 from trident.models.gpt import GPT
 from trident.models.moe import MoE, set_loss_multiplier
 from trident.parallel.placement import placement_of
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 SHAPE = dict(
     vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -31,7 +31,7 @@ from trident.layout import Layout
 from trident.memory.estimate import estimate
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.parallel.placement import placement_of
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 CONF = REPO / "conf"
 LLAMA3_SCALING = {

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
-from trident.bench.harness import random_windows
 from trident.build import build_parts, layout_of
 from trident.loop import Trainer
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
-from trident.ranks import run_distributed
+from trident_dev.bench.harness import random_windows
+from trident_dev.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 

@@ -34,9 +34,9 @@ from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.config import Config
 from trident.divergence import DivergencePolicy
 from trident.errors import RunDirError
-from trident.ranks import run_distributed
 from trident.rundir import LOCK_FILE, RunDirLock, remove_partial_saves
 from trident.signals import SAME_KEY_PRESS_S, Stopped, StopRequest
+from trident_dev.ranks import run_distributed
 
 # --- 1. Errors reach the user from every rank.
 

@@ -40,7 +40,7 @@ from trident.parallel.precision import autocast
 from trident.parallel.random import model_parallel_rng
 from trident.parallel.topology import Topology
 from trident.peak import PRECISION_DTYPES
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 TINY = ModelConfig(name="gpt-tiny", n_layers=2, d_model=64, n_heads=4, seq_len=64, vocab_size=512)
 # Odd sizes: a vocab that pads, a bias-free model, an MLP width that is not 4 d.

@@ -18,7 +18,7 @@ from trident.layout import Layout
 from trident.memory.activations import POLICIES, activation_bytes, recompute_bytes, routed_rows
 from trident.memory.estimate import estimate
 from trident.memory.trace import _trace, _trace_layers, chunk_bytes, traceable
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 
 @pytest.mark.parametrize("sp", [False, True])

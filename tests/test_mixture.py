@@ -15,13 +15,13 @@ from tests.helpers import SMALL_CORPUS
 from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
 from tests.helpers.processes import read_metrics
 from trident.config import DataConfig
-from trident.curves import REL
 from trident.data.mixture import MixedWindows, MixtureSampler, integer_weights, open_training_data, source_names
 from trident.data.prepare import prepare_dataset
 from trident.data.sampler import GlobalBatchSampler
 from trident.data.sources import collect_text_files
 from trident.data.tokenizer import load_tokenizer
 from trident.errors import DataError
+from trident_dev.curves import REL
 
 STDLIB = Path(SMALL_CORPUS[0]).parent
 

@@ -30,7 +30,7 @@ from trident.models.kv_cache import KVCache
 from trident.models.moe import step_stats
 from trident.parallel.placement import placement_of
 from trident.parallel.precision import LossScaler
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 _spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
 generate = importlib.util.module_from_spec(_spec)

@@ -25,7 +25,7 @@ from trident.models.moe import set_loss_multiplier
 from trident.parallel.precision import autocast
 from trident.parallel.random import model_parallel_rng
 from trident.peak import PRECISION_DTYPES
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 TINY = compose_config(REPO / "conf", ["model=moe-tiny"]).model
 

@@ -29,7 +29,7 @@ from tests.helpers.processes import (
     wait_for_rows,
     worker_pids,
 )
-from trident.ranks import free_port
+from trident_dev.ranks import free_port
 
 pytestmark = pytest.mark.multiprocess
 

@@ -29,7 +29,7 @@ def is_bench_subcommand(module: ModuleType) -> bool:
     """A module of ``tools/bench.py``'s subcommands: each has the same shape (``add_arguments``, ``run``, its own
     ``Job`` and table helpers), is loaded by the tool by its module name, and none imports another's names, so
     the names they share among themselves are one interface, not two things under one name."""
-    return module.__name__.startswith("trident.bench.") and hasattr(module, "add_arguments")
+    return module.__name__.startswith("trident_dev.bench.") and hasattr(module, "add_arguments")
 
 
 def test_no_two_modules_define_a_public_class_or_function_of_the_same_name() -> None:

@@ -11,7 +11,7 @@ from trident.parallel.groups import build_process_groups
 from trident.parallel.norms import GlobalGradNorm, global_grad_norm
 from trident.parallel.placement import Placement
 from trident.parallel.topology import Topology
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 

@@ -18,7 +18,7 @@ from trident.parallel.groups import build_process_groups
 from trident.parallel.pipeline.schedules import build_schedule, stage_of
 from trident.parallel.placement import placement_of
 from trident.parallel.topology import Topology
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
 from trident.checkpoint.consolidated import read_model_tensors
-from trident.curves import REL
+from trident_dev.curves import REL
 
 pytestmark = pytest.mark.multiprocess
 

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from trident.bench.harness import random_batches
 from trident.build import build_optimizer, layout_of, model_chunks
 from trident.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trident.layout import Layout
@@ -20,7 +19,8 @@ from trident.parallel.groups import build_process_groups
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.topology import Topology
-from trident.ranks import run_distributed
+from trident_dev.bench.harness import random_batches
+from trident_dev.ranks import run_distributed
 
 MODEL = ModelConfig(name="t", n_layers=4, d_model=32, n_heads=4, seq_len=16, vocab_size=100)
 

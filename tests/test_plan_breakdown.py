@@ -1,4 +1,4 @@
-"""trident/plan/breakdown.py and the model's side of it: a profiled step split into what the step-time model
+"""trident_dev/plan/breakdown.py and the model's side of it: a profiled step split into what the step-time model
 separates (from hand-built profiler events), the prediction's own split of the same step (it sums to the step,
 its parts where the layout puts them), and the table ``--measure`` prints beside them. All pure: the profiled
 run itself is tests/test_plan_measure.py's."""
@@ -13,10 +13,11 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.plan_profiles import hand_built_cpu
-from trident.bench.runs import Trial
 from trident.config import compose_config
-from trident.plan import measure, planner
-from trident.plan.breakdown import (
+from trident.plan import planner
+from trident_dev.bench.runs import Trial
+from trident_dev.plan import measure
+from trident_dev.plan.breakdown import (
     CATEGORIES,
     CP_MARK,
     PASSES_MARK,
@@ -113,15 +114,21 @@ def test_waiting_for_a_core_comes_out_of_the_parts_the_thread_was_runnable_in() 
     assert queued is None or queued >= 0
 
 
-def test_the_ranks_splits_are_averaged_and_scaled_to_the_median_step(tmp_path: Path) -> None:
+def test_the_ranks_profiled_steps_are_split_averaged_and_scaled_to_the_median_step(tmp_path: Path) -> None:
+    """A run writes each rank's events (trident/step_profile.py); read_splits splits them, with the thread's wait
+    for a core taken out of what it was runnable in."""
     for r, matmul in enumerate((1.0, 3.0)):
-        split = dict.fromkeys(CATEGORIES, 0.0) | {"matmul": matmul, "framework": 2.0}
-        (tmp_path / f"rank{r}.json").write_text(json.dumps({"step_s": matmul + 2.0, "split": split}))
+        step = [ev(STEP_MARK, 0.0, matmul + 2.0), ev(PASSES_MARK, 0.0, matmul + 2.0), ev("aten::mm", 0.0, matmul)]
+        profiled = {"step_s": matmul + 2.0, "data_s": 0.0, "waited_s": 1.0 * r, "cuda": False}
+        profiled["events"] = [dataclasses.astuple(e) for e in step]
+        (tmp_path / f"rank{r}.json").write_text(json.dumps(profiled))
     splits = read_splits(tmp_path)
-    assert len(splits) == 2
-    assert mean_split(splits)["matmul"] == pytest.approx(2.0)
-    scaled = mean_split(splits, step_s=2.0)
-    assert scaled["matmul"] == pytest.approx(1.0) and scaled["framework"] == pytest.approx(1.0)
+    assert [s["step_s"] for s in splits] == [3.0, 5.0]
+    assert splits[0]["split"]["matmul"] == 1.0 and splits[0]["split"]["framework"] == pytest.approx(2.0)
+    assert splits[1]["split"]["core wait"] == 1.0 and splits[1]["split"]["matmul"] == pytest.approx(3.0 * 4 / 5)
+    mean = mean_split(splits)
+    assert mean["matmul"] == pytest.approx((1.0 + 2.4) / 2)
+    assert sum(mean_split(splits, step_s=2.0).values()) == pytest.approx(2.0)
     assert mean_split([]) is None
 
 

@@ -1,4 +1,4 @@
-"""trident/plan/calibrate.py and its probes (trident/plan/probes.py): a calibration measures exactly what the
+"""trident_dev/plan/calibrate.py and its probes (trident_dev/plan/probes.py): a calibration measures exactly what the
 planner's needs list, with plausible times (a larger matmul takes longer, the element-wise rate predicts a size it
 never measured), caches it so that a second calibration measures nothing and a wider one only what is new, and fits
 collective rates from concurrent ranks. The calibrations that test the cache accept a busy machine (the suite's
@@ -15,11 +15,7 @@ import pytest
 import torch
 
 from trident.config import ModelConfig
-from trident.plan import calibrate as calibration
-from trident.plan import probes
-from trident.plan.calibrate import calibrate
 from trident.plan.ops import Shape, chunk_ops
-from trident.plan.probes import fit_rate, time_add, time_gelu
 from trident.plan.profile import (
     COLLECTIVES,
     Needs,
@@ -30,6 +26,10 @@ from trident.plan.profile import (
     load_cached,
     matmul_key,
 )
+from trident_dev.plan import calibrate as calibration
+from trident_dev.plan import probes
+from trident_dev.plan.calibrate import calibrate
+from trident_dev.plan.probes import fit_rate, time_add, time_gelu
 
 SMALL, LARGE = ("fp32", 32, 32, 32, "nt"), ("fp32", 384, 384, 384, "tn")
 ATTENTION = ("fp32", 1, 4, 2, 64, 16)  # grouped-query: 4 query heads over 2 kv heads

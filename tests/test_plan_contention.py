@@ -1,4 +1,4 @@
-"""A calibration knows when it is bad (trident/plan/contention.py): it samples the cores other processes keep busy
+"""A calibration knows when it is bad (trident_dev/plan/contention.py): it samples the cores other processes keep busy
 while it measures, and one taken beside a busy loop is said, marked and not cached; a cached one carries when and
 under what load it was taken (which the plan's first lines say), and one too old or from before the record is
 taken again."""
@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from trident.plan import calibrate as calibration
-from trident.plan.calibrate import calibrate
-from trident.plan.contention import BUSY_CORES, MAX_AGE_S, Conditions, OtherLoad
+from trident.plan.conditions import BUSY_CORES, MAX_AGE_S, Conditions
 from trident.plan.profile import Needs, Profile, load_cached, save_cached
+from trident_dev.plan import calibrate as calibration
+from trident_dev.plan.calibrate import calibrate
+from trident_dev.plan.contention import OtherLoad
 
 SMALL = ("fp32", 32, 32, 32, "nt")
 

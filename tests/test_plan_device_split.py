@@ -1,7 +1,7 @@
-"""trident/plan/device_split.py: a profiled GPU step split by the device's timeline, each kernel to the op it was
+"""trident_dev/plan/device_split.py: a profiled GPU step split by the device's timeline, each kernel to the op it was
 launched for (from hand-built profiler events: CI has no GPU; the H200 run is in docs/planning.md), and
-breakdown.profile_events reading a GPU profile: the links torch's events lack before 2.12, the device's copies of
-record_function spans left out."""
+trident/step_profile.py's profile_events reading a GPU profile: the links torch's events lack before 2.12, the
+device's copies of record_function spans left out."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from trident.plan.breakdown import CP_MARK, PASSES_MARK, STEP_MARK, Event, profile_events
-from trident.plan.device_split import split_device_step
+from trident.step_profile import profile_events
+from trident_dev.plan.breakdown import CP_MARK, PASSES_MARK, STEP_MARK, Event
+from trident_dev.plan.device_split import split_device_step
 
 MAIN, AUTOGRAD, DEVICE = 1, 2, 99
 

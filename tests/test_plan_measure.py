@@ -1,4 +1,4 @@
-"""trident/plan/measure.py: which layouts of a plan are measured (the best, and a spread of the rest), the summary
+"""trident_dev/plan/measure.py: which layouts of a plan are measured (the best, and a spread of the rest), the summary
 line from hand-built measurements, and one real measurement: two layouts of gpt-tiny on two ranks through train.py,
 whose model-state memory the estimator predicts to the byte."""
 
@@ -11,14 +11,15 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.plan_profiles import hand_built_cpu
-from trident.bench.runs import Trial
 from trident.config import Config, compose_config
 from trident.layout import Layout
 from trident.memory.estimate import estimate
-from trident.plan import measure, planner
-from trident.plan.breakdown import RUNNABLE
+from trident.plan import planner
 from trident.plan.cost import StepTime
 from trident.plan.planner import Plan, Prediction
+from trident_dev.bench.runs import Trial
+from trident_dev.plan import measure
+from trident_dev.plan.breakdown import RUNNABLE
 
 BASE = ["model=gpt-tiny", "train.global_batch_size=4", "logging.peak_tflops=1"]
 PROFILE = hand_built_cpu()
@@ -138,7 +139,7 @@ def test_measure_runs_train_py_and_compares_with_the_plan(plan: Plan, tiny_datas
         assert m.step_s == pytest.approx(sorted(r["step_time_s"] for r in m.trial.rows[1:4])[1])
         assert m.split is not None and sum(m.split.values()) == pytest.approx(m.step_s)
         # Each op class was timed, unless the rank waited for a core longer than it ran: then the core wait takes
-        # all of those parts (trident/plan/breakdown.py ``with_core_wait``; seen in a loaded fresh-clone CI run).
+        # all of those parts (trident_dev/plan/breakdown.py ``with_core_wait``; seen in a loaded fresh-clone CI run).
         timed = all(m.split[k] > 0 for k in ("matmul", "attention", "framework"))
         assert timed or (sum(m.split[k] for k in RUNNABLE) == 0 and m.split["core wait"] > 0), m.split
         assert "largest miss:" in measure.breakdown(m)

@@ -1,4 +1,4 @@
-"""A calibration's matmul timings that contradict each other (trident/plan/outliers.py): a shape timed slower than
+"""A calibration's matmul timings that contradict each other (trident_dev/plan/outliers.py): a shape timed slower than
 one at least as large in every dimension is timed again, and keeps its fastest timing."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 import torch
 
 from tests.test_plan import cpu_profile
-from trident.plan import calibrate, outliers
 from trident.plan.profile import Needs, matmul_key
+from trident_dev.plan import calibrate, outliers
 
 SMALL, LARGE, OTHER = ("fp32", 128, 768, 256, "nt"), ("fp32", 128, 1024, 256, "nt"), ("fp32", 64, 64, 64, "nn")
 

@@ -1,7 +1,7 @@
 """What a step costs the shared cores beyond its ops' kernels: the CPU of the collectives and pipeline messages
 (trident/plan/cost.py ``comm_cpu``, simulate.py ``messages``), and the framework's work no op is, per split backward
 action, cp pass and recomputed layer (``Profile.overheads``), measured on the model's tiny twin
-(trident/plan/tiny.py, trident/plan/residual.py ``tiny_runs``, ``measure_overheads``)."""
+(trident_dev/plan/tiny.py, trident_dev/plan/residual.py ``tiny_runs``, ``measure_overheads``)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from tests.helpers import REPO
 from tests.test_plan import cpu_profile
 from trident.config import compose_config, validate
 from trident.layout import Layout
-from trident.plan import residual, simulate, tiny
+from trident.plan import simulate
 from trident.plan.cost import Pricer, RankPlacement, _pipeline, comm_cpu, step_time
 from trident.plan.ops import Op, Shape, chunk_ops, layer_ops, layer_parts, recompute_ops, ring_quarters
 from trident.plan.planner import placement_for, predict
 from trident.plan.profile import Rate, collective_key
+from trident_dev.plan import residual, tiny
 
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
 EIGHT_ON_TWO = RankPlacement(8, 8, threads=1, cores=2, sharing=(1.0, 2.0, 2.0, 2.0, 1.9, 1.8, 1.7, 1.6))

@@ -1,4 +1,4 @@
-"""trident/plan/residual.py: the held-out run that scales the step-time model is a layout no plan of the same
+"""trident_dev/plan/residual.py: the held-out run that scales the step-time model is a layout no plan of the same
 config scores (another global batch), it is run once through train.py by a calibration that is given the
 repository and cached with the profile, and the model's step and split are scaled by exactly its ratio."""
 
@@ -13,12 +13,12 @@ from tests.helpers import REPO
 from tests.helpers.plan_profiles import hand_built_cpu
 from trident.config import compose_config, validate
 from trident.layout import Layout
-from trident.plan import calibrate as calibration
-from trident.plan import residual
-from trident.plan.calibrate import calibrate
 from trident.plan.cost import step_time
 from trident.plan.planner import placement_for, plan
 from trident.plan.profile import Needs, load_cached
+from trident_dev.plan import calibrate as calibration
+from trident_dev.plan import residual
+from trident_dev.plan.calibrate import calibrate
 
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
 

@@ -14,7 +14,7 @@ from trident.errors import DivergenceError
 from trident.parallel.groups import build_process_groups
 from trident.parallel.precision import LossScaler
 from trident.parallel.topology import Topology
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 

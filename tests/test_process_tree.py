@@ -1,5 +1,6 @@
-"""trident/process_tree.py: ``tools/plan.py --measure`` (trident/plan/measure.py, through trident/bench/runs.py)
-leaves none of the processes it started running, whether a run ends, runs past its time, or the tool is sent SIGTERM.
+"""trident_dev/process_tree.py: ``tools/plan.py --measure`` (trident_dev/plan/measure.py, through
+trident_dev/bench/runs.py) leaves none of the processes it started running, whether a run ends, runs past its
+time, or the tool is sent SIGTERM.
 
 Each test marks its launches with a variable of its own in the environment, which every process they start inherits
 (torchrun's agent, and the workers it starts in sessions of their own), and looks for it in /proc afterwards."""
@@ -20,8 +21,9 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.plan_profiles import hand_built_cpu
 from trident.config import compose_config
-from trident.plan import measure, planner
-from trident.process_tree import marked
+from trident.plan import planner
+from trident_dev.plan import measure
+from trident_dev.process_tree import marked
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -49,7 +51,9 @@ def test_a_measured_run_past_its_time_leaves_no_rank_running(tiny_dataset, tmp_p
     mark = uuid.uuid4().hex
     monkeypatch.setenv(TEST_MARK, mark)
     base = [*BASE, f"data.dataset_dir={tiny_dataset}"]
-    (m,) = measure.measure(_best(2), base, 2, REPO, tmp_path / "runs", steps=400, warmup=1, timeout_s=12, log=print)
+    # Steps that no machine runs within the 12 s (400 took 10.3 s on an idle 2-core one).
+    runs = tmp_path / "runs"
+    (m,) = measure.measure(_best(2), base, 2, REPO, runs, steps=100_000, warmup=1, timeout_s=12, log=print)
     assert m.trial.error == "did not finish within 12 s"
     # Gone when the call returns: not left to stop by themselves (an orphaned worker notices its agent's death and
     # stops after its step and a checkpoint, which for a large layout takes minutes).
@@ -61,7 +65,7 @@ import sys
 from pathlib import Path
 from tests.test_process_tree import BASE, _best
 from tests.helpers import REPO
-from trident.plan import measure
+from trident_dev.plan import measure
 
 base = [*BASE, "data.dataset_dir=" + sys.argv[1]]
 runs = Path(sys.argv[2])
@@ -73,7 +77,7 @@ def test_sigterm_to_the_tool_ends_the_run_it_measures_and_every_rank_of_it(tiny_
     mark = uuid.uuid4().hex
     script = tmp_path / "measure.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = dict(os.environ, **{TEST_MARK: mark}, PYTHONPATH=str(REPO))
+    env = dict(os.environ, **{TEST_MARK: mark}, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tools")]))
     tool = subprocess.Popen(
         [sys.executable, str(script), str(tiny_dataset), str(tmp_path / "runs")],
         env=env,

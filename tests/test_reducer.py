@@ -9,7 +9,7 @@ import torch.distributed as dist
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.parallel.reducer import GradReducer
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 CFG = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=100)
 

@@ -24,7 +24,7 @@ from trident.parallel.tensor import (
     tp_split_error,
     vocab_parallel_cross_entropy,
 )
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 # vocab 101 splits over no tp: with vocab_multiple 8 the last rank's block ends in padding rows.
 CFG = ModelConfig(name="t", n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=101, vocab_multiple=8)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.layouts import make_config, tiny
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 STEPS, MICRO, LAYERS = 2, 4, 4
 

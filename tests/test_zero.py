@@ -11,7 +11,7 @@ from trident.build import build_parts, layout_of
 from trident.parallel.batch import Batch
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
-from trident.ranks import run_distributed
+from trident_dev.ranks import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 

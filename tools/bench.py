@@ -1,4 +1,4 @@
-"""Benchmarks, one subcommand each, over one harness (trident/bench/): every figure is a median over alternating
+"""Benchmarks, one subcommand each, over one harness (trident_dev/bench/): every figure is a median over alternating
 rounds, every table markdown, and trident's side is built as train.py builds it (trident/build.py).
 
     python tools/bench.py layouts --model gpt-mini --layouts 1 dp=2 tp=2 --compile both --baseline
@@ -57,7 +57,7 @@ def parse(argv: list[str] | None = None) -> tuple[ModuleType, argparse.Namespace
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name in SUBCOMMANDS:
-        module = modules[name] = importlib.import_module(f"trident.bench.{name}")
+        module = modules[name] = importlib.import_module(f"trident_dev.bench.{name}")
         p = sub.add_parser(
             name,
             help=module.__doc__.split("\n\n")[0].split(": ", 1)[-1].replace("\n", " "),

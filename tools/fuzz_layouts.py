@@ -1,6 +1,6 @@
 """Random layouts against one process: every case a random configuration, refused as docs/configuration.md says or
 training to the one-process curve, resuming under another layout and leaving by every exit its model has (the
-consolidated file, generation, init_from, Hugging Face export) with the trained model's logits (trident/fuzz/ says
+consolidated file, generation, init_from, Hugging Face export) with the trained model's logits (trident_dev/fuzz/ says
 what is checked).
 
     python tools/fuzz_layouts.py --cases 200 --seed 1     # a sweep; ends with `fuzz: P/N cases passed ...`
@@ -21,14 +21,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from trident.fuzz import Fuzzer, draw_case, prepare_corpus
-from trident.fuzz.cover import cheapest_cover, draw_facts, estimated_seconds, missing
-from trident.ranks import start_fork_server
+from trident_dev.fuzz import Fuzzer, draw_case, prepare_corpus
+from trident_dev.fuzz.cover import cheapest_cover, draw_facts, estimated_seconds, missing
+from trident_dev.ranks import start_fork_server
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-RANK_PRELOAD = ["trident.fuzz", "trident.build", "trident.loop", "hydra", "torch._dynamo"]
+RANK_PRELOAD = ["trident_dev.fuzz", "trident.build", "trident.loop", "hydra", "torch._dynamo"]
 
 
 def main() -> int:
@@ -41,7 +41,7 @@ def main() -> int:
         type=int,
         metavar="N",
         help="of the first N cases, run only the cheapest sample that trains every knob value and pair and is refused "
-        "with every listed refusal (trident/fuzz/cover.py; drawing N cases through the validator takes ~0.5 s of a "
+        "with every listed refusal (trident_dev/fuzz/cover.py; drawing N cases through the validator takes ~0.5 s of a "
         "core each, on --jobs processes)",
     )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes drawing --cover's cases")

@@ -24,7 +24,7 @@ a datasheet profile (h100, h200, a100: nodes of 8 GPUs, NVLink inside, InfiniBan
 measured; by default the machine this runs on. ``--calibrate`` measures this machine again (for a GPU: instead of
 its datasheet). A CPU calibration ends with one held-out run of train.py (dp = the world at the plan's micro-batch,
 at a global batch none of the plan's layouts has) whose measured over modelled step scales every prediction
-(trident/plan/residual.py). ``--measure K`` runs the K best layouts and K from the rest of the ranking through
+(trident_dev/plan/residual.py). ``--measure K`` runs the K best layouts and K from the rest of the ranking through
 train.py here and prints predicted against measured step time and memory, and a last line with the errors.
 """
 
@@ -37,11 +37,12 @@ import time
 from pathlib import Path
 
 from trident.errors import ConfigError
-from trident.plan import measure
-from trident.plan.machine import DEVICES, local_device, profile_for
+from trident.plan.machine import DEVICES, local_device
 from trident.plan.planner import given_keys, plan
 from trident.plan.report import plan_table
 from trident.tool_config import load_config
+from trident_dev.plan import measure
+from trident_dev.plan.machine import profile_for
 
 REPO = Path(__file__).resolve().parent.parent
 

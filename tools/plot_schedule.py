@@ -18,7 +18,7 @@ the step, default the last training step).
 ``--plan``: the layout is train.py's own overrides (as tools/estimate_memory.py takes them, validated the same way,
 on ``--world`` ranks, default dp x tp x pp), and each action costs what the layout planner's step-time model
 (trident/plan/cost.py) prices it at on ``--device``: a datasheet (h100, h200, a100) or ``cpu``, this machine's
-calibration (trident/plan/calibrate.py, cached; only what the layout needs is measured). A box's solid part is
+calibration (trident_dev/plan/calibrate.py, cached; only what the layout needs is measured). A box's solid part is
 compute, its hatched end the tensor-parallel collectives inside the action; the timeline is the planner's
 simulation of the schedule (trident/plan/simulate.py), in seconds. With ``--measured`` too, the planned lanes are
 drawn above the measured ones of the same layout on one time scale, and the title gives both pipeline times
@@ -26,7 +26,7 @@ drawn above the measured ones of the same layout on one time scale, and the titl
 
 ``--out`` ending in ``.svg`` is drawn without any library, one ending in ``.png`` with matplotlib (the install
 brings it). Every box carries its label where the label fits, upright in a narrow box. The timelines and their
-drawing are trident/schedule_plot.py's; this is its command line.
+drawing are trident_dev/schedule_plot.py's; this is its command line.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, val
 from trident.errors import ConfigError
 from trident.layout import chunks_per_rank
 from trident.parallel.pipeline.schedules import SCHEDULES, UNIT_COSTS
-from trident.plan.machine import DEVICES, profile_for
-from trident.schedule_plot import (
+from trident.plan.machine import DEVICES
+from trident.tool_config import default_world, load_config
+from trident_dev.plan.machine import profile_for
+from trident_dev.schedule_plot import (
     Panel,
     boxes_of,
     draw,
@@ -50,7 +52,6 @@ from trident.schedule_plot import (
     read_timings,
     to_png,
 )
-from trident.tool_config import default_world, load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,12 @@ def cp_balance(micro_batches: list[Batch]) -> float:
     return max(per_rank) * len(per_rank) / sum(per_rank)
 
 
+class StepProfiler(Protocol):
+    """A profile of one step, started: ``finish`` with the seconds the step waited for its batches."""
+
+    def finish(self, data_s: float) -> None: ...
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -74,15 +81,15 @@ class Trainer:
         after_first_step: Callable[[], None] | None = None,
         eos_id: int | None = None,
         prefetch: bool = True,
-        profile: tuple[int, Path] | None = None,
+        profiler: Callable[[int], StepProfiler | None] | None = None,
     ) -> None:
         """``data``: the training windows (one dataset's, or a mixture's: ``MixedWindows``) and the validation
         windows (one set, or one per source by name). ``make_logger(start step)`` is called on the logging rank
         only; ``peak_flops`` (all of one rank's device) makes the MFU; ``after_first_step`` runs on every rank
         once the optimizer's state exists (memory accounting). ``eos_id``: the dataset's, which
-        ``data.document_mask`` needs. ``prefetch``: read the next step's batches in the background. ``profile``:
-        (step, directory): profile that step (1-based) and write this rank's split of it there
-        (trident/plan/breakdown.py)."""
+        ``data.document_mask`` needs. ``prefetch``: read the next step's batches in the background. ``profiler``:
+        called with each step (0-based) before it runs, a started profiler of that step or None
+        (train.py's: trident/step_profile.py for ``logging.profile_step``)."""
         train_cfg, layout = cfg.train, parts.layout
         self.cfg, self.optim_cfg, self.groups, self.device = train_cfg, cfg.optim, groups, parts.device
         self.model_chunks, self.runner = parts.chunks, parts.runner
@@ -91,7 +98,7 @@ class Trainer:
         last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))
         self.loss_rank = groups.pp_ranks[last]
         self.grad_step = parts.optimizer.step
-        self.profile = profile
+        self.profiler = profiler
         self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
         self.moe = cfg.model.moe
@@ -325,7 +332,7 @@ class Trainer:
         save_pending = False  # a checkpoint was due at a step whose loss was not finite: save at the next one
         first = self.step
         for step in range(self.step, total):
-            profiler = self._profiler(step)
+            profiler = self.profiler(step) if self.profiler is not None else None
             start = time.perf_counter()
             # The step's batches were read while the last step ran: ``waited`` is what reading still cost it.
             batches, waited = self.loader.get(step, last=total)
@@ -375,16 +382,6 @@ class Trainer:
                 if self.groups.is_logging_rank:
                     print(stop_line(signum, self.step, self.last_checkpoint, note), file=sys.stderr, flush=True)
                 raise Stopped(signum, self.step, self.last_checkpoint, history)
-
-    def _profiler(self, step: int):  # noqa: ANN202 (trident.plan.breakdown.StepProfile, imported when profiling)
-        """The profiler of step ``step`` (0-based) if ``profile`` asks for it, started."""
-        if self.profile is None or step + 1 != self.profile[0]:
-            return None
-        from trident.plan.breakdown import StepProfile  # noqa: PLC0415 (the profiler, only when asked)
-
-        profiler = StepProfile(self.profile[1] / f"rank{self.groups.rank}.json", self.device.type == "cuda")
-        profiler.start()
-        return profiler
 
     def _saved(self, checkpoint: Path | None) -> None:
         """Note a checkpoint known to be complete (with ``checkpoint.async``, a save is named only once written)."""

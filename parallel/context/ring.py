@@ -56,7 +56,7 @@ class _Ring:
             dist.P2POp(dist.isend, x, self.next, self.group, tag),
             dist.P2POp(dist.irecv, received, self.prev, self.group, tag),
         ]
-        # Marked for a profiled step's split (trident/plan/breakdown.py): cp's messages, not a pipeline's.
+        # Marked for a profiled step's split (trident_dev/plan/breakdown.py): cp's messages, not a pipeline's.
         with torch.profiler.record_function(CP_MARK):
             return received, dist.batch_isend_irecv(ops)
 

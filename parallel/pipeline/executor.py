@@ -116,8 +116,7 @@ class PipelineRunner:
     pp-rank order; ``seq_divisor`` tp under sequence parallelism (activations are sequence shards), else 1.
     ``timings``: a JSON-lines file to which each step's actions are appended with their start and end times, and
     the span of the reducer's ``finish`` (the dp reduction left exposed after the schedule).
-    ``reduce_per_chunk``: False reduces every bucket after the schedule instead (the old behaviour, kept for the
-    benchmark's before/after of the exposed reduction). ``recomputed``: the chunks recompute activations in backward
+    ``recomputed``: the chunks recompute activations in backward
     (``backward_weight``'s ``together``). The attribute ``lead``: how many ticks before its send a receive is posted
     (parallel/pipeline/messages.py), ``receive_lead`` of the group's backend; a test sets it to run NCCL's plan on
     gloo.
@@ -135,11 +134,10 @@ class PipelineRunner:
         d_model: int,
         seq_divisor: int = 1,
         timings: Path | None = None,
-        reduce_per_chunk: bool = True,
         recomputed: bool = False,
     ) -> None:
         self.chunks, self.schedule = list(chunks), schedule
-        self.reduce_per_chunk, self.recomputed = reduce_per_chunk, recomputed
+        self.recomputed = recomputed
         self.pp_rank, self.pp_ranks, self.pp_group = pp_rank, tuple(pp_ranks), pp_group
         self.pp, self.vpp = len(self.pp_ranks), len(self.chunks)
         self.stages, self.placement = self.pp * self.vpp, stage_placement(schedule)
@@ -195,7 +193,7 @@ class PipelineRunner:
         for t, tick in enumerate(plan):
             if tick.action is not None and makes_weight_grads(tick.action, self.pp_rank, self.pp, self.placement):
                 last[tick.action.chunk] = t
-        return {t: c for c, t in last.items()} if self.reduce_per_chunk else {}
+        return {t: c for c, t in last.items()}
 
     def activation_shape(self, micro_batches: list[Batch]) -> tuple[int, int, int]:
         b, t = micro_batches[0].tokens.shape

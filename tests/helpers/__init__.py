@@ -7,7 +7,7 @@
 - ``tools``: a ``tools/*.py`` script run in the test process;
 - ``corpus``: a generated corpus of every input kind; ``plan_profiles``: a hand-built planner profile.
 
-The package is importable by the pooled ranks too (trident/ranks.py), which import the functions they run by
+The package is importable by the pooled ranks too (trident_dev/ranks.py), which import the functions they run by
 their module names."""
 
 from __future__ import annotations

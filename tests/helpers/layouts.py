@@ -10,8 +10,8 @@ from pathlib import Path
 from tests.helpers import REPO
 from train import run
 from trident.config import Config, compose_config
-from trident.curves import REL, curve_mismatches
-from trident.ranks import run_distributed
+from trident_dev.curves import REL, curve_mismatches
+from trident_dev.ranks import run_distributed
 
 
 def make_config(*overrides: str) -> Config:
@@ -80,6 +80,6 @@ class References:
 
 
 def assert_same_curve(expected: list[dict], got: list[dict], rel: float = REL) -> None:
-    """Same steps, and the same loss, global gradient norm and validation loss at each (trident/curves.py)."""
+    """Same steps, and the same loss, global gradient norm and validation loss at each (trident_dev/curves.py)."""
     mismatches = curve_mismatches(expected, got, rel)
     assert not mismatches, "; ".join(mismatches[:5])

@@ -18,7 +18,7 @@ from typing import Any
 
 from tests.helpers import REPO
 from tests.helpers.warm import WarmProcess, run
-from trident.ranks import free_port
+from trident_dev.ranks import free_port
 
 
 def child_env(**extra: str) -> dict[str, str]:

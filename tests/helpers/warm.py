@@ -1,7 +1,7 @@
 """Warm processes: ``python train.py`` (or a tool) as a process of its own that starts in milliseconds.
 
 A fresh Python that imports torch, Hydra and trident takes seconds on a busy 2-core machine, and the command-line
-tests start dozens. Instead, multiprocessing's fork server (the one trident/ranks.py forks its ranks from) imports
+tests start dozens. Instead, multiprocessing's fork server (the one trident_dev/ranks.py forks its ranks from) imports
 them once (``start_fork_server``), and each command is a fork of it that then runs the script as ``python script
 args`` would: ``sys.argv``, the script's directory first on ``sys.path``, the environment, the working directory
 and, optionally, a session of its own are the command's; stdout and stderr are pipes to the test (unbuffered when
@@ -31,10 +31,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import trident.ranks
+import trident_dev.ranks
 
 _CTX = mp.get_context("forkserver")
-# What the fork server imports once beside the rank pools' module (trident.ranks): train.py and these helpers (the
+# What the fork server imports once beside the rank pools' module (trident_dev.ranks): train.py and these helpers (the
 # ranks run functions of tests.helpers.layouts, warm processes this module's _run_script); and what importing
 # train.py leaves to the run that needs it, which nearly every test's run does: dynamo (torch.optim's optimizers
 # import it) and DCP (a checkpoint's save or load).
@@ -48,9 +48,9 @@ PRELOAD = [
 
 
 def start_fork_server() -> None:
-    """Start the fork server with ``PRELOAD`` imported, before any rank pool starts it with trident.ranks alone.
+    """Start the fork server with ``PRELOAD`` imported, before any rank pool starts it with trident_dev.ranks alone.
     Ranks and warm processes forked from it then import nothing; a server already running is left as it is."""
-    trident.ranks.start_fork_server(PRELOAD)
+    trident_dev.ranks.start_fork_server(PRELOAD)
 
 
 def _stdio(fd: int, unbuffered: bool) -> io.TextIOWrapper:

@@ -290,8 +290,8 @@ class LoggingConfig:
     # With pp > 1: append each step's action start/end times per pipeline rank (one pipeline: dp 0, tp 0) to
     # <run dir>/pipeline_timings/rank<r>.jsonl, for tools/plot_schedule.py --measured.
     pipeline_timings: bool = False
-    # Profile step N (1-based; 0: none) with torch.profiler and write each rank's step split into what the
-    # planner's step-time model separates to <run dir>/step_profile/rank<r>.json (trident/plan/breakdown.py).
+    # Profile step N (1-based; 0: none) with torch.profiler and write each rank's events of it to
+    # <run dir>/step_profile/rank<r>.json (trident/step_profile.py), which tools/plan.py --measure splits.
     profile_step: int = 0
 
 

@@ -13,7 +13,7 @@
                  ``Profile.collective_cpu``) is compute of the pass that meets it, stretched by sharing as the rest;
                  only what is left of its time beyond that is waited for (``comm_cpu``)
     framework    work no op is, per cp pass (the ring's per quarter), layer recomputed and action of zb's split
-                 backward (``Profile.overheads``, measured on the model's tiny twin: trident/plan/residual.py)
+                 backward (``Profile.overheads``, measured on the model's tiny twin: trident_dev/plan/residual.py)
     pipeline     the schedule's own action lists run with these costs (trident/plan/simulate.py), the p2p message of
                  each stage boundary on the link between the two ranks (its CPU on the actions that send and receive
                  it); the bubble is what the simulation leaves idle
@@ -31,7 +31,7 @@
 
 No term is fitted to a layout the planner ranks: every rate is a measurement of the machine (``--calibrate``) or a
 datasheet figure, the framework's overheads are fitted to held-out runs of the model's tiny twin, and the step is
-scaled by one held-out run's measured over modelled step (trident/plan/residual.py; 1 for a datasheet).
+scaled by one held-out run's measured over modelled step (trident_dev/plan/residual.py; 1 for a datasheet).
 The file is one idea read top to bottom (one step of one layout, term by term, as the list above orders them),
 so it stays whole past ~400 lines.
 """
@@ -263,7 +263,7 @@ class Pricer:
         least: bool = False,
     ) -> tuple[float, float]:
         """(compute, communication) seconds of the ``ops`` of ``phases``; ``into`` sums their kernels' seconds by op
-        class (matmul, attention, elementwise: what a profiled step splits, trident/plan/breakdown.py). ``least``:
+        class (matmul, attention, elementwise: what a profiled step splits, trident_dev/plan/breakdown.py). ``least``:
         each collective at what it costs after the least compute (``amid_time`` without a segment), a lower bound of
         its cost among any other ops, so that ops priced apart add up to at most their price together."""
         compute = comm = 0.0
@@ -304,7 +304,7 @@ class StepTime:
     dp_comm: float  # gradient reduction and ZeRO gathers left exposed after the last backward
     optimizer: float  # the optimizer step, its offloaded part, the clip and the step's small all-reduces
     spans: list[simulate.TimedSpan] = field(default_factory=list, repr=False)
-    # The step of the mean pipeline rank split as a profiled step is (trident/plan/breakdown.py CATEGORIES).
+    # The step of the mean pipeline rank split as a profiled step is (trident_dev/plan/breakdown.py CATEGORIES).
     split: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
@@ -492,7 +492,7 @@ def step_time(
     optimizer = optimizer_compute + optimizer_comm
     step = step_end + zero3 + optimizer
 
-    # What a held-out run measured beyond the model (trident/plan/residual.py) scales the step and its split.
+    # What a held-out run measured beyond the model (trident_dev/plan/residual.py) scales the step and its split.
     split = _split_of(walk.ranks, pp, ends, step_end + optimizer_comm, optimizer_compute, zero3)
     return StepTime(
         step=step * profile.residual,
@@ -520,7 +520,7 @@ def _split(
     sent: dict | None = None,
     overhead: float = 0.0,
 ) -> dict[str, float]:
-    """The step of the mean pipeline rank in a profiled step's categories (trident/plan/breakdown.py): each
+    """The step of the mean pipeline rank in a profiled step's categories (trident_dev/plan/breakdown.py): each
     rank's actions' kernels by op class, the framework's share on them, and what the simulation stretched its
     compute by beyond that (ranks sharing cores: ``core wait``); its collectives inside the passes; its time idle
     in the schedule (bubble and p2p messages); from its last action to ``synced`` (the gradient reduction, ZeRO's

@@ -1,7 +1,7 @@
 """What a machine can do, as the planner's step-time model reads it: compute rates, link rates, memory.
 
 A ``Profile`` is either a datasheet (``DATASHEETS``: H100, H200, A100 nodes of 8 GPUs, NVLink inside a node,
-InfiniBand between) or a calibration of this machine (trident/plan/calibrate.py), which measures the same
+InfiniBand between) or a calibration of this machine (trident_dev/plan/calibrate.py), which measures the same
 fields and replaces the datasheet's rules of thumb with times:
 
 - matmuls by shape and dtype (``matmuls``, seconds by ``matmul_key``); a shape not measured costs its FLOPs at
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trident.json_cache import add_entry, read_entries
-from trident.plan.contention import Conditions
+from trident.plan.conditions import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
 VERSION = 14  # what a cached calibration measured: an entry of another version is measured again (14: selective)
@@ -94,7 +94,7 @@ class Profile:
     framework: float = 1.0
     # And the framework's time per op dispatched (an op's ``count``: a kernel, a matmul, an attention), whatever its
     # size: autograd's node, the module call, views and allocations around it. Fitted with ``framework`` to the block
-    # at two micro-batch sizes (trident/plan/calibrate.py ``fit_framework``). 0: not measured.
+    # at two micro-batch sizes (trident_dev/plan/calibrate.py ``fit_framework``). 0: not measured.
     dispatch: float = 0.0
     block: dict | None = None  # the block framework and shared_capacity were measured with
     usable_fraction: float = 0.9  # of memory_bytes, for the estimator's peak (context, fragmentation not in it)
@@ -131,12 +131,13 @@ class Profile:
     # hooks), ``selective`` each op of a selectively checkpointed layer's forward and recomputation (its dispatch
     # mode), ``selective:cp`` (a fraction, not seconds) how much more cp's bookkeeping takes under that mode. Each
     # is what makes the model give the step a held-out run of the model's tiny twin measured
-    # (trident/plan/residual.py). Empty: not measured.
+    # (trident_dev/plan/residual.py). Empty: not measured.
     overheads: dict[str, float] = field(default_factory=dict)
-    # A held-out run's measured step over the model's (trident/plan/residual.py): every step is scaled by it. 1: none.
+    # A held-out run's measured step over the model's (trident_dev/plan/residual.py): every step is scaled by
+    # it. 1: none.
     residual: float = 1.0
     residual_run: dict | None = None  # the run it was measured on (residual.held_out)
-    # A calibration's: when it was taken and the other work on the machine meanwhile (trident/plan/contention.py).
+    # A calibration's: when it was taken and the other work on the machine meanwhile (trident/plan/conditions.py).
     conditions: Conditions | None = None
 
     def to_dict(self) -> dict:
@@ -271,7 +272,7 @@ class Needs:
     # its measured forward and backward against its priced ops is ``framework``, and all the node's ranks running it
     # at once give ``shared_capacity``.
     block: dict | None = None
-    # A held-out run (trident/plan/residual.py ``held_out``) whose measured step scales the model's.
+    # A held-out run (trident_dev/plan/residual.py ``held_out``) whose measured step scales the model's.
     run: dict | None = None
 
     def missing(self, profile: Profile) -> Needs:
