@@ -30,7 +30,7 @@ from trident.data.mixture import open_training_data
 from trident.data.vocab import adopt_data_vocab
 from trident.device import pick_backend, pick_device, set_cpu_threads, use_tensor_cores
 from trident.launcher import launcher_pid, stop_when_orphaned
-from trident.loop import Trainer
+from trident.loop import RunServices, Trainer
 from trident.memory.activations import activation_sets
 from trident.memory.estimate import estimate
 from trident.memory.measure import log_model_states
@@ -99,11 +99,12 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
         # memory.json: the most activation sets this rank held in its first step, beside the schedule walk's count.
         sets = activation_sets(layout, groups.pp_rank)
         config_dict = dataclasses.asdict(cfg)
-        trainer = Trainer(
-            cfg,
-            groups,
-            parts,
-            data.pair,
+        profiler = None
+        if cfg.logging.profile_step:
+            profiler = step_profiler(
+                cfg.logging.profile_step, run_dir / "step_profile", groups.rank, device.type == "cuda"
+            )
+        services = RunServices(
             checkpointer=checkpointer,
             make_logger=lambda start: MetricsLogger(run_dir, tr.steps, cfg.logging, cfg.wandb, config_dict, start),
             stop=stop,
@@ -115,13 +116,9 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
                 {"estimate": predicted} if predicted is not None else None,
                 {"activation_sets": {"measured": parts.runner.peak_activation_sets, "predicted": sets}},
             ),
-            eos_id=data.eos_id,
-            profiler=step_profiler(
-                cfg.logging.profile_step, run_dir / "step_profile", groups.rank, device.type == "cuda"
-            )
-            if cfg.logging.profile_step
-            else None,
+            profiler=profiler,
         )
+        trainer = Trainer(cfg, groups, parts, data.pair, services, eos_id=data.eos_id)
         history = trainer.fit()
     if owns_group:
         shutdown_distributed()

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from trident.config import ModelConfig
+from trident.config.schema import ModelConfig
 from trident.models.context_window import ContextWindow
 from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache

@@ -63,6 +63,9 @@ backward). Only the order of the rows the experts see changes, so the result is 
 The memory estimator traces this layer on fake tensors (trident/memory/trace.py), which have no values to read: the
 sizes the layer reads of its routing on the host (the rows each expert takes, the exchange's counts) are then given
 (``MoE.traced``, a ``TracedRouting``; None in a run, which reads them from its data as above).
+
+The layer is one file read top to bottom (router, experts, dispatch, combine, balancing), as models/gpt.py is, so
+it stays whole past ~400 lines.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trident.config import ModelConfig, MoEConfig
+from trident.config.schema import ModelConfig, MoEConfig
 from trident.models.kv_cache import KVCache
 from trident.parallel.comm import (
     GroupShape,

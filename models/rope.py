@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from trident.config import ModelConfig
+from trident.config.schema import ModelConfig
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:

@@ -171,3 +171,75 @@ def test_importing_train_leaves_dynamo_and_dcp_to_what_uses_them() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def _wheel_modules() -> dict[str, Path]:
+    """Every module of the wheel by its import name (trident, trident.parallel, trident.models), from the checkout."""
+    out = {}
+    for root, folder in ROOTS.items():
+        package = folder.replace("/", ".")
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO / root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            if root == "trident" and parts[:1] in (["parallel"], ["models"]):
+                continue
+            out[name] = path
+    return out
+
+
+def test_the_wheel_holds_at_most_20k_lines_and_long_files_say_why() -> None:
+    """The package users install is the training code; the development tooling lives in tools/trident_dev. A file
+    past ~400 lines says in its opening docstring why it is one idea."""
+    import ast
+
+    modules = _wheel_modules()
+    lengths = {name: len(path.read_text().splitlines()) for name, path in modules.items()}
+    assert sum(lengths.values()) <= 20_000, sum(lengths.values())
+    for name, n in lengths.items():
+        if n > 410:
+            doc = ast.get_docstring(ast.parse(modules[name].read_text())) or ""
+            assert "past ~400 lines" in doc or "at\n~400 lines" in doc or "~400 lines" in doc, f"{name}: {n} lines"
+
+
+def test_the_wheel_has_no_import_circles() -> None:
+    """No module of the wheel imports, directly or through others, one that imports it back: every import counted,
+    inside functions and under TYPE_CHECKING too (a package's own ``__init__`` re-exports excepted)."""
+    import ast
+
+    modules = _wheel_modules()
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]  # fmt: skip
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            edges[name] |= {t for t in targets if t in modules and t != name and not name.startswith(f"{t}.")}
+    # A depth-first walk that meets a module on its own stack has found a circle.
+    state: dict[str, int] = {}
+
+    def walk(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(edges[m]):
+            assert state.get(t) != 1, " -> ".join([*stack[stack.index(t) :], t])
+            if t not in state:
+                walk(t, [*stack, t])
+        state[m] = 2
+
+    for m in sorted(modules):
+        if m not in state:
+            walk(m, [m])
+
+
+@pytest.mark.multiprocess  # a fresh interpreter: the test process has imported everything already
+def test_importing_the_training_loop_imports_no_planner_benchmark_or_fuzzer() -> None:
+    code = (
+        "import sys, trident.loop, trident.build; "
+        "print(sorted(m for m in sys.modules if m.startswith(('trident.plan', 'trident_dev'))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -23,12 +23,11 @@ from trident_dev.plan.breakdown import (
     PASSES_MARK,
     STEP_MARK,
     Event,
-    mean_split,
-    read_splits,
     run_queue_s,
     split_step,
     with_core_wait,
 )
+from trident_dev.plan.splits import mean_split, read_splits
 
 MAIN, GLOO = 1, 7
 

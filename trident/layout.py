@@ -21,7 +21,7 @@ from trident.models.checkpointing import SELECTIVE_MODULES, recompute_label
 from trident.parallel.pipeline.schedules import resolve_schedule
 
 if TYPE_CHECKING:  # trident/config/validate.py imports this module to build layouts
-    from trident.config import Config
+    from trident.config.schema import Config
 
 # The config keys the planner chooses, in the order its overrides are written, and the Layout field of each.
 _PLANNED = {

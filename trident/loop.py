@@ -9,6 +9,8 @@ neither the dp size nor the micro-batch size changes the math.
 How a run ends is decided here too, alike on every rank: it finishes (a summary line), it diverges (an error
 naming the step and the last good checkpoint; nothing non-finite is ever saved), or a signal stops it after
 the step in flight (a checkpoint of that step, one line, ``Stopped``).
+
+The Trainer is one object's life (build, step, evaluate, save, end), so it stays whole past ~400 lines.
 """
 
 from __future__ import annotations
@@ -66,6 +68,22 @@ class StepResult:
     moe: dict[str, float] = field(default_factory=dict)  # models/moe.py step_stats: aux loss, expert load
 
 
+@dataclass(frozen=True)
+class RunServices:
+    """What train.py gives the loop beyond the step: the ``checkpointer``; ``make_logger(start step)``, called on
+    the logging rank only; the ``stop`` request signals set; ``peak_flops`` (all of one rank's device), which
+    makes the MFU; ``after_first_step``, run on every rank once the optimizer's state exists (memory accounting);
+    ``profiler``, called with each step (0-based) before it runs, a started profiler of that step or None
+    (trident/step_profile.py for ``logging.profile_step``)."""
+
+    checkpointer: Checkpointer | None = None
+    make_logger: Callable[[int], MetricsLogger | None] | None = None
+    stop: StopRequest | None = None
+    peak_flops: float | None = None
+    after_first_step: Callable[[], None] | None = None
+    profiler: Callable[[int], StepProfiler | None] | None = None
+
+
 class Trainer:
     def __init__(
         self,
@@ -73,23 +91,16 @@ class Trainer:
         groups: ProcessGroups,
         parts: RunParts,
         data: tuple[Windows, TokenWindows | Mapping[str, TokenWindows]],
+        services: RunServices | None = None,
         *,
-        checkpointer: Checkpointer | None = None,
-        make_logger: Callable[[int], MetricsLogger | None] | None = None,
-        stop: StopRequest | None = None,
-        peak_flops: float | None = None,
-        after_first_step: Callable[[], None] | None = None,
         eos_id: int | None = None,
         prefetch: bool = True,
-        profiler: Callable[[int], StepProfiler | None] | None = None,
     ) -> None:
         """``data``: the training windows (one dataset's, or a mixture's: ``MixedWindows``) and the validation
-        windows (one set, or one per source by name). ``make_logger(start step)`` is called on the logging rank
-        only; ``peak_flops`` (all of one rank's device) makes the MFU; ``after_first_step`` runs on every rank
-        once the optimizer's state exists (memory accounting). ``eos_id``: the dataset's, which
-        ``data.document_mask`` needs. ``prefetch``: read the next step's batches in the background. ``profiler``:
-        called with each step (0-based) before it runs, a started profiler of that step or None
-        (train.py's: trident/step_profile.py for ``logging.profile_step``)."""
+        windows (one set, or one per source by name). ``services``: what a run gives the loop beyond the step
+        (``RunServices``; none: a bare loop, as tests and benchmarks drive it). ``eos_id``: the dataset's, which
+        ``data.document_mask`` needs. ``prefetch``: read the next step's batches in the background."""
+        services = services or RunServices()
         train_cfg, layout = cfg.train, parts.layout
         self.cfg, self.optim_cfg, self.groups, self.device = train_cfg, cfg.optim, groups, parts.device
         self.model_chunks, self.runner = parts.chunks, parts.runner
@@ -98,14 +109,18 @@ class Trainer:
         last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))
         self.loss_rank = groups.pp_ranks[last]
         self.grad_step = parts.optimizer.step
-        self.profiler = profiler
+        self.profiler = services.profiler
         self.train_data, val = data
-        self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), peak_flops
+        self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), services.peak_flops
         self.moe = cfg.model.moe
         # Under sequence parallelism each tp rank routes its own tokens: their routing is summed over tp too.
         self.routing_tp_group = groups.tp_group if layout.sequence_parallel and groups.tp_size > 1 else None
-        self.checkpointer, self.stop, self.after_first_step = checkpointer, stop, after_first_step
-        self.make_logger = make_logger or (lambda start: None)
+        self.checkpointer, self.stop, self.after_first_step = (
+            services.checkpointer,
+            services.stop,
+            services.after_first_step,
+        )
+        self.make_logger = services.make_logger or (lambda start: None)
         gbs = train_cfg.global_batch_size
         self.mixture = self.train_data if isinstance(self.train_data, MixedWindows) else None
         if self.mixture is not None:

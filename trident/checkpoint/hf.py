@@ -77,6 +77,9 @@ Face Llama's rotate-half convention (models/rope.py), so q_proj and k_proj need 
 
 ``read_box`` reads any box of one of our tensors from the Hugging Face tensors, touching only the rows and
 columns it covers: what lets each rank of a run read only its own shard.
+
+The mapping is one table both ways (every architecture's names, shapes and coefficients), so it stays whole past
+~400 lines: an import and its export are read side by side.
 """
 
 from __future__ import annotations

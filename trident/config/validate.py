@@ -1,6 +1,9 @@
 """Validation: every rule a config must satisfy, checked on every rank before the first collective, so a bad config
 ends all ranks with the same one-line message naming the key and the fix; and the resolution of a valid config into
 the one layout it launches (trident/layout.py).
+
+The rules are one list read in order (each section's keys, then their combinations), so the file stays whole at
+~400 lines: a rule split from the others is one a reader checking a combination misses.
 """
 
 from __future__ import annotations

@@ -95,6 +95,8 @@ log_softmax's gradient of the fp32 logits, 4 b s V each and alive together, 8 b 
 logits comes once the first is freed: 4 + 2 < 8). gpt-small at micro-batch 8 x 1024 tokens: 3.1 GiB, what the
 estimate missed on an H100 before it was counted (10.1 GiB measured, 6.2 predicted). The runners keep no
 reference to the logits themselves while backward runs.
+
+The formula is one table's terms, each beside the bytes it counts, so it stays whole past ~400 lines.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ residual, norm, fc (or gate and up), GELU (or SiLU and a product), proj, residua
 forward again inside the backward: all of a layer's ops under ``full``, the attention core under ``attention``, under
 ``selective`` its modules' ops and the cheap work between the kept matmuls (RoPE, residual adds, the core output's
 copy, and tp's collectives, which rerun), for each recomputed layer (``train.recompute_every``).
+
+The op list is one layer's walk, operator by operator, so it stays whole past ~400 lines.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ kernel reports that wait (``/proc/self/task/<tid>/schedstat``'s run-queue time, 
 step): ``with_core_wait`` moves it out of the parts the thread was runnable in (op classes, framework, optimizer),
 in proportion to each, into ``core wait``, the model's stretch of the busy time by the measured sharing
 (cost.py). A run writes each rank's profiled step, its events and its wait for a core, to
-``<run dir>/step_profile/rank<r>.json`` (trident/step_profile.py); ``read_splits`` splits them and ``mean_split``
-averages the ranks'.
+``<run dir>/step_profile/rank<r>.json`` (trident/step_profile.py), which trident_dev/plan/splits.py splits (here
+or, for a GPU's, by trident_dev/plan/device_split.py) and averages.
 
 On a GPU the main thread's op times are only the kernels' launches, so a CUDA step is split by the device's own
 timeline instead (trident_dev/plan/device_split.py), with no core wait (a GPU's kernels wait for no CPU core).
@@ -35,9 +35,7 @@ timeline instead (trident_dev/plan/device_split.py), with no core wait (a GPU's 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 
 from trident.parallel.context.ring import CP_MARK  # around the cp ring's point-to-point messages
 from trident.step_profile import PASSES_MARK, STEP_MARK, Event, run_queue_s  # noqa: F401 (the tests' too)
@@ -224,38 +222,3 @@ def with_core_wait(split: dict[str, float], waited_s: float) -> dict[str, float]
             out[k] = split[k] * (1 - waited / runnable)
     out["core wait"] = split.get("core wait", 0.0) + waited
     return out
-
-
-def read_splits(directory: Path) -> list[dict]:
-    """Every rank's ``{"step_s", "split"}`` from the profiled steps written under ``directory`` (``<run
-    dir>/step_profile``, trident/step_profile.py): a CPU step split by its host's ops, less the wait for a core;
-    a GPU step by the device's timeline (trident_dev/plan/device_split.py)."""
-    from trident_dev.plan.device_split import split_device_step  # noqa: PLC0415 (it imports this module)
-
-    out = []
-    for path in sorted(directory.glob("rank*.json")):
-        try:
-            d = json.loads(path.read_text())
-        except ValueError:
-            continue
-        events = [Event(*e) for e in d["events"]]
-        if d["cuda"]:
-            split = split_device_step(events, d["data_s"])
-        else:
-            split = split_step(events, d["data_s"])
-            if d["waited_s"] is not None:
-                split = with_core_wait(split, d["waited_s"])
-        out.append({"step_s": d["step_s"], "split": split})
-    return out
-
-
-def mean_split(splits: Sequence[dict], step_s: float | None = None) -> dict[str, float] | None:
-    """The ranks' mean seconds of each category; with ``step_s`` (the run's median step, not profiled) scaled so
-    that they sum to it (the profiled step is one step, and the profiler's own cost is in it)."""
-    if not splits:
-        return None
-    mean = {k: sum(s["split"].get(k, 0.0) for s in splits) / len(splits) for k in CATEGORIES}
-    total = sum(mean.values())
-    if step_s is not None and total > 0:
-        mean = {k: v * step_s / total for k, v in mean.items()}
-    return mean
