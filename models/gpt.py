@@ -52,7 +52,7 @@ from trident.config.schema import ModelConfig
 from trident.models.context_window import ContextWindow
 from trident.models.documents import Documents
 from trident.models.kv_cache import KVCache
-from trident.models.moe import MoE, TokenSplit
+from trident.models.moe import MoE, TokenSplit, set_loss_multiplier
 from trident.models.rope import apply_rope, rope_frequencies, rope_tables
 from trident.parallel.comm import GroupShape, copy_to_region, rank_and_size, reduce_from_region
 from trident.parallel.context.span import TokenSpan
@@ -472,6 +472,11 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(x.shape[1])
         return self.head(x) if self.is_last else x
+
+    def set_loss_multiplier(self, multiplier: float) -> None:
+        """The gradient each token's loss gets, which the runner scales the token loss by and gives the auxiliary
+        losses of this chunk's sparse layers (models/moe.py)."""
+        set_loss_multiplier(self, multiplier)
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy in fp32 of this model's logits (the trainer's loss function)."""

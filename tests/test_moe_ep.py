@@ -260,6 +260,7 @@ def _reductions_rank(rank: int, world: int, _: None) -> dict[int, tuple[int, int
     expert buckets issued: gradient reductions and parameter gathers)."""
     from trident.build import build_parts, layout_of
     from trident.loop import Trainer
+    from trident.models.moe import moe_layers
     from trident.parallel.groups import build_process_groups
     from trident.parallel.placement import is_expert
     from trident_dev.bench.harness import random_windows
@@ -273,6 +274,8 @@ def _reductions_rank(rank: int, world: int, _: None) -> dict[int, tuple[int, int
         data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 4 * cfg.train.global_batch_size)
         trainer = Trainer(cfg, groups, parts, (data, data))
         trainer.train_step(0, trainer.micro_batches(0))
+        # The runner gave the step's token-loss multiplier to every sparse layer's auxiliary losses.
+        assert {m.loss_multiplier for m in moe_layers(parts.chunks).values()} == {1 / trainer.tokens_per_step}
         opt = parts.optimizer
         spans = opt.zero.store.layout.spans if zero == 3 else opt.reducer.layout.spans
         expert = [s.index for s in spans if is_expert(s.params[0])]

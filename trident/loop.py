@@ -38,7 +38,7 @@ from trident.divergence import DivergencePolicy
 from trident.errors import CheckpointError, DivergenceError, is_lost_peer
 from trident.metrics import MetricsLogger, peak_memory_mb, summary_line
 from trident.models.gpt import flops_per_token
-from trident.models.moe import set_loss_multiplier, step_stats
+from trident.models.moe import step_stats
 from trident.optim import lr_at
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import ProcessGroups
@@ -162,9 +162,9 @@ class Trainer:
     def train_step(self, step: int, micro_batches: list[Batch]) -> StepResult:
         """One optimizer step over this rank's micro-batches of the global batch."""
         scale = self.grad_step.loss_scale
-        for chunk in self.model_chunks:  # the MoE auxiliary losses' gradient per token, like the token loss's
-            set_loss_multiplier(chunk, scale / self.tokens_per_step)
-        with torch.profiler.record_function("trident.passes"):  # the split of a profiled step (plan/breakdown.py)
+        # The gradient each token's loss gets, one road: the runner scales the token loss and gives it to the MoE
+        # layers' auxiliary losses (GPT.set_loss_multiplier).
+        with torch.profiler.record_function("trident.passes"):  # a profiled step's passes (trident/step_profile.py)
             loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
         shared = self._share_loss(loss_sum)  # on the wire while the optimizer steps
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))

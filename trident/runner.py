@@ -49,6 +49,8 @@ class LocalRunner:
 
     def forward_backward(self, micro_batches: list[Batch], loss_fn: LossFn, loss_multiplier: float) -> torch.Tensor:
         self.model.train()
+        if hasattr(self.model, "set_loss_multiplier"):  # its auxiliary losses' gradient, the token loss's
+            self.model.set_loss_multiplier(loss_multiplier)
         total = torch.zeros((), device=micro_batches[0].tokens.device)
         for i, batch in enumerate(micro_batches):
             # Gradient sync overlaps the backward of the last micro-batch only.

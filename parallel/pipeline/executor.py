@@ -158,6 +158,8 @@ class PipelineRunner:
     def forward_backward(self, micro_batches: list[Batch], loss_fn: LossFn, loss_multiplier: float) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.train()
+            if hasattr(chunk, "set_loss_multiplier"):  # its auxiliary losses' gradient, the token loss's
+                chunk.set_loss_multiplier(loss_multiplier)
         self.reducer.set_sync(False)  # on for each chunk's last backward only (module docstring)
         step = _Step(self, self._plan(len(micro_batches), True), micro_batches, loss_fn, loss_multiplier, True)
         total = step.run()
