@@ -12,14 +12,15 @@ from types import ModuleType
 import trident
 import trident.models
 import trident.parallel
+import trident_dev
 
 
 def package_modules() -> list[ModuleType]:
-    """Every module of trident, trident.parallel and trident.models. Each package is walked from its own directory
-    only: in a checkout, trident's path also holds the repository root (trident/__init__.py), whose tests/ and
-    tools/ are no part of the package."""
+    """Every module of trident, trident.parallel and trident.models, and of the development package beside them
+    (trident_dev). Each package is walked from its own directory only: in a checkout, trident's path also holds the
+    repository root (trident/__init__.py), whose tests/ and tools/ are no part of the package."""
     names = set()
-    for package in (trident, trident.parallel, trident.models):
+    for package in (trident, trident.parallel, trident.models, trident_dev):
         names.add(package.__name__)
         names.update(m.name for m in pkgutil.walk_packages(package.__path__[:1], package.__name__ + "."))
     return [importlib.import_module(name) for name in sorted(names)]

@@ -1,6 +1,7 @@
 """Under pipeline parallelism each model chunk's gradient buckets start their dp reduction during the chunk's last
 backward of the step, not after the schedule: checked against the executor's recorded action timings on real gloo
-ranks (dp=2 x pp=2), with the old behaviour (``reduce_per_chunk=False``) as the control that the check can fail.
+ranks (dp=2 x pp=2), with every bucket reduced after the schedule (the runner told no chunk's last backward) as
+the control that the check can fail.
 That the gradients stay right is the one-process curve of tests/test_pipeline_layouts.py's dp=2 layouts."""
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def _launches(rank: int, world: int, schedule: str, vpp: int, per_chunk: bool, t
     path = timings / f"rank{rank}.jsonl"
     runner = PipelineRunner(
         chunks, schedule, groups.pp_rank, groups.pp_ranks, groups.pp_group, reducer, "fp32", MODEL.d_model,
-        timings=path, reduce_per_chunk=per_chunk,
+        timings=path,
     )  # fmt: skip
+    if not per_chunk:  # the control: no chunk's last backward known, so every bucket waits for the schedule's end
+        runner.last_weight_ticks = lambda plan: {}
     launches = []  # (time, chunk, bucket index, from a backward hook) of every bucket's reduction, as it starts
     reduce_bucket, launch_chunk = reducer.reduce_bucket, reducer.launch_chunk
     flushing = [False]
