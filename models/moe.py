@@ -110,7 +110,7 @@ class AuxLoss(torch.autograd.Function):
 
 class Route(NamedTuple):
     """An expert exchange's sizes (``MoE._combine``, from the host's counts): the rows this rank sends each rank of
-    ``group`` and receives from each; The rows an owner receives come in two orders:
+    ``group`` and receives from each. The rows an owner receives come in two orders:
     source-major (source by source, each source's expert-major, as an exact all-to-all delivers them) and
     expert-major (expert by expert, sources in order, as its experts take them); ``to_expert`` (each expert-major
     row's source-major place) and its inverse ``to_source`` map one to the other."""

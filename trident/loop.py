@@ -45,6 +45,7 @@ from trident.parallel.groups import ProcessGroups
 from trident.parallel.pipeline.schedules import holder_of, stage_placement
 from trident.runner import Batch
 from trident.signals import Stopped, StopRequest, stop_line
+from trident.step_profile import PASSES_MARK
 
 
 def cp_balance(micro_batches: list[Batch]) -> float:
@@ -164,7 +165,7 @@ class Trainer:
         scale = self.grad_step.loss_scale
         # The gradient each token's loss gets, one road: the runner scales the token loss and gives it to the MoE
         # layers' auxiliary losses (GPT.set_loss_multiplier).
-        with torch.profiler.record_function("trident.passes"):  # a profiled step's passes (trident/step_profile.py)
+        with torch.profiler.record_function(PASSES_MARK):  # a profiled step's passes (trident/step_profile.py)
             loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
         shared = self._share_loss(loss_sum)  # on the wire while the optimizer steps
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
