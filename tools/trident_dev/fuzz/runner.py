@@ -357,18 +357,19 @@ class Fuzzer:
                 )
             return None, seconds
         # torchrun: every rank that gets to print says the same line and exits with 2; torchrun stops the others
-        # with SIGTERM (-15) and itself exits 1 with its own report, which is the launcher's, not the run's. Which
+        # with SIGTERM: -15, or 143 (128 + SIGTERM) from a rank whose stop handler (trident/signals.py) was already
+        # installed. torchrun itself exits 1 with its own report, which is the launcher's, not the run's. Which
         # failure the report calls the root cause depends on timing (a loaded machine may list a terminated rank
         # first), so every failure listed is read. The line is counted where it appears: torchrun's own log lines
         # share the stream and may cut into it.
         codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", done.stderr)]
         copies = done.stderr.count(line)
         others = sorted({x for x in done.stderr.splitlines() if x.startswith("error:") and x != line})
-        if not copies or others or 2 not in codes or set(codes) - {2, -15}:
+        if not copies or others or 2 not in codes or set(codes) - {2, -15, 128 + 15}:
             found = f"other error lines {others}" if others else f"{copies} copies of it"
             out = done.stderr.strip().replace("\n", " | ")[-600:]
             return (
-                f"torchrun: expected {line!r} and ranks' exit codes 2 (or -15, stopped by torchrun); got {found}, "
+                f"torchrun: expected {line!r} and ranks' exit codes 2 (or -15/143, stopped by torchrun); got {found}, "
                 f"exit codes {codes or 'none reported'}; stderr ends {out!r}",
                 seconds,
             )
