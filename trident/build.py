@@ -46,11 +46,11 @@ from trident.parallel.pipeline.executor import PipelineRunner
 from trident.parallel.pipeline.schedules import stage_of, stage_placement
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.placement import is_expert, placement_of
-from trident.parallel.precision import LossScaler, precision_policy
+from trident.parallel.precision import LossScaler, PrecisionPolicy, precision_policy
 from trident.parallel.random import RNGTracker, model_parallel_rng
 from trident.parallel.reducer import GradReducer, bucket_numel
 from trident.parallel.zero.grads import ScatterReducer, ShardedGradReducer
-from trident.parallel.zero.optimizer import ZeroOptimizer
+from trident.parallel.zero.optimizer import Masters, ZeroOptimizer
 from trident.parallel.zero.params import FlatParams, ShardedParams
 from trident.parallel.zero.stage3 import ChunkUnits, ParameterSharding, unit_layout
 from trident.runner import LocalRunner, Runner
@@ -126,42 +126,53 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     # Gradients reduce, and ZeRO shards, over every rank holding these parameters: dp x cp.
     dp_group, dp_size, device = groups.grad_group, groups.grad_size, params[0].device
 
-    sharding: ParameterSharding | None = None
     # Expert weights (ep > 1) reduce, and are sharded, over the expert-data-parallel group.
     expert_group = groups.expert_dp_group if layout.ep > 1 else None
+    adamw = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
+    sharding: ParameterSharding | None = None
     if zero <= 1:
         kind = ScatterReducer if zero == 1 else GradReducer
         args = (params, dp_group, layout.bucket_mb, policy.reduce_dtype, isolate, per_chunk)
         reducer = kind(*args, expert_group=expert_group)
-        flat = reducer.layout
-    elif zero == 2:
-        flat, _ = flat_layout(chunks, layout, dp_size)
+        masters = Masters(reducer.layout, policy.param_dtype, dp_group, zero, layout.offloaded_fraction, expert_group)
+        store = FlatParams(reducer.layout, policy.param_dtype, dp_group, dp_size if zero else 1, expert_group)
+        return _optimizer(ZeroOptimizer(masters, store, reducer, adamw), groups, opt, policy, None)
+    # The masters read the fp32 values before the store casts the parameters.
+    flat, units = flat_layout(chunks, layout, dp_size)
+    masters = Masters(flat, policy.param_dtype, dp_group, zero, layout.offloaded_fraction, expert_group)
+    if zero == 2:
+        store = FlatParams(flat, policy.param_dtype, dp_group, dp_size, expert_group)
         reducer = ShardedGradReducer(flat, dp_group, policy.reduce_dtype, device, expert_group=expert_group)
     else:
+        store = ShardedParams(flat, policy.param_dtype, dp_group, expert_group)
         units_of = [(chunk, list(chunk.layers.values())) for chunk in chunks]
-        flat, units = flat_layout(chunks, layout, dp_size)
-        # One launch order per chunk: a pipeline rank runs its chunks' backward passes interleaved.
+        sharding = ParameterSharding(units_of, units, store, layout.zero3_gather, layout.zero3_prefetch)
+        # One launch order per chunk: a pipeline rank runs its chunks' backward passes interleaved. A bucket's
+        # reduce-scatter ends its backward's hold on the gathered weights; the step's end frees them all.
         chains = [[s.index for s in [*reversed(u.blocks), *u.root]] for u in units]
         reducer = ShardedGradReducer(
-            flat, dp_group, policy.reduce_dtype, device, chains=chains, expert_group=expert_group
+            flat,
+            dp_group,
+            policy.reduce_dtype,
+            device,
+            on_reduced=sharding.released,
+            on_finish=sharding.end_step,
+            chains=chains,
+            expert_group=expert_group,
         )
+    return _optimizer(ZeroOptimizer(masters, store, reducer, adamw), groups, opt, policy, sharding)
 
-    def make_store() -> FlatParams | ShardedParams:
-        if zero == 3:
-            return ShardedParams(flat, policy.param_dtype, dp_group, expert_group)
-        return FlatParams(flat, policy.param_dtype, dp_group, dp_size if zero >= 1 else 1, expert_group)
 
-    adamw = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
-    ratio = layout.offloaded_fraction
-    optimizer = ZeroOptimizer(
-        flat, reducer, make_store, policy.param_dtype, dp_group, zero, adamw, ratio, expert_group=expert_group
-    )
-    if zero == 3:
-        sharding = ParameterSharding(units_of, units, optimizer.store, layout.zero3_gather, layout.zero3_prefetch)
-        reducer.on_reduced, reducer.on_finish = sharding.released, sharding.end_step
+def _optimizer(
+    optimizer: ZeroOptimizer,
+    groups: ProcessGroups,
+    opt: OptimConfig,
+    policy: PrecisionPolicy,
+    sharding: ParameterSharding | None,
+) -> Optimizer:
     scaler = LossScaler() if policy.loss_scaling else None
     step = GradStep(optimizer, groups, opt.grad_clip, scaler)
-    return Optimizer(reducer, optimizer, step, sharding)
+    return Optimizer(optimizer.reducer, optimizer, step, sharding)
 
 
 def _trainable(chunks: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter], list[nn.Parameter]]:

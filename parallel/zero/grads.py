@@ -87,12 +87,12 @@ class ShardedGradReducer:
         reduce_dtype: torch.dtype,
         device: torch.device,
         on_reduced: Callable[[BucketSpan], None] | None = None,
+        on_finish: Callable[[], None] | None = None,
         chains: Sequence[Sequence[int]] | None = None,
         expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.layout, self.params = layout, layout.params
-        self.dp_group, self.on_reduced = dp_group, on_reduced
-        self.on_finish: Callable[[], None] | None = None
+        self.dp_group, self.on_reduced, self.on_finish = dp_group, on_reduced, on_finish
         self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         # Each bucket's group: dp, or for a bucket of expert weights (ep > 1, a bucket of their own) expert-dp.
         experts = expert_group is not None

@@ -20,7 +20,7 @@ runs (Twin-Flow). On a CPU-only machine "host" and "accelerator" are the same me
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -97,36 +97,29 @@ def _pinned(numel: int) -> torch.Tensor:
     return torch.zeros(numel, dtype=torch.float32, pin_memory=torch.cuda.is_available())
 
 
-class ZeroOptimizer:
-    """Step this rank's shard of fp32 masters with AdamW and publish the updated parameters.
-
-    ``make_store`` builds the parameter store after the masters have copied the fp32 values (the store casts the
-    parameters to its dtype). ``stage`` >= 1 shards over ``dp_group``; stage 0 steps everything on every rank.
-    ``GradStep`` (trident/optim.py) drives it through the methods below.
-    """
+class Masters:
+    """This rank's segments of the flat layout and their fp32 masters, read from the parameters before a store
+    casts them to its dtype (so built first). ``stage`` >= 1 shards over ``dp_group``; stage 0 keeps everything
+    on every rank. Expert weights (``expert_group``, ep > 1) are sharded over their expert-dp group."""
 
     def __init__(
         self,
         layout: FlatLayout,
-        reducer: ShardReducer,
-        make_store: Callable[[], Store],
         param_dtype: torch.dtype,
         dp_group: dist.ProcessGroup,
         stage: int,
-        adamw: dict,
         offload_ratio: float = 0.0,
         expert_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.layout, self.reducer, self.stage = layout, reducer, stage
+        self.layout, self.stage, self.param_dtype = layout, stage, param_dtype
         self.dp_sharded = stage >= 1
-        shards = dist.get_world_size(dp_group) if self.dp_sharded else 1
-        rank = dist.get_rank(dp_group) if self.dp_sharded else 0
-        # Expert weights (ep > 1) are sharded over their expert-dp group.
+        self.shards = dist.get_world_size(dp_group) if self.dp_sharded else 1
+        self.rank = dist.get_rank(dp_group) if self.dp_sharded else 0
         expert = (dist.get_rank(expert_group), dist.get_world_size(expert_group)) if expert_group is not None else None
-        expert = expert if self.dp_sharded else None
+        self.expert = expert if self.dp_sharded else None
         device = layout.params[0].device
-        shard_numel = sum(stop - start for _, start, stop, _ in shard_segments(layout, rank, shards, 0, expert))
-        runs = shard_segments(layout, rank, shards, round(offload_ratio * shard_numel), expert)
+        shard_numel = sum(stop - start for _, start, stop, _ in self._runs(0))
+        runs = self._runs(round(offload_ratio * shard_numel))
         alias = param_dtype == torch.float32  # fp32 parameters on the accelerator are their own masters
 
         numel = {side: sum(stop - start for _, start, stop, on_host in runs if on_host == side) for side in (0, 1)}
@@ -148,14 +141,34 @@ class ZeroOptimizer:
                     value = piece.param.detach().reshape(-1)[piece.start : piece.stop]
                     self.segments[-1].view(master, piece).copy_(value)
 
-        self.store = make_store()
-        if self.store.dtype != param_dtype:
-            raise ValueError(f"the parameter store holds {self.store.dtype}, expected {param_dtype}")
+    def _runs(self, host_numel: int) -> list[tuple[BucketSpan, int, int, bool]]:
+        return shard_segments(self.layout, self.rank, self.shards, host_numel, self.expert)
+
+    def shard_start(self, span: BucketSpan) -> int:
+        """Where this rank's shard of ``span`` starts in the flat layout."""
+        sharded_as = self.expert if self.expert and is_expert(span.params[0]) else (self.rank, self.shards)
+        return span.shard(*sharded_as)[0]
+
+
+class ZeroOptimizer:
+    """Step this rank's shard of fp32 master weights with AdamW and publish the updated parameters.
+
+    ``masters`` (built before ``store``, which casts the parameters to its dtype) say what this rank steps;
+    ``store.shard(span)`` is where the weights go, ``reducer.reduced_grad(span)`` where their gradients are.
+    ``GradStep`` (trident/optim.py) drives it through the methods below.
+    """
+
+    def __init__(self, masters: Masters, store: Store, reducer: ShardReducer, adamw: dict) -> None:
+        if store.dtype != masters.param_dtype:
+            raise ValueError(f"the parameter store holds {store.dtype}, expected {masters.param_dtype}")
+        self.layout, self.reducer, self.store, self.stage = masters.layout, reducer, store, masters.stage
+        self.dp_sharded = masters.dp_sharded
+        self.host_masters, self.host_grads = masters.host_masters, masters.host_grads
+        self.device_masters, self.segments = masters.device_masters, masters.segments
         for seg in self.segments:
-            sharded_as = expert if expert and is_expert(seg.span.params[0]) else (rank, shards)
-            shard_start = seg.span.shard(*sharded_as)[0]
-            seg.param = self.store.shard(seg.span)[seg.start - shard_start : seg.stop - shard_start]
-            seg.grad = reducer.reduced_grad(seg.span)[seg.start - shard_start : seg.stop - shard_start]
+            at = seg.start - masters.shard_start(seg.span)
+            seg.param = store.shard(seg.span)[at : at + seg.numel]
+            seg.grad = reducer.reduced_grad(seg.span)[at : at + seg.numel]
             if seg.master is None:
                 seg.master = seg.param
 
