@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
-from trident_dev.bench.harness import Stat, Table, alternate
+from trident_dev.bench import harness
+from trident_dev.bench.compare import Column, Comparison, Rank, Setting, Steps, compare, per_round
+from trident_dev.bench.harness import Stat, Table, alternate, number, ratio, spread
 from trident_dev.bench.runs import checked_trial, expand
 from trident_dev.curves import REL
 
@@ -49,6 +51,77 @@ def test_alternate_rotates_the_order_and_times_every_round() -> None:
     stat = Stat.of([2.0, 1.0, 4.0])
     assert (stat.median, stat.low, stat.high, stat.spread) == (2.0, 1.0, 4.0, 1.5)
     assert stat.map(lambda s: 8 / s) == Stat(4.0, 2.0, 8.0)
+
+
+class _Clock:
+    """A clock that moves only when a variant steps: each step adds its scripted seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def process_time(self) -> float:
+        return self.now / 2  # half the wall clock: CPU time is its own figure
+
+
+# Seconds per step: a huge warm-up step (untimed), then one figure per round (rounds run in rotated order).
+_SCRIPT = {"a": [100.0, 1.0, 3.0, 2.0], "b": [100.0, 4.0, 4.0, 8.0], "c": [100.0, 0.5, 0.5, 0.5]}
+
+
+def _scripted(rank: Rank, job: tuple[_Clock, list, float]) -> dict:
+    clock, calls, scale = job
+    rank.info["where"] = f"rank {rank.rank} of {rank.world}"
+
+    def variant(name: str) -> Steps:
+        def step(i: int) -> float:
+            calls.append((name, i))
+            clock.now += scale * _SCRIPT[name][min(i, 3)]
+            return 10.0 * scale + i
+
+        return Steps(step, state=lambda: {"a": 7, "b": 9}.get(name), figures=lambda: {"last": calls[-1]})
+
+    return {name: (lambda name=name: variant(name)) for name in "abc"}
+
+
+def test_compare_rotates_the_rounds_and_tables_medians_and_spreads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison every subcommand declares to, on a clock only the variants move: the order rotated each
+    round after untimed warm-ups, each variant's steps counted on from its warm-up, medians and spreads of the
+    rounds, a baseline of the same run, a row per setting, a refused setting's row."""
+    clock, calls = _Clock(), []
+    monkeypatch.setattr(harness, "time", clock)
+    columns = [
+        Column("scale"),
+        Column("variant"),
+        Column("s/step", lambda r: number(r.out.time.median, ".2f")),
+        Column("spread", lambda r: spread(r.out.wall)),
+        Column("tokens/s", lambda r: number(r.out.rate(12).median, ".1f")),
+        Column("vs a", lambda r: ratio(r.of("a").time.median, r.out.time.median)),
+        Column("per round vs a", lambda r: f"{per_round(r.out.wall, r.of('a').wall):.2f}"),
+        Column("CPU", lambda r: number(r.out.cpu_s, ".2f")),
+        Column("state", lambda r: r.out.state),
+        Column("losses", lambda r: r.out.losses),
+        Column("where", lambda r: r.info["where"]),
+    ]
+    settings = [
+        Setting(_scripted, (clock, calls, 1.0), {"scale": 1}, world=None),
+        Setting(_scripted, (clock, calls, 2.0), {"scale": 2}, world=None, rows=["b"], note="b alone"),
+        Setting(refused="refused: no", cells={"scale": 3}),
+    ]
+    notes = lambda runs: [str(len(runs))]  # noqa: E731
+    table = compare(Comparison("t", columns, settings, warmup=1, steps=1, rounds=3, notes=notes))
+    assert calls[:3] == [("a", 0), ("b", 0), ("c", 0)]  # built and warmed up in order
+    assert calls[3:12] == [("a", 1), ("b", 1), ("c", 1), ("b", 2), ("c", 2), ("a", 2), ("c", 3), ("a", 3), ("b", 3)]
+    assert table.header[:3] == ["scale", "variant", "s/step"]
+    assert table.rows == [
+        ["1", "a", "2.00", "±100%", "6.0", "1.00x", "1.00", "1.00", "7", "[10.0, 11.0, 12.0, 13.0]", "rank 0 of 1"],
+        ["1", "b", "4.00", "±100%", "3.0", "0.50x", "4.00", "2.00", "9", "[10.0, 11.0, 12.0, 13.0]", "rank 0 of 1"],
+        ["1", "c", "0.50", "±0%", "24.0", "4.00x", "0.25", "0.25", "-", "[10.0, 11.0, 12.0, 13.0]", "rank 0 of 1"],
+        ["2", "b", "8.00", "±100%", "1.5", "0.50x", "4.00", "4.00", "9", "[20.0, 21.0, 22.0, 23.0]", "rank 0 of 1"],
+        ["3", "refused: no", "-", "-", "-", "-", "-", "-", "-", "-", "-"],
+    ]
+    assert table.notes == ["b alone", "3"] and table.ok
 
 
 def test_short_forms_expand_to_train_overrides() -> None:
