@@ -1,35 +1,10 @@
 """``tools/bench.py zero``: tokens/s and model-state bytes of trident's ZeRO stages against stage 0, FSDP2 and
-DDP + ZeroRedundancyOptimizer.
+DDP + ZeroRedundancyOptimizer, at each world size; model-state bytes against parallel/zero's formula and the
+estimator (docs/benchmarks.md#zero).
 
     python tools/bench.py zero [--worlds 2 4] [--layers 4] [--d-model 256] [--seq-len 128] [--vocab 8192]
         [--variants zero0 ...] [--batch-seq 0] [--micro-batch 4] [--micro-batches 2] [--steps 3] [--rounds 3]
         [--precision fp32] [--state-only]
-
-For each world size, a pool of that many gloo ranks (trident_dev.ranks) trains these variants of one GPT (at tp=1,
-so plain torch layers), all from the same initial weights on the same batches (each dp rank its own):
-
-  zero0..zero3  trident at parallel.zero=0..3, built by trident/build.py's ``build_parts`` as train.py builds it
-                (model chunks, reducer, ZeRO optimizer, GradStep with global-norm clipping, runner).
-  ddp+zro       torch DDP (no_sync on all but the last micro-batch, bucket views as gradients) with
-                torch.distributed.optim.ZeroRedundancyOptimizer over AdamW (foreach), clip_grad_norm_: ZeRO-1 as
-                torch ships it. Compared with zero1.
-  fsdp2         torch.distributed.fsdp.fully_shard on each block and on the model (reshard after forward), AdamW
-                (foreach, decay on matrices only, as trident) over the DTensor shards, clip_grad_norm_; gradients
-                reduce-scattered every micro-batch, as trident's stage 3 does. Compared with zero3.
-
-Every step is --micro-batches micro-batches of --micro-batch sequences per rank; the timed blocks of --steps steps
-alternate between variants over --rounds rounds (trident_dev/bench/harness.py), and the median step time gives
-tokens/s (all ranks' tokens); CPU-s/step is the CPU time a step costs all ranks together (compute and gloo
-threads), which other load on the machine hardly changes. The first and last loss of every variant are shown:
-they must agree.
-
-Model-state bytes per rank are measured on the live tensors after the steps (each storage once: parameters,
-gradients, optimizer states; the torch variants' .grad and optimizer state, DTensors by their local shards), the
-largest rank's, and set against the formula of parallel/zero/__init__.py (Psi the parameter count, N the dp
-size) and, for trident's stages, against trident/memory/estimate.py's prediction (what tools/estimate_memory.py
-prints). --state-only steps once and measures each variant in a run of its own (no tokens/s): gpt-small at dp=4 is
-``--state-only --worlds 4 --layers 12 --d-model 768 --seq-len 1024 --vocab 50257 --batch-seq 64 --micro-batch 1
---micro-batches 1`` (--batch-seq: shorter sequences than the model's seq_len, so activations stay small).
 """
 
 from __future__ import annotations
@@ -38,7 +13,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -51,11 +25,10 @@ from trident.models.gpt import count_params
 from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.topology import Topology
+from trident_dev.bench.compare import Column, Comparison, Rank, Row, Setting, Steps, compare
 from trident_dev.bench.harness import (
     Table,
     adamw_args,
-    alternate,
-    barrier,
     device_mesh,
     number,
     random_batches,
@@ -63,12 +36,9 @@ from trident_dev.bench.harness import (
     spread,
     storage_bytes,
 )
-from trident_dev.ranks import run_distributed
 
 VARIANTS = ("zero0", "zero1", "zero2", "zero3", "ddp+zro", "fsdp2")
 BASELINE = {"zero1": "ddp+zro", "zero3": "fsdp2"}
-HEADER = ["dp", "variant", "tokens/s", "spread", "vs zero0", "vs torch", "CPU-s/step", "CPU vs zero0"]
-HEADER += ["first loss", "last loss", "state MiB", "formula MiB", "measured / formula", "estimate MiB"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,9 +77,6 @@ class Job:
     batch_seq: int
     micro_batch: int
     micro_batches: int
-    steps: int
-    rounds: int
-    state_only: bool
 
 
 def run(args: argparse.Namespace) -> list[Table]:
@@ -132,68 +99,88 @@ def run(args: argparse.Namespace) -> list[Table]:
     names = [v for v in args.variants if args.precision == "fp32" or v.startswith("zero")]
     b = 4 if args.precision == "fp32" else 2
     m = cfg.model
-    t = Table(
+    psi = count_params(m)
+    job = Job(cfg, names, args.batch_seq, args.micro_batch, args.micro_batches)
+    # --state-only: each variant in a run of its own, so a large model's states are never held twice
+    jobs = [dataclasses.replace(job, variants=[n]) for n in names] if args.state_only else [job]
+    settings = [Setting(_variants, j, {"dp": w}, world=w, device="cpu") for w in args.worlds for j in jobs]
+
+    def rate(row: Row, name: str | None = None) -> float | None:
+        out = row.out if name is None else row.of(name)
+        return out.rate(job_tokens(job, row.cells["dp"])).median if out is not None and out.wall else None
+
+    def cpu(row: Row, name: str | None = None) -> float | None:
+        out = row.out if name is None else row.of(name)
+        return out.cpu_s if out is not None and out.wall else None
+
+    def formula(row: Row) -> float:
+        return formula_bytes(row.name, psi, row.cells["dp"], b)
+
+    def predicted(row: Row) -> float | None:
+        if not row.name.startswith("zero"):
+            return None
+        par = dataclasses.replace(cfg.parallel, zero=int(row.name[-1]))
+        layout = validate(dataclasses.replace(cfg, parallel=par), row.cells["dp"])
+        return sum(estimate(m, dataclasses.replace(layout, device="cpu")).stages[0].model_states["total"].values())
+
+    columns = [
+        Column("dp"),
+        Column("variant"),
+        Column("tokens/s", lambda r: number(rate(r))),
+        Column("spread", lambda r: spread(r.out.wall) if rate(r) else None),
+        Column("vs zero0", lambda r: ratio(rate(r), rate(r, "zero0"))),
+        Column("vs torch", lambda r: ratio(rate(r), rate(r, BASELINE.get(r.name, "")))),
+        Column("CPU-s/step", lambda r: number(cpu(r), ".3f")),
+        Column("CPU vs zero0", lambda r: ratio(cpu(r), cpu(r, "zero0"))),
+        Column("first loss", lambda r: f"{r.out.losses[0]:.5f}"),
+        Column("last loss", lambda r: f"{r.out.losses[-1]:.5f}"),
+        Column("state MiB", lambda r: f"{r.out.state / 2**20:.2f}"),
+        Column("formula MiB", lambda r: f"{formula(r) / 2**20:.2f}"),
+        Column("measured / formula", lambda r: f"{r.out.state / formula(r):.3f}"),
+        Column("estimate MiB", lambda r: number(predicted(r) and predicted(r) / 2**20, ".2f")),
+    ]
+    title = (
         f"GPT {m.n_layers} layers, d_model {m.d_model}, seq {args.batch_seq or m.seq_len}, vocab {m.vocab_size}, "
         f"{args.precision}; {args.micro_batches} micro-batches of {args.micro_batch} per rank per step; gloo on "
-        f"{os.cpu_count()} CPUs" + ("" if args.state_only else f"; {args.rounds} rounds x {args.steps} steps"),
-        HEADER,
+        f"{os.cpu_count()} CPUs" + ("" if args.state_only else f"; {args.rounds} rounds x {args.steps} steps")
     )
-    psi = count_params(m)
-    for world in args.worlds:
-        job = Job(cfg, names, args.batch_seq, args.micro_batch, args.micro_batches, args.steps, args.rounds, False)
-        if args.state_only:  # each variant in a run of its own, so a large model's states are never held twice
-            rows = {}
-            for name in names:
-                one = dataclasses.replace(job, variants=[name], state_only=True)
-                rows.update(run_distributed(_rank, world, one, timeout_s=24 * 3600)[0])
-        else:
-            rows = run_distributed(_rank, world, job, timeout_s=24 * 3600)[0]
-        tokens = job_tokens(job, world)
-        rates = {name: tokens / statistics.median(r["wall"]) if r["wall"] else None for name, r in rows.items()}
-        for name, r in rows.items():
-            tps, cpu = rates[name], r["cpu"] if r["wall"] else None
-            zero0 = rows.get("zero0")
-            formula = formula_bytes(name, psi, world, b)
-            predicted = None
-            if name.startswith("zero"):
-                par = dataclasses.replace(cfg.parallel, zero=int(name[-1]))
-                layout = dataclasses.replace(validate(dataclasses.replace(cfg, parallel=par), world), device="cpu")
-                predicted = sum(estimate(m, layout).stages[0].model_states["total"].values())
-            t.add(
-                world,
-                name,
-                number(tps),
-                spread(r["wall"]) if tps else None,
-                ratio(tps, rates.get("zero0")),
-                ratio(tps, rates.get(BASELINE.get(name, ""))),
-                number(cpu, ".3f"),
-                ratio(cpu, zero0 and zero0["cpu"]),
-                f"{r['first']:.5f}",
-                f"{r['last']:.5f}",
-                f"{r['bytes'] / 2**20:.2f}",
-                f"{formula / 2**20:.2f}",
-                f"{r['bytes'] / formula:.3f}",
-                number(predicted and predicted / 2**20, ".2f"),
-            )
-    t.notes.append(
+    notes = [
         f"Psi = {psi:,} parameters, N = dp. state: the largest rank's measured parameters, gradients and optimizer "
         "states; formula: parallel/zero/__init__.py's table; estimate: trident/memory/estimate.py (padding included)."
-    )
-    return [t]
+    ]
+    steps, rounds = (1, 0) if args.state_only else (args.steps, args.rounds)
+    return [compare(Comparison(title, columns, settings, warmup=1, steps=steps, rounds=rounds, notes=notes))]
 
 
 def job_tokens(job: Job, world: int) -> int:
     return world * job.micro_batches * job.micro_batch * (job.batch_seq or job.cfg.model.seq_len)
 
 
-class Trident:
+class _Trained(Steps):
+    """A variant's step on this dp rank's batches: its summed loss, all-reduced, per token."""
+
+    def __init__(self, batches: Callable[[int], list[Batch]], tokens: int) -> None:
+        super().__init__()
+        self.batches, self.tokens = batches, tokens
+
+    def step(self, i: int) -> float:
+        loss = self.train(self.batches(i))
+        dist.all_reduce(loss)
+        return loss.item() / self.tokens
+
+    def train(self, batches: list[Batch]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Trident(_Trained):
     """trident at ``cfg.parallel.zero``, built as train.py builds it."""
 
-    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device) -> None:
+    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, *data: object) -> None:
+        super().__init__(*data)
         self.parts = build_parts(cfg, layout_of(cfg, groups), groups, device)
 
-    def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
-        loss = self.parts.runner.forward_backward(batches, self.parts.chunks[-1].loss_sum, 1.0 / tokens)
+    def train(self, batches: list[Batch]) -> torch.Tensor:
+        loss = self.parts.runner.forward_backward(batches, self.parts.chunks[-1].loss_sum, 1.0 / self.tokens)
         self.parts.optimizer.step.step(1e-4)
         return loss
 
@@ -212,8 +199,9 @@ def torch_state_bytes(model: torch.nn.Module, optimizer_state: dict) -> int:
     return storage_bytes([*params, *grads, *states])
 
 
-class TorchDDPZero:
-    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device) -> None:
+class TorchDDPZero(_Trained):
+    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, *data: object) -> None:
+        super().__init__(*data)
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
@@ -225,14 +213,12 @@ class TorchDDPZero:
             args.pop("params"), optimizer_class=torch.optim.AdamW, process_group=groups.dp_group, **args
         )
 
-    def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
-        return _torch_step(self.model, self.loss_fn, self.optimizer, self.clip, batches, tokens, self.model.no_sync)
+    def train(self, batches: list[Batch]) -> torch.Tensor:
+        model, tokens = self.model, self.tokens
+        return _torch_step(model, self.loss_fn, self.optimizer, self.clip, batches, tokens, model.no_sync)
 
     def state_bytes(self) -> int:
         return torch_state_bytes(self.model, self.optimizer.optim.state)  # the local shard's AdamW
-
-    def close(self) -> None:
-        pass
 
 
 def _torch_step(
@@ -258,8 +244,9 @@ def _torch_step(
     return total
 
 
-class TorchFSDP2:
-    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device) -> None:
+class TorchFSDP2(_Trained):
+    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, *data: object) -> None:
+        super().__init__(*data)
         from torch.distributed.fsdp import fully_shard
 
         (model,) = model_chunks(cfg.model, layout_of(cfg, groups), cfg.train, groups, device)
@@ -270,14 +257,11 @@ class TorchFSDP2:
         self.model, self.clip = model, cfg.optim.grad_clip
         self.optimizer = torch.optim.AdamW(**adamw_args(model, cfg))
 
-    def step(self, batches: list[Batch], tokens: int) -> torch.Tensor:
-        return _torch_step(self.model, self.model.loss_sum, self.optimizer, self.clip, batches, tokens)
+    def train(self, batches: list[Batch]) -> torch.Tensor:
+        return _torch_step(self.model, self.model.loss_sum, self.optimizer, self.clip, batches, self.tokens)
 
     def state_bytes(self) -> int:
         return torch_state_bytes(self.model, self.optimizer.state)
-
-    def close(self) -> None:
-        pass
 
 
 class _nothing:
@@ -296,55 +280,23 @@ def batches_for(step: int, rank: int, world: int, job: Job) -> list[Batch]:
     return random_batches(vocab, job.micro_batches, job.micro_batch, length, step, 1_000 * step + rank, first)
 
 
-def _rank(rank: int, world: int, job: Job) -> dict:
+def _variants(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
+    world = rank.world
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    device = torch.device("cpu")  # gloo: FSDP2 and ZeroRedundancyOptimizer on CPU tensors, as trident
+    device = rank.device  # gloo: FSDP2 and ZeroRedundancyOptimizer on CPU tensors, as trident
     groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
     cfg = job.cfg
-    builders: dict[str, Callable[[], object]] = {
+    data = (lambda i: batches_for(i, rank.rank, world, job), job_tokens(job, world))
+    builders: dict[str, Callable[[], Steps]] = {
         **{
             f"zero{z}": (
                 lambda z=z: Trident(
-                    dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=z)), groups, device
+                    dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=z)), groups, device, *data
                 )  # fmt: skip
             )
             for z in range(4)
         },
-        "ddp+zro": lambda: TorchDDPZero(cfg, groups, device),
-        "fsdp2": lambda: TorchFSDP2(cfg, groups, device),
+        "ddp+zro": lambda: TorchDDPZero(cfg, groups, device, *data),
+        "fsdp2": lambda: TorchFSDP2(cfg, groups, device, *data),
     }
-    tokens = job_tokens(job, world)
-    variants = {name: builders[name]() for name in job.variants}
-    losses: dict[str, list[float]] = {name: [] for name in variants}
-
-    def train(name: str) -> Callable[[int], None]:
-        def step(i: int) -> None:
-            loss = variants[name].step(batches_for(i, rank, world, job), tokens)
-            dist.all_reduce(loss)
-            losses[name].append(loss.item() / tokens)
-
-        return step
-
-    steps = {name: train(name) for name in variants}
-    if job.state_only:
-        timings = alternate(steps, warmup=1, steps=1, rounds=0)
-    else:
-        timings = alternate(steps, warmup=1, steps=job.steps, rounds=job.rounds, sync=lambda: barrier(device))
-    nbytes = torch.tensor([variants[name].state_bytes() for name in variants], dtype=torch.float64)
-    dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
-    # CPU seconds a step costs all ranks together (their compute and gloo threads): unlike wall time, it hardly
-    # moves when other processes load the machine.
-    cpu_s = torch.tensor([statistics.median(timings[n].cpu or [0.0]) for n in variants], dtype=torch.float64)
-    dist.all_reduce(cpu_s)
-    for v in variants.values():
-        v.close()
-    return {
-        name: {
-            "wall": timings[name].wall,
-            "cpu": cpu_s[i].item(),
-            "first": losses[name][0],
-            "last": losses[name][-1],
-            "bytes": int(nbytes[i]),
-        }
-        for i, name in enumerate(variants)
-    }
+    return {name: builders[name] for name in job.variants}
