@@ -1,28 +1,11 @@
 """``tools/bench.py throughput``: trident's training step against a plain PyTorch loop over the same model and
-batches.
+batches (``--dp`` > 1: torch DDP; ``--hf``: also transformers' LlamaForCausalLM), tokens/s and MFU
+(docs/benchmarks.md#throughput).
 
     python tools/bench.py throughput [--model gpt-mini] [--micro-batch 4] [--global-batch 32] [--precision bf16]
     python tools/bench.py throughput --dp 2        # dp=2: trident's reducer against torch DDP
-    python tools/bench.py throughput --model llama-150m --hf --seq 256 --micro-batch 4 --global-batch 4 \
+    python tools/bench.py throughput --model llama-150m --hf --seq 256 --micro-batch 4 --global-batch 4 \\
         --precision fp32 bf16                      # also transformers' LlamaForCausalLM; a table per precision
-
-On ``--dp`` local ranks (trident_dev.ranks' pool), from the same initial weights on the same batches, alternating in
-rounds (trident_dev/bench/harness.py):
-
-- trident: what train.py runs, built by trident/build.py: ``build_parts`` (model chunks, the ZeRO optimizer of
-  ``--zero`` with its reducer, the runner) and ``Trainer.train_step``. With bf16 or fp16 the parameters are 16-bit,
-  cast by the optimizer's precision policy, with fp32 masters and fp32 gradient reduction, as in a run.
-- the baseline: what a user would write with torch alone, on the same GPT (``model_chunks``, left in fp32): torch's
-  automatic mixed precision (fp32 weights under autocast), loss / micro-batches, backward (under DDP's no_sync
-  except on the last micro-batch when dp > 1), clip_grad_norm_, AdamW, zero_grad, the loss all-reduced for logging.
-- with ``--hf`` (a Llama-block preset, one process): transformers' ``LlamaForCausalLM`` of the same shape (hidden
-  size, layers, heads, kv heads, intermediate size, vocabulary, tied or not, rope_theta, RMSNorm eps, biases;
-  ``attn_implementation="sdpa"``), holding the same initial weights (trident/checkpoint/hf.py's mapping), trained by
-  the baseline's plain loop (the same AdamW groups, learning rate, clipping and mixed precision) on the same batches:
-  its logits through the same fp32 cross-entropy against the same targets.
-
-Each table row: tokens/s (median over rounds) and the spread of its rounds, the row over the plain torch loop
-("x baseline") and trident over the row ("trident / this": above 1.00x, trident is faster).
 """
 
 from __future__ import annotations
@@ -30,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,36 +28,19 @@ from trident.models.gpt import flops_per_token
 from trident.parallel.groups import build_process_groups
 from trident.parallel.placement import placement_of
 from trident.parallel.topology import Topology
+from trident_dev.bench.compare import Column, Comparison, Rank, Row, Run, Setting, Steps, compare
 from trident_dev.bench.harness import (
     Table,
     adamw_args,
-    alternate,
-    barrier,
     mfu,
     number,
     peak_flops,
     plain_step,
-    pool_backend,
     random_windows,
-    rank_device,
     ratio,
     spread,
-    tokens_per_s,
 )
-from trident_dev.ranks import run_distributed
 
-HEADER = [
-    "variant",
-    "ranks",
-    "precision",
-    "tokens/s",
-    "spread",
-    "x baseline",
-    "trident / this",
-    "MFU",
-    "first loss",
-    "last loss",
-]
 HF = "transformers LlamaForCausalLM"
 
 
@@ -141,115 +108,100 @@ def table(
     cfg: Config, dp: int, warmup: int, steps: int, rounds: int, peak_tflops: float | None, hf: bool = False
 ) -> Table:
     """trident's step, the torch baseline of ``cfg`` on ``dp`` ranks and (``hf``) transformers' Llama, one table."""
-    job = Job(cfg, warmup, steps, rounds, peak_tflops, hf)
-    result = run_distributed(_rank, dp, job, backend=pool_backend(dp), timeout_s=24 * 3600)[0]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     baseline = "torch DDP" if dp > 1 else "plain torch loop"
-    rates = {name: tokens_per_s(tokens, r["wall"]) for name, r in result["variants"].items()}
-    t = Table(
-        f"model {cfg.model.name}, dp {dp}, {result['device']}, {cfg.train.precision}, global batch "
-        f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}, "
-        f"zero {cfg.parallel.zero}; {rounds} rounds x {steps} steps after {warmup} warm-up",
-        HEADER,
-    )
-    autocast_note = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
-    dtypes = result["param_dtypes"]
-    precisions = {"trident": f"{dtypes['trident']} parameters", baseline: f"{dtypes[baseline]} weights{autocast_note}"}
-    if HF in dtypes:
-        precisions[HF] = f"{dtypes[HF]} weights{autocast_note}"
-    for name, r in result["variants"].items():
-        rate = rates[name]
-        t.add(
-            name,
-            dp,
-            precisions[name],
-            number(rate.median),
-            spread(r["wall"]),
-            ratio(rate.median, rates[baseline].median),
-            ratio(rates["trident"].median, rate.median),
-            number(mfu(rate.median, flops_per_token(cfg.model), result["peak_flops"]), ".2%"),
-            f"{r['first_loss']:.6f}",
-            f"{r['last_loss']:.6f}",
+    setting = Setting(_variants, Job(cfg, peak_tflops, hf), {"ranks": dp}, world=dp)
+
+    def rate(row: Row, name: str | None = None) -> float:
+        return (row.out if name is None else row.of(name)).rate(tokens).median
+
+    columns = [
+        Column("variant"),
+        Column("ranks"),
+        Column("precision", lambda r: r.out.figures["precision"]),
+        Column("tokens/s", lambda r: number(rate(r))),
+        Column("spread", lambda r: spread(r.out.wall)),
+        Column("x baseline", lambda r: ratio(rate(r), rate(r, baseline))),
+        Column("trident / this", lambda r: ratio(rate(r, "trident"), rate(r))),
+        Column("MFU", lambda r: number(mfu(rate(r), flops_per_token(cfg.model), r.info["peak_flops"]), ".2%")),
+        Column("first loss", lambda r: f"{r.out.losses[0]:.6f}"),
+        Column("last loss", lambda r: f"{r.out.losses[-1]:.6f}"),
+    ]
+
+    def title(runs: list[Run]) -> str:
+        return (
+            f"model {cfg.model.name}, dp {dp}, {runs[0].info[0]['device']}, {cfg.train.precision}, global batch "
+            f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}, "
+            f"zero {cfg.parallel.zero}; {rounds} rounds x {steps} steps after {warmup} warm-up"
         )
-    rounds_line = "; ".join(
-        f"{name} {', '.join(number(tokens / s) for s in r['wall'])}" for name, r in result["variants"].items()
-    )
-    t.notes.append(f"rounds (tokens/s): {rounds_line}. spread: (fastest - slowest round) / median.")
-    return t
+
+    def notes(runs: list[Run]) -> list[str]:
+        outs = runs[0].outcomes.values()
+        line = "; ".join(f"{out.name} {', '.join(number(tokens / s) for s in out.wall)}" for out in outs)
+        return [f"rounds (tokens/s): {line}. spread: (fastest - slowest round) / median."]
+
+    return compare(Comparison(title, columns, [setting], warmup, steps, rounds, notes))
 
 
 @dataclasses.dataclass
 class Job:
     cfg: Config
-    warmup: int
-    steps: int
-    rounds: int
     peak_tflops: float | None
     hf: bool = False
 
 
-def _rank(rank: int, world: int, job: Job) -> dict:
-    cfg = job.cfg
+def _dtype(module: torch.nn.Module) -> str:
+    return str(next(module.parameters()).dtype).removeprefix("torch.")
+
+
+def _variants(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
+    cfg, world, device = job.cfg, rank.world, rank.device
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    device = rank_device(rank, world)
     groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
     data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
-
+    rank.info.update(device=device.type, peak_flops=peak_flops(device, cfg.train.precision, job.peak_tflops, world))
+    autocast_note = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
+    on_cuda = device.type == "cuda"  # AdamW decays matrices only, as trident's optimizer steps
     parts = build_parts(cfg, layout_of(cfg, groups), groups, device)
     trainer = Trainer(cfg, groups, parts, (data, data))
 
-    (model,) = model_chunks(
-        cfg.model, layout_of(cfg, groups), cfg.train, groups, device
-    )  # the same weights, left fp32: torch's own mixed precision
-    on_cuda = device.type == "cuda"  # AdamW decays matrices only, as trident's optimizer steps
-    opt = torch.optim.AdamW(**adamw_args(model, cfg, foreach=not on_cuda, fused=on_cuda))
-    ddp = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True) if world > 1 else model
-    precision = cfg.train.precision
+    def one_process() -> torch.nn.Module:
+        """The same initial weights, left fp32: torch's own mixed precision."""
+        (model,) = model_chunks(cfg.model, layout_of(cfg, groups), cfg.train, groups, device)
+        return model
 
-    def torch_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, no_sync: bool) -> float:
+    def torch_loop(net: torch.nn.Module, params: torch.nn.Module, ddp: bool) -> Steps:
         """``plain_step`` (under DDP's no_sync but the last micro-batch), the loss averaged over the ranks."""
-        total = plain_step(net, optimizer, trainer.micro_batches(step), cfg, step, no_sync)
-        dist.all_reduce(total)
-        return total.item() / world
+        optimizer = torch.optim.AdamW(**adamw_args(params, cfg, foreach=not on_cuda, fused=on_cuda))
 
-    def baseline_step(step: int) -> float:
-        return torch_step(ddp, opt, step, no_sync=world > 1)
+        def step(i: int) -> float:
+            total = plain_step(net, optimizer, trainer.micro_batches(i), cfg, i, no_sync=ddp)
+            dist.all_reduce(total)
+            return total.item() / world
 
-    losses: dict[str, list[float]] = {"trident": [], "base": [], "hf": []}
+        return Steps(step, figures=lambda: {"precision": f"{_dtype(params)} weights{autocast_note}"})
 
-    def ours(step: int) -> None:
-        losses["trident"].append(trainer.train_step(step, trainer.micro_batches(step)).loss)
+    def baseline() -> Steps:
+        model = one_process()
+        net = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True) if world > 1 else model
+        return torch_loop(net, model, world > 1)
 
-    def base(step: int) -> None:
-        losses["base"].append(baseline_step(step))
+    def hf() -> Steps:
+        model = hf_llama(cfg, one_process()).to(device)
+        return torch_loop(_Logits(model), model, False)
 
-    variants = {"trident": ours, "base": base}
-    baseline = "torch DDP" if world > 1 else "plain torch loop"
-    labels = {"trident": "trident", "base": baseline}
-    dtype = {
-        "trident": next(parts.chunks[0].parameters()).dtype,  # what the optimizer's precision policy made them
-        baseline: next(model.parameters()).dtype,
+    variants = {
+        "trident": lambda: Steps(
+            lambda i: trainer.train_step(i, trainer.micro_batches(i)).loss,
+            close=parts.optimizer.remove_hooks,
+            # what the optimizer's precision policy made them
+            figures=lambda: {"precision": f"{_dtype(parts.chunks[0])} parameters"},
+        ),
+        "torch DDP" if world > 1 else "plain torch loop": baseline,
     }
     if job.hf:
-        hf = hf_llama(cfg, model).to(device)
-        hf_opt = torch.optim.AdamW(**adamw_args(hf, cfg, foreach=not on_cuda, fused=on_cuda))
-        logits = _Logits(hf)
-        variants["hf"] = lambda step: losses["hf"].append(torch_step(logits, hf_opt, step, no_sync=False))
-        labels["hf"] = HF
-        dtype[HF] = next(hf.parameters()).dtype
-
-    timings = alternate(variants, warmup=job.warmup, steps=job.steps, rounds=job.rounds, sync=lambda: barrier(device))
-    parts.optimizer.remove_hooks()
-    peak = peak_flops(device, precision, job.peak_tflops, world)
-    return {
-        "device": device.type,
-        "peak_flops": peak,
-        "param_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtype.items()},
-        "variants": {
-            label: {"wall": timings[name].wall, "first_loss": losses[name][0], "last_loss": losses[name][-1]}
-            for name, label in labels.items()
-        },
-    }
+        variants[HF] = hf
+    return variants
 
 
 class _Logits(torch.nn.Module):
