@@ -219,7 +219,16 @@ class Comparison:
 
 def compare(c: Comparison) -> Table:
     """Run every setting of ``c`` and table it: a row per variant (or per setting), a cell per column."""
-    runs = [_execute(s, c) for s in c.settings]
+    return tabulate(c, run_settings(c))
+
+
+def run_settings(c: Comparison) -> list[Run]:
+    """Run every setting of ``c`` (a refused one is not run)."""
+    return [_execute(s, c) for s in c.settings]
+
+
+def tabulate(c: Comparison, runs: list[Run]) -> Table:
+    """The table of ``c``'s runs."""
     table = Table(c.title(runs) if callable(c.title) else c.title, [col.header for col in c.columns])
     for run in runs:
         s = run.setting

@@ -1,48 +1,17 @@
-"""``tools/bench.py tp``: tokens/s of trident's tensor parallelism against torch's own (DTensor) and one process,
-and the collectives it sends.
+"""``tools/bench.py tp``: tokens/s of trident's tensor parallelism (+SP) against torch's own (DTensor) and one
+process, and the collectives each sends per step, trident's against the analytic count
+(docs/benchmarks.md#tp).
 
     python tools/bench.py tp [--tp 2] [--model gpt-mini] [--micro-batch 4] [--seq-len 128] [--steps 3] [--rounds 4]
         [--ref-threads 1 2]
 
 --seq-len overrides the preset's model.seq_len (gpt-mini's 256 is twice the default here; 0 keeps the preset's).
-
-One invocation on --tp ranks (trident_dev.ranks' pool) trains the variants below of one model config, from the same
-initial weights on the same batches, alternating timed blocks in rounds (trident_dev/bench/harness.py), and tables the
-median tokens/s of each:
-
-  tp=1        one rank trains the whole model alone (trident at tp=1, built by trident/build.py, through the
-              Trainer's step) while the others wait at a barrier: the one-process speed, with the torch threads each
-              rank of this launch has (cores / N), or once per count in --ref-threads (e.g. 1 2: 2 is what a lone
-              `python train.py` takes on 2 cores; on a busy machine OpenMP threads spinning for a preempted sibling
-              can make that several times slower, unless OMP_WAIT_POLICY=passive). "vs tp=1" divides by the fastest
-              tp=1 row.
-  trident     trident at tp=N as train.py builds it (``build_parts``: model chunks, reducer, the ZeRO optimizer at
-              stage 0, GradStep with global-norm clipping and the gradient sums placements ask for) through
-              ``Trainer.train_step``; model.loss_sum is the vocab-parallel cross-entropy.
-  trident+SP  the same with parallel.sequence_parallel=true.
-  DTensor     the same GPT written with nn.Linear / nn.Embedding / nn.LayerNorm (trident_dev/bench/dtensor_model.py:
-              same parameter names and shapes, loaded from the tp=1 model's state dict), parallelized with
-              torch.distributed.tensor.parallel on a DeviceMesh over the same ranks: qkv and fc ColwiseParallel, the
-              projections RowwiseParallel, the token embedding RowwiseParallel (vocab-sharded rows, as
-              VocabParallelEmbedding) and the LM head ColwiseParallel on that same, tied weight with Shard(-1) logits,
-              so the loss is vocab-parallel cross-entropy under loss_parallel(): the full logits are never gathered,
-              as in trident. LayerNorms and wpe are replicated DTensors (distribute_module), so clip_grad_norm_ and
-              AdamW see only DTensors.
-  DTensor+SP  the same with SequenceParallel LayerNorms, PrepareModuleInput (Shard(1) -> Replicate) on attention
-              and MLP, RowwiseParallel(output_layouts=Shard(1)) projections and embedding, and wpe looked up by this
-              rank's sequence shard of positions (SequenceParallel on dim 0).
-
-Every step is one micro-batch of --micro-batch sequences (the global batch), fp32: forward, summed token loss
-divided by the step's tokens, backward, global-norm clipping at optim.grad_clip, AdamW (trident's hyperparameters,
-decay on matrices only) at lr_at(step). The DTensor step is the plain torch loop a user would write:
-clip_grad_norm_, optimizer.step, zero_grad. The first step of each variant is untimed: its loss is shown (all must
-agree; so must the last timed step's, after the same updates) and its collectives are counted on every rank
-(trident_dev/bench/collectives.py), trident's checked against the analytic count.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -63,24 +32,20 @@ from trident.parallel.groups import build_process_groups
 from trident.parallel.placement import placement_of
 from trident.parallel.topology import Topology
 from trident_dev.bench.collectives import DTensorComms, comm_table, counting_collectives
-from trident_dev.bench.dtensor_model import TorchGPT, parallelize_torch_gpt
-from trident_dev.bench.harness import (
-    Table,
-    adamw_args,
-    alternate,
-    barrier,
-    device_mesh,
-    number,
-    one_rank_groups,
-    pool_backend,
-    random_windows,
-    rank_device,
-    spread,
+from trident_dev.bench.compare import (
+    Column,
+    Comparison,
+    Outcome,
+    Rank,
+    Row,
+    Run,
+    Setting,
+    Steps,
+    run_settings,
+    tabulate,
 )
-from trident_dev.ranks import run_distributed
-
-HEADER = ["variant", "tokens/s", "spread", "vs tp=1", "vs DTensor", "step-0 loss", "last loss", "rounds (tokens/s)"]
-
+from trident_dev.bench.dtensor_model import TorchGPT, parallelize_torch_gpt
+from trident_dev.bench.harness import Table, adamw_args, device_mesh, number, one_rank_groups, random_windows, spread
 
 # ---------------------------------------------------------------------------------------------------------------
 # What trident's collectives should be, and what DTensor's are (trident_dev/bench/collectives.py counts them).
@@ -138,8 +103,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 @dataclasses.dataclass
 class Job:
     cfg: Config  # at tp=N, without sequence parallelism
-    steps: int
-    rounds: int
     ref_threads: list[int] | None
 
 
@@ -156,51 +119,66 @@ def run(args: argparse.Namespace) -> list[Table]:
         validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True)), tp)
     except ConfigError as e:
         raise SystemExit(f"error: {e} (--seq-len sets model.seq_len here)") from None
-    job = Job(cfg, args.steps, args.rounds, args.ref_threads)
-    r = run_distributed(_rank, tp, job, backend=pool_backend(tp), timeout_s=24 * 3600)[0]
-
     m, s = cfg.model, cfg.model.seq_len
     tokens = b * s
-    rates = {name: [tokens / t for t in v["wall"]] for name, v in r["variants"].items()}
-    median = {name: statistics.median(v) for name, v in rates.items()}
-    references = [name for name in rates if name.startswith("tp=1")]
-    one_process = max(median[name] for name in references)
-    t = Table(
-        f"model {args.model} (d={m.d_model}, {m.n_layers} layers, {m.n_heads} heads, vocab {m.vocab_size}), seq {s}, "
-        f"micro-batch {b} = {b * s} tokens/step, fp32, {r['device']}, {tp} ranks x {r['threads']} torch threads, "
-        f"{args.rounds} rounds x {args.steps} steps; vs tp=1: against the fastest tp=1 row",
-        HEADER,
-    )
-    for name, v in r["variants"].items():
-        dtensor = f"DTensor tp={tp}" + (" +SP" if name.endswith("+SP") else "")
-        t.add(
-            name,
-            number(median[name]),
-            spread(rates[name]),
-            f"{median[name] / one_process:.3f}",
-            f"{median[name] / median[dtensor]:.3f}" if name not in references else "-",
-            f"{v['first_loss']:.6f}",
-            f"{v['last_loss']:.6f}",
-            ", ".join(number(x) for x in rates[name]),
+
+    def rates(out: Outcome) -> list[float]:
+        return [tokens / t for t in out.wall]
+
+    def median(out: Outcome) -> float:
+        return statistics.median(rates(out))
+
+    def one_process(row: Row) -> float:  # the fastest tp=1 row
+        return max(median(out) for name, out in row.run.outcomes.items() if name.startswith("tp=1"))
+
+    def vs_dtensor(row: Row) -> str:
+        if row.name.startswith("tp=1"):
+            return "-"
+        dtensor = row.of(f"DTensor tp={tp}" + (" +SP" if row.name.endswith("+SP") else ""))
+        return f"{median(row.out) / median(dtensor):.3f}"
+
+    columns = [
+        Column("variant"),
+        Column("tokens/s", lambda r: number(median(r.out))),
+        Column("spread", lambda r: spread(rates(r.out))),
+        Column("vs tp=1", lambda r: f"{median(r.out) / one_process(r):.3f}"),
+        Column("vs DTensor", vs_dtensor),
+        Column("step-0 loss", lambda r: f"{r.out.losses[0]:.6f}"),
+        Column("last loss", lambda r: f"{r.out.losses[-1]:.6f}"),
+        Column("rounds (tokens/s)", lambda r: ", ".join(number(x) for x in rates(r.out))),
+    ]
+
+    def title(runs: list[Run]) -> str:
+        info = runs[0].info[0]
+        return (
+            f"model {args.model} (d={m.d_model}, {m.n_layers} layers, {m.n_heads} heads, vocab {m.vocab_size}), "
+            f"seq {s}, micro-batch {b} = {b * s} tokens/step, fp32, {info['device']}, {tp} ranks x {info['threads']} "
+            f"torch threads, {args.rounds} rounds x {args.steps} steps; vs tp=1: against the fastest tp=1 row"
         )
-    tables = [t]
-    size = r["element_size"]
+
+    setting = Setting(_variants, Job(cfg, args.ref_threads), world=tp)
+    comparison = Comparison(title, columns, [setting], warmup=1, steps=args.steps, rounds=args.rounds)
+    runs = run_settings(comparison)
+    tables = [tabulate(comparison, runs)]
+    (run_,) = runs
+    outcomes, info = run_.outcomes, run_.info[0]
+    size = next(o.figures["element_size"] for o in outcomes.values() if "element_size" in o.figures)
     for sp in (False, True):
         name = f"trident tp={tp}" + (" +SP" if sp else "")
-        log = r["variants"][name]
-        analytic = analytic_comms(m, b, s, tp, sp, r["sp_numel"])
+        analytic = analytic_comms(m, b, s, tp, sp, info["sp_numel"])
         title = (
             f"{name}: collectives per step per rank (b*s*h = {b}*{s}*{m.d_model} = {b * s * m.d_model:,} elements "
             f"x {size} bytes)"
         )
-        tables.append(comm_table(title, log["calls"], size, analytic))
+        tables.append(comm_table(title, outcomes[name].figures["calls"], size, analytic))
     for sp in (False, True):
         name = f"DTensor tp={tp}" + (" +SP" if sp else "")
-        notes = dtensor_notes(m, b, s, tp, r["n_params"][name])
+        notes = dtensor_notes(m, b, s, tp, outcomes[name].figures["n_params"])
         title = f"{name}: functional collectives per step per rank (measured)"
-        tables.append(comm_table(title, r["variants"][name]["calls"], size, notes))
+        tables.append(comm_table(title, outcomes[name].figures["calls"], size, notes))
+    same = all(r.figures.get("calls") == o.figures.get("calls") for o in outcomes.values() for r in o.ranks)
     tables[-1].notes.append(
-        f"rank 0's counts; every rank's are {'the same' if r['same_everywhere'] else 'NOT the same'}. "
+        f"rank 0's counts; every rank's are {'the same' if same else 'NOT the same'}. "
         "phase: bwd inside autograd's backward, fwd anything else (forward, loss, optimizer step). "
         "bytes passed: an all-reduce's tensor, an all-gather's output, a reduce-scatter's input (b*s*h for an "
         "activation at any tp). ring wire: what one rank sends with ring algorithms, 2(N-1)/N of an all-reduce and "
@@ -209,20 +187,41 @@ def run(args: argparse.Namespace) -> list[Table]:
     return tables
 
 
-class TridentVariant:
+class _Counted(Steps):
+    """A variant whose first step's collectives are counted (``counting``: a context giving the log, or a mode
+    holding it)."""
+
+    def __init__(self, step: Callable[[int], float], counting: Callable[[], object], **figures: object) -> None:
+        super().__init__(step)
+        self.counting, self.log, self.more = counting, None, figures
+
+    def step(self, i: int) -> float:
+        if i > 0:
+            return super().step(i)
+        with self.counting() as counter:
+            loss = super().step(i)
+        self.log = getattr(counter, "log", counter)
+        return loss
+
+    def figures(self) -> dict:
+        return {"calls": dict(self.log.calls), "element_size": self.log.element_size, **self.more}
+
+
+class TridentVariant(_Counted):
     """trident at ``cfg``'s layout on ``groups``, as train.py builds it, stepped by the Trainer."""
 
-    def __init__(self, cfg: Config, groups, device: torch.device) -> None:
+    def __init__(self, cfg: Config, groups, device: torch.device, counting: Callable[[], object]) -> None:
         self.parts: RunParts = build_parts(cfg, layout_of(cfg, groups), groups, device)
         data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
         self.trainer = Trainer(cfg, groups, self.parts, (data, data))
         self.sp_numel = sum(p.numel() for p in self.parts.chunks[0].parameters() if "tp" in placement_of(p).grad_sums)
+        super().__init__(lambda i: self.trainer.train_step(i, self.trainer.micro_batches(i)).loss, counting)
 
-    def step(self, step: int) -> float:
-        return self.trainer.train_step(step, self.trainer.micro_batches(step)).loss
+    def close(self) -> None:
+        self.parts.optimizer.remove_hooks()
 
 
-class DTensorVariant:
+class DTensorVariant(_Counted):
     def __init__(self, cfg: Config, mesh: DeviceMesh, sequence_parallel: bool, weights: dict, batches) -> None:
         m = cfg.model
         model = TorchGPT(m)
@@ -232,8 +231,10 @@ class DTensorVariant:
         self.model = parallelize_torch_gpt(model.to(mesh.device_type), mesh, sequence_parallel)
         self.optimizer = torch.optim.AdamW(**adamw_args(self.model, cfg))
         self.optim_cfg, self.total_steps, self.batches = cfg.optim, cfg.train.steps, batches
+        tp = mesh.size()
+        super().__init__(self.train, lambda: DTensorComms(tp), n_params=len(list(self.model.parameters())))
 
-    def step(self, step: int) -> float:
+    def train(self, step: int) -> float:
         self.model.train()
         x, y, *_ = self.batches(step)[0]
         tokens = x.numel()
@@ -250,93 +251,51 @@ class DTensorVariant:
         return loss.to_local().item() / tokens
 
 
-def _rank(rank: int, tp: int, job: Job) -> dict:
+def _variants(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
+    tp, device = rank.world, rank.device
     threads = max(1, (os.cpu_count() or 1) // tp)
     torch.set_num_threads(threads)
-    device = rank_device(rank, tp)
+    rank.info.update(device=device.type, threads=threads)
     cfg = job.cfg
     groups = build_process_groups(Topology(dp=1, pp=1, tp=tp))
     alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 is in it
     mesh = device_mesh(groups.tp_group, device.type, "tp")
     one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
     sp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
+    built: dict[bool, TridentVariant] = {}
 
-    def reference(n: int) -> Callable[[int], float]:
+    def reference(n: int) -> Steps:
         """The whole model on rank 0 with ``n`` torch threads; every other rank only waits."""
-        if rank != 0:
-            return lambda step: float("nan")
-        inner = TridentVariant(one, one_rank_groups(alone), device)
+        if rank.rank != 0:
+            return Steps(lambda step: float("nan"))
+        inner = TridentVariant(one, one_rank_groups(alone), device, contextlib.nullcontext)
 
         def step(i: int) -> float:
             torch.set_num_threads(n)
             try:
-                return inner.step(i)
+                return inner.trainer.train_step(i, inner.trainer.micro_batches(i)).loss
             finally:
                 torch.set_num_threads(threads)
 
-        return step
+        return Steps(step, close=inner.close)
 
-    ours, ours_sp = TridentVariant(cfg, groups, device), TridentVariant(sp, groups, device)
-    # The tp=1 model's weights, for the DTensor twins to load: built as the one-process run builds them.
-    (plain,) = model_chunks(one.model, layout_of(one, one_rank_groups(None)), one.train, one_rank_groups(None), device)
-    weights = plain.state_dict()
-    variants: dict[str, Callable[[int], float]] = {
-        f"tp=1, {n} thread{'s' if n > 1 else ''}": reference(n) for n in job.ref_threads or [threads]
+    def trident(with_sp: bool) -> TridentVariant:
+        built[with_sp] = TridentVariant(sp if with_sp else cfg, groups, device, counting_collectives)
+        rank.info["sp_numel"] = built[with_sp].sp_numel
+        return built[with_sp]
+
+    def dtensor(with_sp: bool) -> DTensorVariant:
+        # The tp=1 model's weights, for the DTensor twins to load: built as the one-process run builds them.
+        (plain,) = model_chunks(
+            one.model, layout_of(one, one_rank_groups(None)), one.train, one_rank_groups(None), device
+        )
+        return DTensorVariant(cfg, mesh, with_sp, plain.state_dict(), built[False].trainer.micro_batches)
+
+    variants: dict[str, Callable[[], Steps]] = {
+        f"tp=1, {n} thread{'s' if n > 1 else ''}": (lambda n=n: reference(n)) for n in job.ref_threads or [threads]
     }
-    variants[f"trident tp={tp}"] = ours.step
-    variants[f"trident tp={tp} +SP"] = ours_sp.step
-    dtensor = {sp: DTensorVariant(cfg, mesh, sp, weights, ours.trainer.micro_batches) for sp in (False, True)}
-    variants[f"DTensor tp={tp}"] = dtensor[False].step
-    variants[f"DTensor tp={tp} +SP"] = dtensor[True].step
-
-    # Step 0 of each variant, untimed: its loss, and its collectives counted.
-    first_loss, logs = {}, {}
-    for name, step in variants.items():
-        if name.startswith("trident"):
-            with counting_collectives() as logs[name]:
-                first_loss[name] = step(0)
-        elif name.startswith("DTensor"):
-            with DTensorComms(tp) as mode:
-                first_loss[name] = step(0)
-            logs[name] = mode.log
-        else:
-            first_loss[name] = step(0)
-    every_rank: list[dict] = [{} for _ in range(tp)]
-    dist.all_gather_object(every_rank, {name: dict(log.calls) for name, log in logs.items()})
-
-    last_loss: dict[str, float] = {}
-
-    def timed(name: str) -> Callable[[int], None]:
-        def step(i: int) -> None:
-            last_loss[name] = variants[name](1 + i)
-
-        return step
-
-    timings = alternate(
-        {name: timed(name) for name in variants},
-        warmup=0,
-        steps=job.steps,
-        rounds=job.rounds,
-        sync=lambda: barrier(device),
-    )
-    for v in (ours, ours_sp):
-        v.parts.optimizer.remove_hooks()
-    return {
-        "device": device.type,
-        "threads": threads,
-        "sp_numel": ours_sp.sp_numel,
-        "element_size": next(iter(logs.values())).element_size,
-        "same_everywhere": all(counts == every_rank[0] for counts in every_rank),
-        "n_params": {
-            f"DTensor tp={tp}" + (" +SP" if k else ""): len(list(v.model.parameters())) for k, v in dtensor.items()
-        },
-        "variants": {
-            name: {
-                "wall": timings[name].wall,
-                "first_loss": first_loss[name],
-                "last_loss": last_loss[name],
-                "calls": dict(logs[name].calls) if name in logs else {},
-            }
-            for name in variants
-        },
-    }
+    variants[f"trident tp={tp}"] = lambda: trident(False)
+    variants[f"trident tp={tp} +SP"] = lambda: trident(True)
+    variants[f"DTensor tp={tp}"] = lambda: dtensor(False)
+    variants[f"DTensor tp={tp} +SP"] = lambda: dtensor(True)
+    return variants
