@@ -1,29 +1,12 @@
 """``tools/bench.py moe``: the mixture-of-experts block's experts as one grouped matrix product against a matmul per
-expert, forward and backward.
+expert, forward and backward; with ``--ep``, training steps at ep 1 against each ep, with the time in the experts'
+all-to-alls (docs/benchmarks.md#moe).
 
     python tools/bench.py moe                                   # two shapes, fp32 and bf16, on this machine's device
     python tools/bench.py moe --shapes 1024x2816x8x2 --tokens 8192 --precision bf16
-
-For each shape (``d_model x d_expert x experts x top_k``) one sparse MLP (models/moe.py, SwiGLU experts, softmax
-router) runs forward and backward on ``--tokens`` random tokens, in alternating rounds (trident_dev/bench/harness.py's
-order) with ``model.moe.grouped_mm`` on (``torch._grouped_mm`` over the experts' runs of rows) and off (one matmul
-per expert). Each row: milliseconds per forward and backward (median over rounds, and its spread) and the loop's
-time over the grouped one. The issue's target: the grouped path no slower.
-
     python tools/bench.py moe --ep 2 [--model moe-tiny] [--global-batch 16]   # expert parallelism, 2 ranks
     python tools/bench.py moe --shapes --ep 2 4                                 # ep 1, 2 and 4 on 4 ranks only
     python tools/bench.py moe --shapes --ep 2 --set model.d_model=256 model.moe.experts=8 model.moe.d_expert=512
-
-With ``--ep``, a second table: training steps (trident/build.py's parts and ``Trainer.train_step``, as train.py
-runs them) of ``--model`` on max(``--ep``) local ranks (trident_dev.ranks' pool) at a fixed global batch, ep = 1 (dp
-only: every rank all the experts) against each ``--ep`` (each rank experts / ep, tokens exchanged by all-to-all),
-in alternating rounds from the same weights on the same batches; tokens/s, the ep row over the dp row (the issue's
-target: ep 2 at least 0.8x of dp 2), the time rank 0 spent inside the experts' all-to-alls per step (the counts,
-the dispatch and the combine, forward and backward: ``ExchangeTimer`` around each call, so waiting for the other
-ranks is in it) and its share of the step, rank 0's CPU time per step, and each variant's last loss (the same steps:
-equal, to fp32's rounding over many steps). ``--set``: config overrides of the trained model (the line above: 8
-experts of 512 on a 256-wide model, where moe-tiny's 4 of 64 on 64 leave the exchanges' fixed cost nothing to hide
-behind). ``--shapes`` with no value leaves the grouped-product table out.
 """
 
 from __future__ import annotations
@@ -32,7 +15,7 @@ import argparse
 import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -45,22 +28,9 @@ from trident.models.moe import MoE, grouped_mm_fits
 from trident.parallel import comm
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
-from trident_dev.bench.harness import (
-    Stat,
-    Table,
-    alternate,
-    barrier,
-    number,
-    pool_backend,
-    random_windows,
-    rank_device,
-    ratio,
-    spread,
-    tokens_per_s,
-)
-from trident_dev.ranks import run_distributed
+from trident_dev.bench.compare import Column, Comparison, Outcome, Rank, Row, Run, Setting, Steps, compare
+from trident_dev.bench.harness import Stat, Table, number, random_windows, ratio, spread
 
-HEADER = ["shape (d x f x E x k)", "precision", "grouped ms", "loop ms", "loop / grouped", "spread (grouped / loop)"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -93,72 +63,87 @@ def forward_backward(m: MoE, x: torch.Tensor) -> None:
 
 def run(args: argparse.Namespace) -> list[Table]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    t = Table(
-        f"MoE experts, grouped product vs loop: {args.tokens} tokens, forward + backward on {device.type}; "
-        f"{args.rounds} rounds x {args.steps} after {args.warmup} warm-up, medians",
-        HEADER,
-    )
+    settings = []
     for shape in args.shapes:
         d, f, experts, top_k = (int(v) for v in shape.split("x"))
         for precision in args.precision:
-            dtype = DTYPES[precision]
-            if not grouped_mm_fits((d, f), dtype, device):
-                t.add(shape, precision, None, None, None, None)
-                t.notes.append(f"{shape} {precision}: no torch._grouped_mm for these widths on {device.type}")
+            cells = {"shape (d x f x E x k)": shape, "precision": precision}
+            if not grouped_mm_fits((d, f), DTYPES[precision], device):
+                note = f"{shape} {precision}: no torch._grouped_mm for these widths on {device.type}"
+                settings.append(Setting(cells=cells, refused="-", note=note))
                 continue
-            x = torch.randn(args.tokens, d, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-            blocks = {
-                name: block(d, f, experts, top_k, name == "grouped", dtype, device) for name in ("grouped", "loop")
-            }
+            job = (d, f, experts, top_k, precision, args.tokens)
+            settings.append(Setting(_blocks, job, cells, world=None, rows=["grouped"]))
 
-            variants = {name: (lambda _i, m=m, x=x: forward_backward(m, x)) for name, m in blocks.items()}
-            timings = alternate(
-                variants, warmup=args.warmup, steps=args.steps, rounds=args.rounds, sync=lambda: barrier(device)
-            )
-            grouped, loop = (Stat.of(timings[n].wall) for n in ("grouped", "loop"))
-            t.add(
-                shape,
-                precision,
-                number(1e3 * grouped.median, ".2f"),
-                number(1e3 * loop.median, ".2f"),
-                ratio(loop.median, grouped.median),
-                f"{spread(timings['grouped'].wall)} / {spread(timings['loop'].wall)}",
-            )
+    def ms(out: Outcome) -> str:
+        return number(1e3 * out.time.median, ".2f")
+
+    columns = [
+        Column("shape (d x f x E x k)"),
+        Column("precision"),
+        Column("grouped ms", lambda r: ms(r.out)),
+        Column("loop ms", lambda r: ms(r.of("loop"))),
+        Column("loop / grouped", lambda r: ratio(r.of("loop").time.median, r.out.time.median)),
+        Column("spread (grouped / loop)", lambda r: f"{spread(r.out.wall)} / {spread(r.of('loop').wall)}"),
+    ]
+    title = (
+        f"MoE experts, grouped product vs loop: {args.tokens} tokens, forward + backward on {device.type}; "
+        f"{args.rounds} rounds x {args.steps} after {args.warmup} warm-up, medians"
+    )
+    t = compare(Comparison(title, columns, settings, args.warmup, args.steps, args.rounds))
     tables = [t] if args.shapes else []
     return [*tables, ep_table(args)] if args.ep else tables
 
 
-EP_HEADER = [
-    "variant", "ranks", "tokens/s", "spread", "x dp", "all-to-all ms/step", "of the step", "CPU ms/step", "last loss",
-]  # fmt: skip
+def _blocks(rank: Rank, job: tuple) -> dict[str, Callable[[], Steps]]:
+    d, f, experts, top_k, precision, tokens = job
+    dtype, device = DTYPES[precision], rank.device
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+
+    def variant(grouped: bool) -> Steps:
+        m = block(d, f, experts, top_k, grouped, dtype, device)
+        return Steps(lambda _i: forward_backward(m, x))
+
+    return {"grouped": lambda: variant(True), "loop": lambda: variant(False)}
 
 
 def ep_table(args: argparse.Namespace) -> Table:
-    """Training steps of ``args.model`` on ``args.ep`` ranks: dp only against ep = ``args.ep`` (module docstring)."""
+    """Training steps of ``args.model`` on max(``args.ep``) ranks: dp only against each ep (docs/benchmarks.md)."""
     cfg = compose_config(
         args.conf,
         [f"model={args.model}", f"train.global_batch_size={args.global_batch}",
          f"train.micro_batch_size={args.micro_batch}", "train.steps=1000000", "optim.warmup_steps=0", *args.set],
     )  # fmt: skip
     world = max(args.ep)
-    job = EpJob(cfg, sorted(set(args.ep) - {1}), args.warmup, args.steps, args.rounds)
-    result = run_distributed(_ep_rank, world, job, backend=pool_backend(world), timeout_s=24 * 3600)[0]
+    job = EpJob(cfg, sorted(set(args.ep) - {1}), args.warmup, args.steps)
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     m = cfg.model
     shape = f" ({m.moe.experts} experts of {m.moe.d_expert}, top-{m.moe.top_k}, d_model {m.d_model})"
-    t = Table(
-        f"expert parallelism: model {cfg.model.name}{shape}, {world} ranks on {result['device']}, global batch "
-        f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}; "
-        f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, medians",
-        EP_HEADER,
-    )
-    rates = {name: tokens_per_s(tokens, r["wall"]) for name, r in result.items() if name != "device"}
-    for name, rate in rates.items():
-        wall, exchange = Stat.of(result[name]["wall"]).median, Stat.of(result[name]["exchange"]).median
-        t.add(name, world, number(rate.median), spread(result[name]["wall"]),
-              ratio(rate.median, rates["ep 1"].median), number(1e3 * exchange, ".1f"), f"{100 * exchange / wall:.0f}%",
-              number(1e3 * Stat.of(result[name]["cpu"]).median, ".1f"), f"{result[name]['last_loss']:.6f}")  # fmt: skip
-    return t
+
+    def title(runs: list[Run]) -> str:
+        return (
+            f"expert parallelism: model {cfg.model.name}{shape}, {world} ranks on {runs[0].info[0]['device']}, global "
+            f"batch {cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch "
+            f"{cfg.train.micro_batch_size}; {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, "
+            "medians"
+        )
+
+    def exchange(row: Row) -> float:
+        return Stat.of(row.out.figures["exchange"]).median
+
+    columns = [
+        Column("variant"),
+        Column("ranks"),
+        Column("tokens/s", lambda r: number(r.out.rate(tokens).median)),
+        Column("spread", lambda r: spread(r.out.wall)),
+        Column("x dp", lambda r: ratio(r.out.rate(tokens).median, r.of("ep 1").rate(tokens).median)),
+        Column("all-to-all ms/step", lambda r: number(1e3 * exchange(r), ".1f")),
+        Column("of the step", lambda r: f"{100 * exchange(r) / r.out.time.median:.0f}%"),
+        Column("CPU ms/step", lambda r: number(1e3 * Stat.of(r.out.ranks[0].cpu).median, ".1f")),
+        Column("last loss", lambda r: f"{r.out.losses[-1]:.6f}"),
+    ]
+    setting = Setting(_ep_variants, job, {"ranks": world}, world=world)
+    return compare(Comparison(title, columns, [setting], args.warmup, args.steps, args.rounds))
 
 
 class ExchangeTimer:
@@ -223,51 +208,33 @@ class EpJob:
     eps: list[int]
     warmup: int
     steps: int
-    rounds: int
 
 
-def _ep_rank(rank: int, world: int, job: EpJob) -> dict:
+def _ep_variants(rank: Rank, job: EpJob) -> dict[str, Callable[[], Steps]]:
+    world, device = rank.world, rank.device
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    device = rank_device(rank, world)
+    rank.info["device"] = device.type
     cfg = job.cfg
     data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
-    trainers, losses, hooks, timers, exchange = {}, {}, [], {}, {}
-    for ep in (1, *job.eps):
-        name = f"ep {ep}"
+
+    def variant(ep: int) -> Steps:
         run_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
         groups = build_process_groups(Topology(dp=world, pp=1, tp=1, ep=ep))
         parts = build_parts(run_cfg, layout_of(run_cfg, groups), groups, device)
-        trainers[name] = Trainer(run_cfg, groups, parts, (data, data))
-        hooks.append(parts.optimizer)
-        losses[name], exchange[name], timers[name] = [], [], ExchangeTimer()
+        trainer = Trainer(run_cfg, groups, parts, (data, data))
+        timer, exchange = ExchangeTimer(), []
 
-    def step(name: str):
-        trainer = trainers[name]
+        def step(i: int) -> float:
+            with timer.timing():
+                loss = trainer.train_step(i, trainer.micro_batches(i)).loss
+            exchange.append(timer.take())
+            return loss
 
-        def one(i: int) -> None:
-            with timers[name].timing():
-                losses[name].append(trainer.train_step(i, trainer.micro_batches(i)).loss)
-            exchange[name].append(timers[name].take())
+        def figures() -> dict:
+            timed = exchange[job.warmup :]  # per step, in order: each round's steps, averaged per round
+            rounds = range(len(timed) // job.steps)
+            return {"exchange": [sum(timed[r * job.steps : (r + 1) * job.steps]) / job.steps for r in rounds]}
 
-        return one
+        return Steps(step, close=parts.optimizer.remove_hooks, figures=figures)
 
-    timings = alternate(
-        {name: step(name) for name in trainers},
-        warmup=job.warmup,
-        steps=job.steps,
-        rounds=job.rounds,
-        sync=lambda: barrier(device),
-    )
-    for optimizer in hooks:
-        optimizer.remove_hooks()
-    out: dict = {"device": device.type}
-    for name in trainers:
-        timed = exchange[name][job.warmup :]  # per step, in order: each round's steps, averaged per round
-        rounds = [sum(timed[r * job.steps : (r + 1) * job.steps]) / job.steps for r in range(job.rounds)]
-        out[name] = {
-            "wall": timings[name].wall,
-            "cpu": timings[name].cpu,
-            "exchange": rounds,
-            "last_loss": losses[name][-1],
-        }
-    return out
+    return {f"ep {ep}": (lambda ep=ep: variant(ep)) for ep in (1, *job.eps)}
