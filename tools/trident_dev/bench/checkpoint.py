@@ -1,25 +1,8 @@
 """``tools/bench.py checkpoint``: what a checkpoint costs the training steps around it, saved in the foreground
-and in the background (``checkpoint.async``), against steps that save nothing.
+and in the background (``checkpoint.async``), against steps that save nothing (docs/benchmarks.md#checkpoint).
 
     python tools/bench.py checkpoint                        # gpt-mini, one rank, a save every 4 steps
     python tools/bench.py checkpoint --model gpt-small --every 8 --world 2
-
-On ``--world`` gloo ranks (trident_dev.ranks' pool, dp = world), train.py's parts (trident/build.py) take training steps
-on random batches, and train.py's checkpointer (``build_checkpointer``, once with ``checkpoint.async=false``, once
-with ``true``) saves them, into a temporary directory (keep_last 2). Three variants alternate in timed blocks of
-``--every`` steps (trident_dev/bench/harness.py's rounds), each block holding one save at its first step:
-
-  no save     the steps alone;
-  sync        the save written before the next step starts (training stalls for the whole write);
-  async       the state staged in host memory, then written by the rank's writer process while the block's next steps
-              run; the block ends waiting for that write, so a write longer than the block is paid for in it.
-
-Each row: the median over rounds of the block's mean step time, its spread, the median over rounds of its ratio to
-the no-save block of the same round; the time a save holds training up (sync: the write; async: staging plus the
-final wait), and for async the median time of the steps taken while its write ran (the issue's target: within 10%
-of a step without a save); CPU-s/step is the rank process's CPU time (its threads together; the writer process's
-not included) per step. On a CPU the writer shares the machine's cores with the ranks' compute, so the figures
-depend on how many are free.
 """
 
 from __future__ import annotations
@@ -27,9 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from trident.build import build_checkpointer, build_parts, layout_of
@@ -38,12 +23,10 @@ from trident.memory.estimate import estimate
 from trident.models.gpt import count_params
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
-from trident_dev.bench.harness import Table, alternate, barrier, number, random_batches, rank_device, ratio, spread
-from trident_dev.ranks import run_distributed
+from trident_dev.bench.compare import Column, Comparison, Outcome, Rank, Run, Setting, Steps, compare, per_round
+from trident_dev.bench.harness import Table, number, random_batches, ratio, spread
 
 VARIANTS = ("no save", "sync", "async")
-HEADER = ["variant", "s/step", "spread", "vs no save", "stall s/save", "step s while writing", "vs no save step"]
-HEADER += ["CPU-s/step"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Job:
     cfg: Config
     every: int
-    rounds: int
     micro_batch: int
     micro_batches: int
     seq_len: int
@@ -81,103 +63,101 @@ class _Progress:
 
 def run(args: argparse.Namespace) -> list[Table]:
     cfg = compose_config(args.conf, [f"model={args.model}", "optim.warmup_steps=0", "wandb.mode=disabled"])
-    job = Job(cfg, args.every, args.rounds, args.micro_batch, args.micro_batches, args.seq_len)
-    rows = run_distributed(_rank, args.world, job, timeout_s=24 * 3600)[0]
+    job = Job(cfg, args.every, args.micro_batch, args.micro_batches, args.seq_len)
     m = cfg.model
-    t = Table(
+    title = (
         f"{args.model} ({count_params(m) / 1e6:.1f}M params), dp {args.world}; {args.micro_batches} micro-batches of "
         f"{args.micro_batch} x {args.seq_len} tokens per rank per step; a save every {args.every} steps; "
-        f"{args.rounds} rounds; gloo on {os.cpu_count()} CPUs",
-        HEADER,
+        f"{args.rounds} rounds; gloo on {os.cpu_count()} CPUs"
     )
-    base = rows["no save"]["wall"]
-    base_step = statistics.median(rows["no save"]["steps"])
-    for name in VARIANTS:
-        r = rows[name]
-        wall = statistics.median(r["wall"])
-        writing = statistics.median(r["writing"]) if r["writing"] else None
-        stall = statistics.median(r["stall"]) if r["stall"] else None
-        t.add(
-            name,
-            number(wall, ".3f"),
-            spread(r["wall"]),
-            # Each round's block against the no-save block of the same round: load that drifts cancels out.
-            f"{statistics.median(a / b for a, b in zip(r['wall'], base, strict=True)):.2f}x",
-            number(stall, ".3f"),
-            number(writing, ".3f"),
-            ratio(writing, base_step),
-            number(statistics.median(r["cpu"]), ".3f"),
-        )
+
+    def median(out: Outcome, key: str) -> float | None:
+        values = out.figures[key]
+        return statistics.median(values) if values else None
+
+    columns = [
+        Column("variant"),
+        Column("s/step", lambda r: number(r.out.time.median, ".3f")),
+        Column("spread", lambda r: spread(r.out.wall)),
+        Column("vs no save", lambda r: f"{per_round(r.out.wall, r.of('no save').wall):.2f}x"),
+        Column("stall s/save", lambda r: number(median(r.out, "stall"), ".3f")),
+        Column("step s while writing", lambda r: number(median(r.out, "writing"), ".3f")),
+        Column(
+            "vs no save step",
+            lambda r: ratio(median(r.out, "writing"), median(r.of("no save"), "steps")),
+        ),
+        Column("CPU-s/step", lambda r: number(statistics.median(r.out.ranks[0].cpu), ".3f")),
+    ]
     ck = dataclasses.replace(cfg.checkpoint, async_=True)
     layout = dataclasses.replace(validate(dataclasses.replace(cfg, checkpoint=ck), args.world), device="cpu")
     predicted = estimate(m, layout).stages[0].checkpoint_staging
-    t.notes.append(
-        f"Host staging of the async save: {rows['bytes'] / 2**20:.2f} MiB per rank (a copy of what the rank saves: "
-        f"fp32 masters, AdamW moments), kept for the run; trident/memory/estimate.py predicts {predicted / 2**20:.2f} "
-        "MiB. s/step: a block's mean, median over rounds. Timings on a shared CPU are noisy."
-    )
-    return [t]
+
+    def notes(runs: list[Run]) -> list[str]:
+        staged = runs[0].outcomes["async"].state
+        return [
+            f"Host staging of the async save: {staged / 2**20:.2f} MiB per rank (a copy of what the rank saves: "
+            f"fp32 masters, AdamW moments), kept for the run; trident/memory/estimate.py predicts "
+            f"{predicted / 2**20:.2f} MiB. s/step: a block's mean, median over rounds. Timings on a shared CPU are "
+            "noisy."
+        ]
+
+    setting = Setting(_variants, job, world=args.world, backend="gloo")
+    return [compare(Comparison(title, columns, [setting], args.every, args.every, args.rounds, notes))]
 
 
-def _rank(rank: int, world: int, job: Job) -> dict:
+def _variants(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
+    """Three variants of the same parts, each block of ``job.every`` steps holding one save at its first step."""
+    world, device = rank.world, rank.device
     cfg = dataclasses.replace(job.cfg, parallel=dataclasses.replace(job.cfg.parallel, dp=world))
-    device = rank_device(rank, world)
     groups = build_process_groups(Topology(dp=world, tp=1, pp=1))
     parts = build_parts(cfg, layout_of(cfg, groups), groups, device)
     tokens = world * job.micro_batches * job.micro_batch * job.seq_len
     batches = [
         b.to(device)
-        for b in random_batches(cfg.model.vocab_size, job.micro_batches, job.micro_batch, job.seq_len, 0, rank)
+        for b in random_batches(cfg.model.vocab_size, job.micro_batches, job.micro_batch, job.seq_len, 0, rank.rank)
     ]
     progress = _Progress()
-    with tempfile.TemporaryDirectory(prefix="trident-bench-checkpoint-") as tmp:
-        savers = {}
-        for name, background in (("sync", False), ("async", True)):
+    tmp = Path(tempfile.mkdtemp(prefix="trident-bench-checkpoint-"))
+
+    def step() -> float:
+        start = time.perf_counter()
+        parts.runner.forward_backward(batches, parts.chunks[-1].loss_sum, 1.0 / tokens)
+        parts.optimizer.step.step(cfg.optim.lr)
+        return time.perf_counter() - start
+
+    def variant(name: str, background: bool | None) -> Steps:
+        saver = None
+        if background is not None:
             ck = dataclasses.replace(cfg.checkpoint, async_=background, keep_last=2, resume="none")
-            savers[name] = build_checkpointer(
-                dataclasses.replace(cfg, checkpoint=ck), groups, parts, Path(tmp) / name, None
-            )
-        stats = {name: {"steps": [], "stall": [], "writing": []} for name in VARIANTS}
+            saver = build_checkpointer(dataclasses.replace(cfg, checkpoint=ck), groups, parts, tmp / name, None)
+        stats = {"steps": [], "stall": [], "writing": []}
 
-        def step() -> float:
-            start = time.perf_counter()
-            parts.runner.forward_backward(batches, parts.chunks[-1].loss_sum, 1.0 / tokens)
-            parts.optimizer.step.step(cfg.optim.lr)
-            return time.perf_counter() - start
-
-        def variant(name: str) -> object:
-            saver = savers.get(name)
-
-            def one(i: int) -> None:
-                stall = 0.0
+        def one(i: int) -> None:
+            stall = 0.0
+            if saver is not None and i % job.every == 0:
+                progress.step += 1  # every save its own step: none replaces another
+                start = time.perf_counter()
+                saver.save(progress)
+                stall = time.perf_counter() - start
+            writing = saver is not None and saver.background is not None and saver.background.writing
+            seconds = step()
+            if saver is not None and i % job.every == job.every - 1:
+                start = time.perf_counter()
+                saver.wait()  # the block pays for a write it did not hide
+                stall += time.perf_counter() - start
+            if i >= job.every:  # the warm-up block is not counted
+                stats["writing" if writing else "steps"].append(seconds)
                 if saver is not None and i % job.every == 0:
-                    progress.step += 1  # every save its own step: none replaces another
-                    start = time.perf_counter()
-                    saver.save(progress)
-                    stall = time.perf_counter() - start
-                writing = saver is not None and saver.background is not None and saver.background.writing
-                seconds = step()
-                if saver is not None and i % job.every == job.every - 1:
-                    start = time.perf_counter()
-                    saver.wait()  # the block pays for a write it did not hide
-                    stall += time.perf_counter() - start
-                if i >= job.every:  # the warm-up block is not counted
-                    stats[name]["writing" if writing else "steps"].append(seconds)
-                    if saver is not None and i % job.every == 0:
-                        stats[name]["stall"].append(stall)
-                    elif stall:
-                        stats[name]["stall"][-1] += stall
+                    stats["stall"].append(stall)
+                elif stall:
+                    stats["stall"][-1] += stall
 
-            return one
+        def close() -> None:
+            if background:  # the last: the saves are done
+                parts.optimizer.remove_hooks()
+                shutil.rmtree(tmp, ignore_errors=True)
 
-        timings = alternate(
-            {name: variant(name) for name in VARIANTS},
-            warmup=job.every,
-            steps=job.every,
-            rounds=job.rounds,
-            sync=lambda: barrier(device),
-        )
-        state_bytes = savers["async"].background.stage.nbytes
-    parts.optimizer.remove_hooks()
-    rows = {name: {"wall": timings[name].wall, "cpu": timings[name].cpu, **stats[name]} for name in VARIANTS}
-    return {**rows, "bytes": state_bytes}
+        staged = (lambda: saver.background.stage.nbytes) if background else None
+        return Steps(one, state=staged, close=close, figures=lambda: stats)
+
+    return {name: (lambda n=name, b=b: variant(n, b)) for name, b in zip(VARIANTS, (None, False, True), strict=True)}
