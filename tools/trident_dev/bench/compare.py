@@ -158,6 +158,12 @@ class Run:
     outcomes: dict[str, Outcome]
     info: list[dict]
 
+    def rounds_line(self, tokens: int, label: Callable[[str], str] = str) -> str:
+        """A note of every variant's rounds as tokens/s (``tokens`` a step)."""
+        outs = self.outcomes.values()
+        line = "; ".join(f"{label(o.name)} {', '.join(format(tokens / s, ',.0f') for s in o.wall)}" for o in outs)
+        return f"rounds (tokens/s): {line}. spread: (fastest - slowest round) / median."
+
 
 @dataclass
 class Row:
@@ -248,6 +254,31 @@ def tabulate(c: Comparison, runs: list[Run]) -> Table:
     table.notes += c.notes(runs) if callable(c.notes) else list(c.notes)
     table.ok = c.ok(runs) if c.ok else True
     return table
+
+
+def losses(spec: str = ".6f", first: str = "first loss") -> list[Column]:
+    """The first (a warm-up step's) and the last loss of each row's variant."""
+    return [
+        Column(first, lambda r: format(r.out.losses[0], spec)),
+        Column("last loss", lambda r: format(r.out.losses[-1], spec)),
+    ]
+
+
+def batch_title(
+    cfg: Any, where: Callable[[dict], str], rounds: int, steps: int, warmup: int
+) -> Callable[[list[Run]], str]:
+    """A training comparison's title: the model, ``where`` (the ranks, the device: from rank 0's info), precision,
+    batch, ZeRO and the rounds."""
+    tr = cfg.train
+
+    def title(runs: list[Run]) -> str:
+        return (
+            f"model {cfg.model.name}, {where(runs[0].info[0])}, {tr.precision}, global batch {tr.global_batch_size} x "
+            f"{cfg.model.seq_len} tokens, micro-batch {tr.micro_batch_size}, zero {cfg.parallel.zero}; {rounds} rounds "
+            f"x {steps} steps after {warmup} warm-up"
+        )
+
+    return title
 
 
 def per_round(a: Sequence[float], b: Sequence[float]) -> float:

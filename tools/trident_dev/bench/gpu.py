@@ -24,7 +24,18 @@ from trident.memory.estimate import estimate
 from trident.models.gpt import flops_per_token
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
-from trident_dev.bench.compare import Column, Comparison, Rank, Row, Run, Setting, Steps, compare
+from trident_dev.bench.compare import (
+    Column,
+    Comparison,
+    Rank,
+    Row,
+    Run,
+    Setting,
+    Steps,
+    batch_title,
+    compare,
+    losses,
+)
 from trident_dev.bench.harness import (
     Table,
     adamw_args,
@@ -138,24 +149,16 @@ def table(job: Job) -> Table:
         Column("MFU", lambda r: number(mfu(rate(r), flops, r.info["peak_flops"]), ".2%")),
         Column("peak mem", peak),
         Column("estimate", lambda r: format_bytes(predicted) if r.name == "trident" else None),
-        Column("first loss", lambda r: f"{r.out.losses[0]:.6f}"),
-        Column("last loss", lambda r: f"{r.out.losses[-1]:.6f}"),
+        *losses(),
     ]
 
-    def title(runs: list[Run]) -> str:
-        return (
-            f"model {cfg.model.name}, {runs[0].info[0]['device']}, {cfg.train.precision}, global batch "
-            f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}, "
-            f"zero {cfg.parallel.zero}; {job.rounds} rounds x {job.steps} steps after {job.warmup} warm-up"
-        )
+    title = batch_title(cfg, lambda info: info["device"], job.rounds, job.steps, job.warmup)
 
     def finite(runs: list[Run]) -> bool:
         return all(math.isfinite(out.losses[-1]) for out in runs[0].outcomes.values())
 
     def notes(runs: list[Run]) -> list[str]:
-        outs = runs[0].outcomes.values()
-        line = "; ".join(f"{labels[o.name]} {', '.join(number(tokens / s) for s in o.wall)}" for o in outs)
-        lines = [f"rounds (tokens/s): {line}. spread: (fastest - slowest round) / median."]
+        lines = [runs[0].rounds_line(tokens, labels.get)]
         lines.append(
             "peak mem: torch.cuda.max_memory_allocated over the variant's warm-up steps, above what was allocated "
             "before them, plus the storages it held then (its parameters, gradient buffers and optimizer states); "

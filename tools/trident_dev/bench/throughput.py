@@ -28,18 +28,9 @@ from trident.models.gpt import flops_per_token
 from trident.parallel.groups import build_process_groups
 from trident.parallel.placement import placement_of
 from trident.parallel.topology import Topology
-from trident_dev.bench.compare import Column, Comparison, Rank, Row, Run, Setting, Steps, compare
-from trident_dev.bench.harness import (
-    Table,
-    adamw_args,
-    mfu,
-    number,
-    peak_flops,
-    plain_step,
-    random_windows,
-    ratio,
-    spread,
-)
+from trident_dev.bench import harness
+from trident_dev.bench.compare import Column, Comparison, Rank, Setting, Steps, batch_title, compare, losses
+from trident_dev.bench.harness import Table, number, ratio, spread
 
 HF = "transformers LlamaForCausalLM"
 
@@ -112,8 +103,7 @@ def table(
     baseline = "torch DDP" if dp > 1 else "plain torch loop"
     setting = Setting(_variants, Job(cfg, peak_tflops, hf), {"ranks": dp}, world=dp)
 
-    def rate(row: Row, name: str | None = None) -> float:
-        return (row.out if name is None else row.of(name)).rate(tokens).median
+    rate = lambda row, name=None: (row.out if name is None else row.of(name)).rate(tokens).median  # tokens/s
 
     columns = [
         Column("variant"),
@@ -123,24 +113,14 @@ def table(
         Column("spread", lambda r: spread(r.out.wall)),
         Column("x baseline", lambda r: ratio(rate(r), rate(r, baseline))),
         Column("trident / this", lambda r: ratio(rate(r, "trident"), rate(r))),
-        Column("MFU", lambda r: number(mfu(rate(r), flops_per_token(cfg.model), r.info["peak_flops"]), ".2%")),
-        Column("first loss", lambda r: f"{r.out.losses[0]:.6f}"),
-        Column("last loss", lambda r: f"{r.out.losses[-1]:.6f}"),
+        Column("MFU", lambda r: number(harness.mfu(rate(r), flops_per_token(cfg.model), r.info["peak_flops"]), ".2%")),
+        *losses(),
     ]
 
-    def title(runs: list[Run]) -> str:
-        return (
-            f"model {cfg.model.name}, dp {dp}, {runs[0].info[0]['device']}, {cfg.train.precision}, global batch "
-            f"{cfg.train.global_batch_size} x {cfg.model.seq_len} tokens, micro-batch {cfg.train.micro_batch_size}, "
-            f"zero {cfg.parallel.zero}; {rounds} rounds x {steps} steps after {warmup} warm-up"
-        )
-
-    def notes(runs: list[Run]) -> list[str]:
-        outs = runs[0].outcomes.values()
-        line = "; ".join(f"{out.name} {', '.join(number(tokens / s) for s in out.wall)}" for out in outs)
-        return [f"rounds (tokens/s): {line}. spread: (fastest - slowest round) / median."]
-
-    return compare(Comparison(title, columns, [setting], warmup, steps, rounds, notes))
+    title = batch_title(cfg, lambda info: f"dp {dp}, {info['device']}", rounds, steps, warmup)
+    return compare(
+        Comparison(title, columns, [setting], warmup, steps, rounds, lambda runs: [runs[0].rounds_line(tokens)])
+    )
 
 
 @dataclasses.dataclass
@@ -158,8 +138,10 @@ def _variants(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
     cfg, world, device = job.cfg, rank.world, rank.device
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     groups = build_process_groups(Topology(dp=world, pp=1, tp=1))
-    data = random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
-    rank.info.update(device=device.type, peak_flops=peak_flops(device, cfg.train.precision, job.peak_tflops, world))
+    data = harness.random_windows(cfg.model.vocab_size, cfg.model.seq_len, 64 * cfg.train.global_batch_size)
+    rank.info.update(
+        device=device.type, peak_flops=harness.peak_flops(device, cfg.train.precision, job.peak_tflops, world)
+    )
     autocast_note = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
     on_cuda = device.type == "cuda"  # AdamW decays matrices only, as trident's optimizer steps
     parts = build_parts(cfg, layout_of(cfg, groups), groups, device)
@@ -172,10 +154,10 @@ def _variants(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
 
     def torch_loop(net: torch.nn.Module, params: torch.nn.Module, ddp: bool) -> Steps:
         """``plain_step`` (under DDP's no_sync but the last micro-batch), the loss averaged over the ranks."""
-        optimizer = torch.optim.AdamW(**adamw_args(params, cfg, foreach=not on_cuda, fused=on_cuda))
+        optimizer = torch.optim.AdamW(**harness.adamw_args(params, cfg, foreach=not on_cuda, fused=on_cuda))
 
         def step(i: int) -> float:
-            total = plain_step(net, optimizer, trainer.micro_batches(i), cfg, i, no_sync=ddp)
+            total = harness.plain_step(net, optimizer, trainer.micro_batches(i), cfg, i, no_sync=ddp)
             dist.all_reduce(total)
             return total.item() / world
 
