@@ -1,37 +1,9 @@
 """``tools/bench.py pp``: pipeline schedules against one process and against torch.distributed.pipelining, in one
-invocation.
+invocation: tokens/s, CPU time, the measured bubble beside the formula, stage 0's activations; and the dp reduction
+each schedule leaves exposed at dp x pp ranks (docs/benchmarks.md#pp).
 
     python tools/bench.py pp                          # small sizes: a few minutes on a CPU
     python tools/bench.py pp --layers 16 --d-model 256 --micro 16
-
-For each pp in --pp and each schedule (gpipe, 1f1b, interleaved with vpp=2, zb-h1, zb-v with vpp=2), pp gloo ranks
-(trident_dev.ranks' pool, one CPU thread each) time forward + backward of one global batch of M micro-batches on the
-same GPT: trident's pipeline runner, built by trident/build.py as train.py builds it (``build_parts``), then
-torch.distributed.pipelining's schedule of the same name on the same stage modules (``model_chunks``: ScheduleGPipe,
-Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble with one stage per rank for zb-h1,
-ScheduleZBVZeroBubble over the same two chunks per rank in a V for zb-v). The
-baseline is the whole model in one process (pp=1, one thread, on rank 0). The three alternate step by step
-(trident_dev/bench/harness.py). A layout train.py's validator refuses is listed with its line.
-
-Per row: tokens/s and its ratio to pp=1 and to torch; CPU vs torch: torch's CPU seconds per step over trident's
-(process time, summed over the ranks, median over rounds: the work each executor does, which a loaded machine
-stretches far less than the wall clock, since a rank waiting for a message uses none); the measured bubble, idle /
-step time per rank (worst rank, from the runner's recorded action timings, median over steps) beside the formula's
-(P-1)/(M+P-1) (interleaved: V*M; zb-h1 with the measured F, I, W costs; zb-v, which has no formula for unequal
-costs: its schedule simulated with the measured F, I, W costs); for gpipe and 1f1b the first stage's
-peak bytes of activations saved for backward (torch.autograd.graph.saved_tensors_hooks, each storage counted once,
-parameters left out).
-
-``--receive-lead 0`` runs trident with NCCL's message plan (each receive posted in its send's tick, as every
-backend did before gloo's receives went a tick ahead: parallel/pipeline/messages.py), for the before and after.
-
-On a machine with fewer cores than ranks (pp=4 on 2 cores) the ranks share cores: tokens/s then measures the
-schedule's overhead more than its speed-up.
-
-A second table (``--exposed-dp``, with ``--exposed-pp``) times each schedule at dp x pp ranks with the
-data-parallel gradient reduction as the pipeline runs it, each model chunk's buckets started during its last
-backward. Per step: the reduction left exposed, the reducer's ``finish`` after the rank's last action (worst
-pipeline rank of dp rank 0, from the recorded timings, median over steps), and the step time.
 """
 
 from __future__ import annotations
@@ -42,6 +14,7 @@ import json
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,18 +39,8 @@ from trident.parallel.pipeline.schedules import (
     stage_placement,
 )
 from trident.parallel.topology import Topology
-from trident_dev.bench.harness import (
-    SavedBytes,
-    Table,
-    alternate,
-    barrier,
-    number,
-    one_rank_groups,
-    random_batches,
-    ratio,
-    spread,
-)
-from trident_dev.ranks import run_distributed
+from trident_dev.bench.compare import Column, Comparison, Rank, Row, Setting, Steps, compare
+from trident_dev.bench.harness import SavedBytes, Table, number, one_rank_groups, random_batches, ratio, spread
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 TORCH_SCHEDULES = {
@@ -138,31 +101,37 @@ def run(args: argparse.Namespace) -> list[Table]:
     ]
     one = compose_config(args.conf, base)
     tokens = args.micro * args.mbs * args.seq_len
-    t = Table(
+    title = (
         f"GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}; M={args.micro} micro-batches of "
         f"{args.mbs}; {tokens} tokens a step; tokens/s are medians of {args.steps} steps; {os.cpu_count()} cores, "
-        f"load average {os.getloadavg()[0]:.1f} at the start",
-        HEADER,
+        f"load average {os.getloadavg()[0]:.1f} at the start"
     )
-    t.notes.append(
+    notes = [
         "bubble: idle / step time of the worst rank; formula: the schedule's, as idle / step time (zb-v: its lists "
         "simulated with the measured F, I, W costs)."
-    )
+    ]
     with tempfile.TemporaryDirectory(prefix="bench-pp-") as tmp:
+        settings = []
         for pp in args.pp:
             for schedule in args.schedules:
                 vpp = VPP.get(schedule, 1)
                 layout = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"]
                 cfg = compose_config(args.conf, [*base, *layout])
+                cells = {"pp": pp, "schedule": schedule}
                 try:
                     validate(cfg, pp)  # as train.py decides
                 except ConfigError as e:
-                    t.add(pp, schedule, f"refused: {e}")
+                    settings.append(Setting(cells=cells, refused=f"refused: {e}"))
                     continue
-                timings = Path(tmp) / f"pp{pp}-{schedule}"
-                job = Job(cfg, one, args.steps, args.warmup, timings, args.receive_lead)
-                res = run_distributed(_rank, pp, job, timeout_s=24 * 3600)
-                t.add(*row(job, res, tokens))
+                job = Job(cfg, one, args.steps, args.warmup, Path(tmp) / f"pp{pp}-{schedule}", args.receive_lead)
+                settings.append(Setting(_pipelines, job, cells, world=pp, device="cpu", rows=["trident"]))
+        cells: dict[Path, dict[str, str]] = {}  # a row's cells after pp and schedule, computed once
+
+        def cell(header: str) -> Callable[[Row], str]:
+            return lambda r: cells.setdefault(r.job.timings, dict(zip(HEADER[2:], row(r, tokens), strict=True)))[header]
+
+        columns = [Column("pp"), Column("schedule"), *(Column(h, cell(h)) for h in HEADER[2:])]
+        t = compare(Comparison(title, columns, settings, args.warmup, 1, args.steps, notes))
         tables = [t]
         if args.exposed_dp > 0:
             tables.append(exposed_table(args, base, Path(tmp)))
@@ -175,15 +144,7 @@ EXPOSED_HEADER = ["dp x pp", "schedule", "exposed (ms)", "range", "step (ms)"]
 def exposed_table(args: argparse.Namespace, base: list[str], tmp: Path) -> Table:
     """Each schedule at dp x pp ranks: the dp reduction left after the schedule."""
     dp, pp = args.exposed_dp, args.exposed_pp
-    t = Table(
-        f"The dp reduction left exposed per step, dp={dp} x pp={pp} ranks, same GPT and batch size per dp rank "
-        f"(M={args.micro}): each chunk's buckets started during its last backward",
-        EXPOSED_HEADER,
-    )
-    t.notes.append(
-        "exposed: the reducer's finish() after the rank's last action, worst pipeline rank, median over steps and "
-        "the lowest-highest step; step: median step time."
-    )
+    settings = []
     for schedule in args.schedules:
         vpp = VPP.get(schedule, 1)
         overrides = [*base, f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.vpp={vpp}"]
@@ -191,31 +152,44 @@ def exposed_table(args: argparse.Namespace, base: list[str], tmp: Path) -> Table
             f"train.global_batch_size={dp * args.micro * args.mbs}"
         )
         cfg = compose_config(args.conf, [*overrides, f"parallel.schedule={schedule}"])
+        cells = {"dp x pp": f"{dp} x {pp}", "schedule": schedule}
         try:
             validate(cfg, dp * pp)
         except ConfigError as e:
-            t.add(f"{dp} x {pp}", schedule, f"refused: {e}")
+            settings.append(Setting(cells=cells, refused=f"refused: {e}"))
             continue
         job = Job(cfg, cfg, args.steps, args.warmup, tmp / f"exposed-{schedule}")
-        (first, *_) = run_distributed(_exposed_rank, dp * pp, job, timeout_s=24 * 3600)
+        settings.append(Setting(_exposed, job, cells, world=dp * pp, device="cpu"))
+
+    def exposed(row: Row) -> list[float]:
+        job = row.job
         rows = [  # the ranks of dp rank 0's pipeline, one file each
             [json.loads(line) for line in path.read_text().splitlines()]
             for path in sorted(job.timings.glob("rank*.jsonl"))
         ]
         steps = zip(*(rs[job.warmup : job.warmup + job.steps] for rs in rows), strict=True)
-        exposed = [1e3 * max(r["reduce"][1] - r["reduce"][0] for r in step) for step in steps]
-        t.add(
-            f"{dp} x {pp}",
-            schedule,
-            number(statistics.median(exposed), ".1f"),
-            f"{min(exposed):.1f}-{max(exposed):.1f}",
-            number(1e3 * statistics.median(first["step"]), ".1f"),
-        )
-    return t
+        return [1e3 * max(r["reduce"][1] - r["reduce"][0] for r in step) for step in steps]
+
+    columns = [
+        Column("dp x pp"),
+        Column("schedule"),
+        Column("exposed (ms)", lambda r: number(statistics.median(exposed(r)), ".1f")),
+        Column("range", lambda r: f"{min(exposed(r)):.1f}-{max(exposed(r)):.1f}"),
+        Column("step (ms)", lambda r: number(1e3 * statistics.median(r.out.ranks[0].wall), ".1f")),
+    ]
+    title = (
+        f"The dp reduction left exposed per step, dp={dp} x pp={pp} ranks, same GPT and batch size per dp rank "
+        f"(M={args.micro}): each chunk's buckets started during its last backward"
+    )
+    notes = [
+        "exposed: the reducer's finish() after the rank's last action, worst pipeline rank, median over steps and "
+        "the lowest-highest step; step: median step time."
+    ]
+    return compare(Comparison(title, columns, settings, args.warmup, 1, args.steps, notes))
 
 
-def _exposed_rank(rank: int, world: int, job: Job) -> dict:
-    cfg, device = job.cfg, torch.device("cpu")
+def _exposed(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
+    cfg, device = job.cfg, rank.device
     par = cfg.parallel
     groups = build_process_groups(Topology(dp=par.dp, pp=par.pp, tp=1))
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
@@ -228,19 +202,19 @@ def _exposed_rank(rank: int, world: int, job: Job) -> dict:
         parts.runner.forward_backward(batches, parts.chunks[-1].loss_sum, 1.0 / tokens)
         parts.optimizer.zero.zero_grad()
 
-    timings = alternate({"step": step}, warmup=job.warmup, steps=1, rounds=job.steps, sync=lambda: barrier(device))
-    return {name: timing.wall for name, timing in timings.items()}
+    return {"step": lambda: Steps(step, close=parts.optimizer.remove_hooks)}
 
 
-def row(job: Job, res: list[dict], tokens: int) -> list[str]:
-    cfg, first = job.cfg, res[0]
+def row(r: Row, tokens: int) -> list[str]:
+    """The cells of one pipeline's row after pp and schedule: trident's timings, torch's, one process's."""
+    job, info = r.job, r.info
+    cfg = job.cfg
     layout = validate(cfg, cfg.parallel.pp)
     pp, vpp, micro, schedule = layout.pp, layout.vpp, layout.micro_batches, layout.schedule
-    ours = statistics.median(first["trident"])
-    ours_tps, base_tps = tokens / ours, tokens / statistics.median(first["one"])
+    ours_tps, base_tps = tokens / r.out.time.median, tokens / r.of("one").time.median
     per_rank = [
-        [json.loads(line)["spans"] for line in (job.timings / f"rank{r}.jsonl").read_text().splitlines()]
-        for r in range(pp)
+        [json.loads(line)["spans"] for line in (job.timings / f"rank{k}.jsonl").read_text().splitlines()]
+        for k in range(pp)
     ]
     steps = [list(step) for step in zip(*(rows[job.warmup : job.warmup + job.steps] for rows in per_rank), strict=True)]
     bubble, costs = measured_bubble(steps)
@@ -253,18 +227,17 @@ def row(job: Job, res: list[dict], tokens: int) -> list[str]:
     else:
         b = bubble_formula(schedule, pp, vpp, micro)
     formula = b / (1 + b)  # idle over busy -> idle over the step
-    torch_tps = tokens / statistics.median(first["torch"]) if "torch" in first else None
-    peak = first.get("peak")
+    theirs = r.run.outcomes.get("torch")
+    torch_tps = tokens / theirs.time.median if theirs else None
+    peak = r.out.figures.get("peak")
     return [
-        str(pp),
-        schedule,
         number(ours_tps),
-        spread(first["trident"]),
+        spread(r.out.wall),
         number(base_tps),
         ratio(ours_tps, base_tps),
-        number(torch_tps) if torch_tps else f"n/a: {first.get('torch_error')}",
+        number(torch_tps) if torch_tps else f"n/a: {info.get('torch_error')}",
         ratio(ours_tps, torch_tps),
-        ratio(*(sum(r["cpu"][name] for r in res) for name in ("torch", "trident"))) if torch_tps else "-",
+        ratio(theirs.cpu_s, r.out.cpu_s) if theirs else "-",
         f"{bubble:.3f}",
         f"{formula:.3f}",
         f"{peak / 2**20:.2f} MiB" if peak is not None else "-",
@@ -292,41 +265,42 @@ def batches_for(cfg: Config, step: int) -> list[Batch]:
     return random_batches(cfg.model.vocab_size, micro, tr.micro_batch_size, cfg.model.seq_len, step, step, first)
 
 
-def _rank(rank: int, pp: int, job: Job) -> dict:
-    cfg, device = job.cfg, torch.device("cpu")
+def _pipelines(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
+    cfg, device, pp = job.cfg, rank.device, rank.world
     groups = build_process_groups(Topology(dp=1, pp=pp, tp=1))
     alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 is in it
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
-    result: dict = {}
 
-    layout = layout_of(cfg, groups)
-    parts = build_parts(cfg, layout, groups, device, timings_dir=job.timings)
-    if job.lead is not None:
-        parts.runner.lead = job.lead
+    def trident() -> Steps:
+        layout = layout_of(cfg, groups)
+        parts = build_parts(cfg, layout, groups, device, timings_dir=job.timings)
+        if job.lead is not None:
+            parts.runner.lead = job.lead
 
-    def ours(step: int) -> None:
-        parts.runner.forward_backward(batches_for(cfg, step), parts.chunks[-1].loss_sum, 1.0 / tokens)
-        parts.optimizer.zero.zero_grad()
+        def ours(step: int) -> None:
+            parts.runner.forward_backward(batches_for(cfg, step), parts.chunks[-1].loss_sum, 1.0 / tokens)
+            parts.optimizer.zero.zero_grad()
 
-    impls = {"trident": ours}
-    try:
-        impls["torch"] = torch_pipeline(cfg, groups, device, rank)
-    except Exception as e:  # a schedule torch cannot build for this layout
-        result["torch_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:60]
-    impls["one"] = one_process(job.one, alone, device, rank)
-
-    timings = alternate(impls, warmup=job.warmup, steps=1, rounds=job.steps, sync=lambda: barrier(device))
-    result.update({name: timing.wall for name, timing in timings.items()})
-    result["cpu"] = {name: statistics.median(timing.cpu) for name, timing in timings.items()}
-    if rank == 0 and layout.schedule in ("gpipe", "1f1b"):
-        saved = SavedBytes()
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        def figures() -> dict:
+            """One more step (every rank runs the same schedule), its saved activations measured on rank 0."""
+            if rank.rank == 0 and layout.schedule in ("gpipe", "1f1b"):
+                saved = SavedBytes()
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    ours(0)
+                return {"peak": saved.peak}
             ours(0)
-        result["peak"] = saved.peak
-    else:
-        ours(0)  # every rank runs the same schedule
-    parts.optimizer.remove_hooks()
-    return result
+            return {}
+
+        return Steps(ours, close=parts.optimizer.remove_hooks, figures=figures)
+
+    variants = {"trident": trident}
+    try:
+        step = torch_pipeline(cfg, groups, device, rank.rank)
+        variants["torch"] = lambda: Steps(step)
+    except Exception as e:  # a schedule torch cannot build for this layout
+        rank.info["torch_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:60]
+    variants["one"] = lambda: Steps(one_process(job.one, alone, device, rank.rank))
+    return variants
 
 
 def torch_pipeline(cfg: Config, groups, device: torch.device, rank: int):
