@@ -97,9 +97,15 @@ def _compile_checkout() -> None:
         compileall.compile_dir(REPO / name, quiet=1)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="gpu tier: no CUDA device visible")
+    # The planner's CPU lab calibrates this 2-core VM (tools/trident_dev/plan), which users' GPU plans never read: its
+    # heaviest runs (a whole calibration, --measure of real runs) are a tier of their own, run by -m lab.
+    lab = "lab" in (config.getoption("markexpr") or "")
+    no_lab = None if lab else pytest.mark.skip(reason="lab tier: the planner's CPU lab; run with -m lab")
     for item in items:
+        if no_lab is not None and item.get_closest_marker("lab") is not None:
+            item.add_marker(no_lab)
         if item.get_closest_marker("multiprocess") is None:
             item.add_marker(pytest.mark.pure)
         if no_gpu is not None and item.get_closest_marker("gpu") is not None:

@@ -171,6 +171,7 @@ def test_no_cache_measures_everything_and_writes_nothing(tmp_path: Path, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.lab
 @pytest.mark.multiprocess
 def test_collectives_from_concurrent_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four ranks (of one thread): two groups of 2 at once and one group of 4; 3 does not divide 4 ranks. Each op

@@ -125,6 +125,7 @@ def test_on_cuda_the_memory_error_is_the_larger_of_model_states_and_the_peak() -
 # --- a real measurement (multi-process) --------------------------------------------------------------------------
 
 
+@pytest.mark.lab
 @pytest.mark.multiprocess
 def test_measure_runs_train_py_and_compares_with_the_plan(plan: Plan, tiny_dataset: Path, tmp_path: Path) -> None:
     picked = measure.pick(plan, 1)  # the best and the worst ranked layout

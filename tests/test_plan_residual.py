@@ -49,6 +49,7 @@ def test_the_step_and_its_split_are_scaled_by_the_residual_and_nothing_else_is()
     assert (scaled.pipeline, scaled.compute, scaled.bubble) == (base.pipeline, base.compute, base.bubble)
 
 
+@pytest.mark.lab
 @pytest.mark.multiprocess
 def test_a_calibration_given_the_repository_runs_the_held_out_layout_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
