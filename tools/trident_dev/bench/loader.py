@@ -1,24 +1,9 @@
 """``tools/bench.py loader``: what reading the batches costs a real training step, from the training loop's own
-timings.
+timings: the loop's background loader against reading in the step (docs/benchmarks.md#loader).
 
     python tools/bench.py loader                                   # gpt-mini and llama-tiny, one process
     python tools/bench.py loader --models llama-tiny --set data.dataset_dir=DIR   # a prepared dataset of yours
     python tools/bench.py loader --set "data.mix=[A:0.7,B:0.3]"    # a mixture's reads
-
-For each preset, on one local rank (trident_dev.ranks' pool), train.py's data (``open_training_data``: the embedded
-corpus at the preset's vocabulary unless ``--set data.*`` says otherwise, memory-mapped) and train.py's parts
-(trident/build.py) run ``Trainer.fit``, the loop itself, in alternating rounds (trident_dev/bench/harness.py's order)
-with two loaders:
-
-- ``read ahead`` (what train.py runs): the loop's ``BatchLoader`` reads the next step's micro-batches in a
-  background thread while the step computes (on a GPU: into pinned memory, copied on a stream of its own), so the
-  step waits only for what is not ready yet;
-- ``read in the step``: the same reads made on the critical path, at the start of each step (the cost without the
-  read-ahead, and what reading a batch costs at all).
-
-Each row: the step's time, how long reading its batches took (``data_read_ms`` in metrics.jsonl), how long the step
-waited for them (``data_ms``), and that wait as a share of the step (``data_share``): medians over rounds of each
-round's totals. The issue's target: under 1% of a step read ahead.
 """
 
 from __future__ import annotations
@@ -30,19 +15,19 @@ import dataclasses
 import io
 import os
 import statistics
+from collections.abc import Callable
 
 import torch
 
-from trident.build import build_parts, layout_of
+from trident.build import RunParts, build_parts, layout_of
 from trident.config import Config, compose_config
 from trident.data.mixture import open_training_data
 from trident.loop import Trainer
 from trident.parallel.groups import build_process_groups
 from trident.parallel.topology import Topology
-from trident_dev.bench.harness import Table, barrier, number, rank_device
-from trident_dev.ranks import run_distributed
+from trident_dev.bench.compare import Column, Comparison, Rank, Row, Setting, Steps, compare
+from trident_dev.bench.harness import Table, number
 
-HEADER = ["model", "loader", "step ms", "read ms", "wait ms", "loader share of step", "spread of share"]
 VARIANTS = {"read ahead": True, "read in the step": False}
 
 
@@ -68,82 +53,92 @@ def build_config(args: argparse.Namespace, model: str) -> Config:
     return compose_config(args.conf, overrides)
 
 
-def run(args: argparse.Namespace) -> list[Table]:
-    if args.global_batch % args.micro_batch:
-        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by --micro-batch {args.micro_batch}")
-    t = Table(
-        f"the loader's share of a training step: one process, global batch {args.global_batch}, micro-batch "
-        f"{args.micro_batch}; {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, medians",
-        HEADER,
-    )
-    for model in args.models:
-        cfg = build_config(args, model)
-        job = Job(cfg, args.warmup, args.steps, args.rounds)
-        result = run_distributed(_rank, 1, job, timeout_s=24 * 3600)[0]
-        for name, r in result["variants"].items():
-            shares = [w / s for w, s in zip(r["wait"], r["step"], strict=True)]
-            t.add(
-                f"{model} ({result['device']}, {result['tokens_per_step']:,} tokens/step)",
-                name,
-                number(1e3 * statistics.median(r["step"]), ",.1f"),
-                number(1e3 * statistics.median(r["read"]), ",.3f"),
-                number(1e3 * statistics.median(r["wait"]), ",.3f"),
-                f"{100 * statistics.median(shares):.2f}%",
-                f"{100 * min(shares):.2f}-{100 * max(shares):.2f}%",
-            )
-    t.notes.append(
-        "step ms: a training step as the loop times it (the wait for its batches included); read ms: reading its "
-        "micro-batches (sampler, memmap windows, to the device); wait ms: the part of that read the step waited for. "
-        "Per step, medians over rounds of each round's totals; spread: lowest and highest round. Each round is a "
-        "fit() of its own whose first step (read in the step whatever the loader, as a run's first) is not counted."
-    )
-    return [t]
-
-
 @dataclasses.dataclass
 class Job:
     cfg: Config
     warmup: int
     steps: int
-    rounds: int
 
 
-def _rank(rank: int, world: int, job: Job) -> dict:
+def run(args: argparse.Namespace) -> list[Table]:
+    if args.global_batch % args.micro_batch:
+        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by --micro-batch {args.micro_batch}")
+    settings = []
+    for model in args.models:
+        cfg = build_config(args, model)
+        tokens = cfg.train.global_batch_size * cfg.model.seq_len
+        settings.append(Setting(_loaders, Job(cfg, args.warmup, args.steps), {"model": model, "tokens": tokens}))
+
+    def ms(row: Row, figure: str, spec: str) -> str:
+        return number(1e3 * statistics.median(row.out.figures[figure]), spec)
+
+    def shares(row: Row) -> list[float]:
+        f = row.out.figures
+        return [w / s for w, s in zip(f["wait"], f["step"], strict=True)]
+
+    columns = [
+        Column("model", lambda r: f"{r.cells['model']} ({r.info['device']}, {r.cells['tokens']:,} tokens/step)"),
+        Column("loader"),
+        Column("step ms", lambda r: ms(r, "step", ",.1f")),
+        Column("read ms", lambda r: ms(r, "read", ",.3f")),
+        Column("wait ms", lambda r: ms(r, "wait", ",.3f")),
+        Column("loader share of step", lambda r: f"{100 * statistics.median(shares(r)):.2f}%"),
+        Column("spread of share", lambda r: f"{100 * min(shares(r)):.2f}-{100 * max(shares(r)):.2f}%"),
+    ]
+    title = (
+        f"the loader's share of a training step: one process, global batch {args.global_batch}, micro-batch "
+        f"{args.micro_batch}; {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, medians"
+    )
+    notes = [
+        "step ms: a training step as the loop times it (the wait for its batches included); read ms: reading its "
+        "micro-batches (sampler, memmap windows, to the device); wait ms: the part of that read the step waited for. "
+        "Per step, medians over rounds of each round's totals; spread: lowest and highest round. Each round is a "
+        "fit() of its own whose first step (read in the step whatever the loader, as a run's first) is not counted."
+    ]
+    return [compare(Comparison(title, columns, settings, warmup=1, steps=1, rounds=args.rounds, notes=notes))]
+
+
+class _Fits(Steps):
+    """A loader's trainer; its step ``i`` is one ``fit()``: the warm-up's (step 0) of ``job.warmup`` steps, then
+    each of ``job.steps`` steps and one more first, whose rows give the round's figures."""
+
+    def __init__(self, trainer: Trainer, parts: RunParts, job: Job) -> None:
+        super().__init__()
+        self.trainer, self.parts, self.job = trainer, parts, job
+        self.rounds: dict[str, list[float]] = {"step": [], "read": [], "wait": []}
+
+    def step(self, i: int) -> None:
+        if i == 0:
+            self.fit(self.job.warmup)
+            return
+        # A round's first step is its fit's first: nothing was read ahead for it (as a run's first step).
+        rows = self.fit(self.job.steps + 1)[1:]
+        for figure, key, per_s in (("step", "step_time_s", 1), ("read", "data_read_ms", 1e3), ("wait", "data_ms", 1e3)):
+            self.rounds[figure].append(sum(row[key] for row in rows) / per_s / len(rows))  # seconds a step
+
+    def fit(self, steps: int) -> list[dict]:
+        self.trainer.cfg.steps = self.trainer.step + steps
+        with contextlib.redirect_stdout(io.StringIO()):  # fit's summary line
+            return self.trainer.fit()
+
+    def close(self) -> None:
+        self.parts.optimizer.remove_hooks()
+
+    def figures(self) -> dict:
+        return self.rounds
+
+
+def _loaders(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
+    """Both loaders over the same data, each its own parts and trainer."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    device = rank_device(rank, world)
+    rank.info["device"] = rank.device.type
     groups = build_process_groups(Topology(dp=1, pp=1, tp=1))
     cfg = job.cfg
-    tr = cfg.train
-    data = open_training_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len, tr.global_batch_size, None)
-    trainers, parts = {}, []
-    for name, prefetch in VARIANTS.items():
+    data = open_training_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.train.global_batch_size, None)
+
+    def loader(prefetch: bool) -> Steps:
         own = copy.deepcopy(cfg)  # its own train.steps, raised round by round
-        p = build_parts(own, layout_of(own, groups), groups, device)
-        parts.append(p)
-        trainers[name] = Trainer(own, groups, p, data.pair, eos_id=data.eos_id, prefetch=prefetch)
+        parts = build_parts(own, layout_of(own, groups), groups, rank.device)
+        return _Fits(Trainer(own, groups, parts, data.pair, eos_id=data.eos_id, prefetch=prefetch), parts, job)
 
-    def advance(trainer: Trainer, steps: int) -> list[dict]:
-        trainer.cfg.steps = trainer.step + steps
-        with contextlib.redirect_stdout(io.StringIO()):  # fit's summary line
-            return trainer.fit()
-
-    for trainer in trainers.values():
-        advance(trainer, job.warmup)
-    figures = {name: {"step": [], "read": [], "wait": []} for name in trainers}
-    names = list(trainers)
-    for r in range(job.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            barrier(device)
-            # A round's first step is its fit's first: nothing was read ahead for it (as a run's first step).
-            rows = advance(trainers[name], job.steps + 1)[1:]
-            f = figures[name]
-            f["step"].append(sum(row["step_time_s"] for row in rows) / len(rows))
-            f["read"].append(sum(row["data_read_ms"] for row in rows) / 1e3 / len(rows))
-            f["wait"].append(sum(row["data_ms"] for row in rows) / 1e3 / len(rows))
-    for p in parts:
-        p.optimizer.remove_hooks()
-    return {
-        "device": device.type,
-        "tokens_per_step": tr.global_batch_size * cfg.model.seq_len,
-        "variants": figures,
-    }
+    return {name: (lambda p=prefetch: loader(p)) for name, prefetch in VARIANTS.items()}
