@@ -1,30 +1,14 @@
 """``tools/bench.py prepare``: the preparation rate of tools/prepare_data.py (JSON Lines to a sharded token store) at
-1 and more workers, against the tokenizer's own batch API on one process.
+1 and more workers, against the tokenizer's own batch API on one process (docs/benchmarks.md#prepare).
 
     python tools/bench.py prepare                        # ~200 MB of JSON Lines, workers 1 and 2, 3 rounds
     python tools/bench.py prepare --mb 50 --workers 1 2 4 --rounds 5 --tokenizer llama/tokenizer.json
-
-The corpus is generated once into ``--dir`` (default: a directory under the system's temporary one, reused while
-its parameters stay): the standard library's Python source and docstrings cut into documents of 200 to 8,000
-characters by a seeded generator, written as JSON Lines files of about 50 MB, ``{"text": ..., "id": ...}`` per line.
-The tokenizer is ``--tokenizer`` or a ``--vocab-size`` sentencepiece BPE trained as prepare_data trains it (on a
-sample of the corpus's lines).
-
-Each round, in rotated order (trident_dev/bench/harness.py ``alternate``):
-
-- ``prepare, N workers``: ``prepare_dataset`` into a fresh directory (nothing reused): reading and parsing the JSON
-  Lines, tokenizing, writing the shards, their indexes and records, meta.json.
-- ``batch API, 1 process``: the documents already in memory, encoded by the tokenizer's batch call in batches of
-  32 MB of text (sentencepiece ``encode(list, num_threads=all cores)``; tokenizers ``encode_batch``), the ids
-  dropped: the tokenizer alone, without reading, parsing or writing.
-
-tokens/s counts every document's ids plus its eos; MB/s is the JSON Lines' bytes over the time. The figures are
-medians over the rounds with their spread ((highest - lowest) / median).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,16 +17,19 @@ import shutil
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from trident.data.bpe import sample_lines, train_bpe
 from trident.data.meta import load_meta
 from trident.data.prepare import prepare_dataset
 from trident.data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
-from trident_dev.bench.harness import Stat, Table, alternate, number, ratio, spread
+from trident_dev.bench.compare import Column, Comparison, Rank, Setting, Steps, run_settings, tabulate
+from trident_dev.bench.harness import Table, number, ratio, spread
 
 _FILE_MB = 50
 _BATCH_CHARS = 32 << 20
+API = "batch API, 1 process"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,47 +113,61 @@ def run(args: argparse.Namespace) -> list[Table]:
         print(f"trained a {args.vocab_size}-piece BPE on {len(lines):,} lines ({time.perf_counter() - t0:.0f}s)")
     work = root / "out"
     shutil.rmtree(work, ignore_errors=True)
-    counts: dict[str, int] = {}
-
-    def prepare(workers: int):
-        def step(i: int) -> None:
-            out = prepare_dataset(
-                files, work / f"w{workers}-{i}", tokenizer=tokenizer, log=lambda _: None, workers=workers
-            )
-            counts[f"w{workers}"] = load_meta(out)["n_tokens"]
-            shutil.rmtree(out)
-
-        return step
-
-    def batch_api(i: int) -> None:
-        counts["api"] = batch_api_tokens(tokenizer, texts)
-
-    variants = {f"prepare, {w} worker{'s' if w > 1 else ''}": prepare(w) for w in args.workers}
-    variants["batch API, 1 process"] = batch_api
-    timings = alternate(variants, warmup=0, steps=1, rounds=args.rounds)
+    job = Job(files, texts, tokenizer, args.workers, work)
+    # The title and the columns read the tokens the variants counted: the table is made once they agree.
+    c = Comparison("", [], [Setting(_variants, job, world=None, device="cpu")], warmup=0, steps=1, rounds=args.rounds)
+    runs = run_settings(c)
     shutil.rmtree(work, ignore_errors=True)
 
-    tokens = counts["api"]
+    counts = {name: out.figures["tokens"] for name, out in runs[0].outcomes.items()}
+    tokens = counts[API]
     assert all(n == tokens for n in counts.values()), f"the variants counted different tokens: {counts}"
-    api = Stat.of(timings["batch API, 1 process"].wall).median
-    table = Table(
+    title = (
         f"prepare: {corpus_bytes / 1e6:.0f} MB of JSON Lines ({len(texts):,} documents, {tokens:,} tokens), "
-        f"{tokenizer.file_name} of {tokenizer.vocab_size} ids, {os.cpu_count()} CPUs, {args.rounds} rounds",
-        ["variant", "tokens/s", "MB/s", "spread", "seconds", "x batch API"],
+        f"{tokenizer.file_name} of {tokenizer.vocab_size} ids, {os.cpu_count()} CPUs, {args.rounds} rounds"
     )
-    for name, timing in timings.items():
-        t = Stat.of(timing.wall)
-        table.add(
-            name,
-            number(tokens / t.median),
-            number(corpus_bytes / 1e6 / t.median, ".1f"),
-            spread(timing.wall),
-            f"{t.median:.1f} ({t.low:.1f}-{t.high:.1f})",
-            ratio(api, t.median),
-        )
+    columns = [
+        Column("variant"),
+        Column("tokens/s", lambda r: number(r.out.rate(tokens).median)),
+        Column("MB/s", lambda r: number(corpus_bytes / 1e6 / r.out.time.median, ".1f")),
+        Column("spread", lambda r: spread(r.out.wall)),
+        Column("seconds", lambda r: f"{r.out.time.median:.1f} ({r.out.time.low:.1f}-{r.out.time.high:.1f})"),
+        Column("x batch API", lambda r: ratio(r.of(API).time.median, r.out.time.median)),
+    ]
     threads = "all cores" if tokenizer.file_name.endswith(".model") else "its own thread pool"
-    table.notes += [
+    notes = [
         f"batch API: {tokenizer.file_name} encode of the documents already in memory ({threads}), ids dropped; "
         "prepare: read, parse, tokenize and write the shards. x batch API above 1.00x: faster than the batch API."
     ]
-    return [table]
+    return [tabulate(dataclasses.replace(c, title=title, columns=columns, notes=notes), runs)]
+
+
+@dataclasses.dataclass
+class Job:
+    files: list[Path]
+    texts: list[str]
+    tokenizer: Tokenizer
+    workers: list[int]
+    work: Path
+
+
+def _variants(rank: Rank, job: Job) -> dict[str, Callable[[], Steps]]:
+    """prepare_dataset at each worker count, each step into a fresh directory, and the batch API; each counts the
+    tokens it made (its figure)."""
+
+    def counting(count: Callable[[int], int]) -> Steps:
+        counted: dict[str, int] = {}
+        return Steps(lambda i: counted.update(tokens=count(i)), figures=lambda: counted)
+
+    def prepare(workers: int, i: int) -> int:
+        out = job.work / f"w{workers}-{i}"
+        out = prepare_dataset(job.files, out, tokenizer=job.tokenizer, log=lambda _: None, workers=workers)
+        tokens = load_meta(out)["n_tokens"]
+        shutil.rmtree(out)
+        return tokens
+
+    variants = {
+        f"prepare, {w} worker{'s' if w > 1 else ''}": (lambda w=w: counting(lambda i: prepare(w, i)))
+        for w in job.workers
+    }
+    return {**variants, API: lambda: counting(lambda i: batch_api_tokens(job.tokenizer, job.texts))}
