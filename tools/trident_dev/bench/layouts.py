@@ -1,25 +1,9 @@
 """``tools/bench.py layouts``: tokens/s, MFU, peak memory and model-state bytes of several layouts of one preset, as
-one table.
+one table, each a real ``torchrun train.py`` run (docs/benchmarks.md#layouts).
 
     python tools/bench.py layouts --model gpt-mini --layouts 1 dp=2 tp=2 --compile both --baseline
     python tools/bench.py layouts --model gpt-small --layouts "dp=8" "tp=2 pp=4" "dp=2 tp=2 pp=2 zero=1" \\
         --steps 30 --base train.precision=bf16 --out bench.md --plot bench.png
-
-Each layout (short forms in trident_dev/bench/runs.py; ``1`` is one process) is a real run: ``torchrun --standalone
-train.py`` for ``--steps`` steps, the same config and data for all. Its figures come from what the run leaves:
-metrics.jsonl (the first ``--warmup`` steps are skipped: start-up, compilation, allocator growth), and the
-per-rank model-state bytes of ``<run dir>/memory.json``.
-
-- tokens/s: tokens over time of the measured steps; "spread" is (slowest - fastest step) / median step time.
-  "x first" divides by the first row's.
-- MFU: the run's own figure (metrics.jsonl), the mean over the measured steps.
-- peak mem: the logging rank's peak (on a CPU its peak resident set, which includes the framework, on a GPU the
-  allocator's peak), the largest over the measured steps.
-- model states: parameters, gradients and optimizer states of the most loaded rank.
-- ``--compile both`` adds each layout again with ``train.compile=true``; "compile x" is its tokens/s over the
-  eager row's (compilation itself happens in the warm-up steps and is not counted).
-- ``--baseline`` adds a plain PyTorch training loop of the same preset and batch in one process, timed against
-  trident's own step in alternating rounds (``throughput``); "x first" of that row is against the first layout.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """``tools/bench.py matrix``: many layouts of one small model for a few steps, each one's losses against one
-process.
+process; exit 1 if an fp32 one is off (docs/benchmarks.md#matrix).
 
     python tools/bench.py matrix                                   # the default matrix on gpt-tiny (8 layers)
     python tools/bench.py matrix --layouts "dp=2 tp=2 sp" "tp=2 pp=4" --steps 8
-
-Each layout (short forms in trident_dev/bench/runs.py: ``dp=2 tp=2 pp=2 vpp=2 zero=1 sp ac=selective precision=bf16
-compile``) runs under ``torchrun --standalone`` with the same seed, data and global batch as the one-process
-reference run, and the table gives its largest relative difference in loss and in gradient norm over the steps.
-Layouts the validator refuses are listed with its line and not run; a run that fails shows its error. fp32 layouts
-should be within ``--rel`` (up to floating-point reduction order); the exit code is 1 if one is not, or if a run
-failed. Lower precisions are shown for information only.
 """
 
 from __future__ import annotations
