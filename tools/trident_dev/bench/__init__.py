@@ -1,6 +1,7 @@
 """Benchmarks: one harness (``harness.py``: alternating timed rounds, medians and spreads, tokens/s, MFU, memory,
-one markdown table) and the subcommands of ``tools/bench.py`` over it, one module each; those that train build
-trident's side through trident/build.py as train.py does:
+one markdown table), one comparison the timed subcommands declare their settings, variants and columns to
+(``compare.py``), and the subcommands of ``tools/bench.py``, one module each (what each measures:
+docs/benchmarks.md); those that train build trident's side through trident/build.py as train.py does:
 
     layouts     several layouts of one preset as real ``torchrun train.py`` runs (``runs.py``): tokens/s, MFU, memory
     matrix      many layouts' loss and gradient-norm curves against the one-process run
@@ -14,4 +15,6 @@ trident's side through trident/build.py as train.py does:
     gpu         trident's step against a plain loop and torch.compile of it: tokens/s, MFU, peak memory (a GPU)
     checkpoint  step time with no save, a foreground save and a background one (checkpoint.async)
     recompute   each recomputation policy: one micro-batch's activations measured and estimated, step time vs none
+    moe         the experts as one grouped product against a matmul per expert; training at ep 1 against each ep
+    cp          context parallelism: cp 1, 2, 4 with each exchange against dp, activation bytes per rank, tokens/s
 """
