@@ -22,7 +22,7 @@ from tests.helpers import REPO
 from tests.helpers.layouts import assert_same_curve, four_layers, make_config, train_in_process
 from tests.helpers.processes import read_metrics, start_train
 from train import run
-from trident.checkpoint import dcp
+from trident.checkpoint import dcp, integrity
 from trident.checkpoint.files import checkpoint_name, list_checkpoints
 from trident.config import Config, compose_config
 from trident.errors import CheckpointError, ConfigError, DivergenceError
@@ -59,6 +59,11 @@ def test_async_saves_equal_sync_ones_and_resume_under_another_layout(tiny_datase
         expected = tmp_path / "sync" / "checkpoints" / checkpoint_name(step)
         assert _data_files(saved) == _data_files(expected), step
         assert (saved / "trainer.json").read_text() == (expected / "trainer.json").read_text()
+        # The background writer's files are recorded with their checksums, as the foreground's (integrity.py).
+        records = [json.loads((p / "meta.json").read_text())[integrity.RECORD] for p in (saved, expected)]
+        assert {n: records[0][n] for n in _data_files(saved)} == {n: records[1][n] for n in _data_files(saved)}
+        assert set(records[0]) == {p.name for p in saved.iterdir()} - {"meta.json"}
+        assert integrity.damage(saved, records[0]) is None
     resumed = tmp_path / "async" / "checkpoints" / checkpoint_name(4)
     again = [*base, "checkpoint.async=true", "parallel.tp=2", f"checkpoint.resume={resumed}"]
     (continued, _) = train_in_process(tmp_path / "tp2", again, world=2)

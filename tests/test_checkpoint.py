@@ -513,6 +513,13 @@ def test_resume_refusals_name_what_is_wrong(one_process, tmp_path: Path) -> None
 
     data = (path / "__0_0.distcp").read_bytes()
     (path / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    damaged = r"^checkpoint .*step_00000001 is damaged: __0_0\.distcp is \d+ bytes, its record says \d+"
+    with pytest.raises(CheckpointError, match=damaged + r"; no older checkpoint in .* is intact either$"):
+        resume()
+    with pytest.raises(CheckpointError, match=damaged + "$"):
+        resume(resume=str(path))
+    # Written before checksums were recorded: the reader's own checks still name the file.
+    (path / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
     with pytest.raises(CheckpointError, match=r"^cannot read checkpoint file .*__0_0\.distcp: damaged"):
         resume()
     (path / "__0_0.distcp").unlink()

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from trident.checkpoint import integrity
 from trident.checkpoint.dcp import Sharded, read_metadata, read_sharded, write_sharded
 from trident.checkpoint.files import find_resume_path, new_temporary, publish, read_head
 from trident.checkpoint.hf import check_parts, read_box, sources
@@ -87,8 +89,11 @@ class ModelWeights:
 
 
 def from_checkpoint(path: Path) -> ModelWeights:
-    """The model part of one checkpoint directory (any layout), read in this process."""
+    """The model part of one checkpoint directory (any layout), read in this process, its files verified first
+    (integrity.py: a damaged one is refused in one line)."""
     meta, config = read_head(path)
+    if not integrity.verify(path):
+        print(integrity.UNRECORDED.format(path=path), file=sys.stderr, flush=True)
     tokenizer, name = _read_tokenizer(find_tokenizer_file(path))
     tensors, buffers = read_model_tensors(path), read_model_tensors(path, BUFFERS)
     return ModelWeights(tensors, config, meta["step"], tokenizer, path, name, buffers)

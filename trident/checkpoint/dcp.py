@@ -100,11 +100,20 @@ class _Writer(FileSystemWriter):
     def __init__(self, path: Path, process: WriterProcess | None = None) -> None:
         super().__init__(path)
         self.process = process
+        self._written: Future[list[WriteResult]] | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.process is None:
-            return super().write_data(plan, planner)
-        return self.process.write(Path(self.path), plan, planner)
+            self._written = super().write_data(plan, planner)
+        else:
+            self._written = self.process.write(Path(self.path), plan, planner)
+        return self._written
+
+    def written(self) -> list[str]:
+        """The files this rank wrote (names in the directory), once the save is done."""
+        if self._written is None:
+            return []
+        return sorted({result.storage_data.relative_path for result in self._written.value()})
 
     def storage_meta(self) -> StorageMeta:
         # The default records the directory written to: a temporary name, stale once renamed into place.
@@ -130,14 +139,16 @@ def write_sharded(
     directory: Path,
     group: dist.ProcessGroup | None = None,
     process: WriterProcess | None = None,
-) -> None:
+) -> list[str]:
     """Every rank calls this with its own boxes; a failure on any rank raises on every rank. ``group``: the
-    group DCP's collectives run on (every rank's; default the world); ``process``: the files are written there."""
+    group DCP's collectives run on (every rank's; default the world); ``process``: the files are written there.
+    Returns the names of the files this rank wrote (``.metadata`` is the coordinator's, not among them)."""
     try:
         writer = _Writer(directory, process)
         dcp.save(state, storage_writer=writer, planner=_SavePlanner(), process_group=group)
     except CheckpointException as e:
         _raise_agreed(e, f"write checkpoint data in {directory}")
+    return writer.written()
 
 
 def read_sharded(state: dict[str, Sharded], directory: Path, metadata: Metadata) -> None:

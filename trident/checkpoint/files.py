@@ -26,6 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
+from trident.checkpoint import integrity
 from trident.config import ModelConfig, model_config_from_dict
 from trident.errors import CheckpointError
 
@@ -119,10 +120,18 @@ def tokenizer_file_name(path: Path) -> str:
     return "tokenizer.json" if path.suffix == ".json" else "tokenizer.model"
 
 
-def publish(tmp: Path, step: int, files: dict[str, dict], tokenizer: Path | None, layout: dict) -> Path:
+def publish(
+    tmp: Path,
+    step: int,
+    files: dict[str, dict],
+    tokenizer: Path | None,
+    layout: dict,
+    checksums: dict[str, dict] | None = None,
+) -> Path:
     """Finish a temporary directory whose tensor data is written: the JSON ``files``, the tokenizer, ``meta.json``
-    last, then rename it to ``step_XXXXXXXX``. On any failure the temporary directory is removed and nothing is
-    published."""
+    last, then rename it to ``step_XXXXXXXX``. ``checksums``: the tensor files' (integrity.py), by the ranks that
+    wrote them; ``meta.json`` records them with those of every other file here, hashed now. On any failure the temporary
+    directory is removed and nothing is published."""
     root = tmp.parent
     final = root / checkpoint_name(step)
     try:
@@ -130,7 +139,10 @@ def publish(tmp: Path, step: int, files: dict[str, dict], tokenizer: Path | None
             _write_text(tmp / name, _to_json(name, value))
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / tokenizer_file_name(tokenizer))
-        meta = {"format": FORMAT, "step": step, "layout": layout, "time": time.time()}
+        checksums = checksums or {}
+        others = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name not in checksums)
+        record = {**checksums, **integrity.digests(tmp, others)}
+        meta = {"format": FORMAT, "step": step, "layout": layout, "time": time.time(), integrity.RECORD: record}
         _write_text(tmp / "meta.json", json.dumps(meta, indent=2))
         _fsync_dir(tmp)
         if final.exists():

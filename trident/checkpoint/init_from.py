@@ -30,6 +30,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
+from trident.checkpoint import integrity
 from trident.checkpoint.files import find_resume_path, read_head, saved_model_config
 from trident.checkpoint.hf import check_parts, read_box, sources
 from trident.checkpoint.hf_dir import HFDir, is_hf_dir
@@ -199,6 +200,11 @@ def load_init_weights(chunks: list[GPT], source: InitSource) -> None:
         from trident.checkpoint.dcp import read_sharded  # DCP is imported by a load only (sharded.py says why)
 
         buffers = balancing_state(chunks)
+        # Every rank verifies its share of the files (integrity.py); a damaged one stops them all, before any read.
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        recorded = _agreed(lambda: integrity.verify(source.path, rank, world), f"verify checkpoint {source.path}")
+        if not recorded and rank == 0:
+            print(integrity.UNRECORDED.format(path=source.path), flush=True)
         state, metadata = _agreed(
             lambda: _trident_boxes(params, buffers, source.path), f"read checkpoint {source.path}"
         )

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch.distributed as dist
 from torch import nn
 
+from trident.checkpoint import integrity
 from trident.checkpoint.background import BackgroundSave, WriterProcess
 from trident.checkpoint.files import (
     checkpoint_name,
@@ -157,37 +158,64 @@ class Checkpointer:
         from trident.checkpoint import dcp  # by the first save or load, not with this module (sharded.py says why)
 
         try:
-            dcp.write_sharded(state, tmp, group, process)  # every rank; a failure anywhere is raised everywhere
+            written = dcp.write_sharded(state, tmp, group, process)  # a failure on any rank is raised on every rank
+            # Each rank hashes the files it wrote, while their pages are in memory (integrity.py).
+            checksums = _gathered(lambda: integrity.digests(tmp, written), f"hash the files of {name}", group)
         except TridentError:
             if dist.get_rank() == self._WRITER:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
         def finish() -> None:
-            publish(tmp, step, files, self.tokenizer, self.layout)
+            publish(tmp, step, files, self.tokenizer, self.layout, checksums)
             prune_checkpoints(self.root, self.keep_last, step)
 
         on_one_rank(finish, self._WRITER, f"write checkpoint {name} in {self.root}", group)
         return self.root / name
 
-    def _find(self) -> str | None:
+    def _find(self) -> list[str]:
+        """checkpoint.resume's checkpoint; under ``auto`` every complete one in checkpoint.dir, newest first (the
+        first intact one is resumed); none for ``none`` or a fresh directory."""
         if self.resume == "none" and list_checkpoints(self.root):
             raise CheckpointError(
                 f"checkpoint.dir {self.root} already holds checkpoints (newest "
                 f"{list_checkpoints(self.root)[-1].name}) and checkpoint.resume=none would mix a new run into "
                 "them; use checkpoint.resume=auto to continue, or another checkpoint.dir"
             )
+        if self.resume == "auto":
+            return [str(p) for p in reversed(list_checkpoints(self.root))]
         path = find_resume_path(self.resume, self.root)
-        return str(path) if path else None
+        return [str(path)] if path else []
+
+    def _intact(self, candidates: list[str]) -> Path | None:
+        """The first of ``candidates`` whose files match their checksums, every rank verifying its share of each
+        (integrity.py); a damaged one is refused in one line, or under ``auto`` passed over with a line saying so."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for i, candidate in enumerate(candidates):
+            path = Path(candidate)
+            try:
+                recorded = on_every_rank(lambda p=path: integrity.verify(p, rank, world), f"verify checkpoint {path}")
+            except CheckpointError as e:
+                if self.resume != "auto":
+                    raise
+                if i == len(candidates) - 1:
+                    raise CheckpointError(f"{e}; no older checkpoint in {self.root} is intact either") from None
+                if self.groups.is_logging_rank:
+                    print(f"warning: {e}; trying the checkpoint before it, {Path(candidates[i + 1]).name}", flush=True)
+                continue
+            if not recorded and self.groups.is_logging_rank:
+                print(integrity.UNRECORDED.format(path=path), flush=True)
+            return path
+        return None
 
     def maybe_resume(self, trainer: Trainable) -> int | None:
         """Restore model, optimizer, RNG and trainer state from checkpoint.resume; return the step, or None."""
         # Rank 0 decides and every rank agrees, so an error can never leave the others waiting.
         found = [on_one_rank(self._find, 0, "look for checkpoints")]
         dist.broadcast_object_list(found, src=0)
-        if found[0] is None:
+        path = self._intact(found[0])
+        if path is None:
             return None
-        path = Path(found[0])
         # Every rank reads the files itself (on several nodes checkpoint.dir must be a shared filesystem);
         # one that cannot makes them all stop with its reason instead of leaving the rest waiting.
         saved_config, load = on_every_rank(lambda: self._prepare_load(path, trainer), f"read checkpoint {path}")
@@ -255,6 +283,26 @@ class Checkpointer:
             restore_rng()
 
         return config, load
+
+
+def _gathered(fn: Callable[[], dict], what: str, group: dist.ProcessGroup | None) -> dict:
+    """Every rank's ``fn()`` merged into one dict on every rank of ``group``; a failure on any rank (an OSError says
+    ``what`` could not be done) is raised on every rank, the lowest failing rank's."""
+    try:
+        mine, failure = fn(), None
+    except OSError as e:
+        mine, failure = {}, f"cannot {what}: {e}"
+    except TridentError as e:
+        mine, failure = {}, str(e)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (mine, failure), group=group)
+    failures = [(rank, f) for rank, (_, f) in enumerate(everyone) if f is not None]
+    if failures:
+        rank, message = failures[0]
+        error = CheckpointError(message if len(failures) == len(everyone) else f"rank {rank}: {message}")
+        error.agreed = True
+        raise error
+    return {k: v for part, _ in everyone for k, v in part.items()}
 
 
 # Settings that shape every later step without changing parameter shapes: changing them on resume is
