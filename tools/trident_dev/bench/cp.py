@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> list[Table]:
         for comm in comms:
             name = f"{kind}={n} {comm}" if kind == "cp" and n > 1 else f"{kind}={n}"
             job = (name, _config(args, kind, n, comm))
-            settings.append(Setting(_layout, job, {"ranks": n}, world=n, device="cpu", backend="gloo"))
+            settings.append(Setting(_layout, job, {"ranks": n}, world=n, device="cpu"))
     tokens = args.global_batch * args.seq_len
 
     def held(out: Outcome | None) -> int | None:  # the largest rank's

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> list[Table]:
     for model in args.models:
         cfg = build_config(args, model)
         tokens = cfg.train.global_batch_size * cfg.model.seq_len
-        settings.append(Setting(_loaders, Job(cfg, args.warmup, args.steps), {"model": model, "tokens": tokens}))
+        cells = {"model": model, "tokens": tokens}
+        settings.append(Setting(_loaders, Job(cfg, args.warmup, args.steps), cells, backend="gloo"))  # its GPU, if any
 
     def ms(row: Row, figure: str, spec: str) -> str:
         return number(1e3 * statistics.median(row.out.figures[figure]), spec)
