@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tests.helpers.warm
 import trident_dev.ranks
@@ -21,6 +22,8 @@ from tests.helpers import REPO, SMALL_CORPUS
 from tests.helpers.layouts import References
 from trident.data.prepare import prepare_dataset
 from trident.data.sources import collect_text_files
+from trident.parallel.groups import build_process_groups
+from trident.parallel.topology import Topology
 
 # The processes the tests start (ranks, tools, train.py under torchrun) import the development package from tools/,
 # as this process does (pyproject.toml's pytest ``pythonpath``).
@@ -38,6 +41,17 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def references(tmp_path_factory: pytest.TempPathFactory) -> References:
     """The one-process runs the layouts are compared with, by their overrides: each trained once per session."""
     return References(tmp_path_factory.mktemp("references"))
+
+
+@pytest.fixture
+def one_process():
+    """A one-process gloo group (as a plain ``python train.py`` has), torn down after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield build_process_groups(Topology(dp=1, pp=1, tp=1), timeout_s=60)
+    finally:
+        if dist.is_initialized():  # a test may have ended it early
+            dist.destroy_process_group()
 
 
 class TierViolation(BaseException):

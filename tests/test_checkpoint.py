@@ -245,17 +245,6 @@ def checkpointer(
     return build_checkpointer(cfg, run.groups, run.parts, root, tokenizer)
 
 
-@pytest.fixture
-def one_process():
-    """A one-process gloo group (as a plain ``python train.py`` has), torn down after the test."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield build_process_groups(Topology(dp=1, pp=1, tp=1), timeout_s=60)
-    finally:
-        if dist.is_initialized():  # a test may have ended it early
-            dist.destroy_process_group()
-
-
 def fake_checkpoint(root: Path, step: int, **meta_layout) -> Path:
     """A complete checkpoint as discovery sees it: published, with meta.json; no tensor data."""
     return publish(new_temporary(root, step), step, {"config.json": {"step": step}}, None, meta_layout or LAYOUT)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.layouts import assert_same_curve, four_layers, train_in_process
-from tests.test_checkpoint import FakeTrainer, build, checkpointer, one_process  # noqa: F401, F811 (a fixture)
+from tests.test_checkpoint import FakeTrainer, build, checkpointer
 from trident.checkpoint import integrity
 from trident.checkpoint.consolidated import load_weights
 from trident.checkpoint.files import checkpoint_name
@@ -44,7 +44,7 @@ def test_the_shares_of_the_ranks_cover_every_file_once_and_each_finds_its_own_da
         owner = sorted(names).index("f4") % world
         assert [r for r, p in enumerate(found) if p] == [owner], world
         assert found[owner] == (
-            f"checkpoint {tmp_path} is damaged: f4 has CRC-32 {integrity.digest(tmp_path / 'f4')['crc32']}, its "
+            f"checkpoint {tmp_path} is damaged: f4 has CRC-32 {integrity.file_digest(tmp_path / 'f4')['crc32']}, its "
             f"record says {record['f4']['crc32']} (its bytes changed after it was saved)"
         )
     (tmp_path / "f5").write_bytes(b"short")
@@ -58,7 +58,7 @@ def test_the_shares_of_the_ranks_cover_every_file_once_and_each_finds_its_own_da
 def test_a_flipped_byte_is_refused_by_name_and_auto_resumes_the_newest_intact_checkpoint(
     one_process,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture,  # noqa: F811
+    capsys: pytest.CaptureFixture,
 ) -> None:
     tokenizer = tmp_path / "tokenizer.model"
     tokenizer.write_bytes(b"a tokenizer's bytes")
@@ -102,7 +102,7 @@ def test_a_flipped_byte_is_refused_by_name_and_auto_resumes_the_newest_intact_ch
 def test_a_checkpoint_from_before_the_record_loads_unverified_and_says_so(
     one_process,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture,  # noqa: F811
+    capsys: pytest.CaptureFixture,
 ) -> None:
     run = build(one_process, 1)
     checkpointer(tmp_path, run).save(FakeTrainer(3))

@@ -24,7 +24,7 @@ RECORD = "files"  # the key of meta.json that holds {file name: {"bytes": n, "cr
 _CHUNK = 16 * 2**20
 
 
-def digest(path: Path) -> dict:
+def file_digest(path: Path) -> dict:
     """The size and CRC-32 of one file, read in 16 MiB pieces."""
     crc, size = 0, 0
     with open(path, "rb") as f:
@@ -34,8 +34,8 @@ def digest(path: Path) -> dict:
 
 
 def digests(directory: Path, names: list[str]) -> dict[str, dict]:
-    """``digest`` of each of ``names`` in ``directory``, by name."""
-    return {name: digest(directory / name) for name in names}
+    """``file_digest`` of each of ``names`` in ``directory``, by name."""
+    return {name: file_digest(directory / name) for name in names}
 
 
 def read_record(path: Path) -> dict[str, dict] | None:
@@ -63,7 +63,7 @@ def damage(path: Path, record: dict[str, dict], rank: int = 0, world: int = 1) -
         want = record[name]
         file = path / name
         try:
-            got = digest(file)
+            got = file_digest(file)
         except FileNotFoundError:
             return f"checkpoint {path} is damaged: {name} is missing"
         except OSError as e:
