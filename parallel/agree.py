@@ -55,8 +55,21 @@ def on_every_rank(fn: Callable[[], T], what: str) -> T:
     result, failure = _attempt(fn, what)
     outcomes: list[Failure] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, failure)
-    failed = [(rank, f) for rank, f in enumerate(outcomes) if f is not None]
+    _raise_first(outcomes)
+    return result
+
+
+def gathered(fn: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> list[T]:
+    """Call ``fn`` on every rank of ``group``; return every rank's result (picklable), in rank order, on each, or
+    raise the lowest failing rank's error on every rank."""
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, _attempt(fn, what), group=group)
+    _raise_first([failure for _, failure in outcomes])
+    return [result for result, _ in outcomes]
+
+
+def _raise_first(failures: list[Failure]) -> None:
+    failed = [(rank, f) for rank, f in enumerate(failures) if f is not None]
     if failed:
         rank, (kind, msg) = failed[0]
-        _raise_agreed((kind, msg if len(failed) == len(outcomes) else f"rank {rank}: {msg}"))
-    return result
+        _raise_agreed((kind, msg if len(failed) == len(failures) else f"rank {rank}: {msg}"))

@@ -24,11 +24,6 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype  # gradient accumulation and reduction
 
     @property
-    def needs_masters(self) -> bool:
-        """16-bit parameters: the optimizer steps fp32 master copies and casts them back."""
-        return self.param_dtype != torch.float32
-
-    @property
     def loss_scaling(self) -> bool:
         return self.param_dtype == torch.float16
 

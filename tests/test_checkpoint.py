@@ -52,7 +52,7 @@ from trident.checkpoint.files import (
 from trident.checkpoint.manager import Checkpointer, schedule_changes
 from trident.checkpoint.zero_state import MasterState, MomentState
 from trident.config import CheckpointConfig, Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from trident.errors import CheckpointError
+from trident.errors import CheckpointError, DiskFullError
 from trident.models.gpt import GPT
 from trident.parallel.batch import Batch
 from trident.parallel.groups import ProcessGroups, build_process_groups
@@ -756,7 +756,8 @@ def _dp2_ranks(rank: int, world_size: int, root_s: str, tokenizer_s: str, zero: 
 
     format_mod._Writer.write_data = disk_full_on_rank_1
     try:
-        with pytest.raises(CheckpointError, match=r"^rank 1: cannot write checkpoint data .*No space left on device$"):
+        full = r"^rank 1: the disk is full: a checkpoint in .* reports .* free of .* but refused the write as full"
+        with pytest.raises(DiskFullError, match=full):
             saver.save(FakeTrainer(step=3))
     finally:
         format_mod._Writer.write_data = real_write

@@ -36,15 +36,49 @@ import tempfile
 import time
 from pathlib import Path
 
+from trident.config import Config
 from trident.errors import ConfigError
+from trident.memory.measure import format_bytes
 from trident.plan.machine import DEVICES, local_device
-from trident.plan.planner import given_keys, plan
-from trident.plan.report import plan_table
+from trident.plan.planner import Plan, given_keys, plan
+from trident.plan.report import header, launch_command, launch_overrides
 from trident.tool_config import load_config
 from trident_dev.plan import measure
 from trident_dev.plan.machine import profile_for
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def plan_table(planned: Plan, cfg: Config, top: int, given: list[str] | None = None) -> str:
+    """The ``top`` best layouts, one row each: predicted tokens/s, MFU, step time, peak memory per rank, pipeline
+    bubble, exposed communication (tensor-parallel collectives, pipeline messages, dp/ZeRO not hidden), overrides;
+    with ``given`` (the overrides the plan was made for), a last line: the whole command that launches the best."""
+    lines = header(planned, cfg)
+    if not planned.ranked:
+        lines.append("no layout fits: try more ranks, train.activation_checkpointing, parallel.zero or offload")
+        return "\n".join(lines)
+    cols = (
+        f"{'#':>3} {'tokens/s':>10} {'MFU':>6} {'step':>8} {'peak/rank':>10} {'bubble':>6} {'exposed comm':>13}  layout"
+    )
+    lines += ["", cols]
+    for i, p in enumerate(planned.ranked[:top], 1):
+        t = p.time
+        assert t is not None
+        mfu = f"{100 * p.mfu:5.1f}%" if p.mfu is not None else "   n/a"
+        exposed = f"{t.exposed_comm:6.3f}s {100 * t.exposed_comm / t.step:4.1f}%"
+        peak = (
+            format_bytes(p.peak["device"] + p.peak["host"])
+            if planned.profile.device == "cpu"
+            else format_bytes(p.peak["device"])
+        )
+        bubble = f"{100 * t.bubble:5.1f}%"
+        lines.append(
+            f"{i:>3} {p.tokens_per_s:>10,.0f} {mfu:>6} {t.step:>7.3f}s {peak:>10} {bubble} {exposed:>13}  {p.label}"
+        )
+        lines.append(f"{'':>3} {' '.join(launch_overrides(p, cfg)) or '(the config as given)'}")
+    if given is not None:
+        lines += ["", "launch the best (#1):", f"  {launch_command(planned.ranked[0], planned, cfg, given)}"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@ which sits below the product; the rest are the product's own.
 
 from trident.parallel.errors import ConfigError, TridentError, gist, is_lost_peer
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DivergenceError", "RunDirError", "TridentError"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DiskFullError", "DivergenceError", "RunDirError"]
+__all__ += ["TridentError"]
 __all__ += ["gist", "is_lost_peer", "one_line"]
 
 
@@ -28,6 +29,13 @@ class DivergenceError(TridentError):
 
     agreed = True
     exit_code = 3
+
+
+class DiskFullError(TridentError):
+    """A save found no room on its filesystem. Nothing is lost: the save is not published and the last complete
+    checkpoint is kept. Its own exit code lets a job script tell it from a bad config (and free space, then resume)."""
+
+    exit_code = 4
 
 
 def one_line(text: str) -> str:

@@ -129,9 +129,6 @@ class ShardedParams:
                 self.free(span)
                 self.gather(span)
 
-    def is_gathered(self, span: BucketSpan) -> bool:
-        return self._gathered[span.index]
-
     def gather(self, span: BucketSpan, wait: bool = True) -> None:
         """Allocate the bucket's full buffer and all-gather it (``wait=False``: a prefetch, waited later)."""
         i = span.index

@@ -25,6 +25,7 @@ Reading never runs code from the files:
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 import warnings
@@ -57,8 +58,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from trident.checkpoint import room
 from trident.checkpoint.sharded import Sharded
-from trident.errors import CheckpointError
+from trident.errors import CheckpointError, DiskFullError
 
 if TYPE_CHECKING:
     from trident.checkpoint.background import WriterProcess
@@ -101,8 +103,10 @@ class _Writer(FileSystemWriter):
         super().__init__(path)
         self.process = process
         self._written: Future[list[WriteResult]] | None = None
+        self.planned_bytes = 0  # the tensor bytes of this rank's final plan: what its files need, about
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.planned_bytes = sum(_item_bytes(item) for item in plan.items)
         if self.process is None:
             self._written = super().write_data(plan, planner)
         else:
@@ -143,12 +147,28 @@ def write_sharded(
     """Every rank calls this with its own boxes; a failure on any rank raises on every rank. ``group``: the
     group DCP's collectives run on (every rank's; default the world); ``process``: the files are written there.
     Returns the names of the files this rank wrote (``.metadata`` is the coordinator's, not among them)."""
+    writer = _Writer(directory, process)
     try:
-        writer = _Writer(directory, process)
         dcp.save(state, storage_writer=writer, planner=_SavePlanner(), process_group=group)
     except CheckpointException as e:
+        if room.is_full(e):  # DCP raised it on every rank alike, so every rank is here and can sum the need
+            needed = torch.tensor([writer.planned_bytes], dtype=torch.int64)
+            if dist.is_initialized():
+                dist.all_reduce(needed, group=group)
+            line = room.full_line(directory.parent, int(needed), room.used_bytes(directory))
+            failed = sorted(e.failures)
+            full = DiskFullError(f"rank {failed[0]}: {line}" if len(failed) < dist.get_world_size(group) else line)
+            full.agreed = True
+            raise full from None
         _raise_agreed(e, f"write checkpoint data in {directory}")
     return writer.written()
+
+
+def _item_bytes(item: object) -> int:
+    data = getattr(item, "tensor_data", None)
+    if data is None:
+        return 0
+    return math.prod(data.chunk.sizes) * torch.tensor([], dtype=data.properties.dtype).element_size()
 
 
 def read_sharded(state: dict[str, Sharded], directory: Path, metadata: Metadata) -> None:

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch.distributed as dist
 from torch import nn
 
-from trident.checkpoint import integrity
+from trident.checkpoint import integrity, room
 from trident.checkpoint.background import BackgroundSave, WriterProcess
 from trident.checkpoint.files import (
     checkpoint_name,
@@ -45,9 +45,9 @@ from trident.checkpoint.state import (
 )
 from trident.checkpoint.zero_state import MasterState, MomentState
 from trident.config import MOE_FIXED, SHAPE_KEYS
-from trident.errors import CheckpointError, TridentError
+from trident.errors import CheckpointError, DiskFullError, TridentError
 from trident.models.moe import balancing_state
-from trident.parallel.agree import on_every_rank, on_one_rank
+from trident.parallel.agree import gathered, on_every_rank, on_one_rank
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.zero.optimizer import ZeroOptimizer
 
@@ -119,6 +119,9 @@ class Checkpointer:
         done = self.wait()
         step = trainer.step
         name = checkpoint_name(step)
+        # A save that cannot fit beside the newest checkpoint writes nothing (room.py); the filesystem's free space
+        # is one statvfs, the newest checkpoint's size its record.
+        on_one_rank(lambda: self._check_room(name), self._WRITER, f"check the room for {name} in {self.root}")
         made = [on_one_rank(lambda: str(new_temporary(self.root, step)), self._WRITER, f"write {name} in {self.root}")]
         dist.broadcast_object_list(made, src=self._WRITER)
         tmp = Path(made[0])
@@ -160,18 +163,48 @@ class Checkpointer:
         try:
             written = dcp.write_sharded(state, tmp, group, process)  # a failure on any rank is raised on every rank
             # Each rank hashes the files it wrote, while their pages are in memory (integrity.py).
-            checksums = _gathered(lambda: integrity.digests(tmp, written), f"hash the files of {name}", group)
-        except TridentError:
+            hashed = gathered(lambda: integrity.digests(tmp, written), f"hash the files of {name}", group)
+            checksums = {file: digest for part in hashed for file, digest in part.items()}
+        except TridentError as e:
             if dist.get_rank() == self._WRITER:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, DiskFullError):
+                raise self._kept(e) from None
             raise
 
         def finish() -> None:
-            publish(tmp, step, files, self.tokenizer, self.layout, checksums)
-            prune_checkpoints(self.root, self.keep_last, step)
+            try:
+                publish(tmp, step, files, self.tokenizer, self.layout, checksums)
+            except OSError as e:  # the small files found no room
+                needed = sum(d["bytes"] for d in checksums.values())
+                raise DiskFullError(room.full_line(self.root, needed)) if room.is_full(e) else e from None
+            prune_checkpoints(self.root, self.keep_last, step)  # only once the new checkpoint is complete
 
-        on_one_rank(finish, self._WRITER, f"write checkpoint {name} in {self.root}", group)
+        try:
+            on_one_rank(finish, self._WRITER, f"write checkpoint {name} in {self.root}", group)
+        except DiskFullError as e:
+            raise self._kept(e) from None
         return self.root / name
+
+    def _check_room(self, name: str) -> None:
+        newest = list_checkpoints(self.root)[-1:]
+        record = integrity.read_record(newest[0]) if newest else None
+        if record:
+            try:
+                room.check(self.root, sum(d["bytes"] for d in record.values()))
+            except DiskFullError as e:
+                raise self._kept(DiskFullError(f"{e} (the size of {newest[0].name}); {name} was not started")) from None
+
+    def _kept(self, error: DiskFullError) -> DiskFullError:
+        """``error`` with what is left and what to do; agreed (every rank raises the same)."""
+        newest = list_checkpoints(self.root)[-1:]
+        kept = f"the last complete checkpoint, {newest[0]}, is kept" if newest else "no checkpoint was written"
+        full = DiskFullError(
+            f"{error}; {kept}: free space, lower checkpoint.keep_last or point checkpoint.dir at a larger disk, then "
+            "rerun to resume"
+        )
+        full.agreed = True
+        return full
 
     def _find(self) -> list[str]:
         """checkpoint.resume's checkpoint; under ``auto`` every complete one in checkpoint.dir, newest first (the
@@ -283,26 +316,6 @@ class Checkpointer:
             restore_rng()
 
         return config, load
-
-
-def _gathered(fn: Callable[[], dict], what: str, group: dist.ProcessGroup | None) -> dict:
-    """Every rank's ``fn()`` merged into one dict on every rank of ``group``; a failure on any rank (an OSError says
-    ``what`` could not be done) is raised on every rank, the lowest failing rank's."""
-    try:
-        mine, failure = fn(), None
-    except OSError as e:
-        mine, failure = {}, f"cannot {what}: {e}"
-    except TridentError as e:
-        mine, failure = {}, str(e)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, failure), group=group)
-    failures = [(rank, f) for rank, (_, f) in enumerate(everyone) if f is not None]
-    if failures:
-        rank, message = failures[0]
-        error = CheckpointError(message if len(failures) == len(everyone) else f"rank {rank}: {message}")
-        error.agreed = True
-        raise error
-    return {k: v for part, _ in everyone for k, v in part.items()}
 
 
 # Settings that shape every later step without changing parameter shapes: changing them on resume is

@@ -53,35 +53,3 @@ def header(plan: Plan, cfg: Config) -> list[str]:
         f"{' per node' if plan.profile.device == 'cpu' else ' per device'}{floored}{untimed}; "
         f"planned in {plan.seconds:.1f} s",
     ]
-
-
-def plan_table(plan: Plan, cfg: Config, top: int, given: list[str] | None = None) -> str:
-    """The ``top`` best layouts, one row each: predicted tokens/s, MFU, step time, peak memory per rank, pipeline
-    bubble, exposed communication (tensor-parallel collectives, pipeline messages, dp/ZeRO not hidden), overrides;
-    with ``given`` (the overrides the plan was made for), a last line: the whole command that launches the best."""
-    lines = header(plan, cfg)
-    if not plan.ranked:
-        lines.append("no layout fits: try more ranks, train.activation_checkpointing, parallel.zero or offload")
-        return "\n".join(lines)
-    cols = (
-        f"{'#':>3} {'tokens/s':>10} {'MFU':>6} {'step':>8} {'peak/rank':>10} {'bubble':>6} {'exposed comm':>13}  layout"
-    )
-    lines += ["", cols]
-    for i, p in enumerate(plan.ranked[:top], 1):
-        t = p.time
-        assert t is not None
-        mfu = f"{100 * p.mfu:5.1f}%" if p.mfu is not None else "   n/a"
-        exposed = f"{t.exposed_comm:6.3f}s {100 * t.exposed_comm / t.step:4.1f}%"
-        peak = (
-            format_bytes(p.peak["device"] + p.peak["host"])
-            if plan.profile.device == "cpu"
-            else format_bytes(p.peak["device"])
-        )
-        bubble = f"{100 * t.bubble:5.1f}%"
-        lines.append(
-            f"{i:>3} {p.tokens_per_s:>10,.0f} {mfu:>6} {t.step:>7.3f}s {peak:>10} {bubble} {exposed:>13}  {p.label}"
-        )
-        lines.append(f"{'':>3} {' '.join(launch_overrides(p, cfg)) or '(the config as given)'}")
-    if given is not None:
-        lines += ["", "launch the best (#1):", f"  {launch_command(plan.ranked[0], plan, cfg, given)}"]
-    return "\n".join(lines)
