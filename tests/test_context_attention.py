@@ -29,7 +29,6 @@ from trident.parallel.context.split import (
     split_error,
     split_sequence,
     take,
-    unsplit_sequence,
 )
 from trident.parallel.context.ulysses import heads_error
 from trident_dev.ranks import run_distributed
@@ -280,3 +279,10 @@ def test_cp_balance_on_the_corpus_at_cp4_with_and_without_documents(tiny_dataset
                 per_rank = [sum(int(split_sequence(p, 4, r).sum()) for p in pairs) for r in range(4)]
                 head_tail.append(max(per_rank) * 4 / sum(per_rank))
         assert eos_id is None or max(head_tail) > 1.05
+
+
+def unsplit_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's part, rank 0's first: the inverse of ``split_sequence``."""
+    gathered = torch.cat(parts, dim=dim)
+    order = head_tail_order(gathered.shape[dim], len(parts), gathered.device)
+    return gathered.index_select(dim, order.argsort())

@@ -19,21 +19,18 @@ from trident.parallel.pipeline.schedules import (
     V,
     W,
     activation_peak,
-    bubble_formula,
     build_schedule,
-    check_schedule,
     format_action,
     format_grid,
     forward_only,
     holder_of,
-    idle_fractions,
     parse_action,
-    parse_grid,
     schedule_error,
     simulate,
     stage_of,
     stage_placement,
 )
+from trident_dev.schedule_theory import bubble_formula, check_schedule, idle_fractions, parse_grid
 
 LAYOUTS = [
     (name, pp, vpp, micro)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import runpy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -16,7 +16,7 @@ from trident.config import Config, compose_config, validate
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, Layout, with_keys
 from trident.memory.estimate import estimate
-from trident.parallel.pipeline.schedules import UNIT_COSTS, bubble_formula
+from trident.parallel.pipeline.schedules import UNIT_COSTS
 from trident.plan import simulate
 from trident.plan.cost import (
     Pricer,
@@ -33,6 +33,7 @@ from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
 from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
 from trident.plan.report import launch_overrides
 from trident.plan.space import Enumeration, enumerate_layouts, grid
+from trident_dev.schedule_theory import bubble_formula
 
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
 
@@ -211,7 +212,7 @@ def test_simulated_bubble_is_the_formula(name: str, pp: int, vpp: int, micro: in
     events = simulate.run_schedule(name, pp, vpp, micro, unit, speed=lambda k: 1.0)
     expected = bubble_formula(name, pp, vpp, micro)
     for spans in (listed, events):
-        assert simulate.idle_over_busy(spans, pp) == pytest.approx([expected] * pp, abs=1e-9)
+        assert idle_over_busy(spans, pp) == pytest.approx([expected] * pp, abs=1e-9)
 
 
 def test_shared_cores_stretch_compute_but_not_communication() -> None:
@@ -507,3 +508,13 @@ def test_expert_parallel_layouts_are_planned_and_priced() -> None:
         assert timed is not None
         exposed.append(timed.dp_comm)
     assert exposed[1] > 10 * max(exposed[0], exposed[2])
+
+
+def idle_over_busy(spans: Sequence[simulate.TimedSpan], pp: int) -> list[float]:
+    """Per rank, idle time over busy time between the step's start and its last action's end (the quantity of
+    the schedules' bubble formulas)."""
+    end = max(s.end for s in spans)
+    busy = [0.0] * pp
+    for s in spans:
+        busy[s.rank] += s.end - s.start
+    return [(end - b) / b for b in busy]

@@ -43,6 +43,7 @@ from trident.optim import lr_at
 from trident.parallel.agree import on_one_rank
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.pipeline.schedules import holder_of, stage_placement
+from trident.replay import Replay
 from trident.runner import Batch
 from trident.signals import Stopped, StopRequest, stop_line
 from trident.step_profile import PASSES_MARK
@@ -110,6 +111,8 @@ class Trainer:
         last, _ = holder_of(layout.chunks - 1, layout.pp, stage_placement(layout.schedule))
         self.loss_rank = groups.pp_ranks[last]
         self.grad_step = parts.optimizer.step
+        zero, tr = parts.optimizer.zero, train_cfg
+        self.replay = Replay(tr.replay_every, tr.replay_action, zero.reducer.grad_tensors, zero.zero_grad, parts.chunks)
         self.profiler = services.profiler
         self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), services.peak_flops
@@ -165,8 +168,11 @@ class Trainer:
         scale = self.grad_step.loss_scale
         # The gradient each token's loss gets, one road: the runner scales the token loss and gives it to the MoE
         # layers' auxiliary losses (GPT.set_loss_multiplier).
+        passes = lambda: self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)  # noqa: E731
         with torch.profiler.record_function(PASSES_MARK):  # a profiled step's passes (trident/step_profile.py)
-            loss_sum = self.runner.forward_backward(micro_batches, self.loss_fn, scale / self.tokens_per_step)
+            loss_sum = passes()
+        if self.replay.due(step):  # the same passes again, compared bit for bit (trident/replay.py)
+            loss_sum = self.replay.check(step, loss_sum, passes)
         shared = self._share_loss(loss_sum)  # on the wire while the optimizer steps
         grad_norm, skipped = self.grad_step.step(lr_at(step, self.optim_cfg, self.cfg.steps))
         # The loss-free bias moves after the step (not after a skipped one); the routing of every stage's sparse

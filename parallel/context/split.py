@@ -57,13 +57,6 @@ def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     return x.index_select(dim, rank_index(x.shape[dim], cp, rank, x.device))
 
 
-def unsplit_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The whole sequence from every rank's part, rank 0's first: the inverse of ``split_sequence``."""
-    gathered = torch.cat(parts, dim=dim)
-    order = head_tail_order(gathered.shape[dim], len(parts), gathered.device)
-    return gathered.index_select(dim, order.argsort())
-
-
 def positions_in_window(
     seq_len: int, documents: torch.Tensor | None = None, device: torch.device | None = None
 ) -> torch.Tensor:

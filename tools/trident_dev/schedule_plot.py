@@ -22,15 +22,14 @@ from trident.parallel.pipeline.schedules import (
     UNIT_COSTS,
     Action,
     Span,
-    bubble_formula,
     build_schedule,
-    idle_fractions,
     simulate,
     stage_placement,
 )
 from trident.plan import planner
 from trident.plan.planner import Prediction
 from trident.plan.profile import Profile
+from trident_dev.schedule_theory import bubble_formula, idle_fractions
 
 COLORS = {"F": "#4c78a8", "B": "#54a24b", "I": "#88d27a", "W": "#f58518"}
 LANE, PAD, LEFT, TOP = 34, 6, 70, 40

@@ -215,6 +215,10 @@ class TrainConfig:
     # loss-scale overflows; a skip at the scale's floor stops at once), or this many non-finite losses in a row.
     max_skipped_steps: int = 10
     max_nonfinite_losses: int = 3
+    # Every N-th step's forward and backward run twice and are compared bitwise on every rank (trident/replay.py);
+    # 0: never. On a mismatch: stop (exit code 5) or warn and go on.
+    replay_every: int = 0
+    replay_action: str = "stop"  # stop | warn
     # After SIGTERM / SIGINT: how long finishing the step and saving may take before the rank gives up (a
     # collective that cannot finish). Keep it under the launcher's own grace (torchrun --shutdown-timeout: 30).
     stop_grace_s: float = 25.0

@@ -302,6 +302,8 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _need(tr.eval_batches is None or tr.eval_batches >= 1, f"train.eval_batches={tr.eval_batches} must be >= 1")
     _need(tr.max_skipped_steps >= 1, f"train.max_skipped_steps={tr.max_skipped_steps} must be >= 1")
     _need(tr.max_nonfinite_losses >= 1, f"train.max_nonfinite_losses={tr.max_nonfinite_losses} must be >= 1")
+    _need(tr.replay_every >= 0, f"train.replay_every={tr.replay_every} must be >= 0 (0: no replay)")
+    _need(tr.replay_action in ("stop", "warn"), f"train.replay_action={tr.replay_action} must be stop or warn")
     _need(
         tr.stop_grace_s > 0 and math.isfinite(tr.stop_grace_s),
         f"train.stop_grace_s={tr.stop_grace_s} must be a positive number of seconds",

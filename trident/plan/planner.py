@@ -220,6 +220,9 @@ def _predict(
     if not p.fits and not force:
         return p
     p.time = timed if timed is not None else step_time(variant.model, layout, profile, placement, needs, cache)
+    if variant.train.replay_every:  # every N-th step's passes run twice (trident/replay.py)
+        again = (p.time.step - p.time.optimizer) / variant.train.replay_every
+        p.time = dataclasses.replace(p.time, step=p.time.step + again)
     tokens = layout.global_batch_size * variant.model.seq_len
     p.tokens_per_s = tokens / p.time.step
     if profile.peak_tflops.get(layout.precision):

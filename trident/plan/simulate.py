@@ -173,16 +173,6 @@ def rank_ends(spans: Sequence[TimedSpan], pp: int) -> list[float]:
     return ends
 
 
-def idle_over_busy(spans: Sequence[TimedSpan], pp: int) -> list[float]:
-    """Per rank, idle time over busy time between the step's start and its last action's end (the quantity of
-    the schedules' bubble formulas)."""
-    end = max(s.end for s in spans)
-    busy = [0.0] * pp
-    for s in spans:
-        busy[s.rank] += s.end - s.start
-    return [(end - b) / b for b in busy]
-
-
 def bubble(spans: Sequence[TimedSpan], pp: int) -> float:
     """The fraction of the pipeline's rank-time spent idle between the step's start and its last action's end."""
     end = max(s.end for s in spans)

@@ -30,10 +30,8 @@ from trident.parallel.pipeline.schedules import (
     F,
     I,
     W,
-    bubble_formula,
     build_schedule,
     holder_of,
-    idle_fractions,
     simulate,
     stage_of,
     stage_placement,
@@ -41,6 +39,7 @@ from trident.parallel.pipeline.schedules import (
 from trident.parallel.topology import Topology
 from trident_dev.bench.compare import Column, Comparison, Rank, Row, Setting, Steps, compare
 from trident_dev.bench.harness import SavedBytes, Table, number, one_rank_groups, random_batches, ratio, spread
+from trident_dev.schedule_theory import bubble_formula, idle_fractions
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 TORCH_SCHEDULES = {
