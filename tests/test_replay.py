@@ -38,8 +38,9 @@ def test_the_digest_sees_one_flipped_bit_and_the_keys_are_checked() -> None:
     [
         (["parallel.tp=2", "parallel.pp=2"], 4),
         (["model=moe-tiny", "model.moe.bias_update_rate=0.01", "parallel.dp=2"], 2),
+        (["parallel.dp=2", "parallel.zero=3", "train.micro_batch_size=4"], 2),  # staging freed between passes
     ],
-    ids=["tp2-pp2", "moe-dp2"],
+    ids=["tp2-pp2", "moe-dp2", "zero3-dp2"],
 )
 def test_replays_of_a_healthy_run_agree_and_change_nothing(
     tiny_dataset: Path, tmp_path: Path, extra: list[str], world: int

@@ -112,7 +112,7 @@ class Trainer:
         self.loss_rank = groups.pp_ranks[last]
         self.grad_step = parts.optimizer.step
         zero, tr = parts.optimizer.zero, train_cfg
-        self.replay = Replay(tr.replay_every, tr.replay_action, zero.reducer.grad_tensors, zero.zero_grad, parts.chunks)
+        self.replay = Replay(tr.replay_every, tr.replay_action, zero.grads, zero.zero_grad, parts.chunks)
         self.profiler = services.profiler
         self.train_data, val = data
         self.flops_per_token, self.peak_flops = flops_per_token(cfg.model), services.peak_flops

@@ -354,6 +354,10 @@ def draw_case(seed: int, index: int) -> Case:
         weight = data_rng.choice([0.5, 0.7, 0.9])
         data = {**data, "data.mix": f"[{MIX_FIRST}:{weight},{MIX_SECOND}:{round(1 - weight, 1)}]"}
         data.pop("data.tokenizer", None)
+    # The replay check (trident/replay.py), from a stream of its own: with STEPS 4, step 3 is computed twice and
+    # compared bitwise on every rank (any difference fails the run), and the curve must still be the reference's.
+    if random.Random(f"fuzz-replay:{seed}:{index}").random() < 0.15:
+        knobs["train.replay_every"] = 3
     # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out,
     # but context parallelism: the planner keeps a given cp and cp_comm and chooses the rest around them.
     if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
