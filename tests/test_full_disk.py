@@ -88,7 +88,8 @@ def test_a_first_save_that_cannot_fit_leaves_no_partial_directory_and_exits_4(
 ) -> None:
     """On a 1 MiB disk the first save fails while DCP writes (no checkpoint to size it by beforehand), in the
     foreground, in the background and on two ranks (their shares of the data summed after the failure every rank
-    met): the partial directory is gone, the exit code is 4."""
+    met; the rank whose write failed is named when the other's fitted): the partial directory is gone, the exit
+    code is 4."""
     _resize(small_disk, "1m")
     overrides = tiny(tiny_dataset, "train.steps=2", "checkpoint.every=2", "train.eval_every=0")
     for i, (extra, world) in enumerate([([], 1), (["checkpoint.async=true"], 1), (["parallel.dp=2"], 2)]):
@@ -99,7 +100,8 @@ def test_a_first_save_that_cannot_fit_leaves_no_partial_directory_and_exits_4(
         (line, *others) = _errors(done)
         assert not [o for o in others if o != line], others
         assert re.fullmatch(
-            rf"error: the disk is full: a checkpoint in {re.escape(str(ck))} needs about [\d.]+ MiB \([\d,]+ bytes\), "
+            rf"error: (rank \d: )?the disk is full: a checkpoint in {re.escape(str(ck))} needs about "
+            r"[\d.]+ MiB \([\d,]+ bytes\), "
             r"and the "
             rf"filesystem at {re.escape(str(small_disk))} had [\d.]+ (MiB|KiB) \([\d,]+ bytes\) free of 1\.00 MiB; no "
             r"checkpoint was "
