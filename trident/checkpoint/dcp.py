@@ -156,8 +156,8 @@ def write_sharded(
             if dist.is_initialized():
                 dist.all_reduce(needed, group=group)
             line = room.full_line(directory.parent, int(needed), room.used_bytes(directory))
-            failed = sorted(e.failures)
-            full = DiskFullError(f"rank {failed[0]}: {line}" if len(failed) < dist.get_world_size(group) else line)
+            failed, world = sorted(e.failures), dist.get_world_size(group) if dist.is_initialized() else 1
+            full = DiskFullError(f"rank {failed[0]}: {line}" if len(failed) < world else line)
             full.agreed = True
             raise full from None
         _raise_agreed(e, f"write checkpoint data in {directory}")

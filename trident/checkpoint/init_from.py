@@ -201,9 +201,7 @@ def load_init_weights(chunks: list[GPT], source: InitSource) -> None:
 
         buffers = balancing_state(chunks)
         # Every rank verifies its share of the files (integrity.py); a damaged one stops them all, before any read.
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        recorded = _agreed(lambda: integrity.verify(source.path, rank, world), f"verify checkpoint {source.path}")
-        if not recorded and rank == 0:
+        if not integrity.verify_everywhere(source.path) and (not dist.is_initialized() or dist.get_rank() == 0):
             print(integrity.UNRECORDED.format(path=source.path), flush=True)
         state, metadata = _agreed(
             lambda: _trident_boxes(params, buffers, source.path), f"read checkpoint {source.path}"

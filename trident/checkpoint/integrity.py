@@ -13,7 +13,10 @@ import json
 import zlib
 from pathlib import Path
 
+import torch.distributed as dist
+
 from trident.errors import CheckpointError
+from trident.parallel.agree import on_every_rank
 
 RECORD = "files"  # the key of meta.json that holds {file name: {"bytes": n, "crc32": "%08x"}}
 _CHUNK = 16 * 2**20
@@ -47,8 +50,7 @@ def read_record(path: Path) -> dict[str, dict] | None:
 
 
 def damage(path: Path, record: dict[str, dict], rank: int = 0, world: int = 1) -> str | None:
-    """The first file of this rank's share of ``record`` (file i of the sorted names, for i mod ``world`` ==
-    ``rank``) whose size or checksum differs from the record, as one line; None if all match."""
+    """The first file of this rank's share (sorted names, i mod ``world`` == ``rank``) unlike its record, in a line."""
     for name in sorted(record)[rank::world]:
         want = record[name]
         file = path / name
@@ -82,3 +84,11 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> bool:
     if problem is not None:
         raise CheckpointError(problem)
     return True
+
+
+def verify_everywhere(path: Path) -> bool:
+    """``verify``, every rank checking its share and all raising the first damage; one process alone: every file."""
+    if not dist.is_initialized():
+        return verify(path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return on_every_rank(lambda: verify(path, rank, world), f"verify checkpoint {path}")

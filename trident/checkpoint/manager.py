@@ -119,10 +119,7 @@ class Checkpointer:
         done = self.wait()
         step = trainer.step
         name = checkpoint_name(step)
-        # A save that cannot fit beside the newest checkpoint writes nothing (room.py); the filesystem's free space
-        # is one statvfs, the newest checkpoint's size its record.
-        on_one_rank(lambda: self._check_room(name), self._WRITER, f"check the room for {name} in {self.root}")
-        made = [on_one_rank(lambda: str(new_temporary(self.root, step)), self._WRITER, f"write {name} in {self.root}")]
+        made = [on_one_rank(lambda: self._start(step, name), self._WRITER, f"write {name} in {self.root}")]
         dist.broadcast_object_list(made, src=self._WRITER)
         tmp = Path(made[0])
         state = {
@@ -186,14 +183,16 @@ class Checkpointer:
             raise self._kept(e) from None
         return self.root / name
 
-    def _check_room(self, name: str) -> None:
+    def _start(self, step: int, name: str) -> str:
+        """The save's temporary directory, made only if the save fits beside the newest checkpoint (room.py)."""
         newest = list_checkpoints(self.root)[-1:]
         record = integrity.read_record(newest[0]) if newest else None
-        if record:
-            try:
+        try:
+            if record:
                 room.check(self.root, sum(d["bytes"] for d in record.values()))
-            except DiskFullError as e:
-                raise self._kept(DiskFullError(f"{e} (the size of {newest[0].name}); {name} was not started")) from None
+        except DiskFullError as e:
+            raise self._kept(DiskFullError(f"{e} (the size of {newest[0].name}); {name} was not started")) from None
+        return str(new_temporary(self.root, step))
 
     def _kept(self, error: DiskFullError) -> DiskFullError:
         """``error`` with what is left and what to do; agreed (every rank raises the same)."""
@@ -223,11 +222,10 @@ class Checkpointer:
     def _intact(self, candidates: list[str]) -> Path | None:
         """The first of ``candidates`` whose files match their checksums, every rank verifying its share of each
         (integrity.py); a damaged one is refused in one line, or under ``auto`` passed over with a line saying so."""
-        rank, world = dist.get_rank(), dist.get_world_size()
         for i, candidate in enumerate(candidates):
             path = Path(candidate)
             try:
-                recorded = on_every_rank(lambda p=path: integrity.verify(p, rank, world), f"verify checkpoint {path}")
+                recorded = integrity.verify_everywhere(path)
             except CheckpointError as e:
                 if self.resume != "auto":
                     raise

@@ -46,8 +46,7 @@ def mount_of(path: Path) -> Path:
     return path
 
 
-def used_bytes(directory: Path) -> int:
-    """Bytes of the files under ``directory`` (a partial save's, given back when it is removed)."""
+def used_bytes(directory: Path) -> int:  # a partial save's, given back when it is removed
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
 
 
