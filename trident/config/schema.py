@@ -199,6 +199,8 @@ class TrainConfig:
     steps: int = 60  # a first try: minutes on a CPU; train.steps=1000 is the full-length run (README)
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    # FP8 matmuls through torchao (parallel/fp8.py): off | tensorwise | rowwise | rowwise_with_gw_hp; needs bf16
+    fp8: str = "off"
     # none | selective | attention | full (models/checkpointing.py): what backward recomputes instead of keeping
     activation_checkpointing: str = "none"
     # What selective recomputes, of norm, mlp_act, attn_core, mlp; it keeps the other modules' matmuls' outputs.

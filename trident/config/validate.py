@@ -8,6 +8,7 @@ The rules are one list read in order (each section's keys, then their combinatio
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from trident.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
@@ -18,6 +19,7 @@ from trident.models.checkpointing import MODULES, POLICIES, SELECTIVE_MODULES
 from trident.parallel.context.attention import CP_COMMS
 from trident.parallel.context.split import split_error
 from trident.parallel.context.ulysses import heads_error
+from trident.parallel.fp8 import FP8_RECIPES
 from trident.parallel.pipeline.schedules import SCHEDULES, resolve_schedule, schedule_error
 from trident.parallel.tensor import kv_heads_error, tp_split_error
 from trident.parallel.zero.stage3 import GATHER_MODES
@@ -280,6 +282,15 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
     _need(-(2**63) <= tr.seed < 2**63, f"train.seed={tr.seed} must fit 64 bits; use an integer in [0, 2^63)")
     _one_of("train.precision", tr.precision, ("fp32", "bf16", "fp16"))
+    _one_of("train.fp8", tr.fp8, FP8_RECIPES)
+    _need(
+        tr.fp8 == "off" or tr.precision == "bf16",
+        f"train.fp8={tr.fp8} computes in fp8 around bf16 activations; set train.precision=bf16 (or train.fp8=off)",
+    )
+    _need(
+        tr.fp8 == "off" or importlib.util.find_spec("torchao") is not None,
+        f"train.fp8={tr.fp8} needs torchao: pip install 'trident-pretrain[fp8]' (or train.fp8=off)",
+    )
     _one_of("train.activation_checkpointing", tr.activation_checkpointing, POLICIES)
     modules = list(tr.recompute_modules)
     _need(
