@@ -75,6 +75,9 @@ class ModelConfig:
     # The embedding table is padded to a multiple of this times tp (Megatron's
     # make-vocab-size-divisible-by); padded logits are masked, so the loss never changes.
     vocab_multiple: int = 64
+    # Tokens per chunk of the loss, the LM head's matmul fused with the cross-entropy (parallel/tensor.py): never the
+    # whole [tokens, vocab] logits in training. 0: the whole logits at once.
+    loss_chunk_tokens: int = 1024
     # Dropout on attention probabilities, residual branches and embeddings (0 = none, as in modern pretraining).
     dropout: float = 0.0
     # The longest context the model is made for (a Hugging Face export's max_position_embeddings); None: seq_len. A run
