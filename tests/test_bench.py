@@ -365,3 +365,16 @@ def test_moe_bench_trains_at_ep1_and_ep2_on_two_ranks() -> None:
     assert none == 0 and some > 0
     first, second = (float(v) for v in table.column("last loss"))
     assert first == pytest.approx(second, rel=2e-4)
+
+
+@pytest.mark.multiprocess
+def test_replay_bench_times_replays_against_none_on_a_tp_layout() -> None:
+    (table,) = bench(
+        "replay", "--model", "gpt-tiny", "--seq", "32", "--tp", "2", "--micro-batch", "2", "--global-batch", "4",
+        "--every", "2", "1", "--steps", "2", "--rounds", "1", "--warmup", "1",
+    )  # fmt: skip
+    assert table.column("variant") == ["replay off", "every 2", "every 1"]
+    # 3 steps each (1 warm-up, 2 timed): step i replays when (i + 1) % N == 0, the check trident/replay.py runs
+    assert table.column("replayed steps") == ["0", "1", "3"]
+    assert table.column("step time vs replay off")[0] == "1.00x"
+    assert_finite(table, "tokens/s", "step time vs replay off")

@@ -21,6 +21,7 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
                                                        # activation bytes per rank and tokens/s
     python tools/bench.py moe --ep 2                   # ... and training steps at ep 1 against ep 2 on 2 ranks,
                                                        #     with the time in the all-to-alls
+    python tools/bench.py replay --tp 2 --pp 2             # train.replay_every=N's cost against no replay
 
 ``python tools/bench.py <subcommand> --help`` says what each measures. ``--out FILE`` also writes the tables.
 """
@@ -48,6 +49,7 @@ SUBCOMMANDS = (
     "recompute",
     "moe",
     "cp",
+    "replay",
 )
 
 
