@@ -14,7 +14,7 @@ from tests.helpers.processes import output_lines, run_train
 from trident.data.mixture import open_training_data
 from trident.data.sources import collect_text_files
 from trident.errors import ConfigError, DataError
-from trident.tool_config import load_config
+from trident_dev.tool_config import load_config
 
 CONF = REPO / "conf"
 HF_VOCAB = 600  # more than gpt-tiny's 512

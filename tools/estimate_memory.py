@@ -27,7 +27,7 @@ from trident.errors import ConfigError
 from trident.layout import Layout
 from trident.memory.estimate import Estimate, estimate
 from trident.memory.measure import format_bytes
-from trident.tool_config import default_world, load_config
+from trident_dev.tool_config import default_world, load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

@@ -42,9 +42,9 @@ from trident.memory.measure import format_bytes
 from trident.plan.machine import DEVICES, local_device
 from trident.plan.planner import Plan, given_keys, plan
 from trident.plan.report import header, launch_command, launch_overrides
-from trident.tool_config import load_config
 from trident_dev.plan import measure
 from trident_dev.plan.machine import profile_for
+from trident_dev.tool_config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -39,7 +39,6 @@ from trident.errors import ConfigError
 from trident.layout import chunks_per_rank
 from trident.parallel.pipeline.schedules import SCHEDULES, UNIT_COSTS
 from trident.plan.machine import DEVICES
-from trident.tool_config import default_world, load_config
 from trident_dev.plan.machine import profile_for
 from trident_dev.schedule_plot import (
     Panel,
@@ -52,6 +51,7 @@ from trident_dev.schedule_plot import (
     read_timings,
     to_png,
 )
+from trident_dev.tool_config import default_world, load_config
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from trident.config import Config, validate
 from trident.errors import ConfigError
-from trident.tool_config import default_world, load_config
 from trident_dev.process_tree import run_tree
+from trident_dev.tool_config import default_world, load_config
 
 SHORT = {
     "dp": "parallel.dp",

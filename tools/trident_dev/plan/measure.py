@@ -39,10 +39,10 @@ from trident.config import validate
 from trident.errors import ConfigError
 from trident.memory.estimate import estimate
 from trident.plan.planner import Plan, Prediction
-from trident.tool_config import load_config
 from trident_dev.bench.runs import Trial, run_trial
 from trident_dev.plan.breakdown import CATEGORIES
 from trident_dev.plan.splits import mean_split, read_splits
+from trident_dev.tool_config import load_config
 
 MIB = 2**20
 

@@ -115,7 +115,7 @@ def measure_overheads(profile: Profile, runs: dict[str, dict], repo: Path, log: 
     unscaled) gives the step its run measures (0 where it already gives as much, or the run fails: said in
     ``log``)."""
     from trident.plan.planner import predict  # noqa: PLC0415 (the planner imports the profile this fills)
-    from trident.tool_config import load_config  # noqa: PLC0415
+    from trident_dev.tool_config import load_config  # noqa: PLC0415
 
     base = dataclasses.replace(profile, residual=1.0)
     for name, run in runs.items():
@@ -188,7 +188,7 @@ def _measured_step(cfg: Config, run: dict, profile: Profile, repo: Path) -> tupl
 def measure_residual(profile: Profile, run: dict, repo: Path, log: Callable[[str], None]) -> float:
     """The held-out ``run``'s measured step over the model's prediction of it with ``profile`` unscaled (1.0 when
     the run is refused or fails: said in ``log``)."""
-    from trident.tool_config import load_config  # noqa: PLC0415 (the planner imports the profile this fills)
+    from trident_dev.tool_config import load_config  # noqa: PLC0415 (the planner imports the profile this fills)
 
     cfg = load_config(repo / "conf", run["overrides"])
     m, prediction = _measured(cfg, run, dataclasses.replace(profile, residual=1.0), repo, STEPS, WARMUP)
