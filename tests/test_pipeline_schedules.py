@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trident.parallel.pipeline.messages import Step, check_order, check_rendezvous, p2p_plan, receive_lead, sender_of
+from trident.parallel.pipeline.messages import Message, Step, needs_of, p2p_plan, receive_lead
 from trident.parallel.pipeline.schedules import (
     LOOP,
     UNIT_COSTS,
@@ -21,16 +21,21 @@ from trident.parallel.pipeline.schedules import (
     activation_peak,
     build_schedule,
     format_action,
-    format_grid,
     forward_only,
     holder_of,
-    parse_action,
     schedule_error,
     simulate,
     stage_of,
     stage_placement,
 )
-from trident_dev.schedule_theory import bubble_formula, check_schedule, idle_fractions, parse_grid
+from trident_dev.schedule_theory import (
+    bubble_formula,
+    check_schedule,
+    format_grid,
+    idle_fractions,
+    parse_action,
+    parse_grid,
+)
 
 LAYOUTS = [
     (name, pp, vpp, micro)
@@ -40,6 +45,80 @@ LAYOUTS = [
     for vpp in vpps
 ]
 EQUAL = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
+
+
+# The executor's message plans run as NCCL runs them (parallel/pipeline/messages.py's docstring): what the tests
+# check every schedule's plans against.
+
+
+def sender_of(message: Message, pp: int, placement: str = LOOP) -> int:
+    """The pipeline rank that sends ``message``: the holder of the stage before (activations) or after (gradients)."""
+    kind, _, stage = message
+    return holder_of(stage - 1 if kind == "act" else stage + 1, pp, placement)[0]
+
+
+def received_need(action: Action, rank: int, pp: int, stages: int, placement: str = LOOP) -> Message | None:
+    """``needs_of`` if another rank sends it (a batch must receive it), else None."""
+    need = needs_of(action, rank, pp, stages, placement)
+    return None if need is None or sender_of(need, pp, placement) == rank else need
+
+
+def check_order(
+    plans: list[list[Step]], stages: int, placement: str = LOOP
+) -> dict[tuple[str, Message], tuple[int, int]]:
+    """Raise ``ValueError`` if a pair's receives are not posted in the order of its sends or not before they are
+    needed; return where each end of each message is posted: {(send|recv, message): (rank, tick)}."""
+    pp = len(plans)
+    batch_of: dict[tuple[str, Message], tuple[int, int]] = {}  # (send|recv, message) -> (rank, tick)
+    for r, plan in enumerate(plans):
+        for t, step in enumerate(plan):
+            batch_of.update({("send", m): (r, t) for m, _ in step.sends})
+            batch_of.update({("recv", m): (r, t) for m, _ in step.recvs})
+            need = None if step.action is None else received_need(step.action, r, pp, stages, placement)
+            if need is not None and batch_of.get(("recv", need), (r, t))[1] >= t:
+                raise ValueError(f"rank {r} needs {need} at tick {t} before its receive is posted")
+    for src in range(pp):
+        for dst in range(pp):
+            sent = [m for step in plans[src] for m, to in step.sends if to == dst]
+            received = [m for step in plans[dst] for m, frm in step.recvs if frm == src]
+            if sent != received:
+                raise ValueError(f"rank {dst} posts its receives from rank {src} out of the order they are sent")
+    return batch_of
+
+
+def check_rendezvous(plans: list[list[Step]], stages: int, placement: str = LOOP) -> None:
+    """Run every rank's ticks (``p2p_plan`` of each rank) under NCCL's rules (module docstring); raise
+    ``DeadlockError`` if they stall, ``ValueError`` as ``check_order`` does."""
+    pp = len(plans)
+    batch_of = check_order(plans, stages, placement)
+    started, completed, acted = [0] * pp, [0] * pp, [0] * pp  # per rank: batches started, completed; actions run
+    progress = True
+    while progress:
+        progress = False
+        for r, plan in enumerate(plans):
+            t = acted[r]
+            # The action of tick t runs once the batch that received its input has completed (and tick t-1's).
+            if t < len(plan) and completed[r] >= t:
+                step = plan[t]
+                need = None if step.action is None else received_need(step.action, r, pp, stages, placement)
+                if need is None or completed[r] > batch_of[("recv", need)][1]:
+                    acted[r] += 1
+                    progress = True
+            # Batch t starts after action t and after batch t-1 is done (one stream), completes once every
+            # message's other end is in a started batch.
+            if started[r] == completed[r] < len(plan) and acted[r] > started[r]:
+                started[r] += 1
+                progress = True
+            if completed[r] < started[r]:
+                step = plan[completed[r]]
+                ends = [batch_of[("recv", m)] for m, _ in step.sends] + [batch_of[("send", m)] for m, _ in step.recvs]
+                if all(started[peer] > tick for peer, tick in ends):
+                    completed[r] += 1
+                    progress = True
+    stuck = [r for r in range(pp) if completed[r] < len(plans[r])]
+    if stuck:
+        where = ", ".join(f"rank {r} at tick {completed[r]}" for r in stuck)
+        raise DeadlockError(f"p2p batches stall under rendezvous: {where}")
 
 
 def _position(schedule, pp):
