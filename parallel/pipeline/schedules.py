@@ -12,9 +12,9 @@ pipeline ranks and V chunks per rank there are S = P * V virtual stages, placed 
 Every function that turns a chunk into a stage takes the placement (``stage_of``, ``holder_of``).
 
 Nothing here touches a process group: every rank can compute every rank's list (the executor uses that to
-post its receives in the order its peers send), and a schedule can be printed as a step x rank grid, parsed
-back from strings like ``"1F0"`` (torch.distributed.pipelining's form: virtual stage 1, forward, micro-batch
-0), and simulated with unit costs to find deadlocks and measure the bubble.
+post its receives in the order its peers send), an action is written like ``"1F0"`` (torch.distributed.pipelining's
+form: virtual stage 1, forward, micro-batch 0; trident_dev/schedule_theory.py prints a schedule as a step x rank grid
+of them and parses it back), and a schedule is simulated with unit costs to find deadlocks and measure the bubble.
 
 Bubble (idle time over busy time on each rank, F and B of a chunk costing f and b, b = i + w):
 
@@ -263,40 +263,6 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 def format_action(action: Action, rank: int, pp: int, placement: str = LOOP) -> str:
     return f"{stage_of(action.chunk, rank, pp, placement)}{action.kind}{action.micro}"
-
-
-def parse_action(text: str, rank: int, pp: int, placement: str = LOOP) -> Action:
-    """``"3B1"`` on rank 1 of P=2 -> Action("B", micro=1, chunk=1) (stage 3 = chunk 1 * 2 + rank 1; under the V
-    placement stage 3 is chunk 1 of rank 0)."""
-    text = text.strip()
-    at = next((i for i, ch in enumerate(text) if ch in KINDS), None)
-    if at is None or not text[:at].isdigit() or not text[at + 1 :].isdigit():
-        raise ValueError(f"cannot read action {text!r}; write <stage><F|B|I|W><micro-batch>, e.g. 1F0")
-    stage, micro = int(text[:at]), int(text[at + 1 :])
-    holder, chunk = holder_of(stage, pp, placement)
-    if holder != rank:
-        raise ValueError(f"action {text!r}: stage {stage} is not on rank {rank} of {pp}")
-    return Action(text[at], micro, chunk)
-
-
-def format_grid(schedule: Schedule, pp: int, spans: Sequence[Span] | None = None, placement: str = LOOP) -> str:
-    """A step x rank grid. Without ``spans`` row i is each rank's i-th action; with a unit-cost simulation's
-    spans row t is what each rank does at time t, ``.`` where it idles (the bubble)."""
-    if spans is None:
-        rows = [
-            [format_action(ops[i], r, pp, placement) if i < len(ops) else "" for r, ops in enumerate(schedule)]
-            for i in range(max(map(len, schedule)))
-        ]
-    else:
-        end = int(max(s.end for s in spans))
-        rows = [["."] * len(schedule) for _ in range(end)]
-        for s in spans:
-            for t in range(int(s.start), int(s.end)):
-                rows[t][s.rank] = format_action(s.action, s.rank, pp, placement)
-    width = max(6, *(len(c) for row in rows for c in row))
-    head = "step  " + " ".join(f"rank{r}".ljust(width) for r in range(len(schedule)))
-    lines = [head] + [f"{t:<5} " + " ".join(c.ljust(width) for c in row) for t, row in enumerate(rows)]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 # -- simulation ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The schedules' theory, for the tests and the tools: a schedule's well-formedness (``check_schedule``), the
-grids ``format_grid`` prints read back (``parse_grid``), and the bubble: measured from spans (``idle_fractions``)
-and by each schedule's formula (``bubble_formula``: parallel/pipeline/schedules.py's docstring derives them)."""
+"""The schedules' theory, for the tests and the tools: a schedule's well-formedness (``check_schedule``), a schedule
+as a step x rank grid of torch.distributed.pipelining's ``"<stage><kind><micro>"`` strings (``format_grid``) and
+read back (``parse_action``, ``parse_grid``), and the bubble: measured from spans (``idle_fractions``) and by each
+schedule's formula (``bubble_formula``: parallel/pipeline/schedules.py's docstring derives them)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,43 @@ from trident.parallel.pipeline.schedules import (
     Schedule,
     Span,
     W,
-    parse_action,
+    format_action,
+    holder_of,
 )
+
+
+def parse_action(text: str, rank: int, pp: int, placement: str = LOOP) -> Action:
+    """``"3B1"`` on rank 1 of P=2 -> Action("B", micro=1, chunk=1) (stage 3 = chunk 1 * 2 + rank 1; under the V
+    placement stage 3 is chunk 1 of rank 0)."""
+    text = text.strip()
+    at = next((i for i, ch in enumerate(text) if ch in KINDS), None)
+    if at is None or not text[:at].isdigit() or not text[at + 1 :].isdigit():
+        raise ValueError(f"cannot read action {text!r}; write <stage><F|B|I|W><micro-batch>, e.g. 1F0")
+    stage, micro = int(text[:at]), int(text[at + 1 :])
+    holder, chunk = holder_of(stage, pp, placement)
+    if holder != rank:
+        raise ValueError(f"action {text!r}: stage {stage} is not on rank {rank} of {pp}")
+    return Action(text[at], micro, chunk)
+
+
+def format_grid(schedule: Schedule, pp: int, spans: Sequence[Span] | None = None, placement: str = LOOP) -> str:
+    """A step x rank grid. Without ``spans`` row i is each rank's i-th action; with a unit-cost simulation's
+    spans row t is what each rank does at time t, ``.`` where it idles (the bubble)."""
+    if spans is None:
+        rows = [
+            [format_action(ops[i], r, pp, placement) if i < len(ops) else "" for r, ops in enumerate(schedule)]
+            for i in range(max(map(len, schedule)))
+        ]
+    else:
+        end = int(max(s.end for s in spans))
+        rows = [["."] * len(schedule) for _ in range(end)]
+        for s in spans:
+            for t in range(int(s.start), int(s.end)):
+                rows[t][s.rank] = format_action(s.action, s.rank, pp, placement)
+    width = max(6, *(len(c) for row in rows for c in row))
+    head = "step  " + " ".join(f"rank{r}".ljust(width) for r in range(len(schedule)))
+    lines = [head] + [f"{t:<5} " + " ".join(c.ljust(width) for c in row) for t, row in enumerate(rows)]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def check_schedule(schedule: Schedule, vpp: int, micro: int) -> None:
