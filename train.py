@@ -35,6 +35,7 @@ from trident.memory.activations import activation_sets
 from trident.memory.estimate import estimate
 from trident.memory.measure import log_model_states
 from trident.metrics import MetricsLogger, announce_run
+from trident.optim import optimizer_summary
 from trident.parallel.groups import (
     build_process_groups,
     init_distributed,
@@ -93,6 +94,8 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
         checkpointer = build_checkpointer(cfg, groups, parts, checkpoint_root, data.tokenizer_path)
         if groups.is_logging_rank:
             announce_run(cfg, topology, parts.chunks, device, len(data.train), run_dir, peak)
+            for line in optimizer_summary(cfg.model, cfg.optim):  # optim.name=muon: what each parameter gets
+                print(line, flush=True)
         # memory.json: each rank's model-state bytes beside the prediction made before launch, which the logging
         # rank alone writes and so alone makes (its activations are traced: about 0.4 s of a core for gpt-tiny).
         predicted = estimate(cfg.model, layout).to_dict() if groups.is_logging_rank else None

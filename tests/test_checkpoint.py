@@ -198,7 +198,7 @@ def assert_holds_blocks_of(run: Run, expected: dict[str, torch.Tensor]) -> None:
         name = names[piece.param]
         master = run.zero.master(piece)
         assert torch.equal(master, piece_of(expected[name], piece)), name
-        state = run.zero.optimizer_of(seg).state[master]
+        state = run.zero.optimizer_of(seg, piece).state[master]
         assert set(state) == {"step", "exp_avg", "exp_avg_sq"}, name
         for kind, value in state.items():
             want = expected[f"{name}/{kind}"]

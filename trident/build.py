@@ -38,7 +38,7 @@ from trident.layout import Layout
 from trident.models.checkpointing import apply_activation_checkpointing
 from trident.models.compile import compile_blocks
 from trident.models.gpt import GPT, init_weights
-from trident.optim import GradStep
+from trident.optim import GradStep, muon_plan
 from trident.parallel.comm import GroupShape
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.layout import FlatLayout
@@ -129,6 +129,7 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
     # Expert weights (ep > 1) reduce, and are sharded, over the expert-data-parallel group.
     expert_group = groups.expert_dp_group if layout.ep > 1 else None
     adamw = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
+    muon = muon_plan(chunks, chunks[0].cfg, opt, groups)  # None: AdamW alone
     sharding: ParameterSharding | None = None
     if zero <= 1:
         kind = ScatterReducer if zero == 1 else GradReducer
@@ -136,7 +137,7 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
         reducer = kind(*args, expert_group=expert_group)
         masters = Masters(reducer.layout, policy.param_dtype, dp_group, zero, layout.offloaded_fraction, expert_group)
         store = FlatParams(reducer.layout, policy.param_dtype, dp_group, dp_size if zero else 1, expert_group)
-        return _optimizer(ZeroOptimizer(masters, store, reducer, adamw), groups, opt, policy, None)
+        return _optimizer(ZeroOptimizer(masters, store, reducer, adamw, muon), groups, opt, policy, None)
     # The masters read the fp32 values before the store casts the parameters.
     flat, units = flat_layout(chunks, layout, dp_size)
     masters = Masters(flat, policy.param_dtype, dp_group, zero, layout.offloaded_fraction, expert_group)
@@ -160,7 +161,7 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
             chains=chains,
             expert_group=expert_group,
         )
-    return _optimizer(ZeroOptimizer(masters, store, reducer, adamw), groups, opt, policy, sharding)
+    return _optimizer(ZeroOptimizer(masters, store, reducer, adamw, muon), groups, opt, policy, sharding)
 
 
 def _optimizer(

@@ -7,12 +7,16 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
-from trident.config import OptimConfig
+from trident.config import ModelConfig, OptimConfig
+from trident.models.matrices import matrices_of
 from trident.parallel.grad_sums import GradSums
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.norms import GlobalGradNorm
+from trident.parallel.placement import placement_of
 from trident.parallel.precision import LossScaler
+from trident.parallel.zero.muon import MuonPlan, MuonSettings
 from trident.parallel.zero.optimizer import ZeroOptimizer
 
 
@@ -26,6 +30,46 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     decay_steps = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def muon_plan(chunks: list[nn.Module], m: ModelConfig, opt: OptimConfig, groups: ProcessGroups) -> MuonPlan | None:
+    """``optim.name=muon``: the matrix parameters of this rank's chunks Muon steps, in order (None: AdamW alone)."""
+    if opt.name != "muon":
+        return None
+    settings = MuonSettings(
+        lr_ratio=opt.muon_lr / opt.lr,
+        weight_decay=opt.muon_weight_decay,
+        momentum=opt.muon_momentum,
+        nesterov=opt.muon_nesterov,
+        ns_steps=opt.muon_ns_steps,
+        coefficients=tuple(opt.muon_ns_coefficients),
+        adjust_lr=opt.muon_adjust_lr,
+        ns_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[opt.muon_ns_dtype],
+    )
+    params = []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            matrices = matrices_of(name, placement_of(p).shape, m) if p.requires_grad else None
+            if matrices is not None and placement_of(p).tied_to is None:
+                params.append((p, matrices))
+    return MuonPlan(settings, params, groups.tp_group, groups.grad_group)
+
+
+def optimizer_summary(m: ModelConfig, opt: OptimConfig) -> list[str]:
+    """Under Muon, what each parameter of the model gets, a line per kind (train.py prints them once at start)."""
+    if opt.name != "muon":
+        return []
+    from trident.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(m)
+    kinds: dict[str, list[str]] = {}
+    for name, p in model.named_parameters():
+        short = ".".join(part for part in name.split(".") if not part.isdigit())
+        matrices = matrices_of(name, placement_of(p).shape, m)
+        kind = "AdamW" if matrices is None else f"Muon, {matrices.describe(placement_of(p).shape)}"
+        kinds.setdefault(kind, []).append(short)
+    return [f"optimizer: {kind}: {', '.join(dict.fromkeys(names))}" for kind, names in kinds.items()]
 
 
 class GradStep:

@@ -30,6 +30,7 @@ from torch import nn
 
 from trident.parallel.layout import BucketSpan, FlatLayout, Piece
 from trident.parallel.placement import Placement, is_expert, placement_of
+from trident.parallel.zero.muon import MuonPieces, MuonPlan, muon_entry
 
 
 class Store(Protocol):
@@ -158,7 +159,10 @@ class ZeroOptimizer:
     ``GradStep`` (trident/optim.py) drives it through the methods below.
     """
 
-    def __init__(self, masters: Masters, store: Store, reducer: ShardReducer, adamw: dict) -> None:
+    def __init__(
+        self, masters: Masters, store: Store, reducer: ShardReducer, adamw: dict, muon: MuonPlan | None = None
+    ) -> None:
+        """``muon``: the matrices Muon steps (parallel/zero/muon.py), the rest AdamW; None: AdamW alone."""
         if store.dtype != masters.param_dtype:
             raise ValueError(f"the parameter store holds {store.dtype}, expected {masters.param_dtype}")
         self.layout, self.reducer, self.store, self.stage = masters.layout, reducer, store, masters.stage
@@ -175,16 +179,24 @@ class ZeroOptimizer:
         # One 1-D master view per piece, its gradient view attached once (the buffers never move).
         self._views: dict[Piece, torch.Tensor] = {}
         sides: dict[bool, list[tuple[torch.Tensor, bool]]] = {True: [], False: []}
+        stepped_by_muon = set() if muon is None else {p for p, _ in muon.params}
+        entries = []
         for seg in self.segments:
             grads = seg.host_grad if seg.on_host else seg.grad
             for piece in seg.pieces:
                 view = seg.view(seg.master, piece)
                 view.grad = seg.view(grads, piece)
                 self._views[piece] = view
-                sides[seg.on_host].append((view, piece.param.dim() >= 2))
+                if piece.param in stepped_by_muon:
+                    entries.append(muon_entry(piece, view, view.grad))
+                else:
+                    sides[seg.on_host].append((view, piece.param.dim() >= 2))
         self.host_optimizer = _adamw(sides[True], adamw)
         self.device_optimizer = _adamw(sides[False], adamw)
-        self.optimizers = [o for o in (self.device_optimizer, self.host_optimizer) if o is not None]
+        self.muon = None if muon is None else MuonPieces(muon, entries)
+        self._muon_views = {id(e.master) for e in entries}
+        others = (self.device_optimizer, self.host_optimizer, self.muon)
+        self.optimizers: list[torch.optim.Optimizer] = [o for o in others if o is not None]
 
     # What GradStep (trident/optim.py) calls.
 
@@ -218,6 +230,10 @@ class ZeroOptimizer:
             if copied is not None:
                 copied.synchronize()
             self.host_optimizer.step()
+        if self.muon is not None:
+            if copied is not None and self.host_optimizer is None:
+                copied.synchronize()
+            self.muon.update(lr)
         for seg in self.segments:
             if seg.master is not seg.param:
                 seg.param.copy_(seg.master, non_blocking=True)
@@ -246,7 +262,10 @@ class ZeroOptimizer:
     def master(self, piece: Piece) -> torch.Tensor:
         return self._views[piece]
 
-    def optimizer_of(self, seg: Segment) -> torch.optim.Optimizer:
+    def optimizer_of(self, seg: Segment, piece: Piece) -> torch.optim.Optimizer:
+        """The optimizer holding ``piece``'s state: Muon's for its matrices, else the AdamW of its side."""
+        if id(self._views[piece]) in self._muon_views:
+            return self.muon
         return self.host_optimizer if seg.on_host else self.device_optimizer
 
     def publish_masters(self) -> None:

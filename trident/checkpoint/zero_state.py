@@ -113,7 +113,7 @@ class MomentState:
             if placement.tied_to is not None:
                 continue
             name = self.names[piece.param]
-            state = self.optimizer.optimizer_of(seg).state.get(self.optimizer.master(piece), {})
+            state = self.optimizer.optimizer_of(seg, piece).state.get(self.optimizer.master(piece), {})
             for kind, value in state.items():
                 key = f"{name}/{kind}"
                 if value.dim() == 0:

@@ -239,6 +239,19 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # adamw | muon: Muon (parallel/zero/muon.py) steps the hidden matrices (each logical matrix: q, k, v and each
+    # expert's apart; models/matrices.py), AdamW at the keys above the embeddings, the head, norms, biases, router.
+    name: str = "adamw"
+    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule (warm-up, cosine to min_lr / lr of it) is AdamW's
+    muon_weight_decay: float = 0.1  # decoupled: W <- W (1 - lr wd), at Muon's unadjusted lr
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    muon_adjust_lr: str = "original"  # original: sqrt(max(1, out / in)) | match_rms_adamw: 0.2 sqrt(max(out, in))
+    # bf16: torch.optim.Muon's Newton-Schulz | fp32: the same iteration in fp32 (slower; layouts agree to fp32's
+    # rounding, where bf16's moves with the gradients' last bits)
+    muon_ns_dtype: str = "bf16"
 
 
 @dataclass
@@ -277,6 +290,9 @@ class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every: int = 0  # save every N steps (0: only at the end); always saved after the last step
     resume: str = "auto"  # auto | none | <path to a checkpoint directory>
+    # Resume the weights and start the optimizer state afresh: how a run resumes a checkpoint saved under the other
+    # optim.name (refused otherwise).
+    fresh_optimizer: bool = False
     keep_last: int = 0  # 0 keeps every checkpoint
     # Start from the weights (only: a fresh optimizer, step 0) of a trident checkpoint or a local Hugging Face
     # GPT-2 / Llama directory; the model shape is taken from it.

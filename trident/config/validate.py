@@ -327,6 +327,20 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _need(opt.grad_clip >= 0, f"optim.grad_clip={opt.grad_clip} must be >= 0 (0 disables clipping)")
     _need(0 <= opt.beta1 < 1 and 0 <= opt.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     _need(opt.eps > 0, f"optim.eps={opt.eps} must be > 0")
+    _need(opt.name in ("adamw", "muon"), f"optim.name={opt.name} must be adamw or muon")
+    if opt.name == "muon":
+        _need(opt.muon_lr > 0 and math.isfinite(opt.muon_lr), f"optim.muon_lr={opt.muon_lr} must be a positive number")
+        _need(opt.muon_weight_decay >= 0, f"optim.muon_weight_decay={opt.muon_weight_decay} must be >= 0")
+        _need(0 <= opt.muon_momentum < 1, f"optim.muon_momentum={opt.muon_momentum} must be in [0, 1)")
+        _need(1 <= opt.muon_ns_steps < 100, f"optim.muon_ns_steps={opt.muon_ns_steps} must be in [1, 100)")
+        _need(
+            len(opt.muon_ns_coefficients) == 3,
+            f"optim.muon_ns_coefficients={list(opt.muon_ns_coefficients)} must be three numbers [a, b, c]",
+        )
+        _need(opt.muon_ns_dtype in ("bf16", "fp32"), f"optim.muon_ns_dtype={opt.muon_ns_dtype} must be bf16 or fp32")
+        adjust, kinds = opt.muon_adjust_lr, ("original", "match_rms_adamw")
+        _need(adjust in kinds, f"optim.muon_adjust_lr={adjust} must be original or match_rms_adamw")
+
 
     _need(0 < cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
     _need(cfg.data.tokenizer_lines >= 1000, "data.tokenizer_lines must be >= 1000")

@@ -1,0 +1,132 @@
+"""optim.name=muon (parallel/zero/muon.py): at one process the update is torch.optim.Muon's on each logical matrix
+(models/matrices.py) and torch.optim.AdamW's on the rest, step for step and bit for bit; the matrices are what the
+model's fused parameters hold; every layout gives the one-process curve."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+from trident.build import build_parts, layout_of
+from trident.config import compose_config
+from trident.models.matrices import Matrices, matrices_of
+from trident.optim import lr_at, optimizer_summary
+from trident.parallel.placement import placement_of
+from trident_dev.bench.harness import random_batches
+
+
+def _cfg(model: str, *extra: str):
+    return compose_config(
+        REPO / "conf",
+        [
+            f"model={model}",
+            "model.seq_len=32",
+            "optim.name=muon",
+            "optim.warmup_steps=0",
+            "optim.grad_clip=0",
+            "train.steps=10",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            *extra,
+        ],
+    )
+
+
+def _full(zero, param: torch.nn.Parameter, of: str) -> torch.Tensor:
+    """The one-process tensor of ``param``'s masters (``of="master"``) or reduced gradient, from its pieces."""
+    flat = torch.zeros(param.numel())
+    for seg, piece in zero.pieces():
+        if piece.param is param:
+            values = zero.master(piece) if of == "master" else seg.view(seg.grad, piece)
+            flat[piece.start : piece.stop] = values
+    return flat.view(param.shape)
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny", "moe-tiny"])
+def test_one_process_muon_is_torch_muon_on_each_matrix_and_adamw_on_the_rest(one_process, model: str) -> None:
+    cfg = _cfg(model)
+    groups = one_process
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu"))
+    (chunk,) = parts.chunks
+    o, m = cfg.optim, cfg.model
+    named = dict(chunk.named_parameters())
+    split = {n: matrices_of(n, placement_of(p).shape, m) for n, p in named.items()}
+    split = {n: s for n, s in split.items() if s is not None}
+    # The reference: a parameter per logical matrix for torch's Muon, the others whole for torch's AdamW.
+    zero = parts.optimizer.zero
+    ref_mats = {n: [torch.nn.Parameter(t) for t in split[n].split(_full(zero, named[n], "master"))] for n in split}
+    ref_rest = {n: torch.nn.Parameter(_full(zero, p, "master").clone()) for n, p in named.items() if n not in split}
+    muon = torch.optim.Muon(
+        [q for mats in ref_mats.values() for q in mats],
+        lr=o.muon_lr,
+        weight_decay=o.muon_weight_decay,
+        momentum=o.muon_momentum,
+        nesterov=o.muon_nesterov,
+        ns_coefficients=tuple(o.muon_ns_coefficients),
+        ns_steps=o.muon_ns_steps,
+        adjust_lr_fn=o.muon_adjust_lr,
+    )
+    decay = [q for q in ref_rest.values() if q.dim() >= 2]
+    no_decay = [q for q in ref_rest.values() if q.dim() < 2]
+    adamw = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True,
+    )  # fmt: skip
+    assert ref_mats and ref_rest
+    tokens = 4 * m.seq_len
+    for step in range(3):
+        batches = random_batches(m.vocab_size, 2, 2, m.seq_len, step, 0)
+        parts.runner.forward_backward(batches, chunk.loss_sum, 1.0 / tokens)
+        for n, mats in ref_mats.items():
+            for q, g in zip(mats, split[n].split(_full(zero, named[n], "grad")), strict=True):
+                q.grad = g
+        for n, q in ref_rest.items():
+            q.grad = _full(zero, named[n], "grad").clone()
+        lr = lr_at(step, o, cfg.train.steps)
+        parts.optimizer.step.step(lr)
+        for group in adamw.param_groups:
+            group["lr"] = lr
+        muon.param_groups[0]["lr"] = lr * (o.muon_lr / o.lr)
+        adamw.step()
+        muon.step()
+        for n, mats in ref_mats.items():
+            want = split[n].join([q.detach() for q in mats], torch.empty(named[n].shape))
+            assert torch.equal(_full(zero, named[n], "master"), want), (step, n)
+        for n, q in ref_rest.items():
+            assert torch.equal(_full(zero, named[n], "master"), q.detach()), (step, n)
+        # the weights the model runs with are the masters (fp32: the same tensors)
+    assert any(s.parts > 1 for s in split.values())  # a fused parameter was split
+
+
+def test_the_matrices_of_fused_parameters_are_the_logical_ones() -> None:
+    cfg = _cfg("gpt-tiny")
+    m = cfg.model
+    h, dh, d = m.n_heads, m.d_model // m.n_heads, m.d_model
+    qkv = matrices_of("layers.0.attn.qkv.weight", (3 * h * dh, d), m)
+    # rows (h three dh): head i's q rows, then its k rows, then its v rows
+    t = torch.arange(3 * h * dh * d, dtype=torch.float32).view(h, 3, dh, d)
+    q, k, v = qkv.split(t.view(-1, d))
+    assert torch.equal(q, t[:, 0].reshape(h * dh, d)) and torch.equal(v, t[:, 2].reshape(h * dh, d))
+    assert torch.equal(qkv.join([q, k, v], torch.empty(3 * h * dh, d)), t.view(-1, d))
+    down = Matrices(1, 4, transposed=True)
+    e = torch.randn(4 * 6, 3)  # 4 experts' (f=6, d=3) stored rows: each expert's down projection is 3 x 6
+    mats = down.split(e)
+    assert [tuple(x.shape) for x in mats] == [(3, 6)] * 4 and torch.equal(mats[1], e[6:12].T)
+    assert down.shape((24, 3)) == (3, 6)
+    for name in ["wte.weight", "lm_head.weight", "wpe.weight", "layers.0.mlp.router.weight", "layers.0.ln_1.weight"]:
+        assert matrices_of(name, (8, 8) if "ln" not in name else (8,), m) is None, name
+
+
+def test_the_summary_says_what_each_parameter_gets() -> None:
+    cfg = _cfg("moe-tiny")
+    lines = optimizer_summary(cfg.model, cfg.optim)
+    text = "\n".join(lines)
+    assert "Muon, 4 experts of 64x64: layers.mlp.experts.gate, layers.mlp.experts.up, layers.mlp.experts.down" in text
+    adamw = next(line for line in lines if line.startswith("optimizer: AdamW"))
+    for name in ["wte.weight", "ln_1.weight", "mlp.router.weight"]:
+        assert name in adamw
+    assert "attn.q.weight" not in adamw
+    assert optimizer_summary(cfg.model, dataclasses.replace(cfg.optim, name="adamw")) == []
