@@ -30,6 +30,7 @@ from trident.parallel.comm import (
     reduce_scatter_sequence,
     split_last_dim,
 )
+from trident.parallel.fp8 import Fp8Spec, maybe_fp8_linear
 from trident.parallel.placement import Placement, set_placement
 
 
@@ -73,6 +74,8 @@ class ColumnParallelLinear(nn.Module):
     (k = out / tp) and computes Y[..., r*k:(r+1)*k]; X enters replicated (its gradient is summed over tp),
     or with sequence parallelism as a sequence shard that is all-gathered."""
 
+    fp8: Fp8Spec | None = None  # FP8 GEMMs (parallel/fp8.py enable_fp8)
+
     def __init__(
         self,
         in_features: int,
@@ -106,7 +109,7 @@ class ColumnParallelLinear(nn.Module):
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output columns of an input already entered."""
-        y = F.linear(x, self.weight, self.bias)
+        y = maybe_fp8_linear(x, self.weight, self.bias, self.fp8)
         return gather_last_dim(y, self.tp_group) if self.gather_output and self.tp_size > 1 else y
 
 
@@ -116,6 +119,8 @@ class ReplicatedColumnLinear(nn.Module):
     of them than tp ranks, as Megatron replicates them). The input is one already entered into the tp region (by
     the column-parallel layer beside it). Each rank's gradient covers only its block, for its own share of the
     uses: the sum over tp is the gradient, so the weight is marked for one (``grad_sums`` "tp")."""
+
+    fp8: Fp8Spec | None = None  # FP8 GEMMs (parallel/fp8.py enable_fp8)
 
     def __init__(
         self, in_features: int, out_features: int, parts: int, tp_group: dist.ProcessGroup | None, bias: bool = True
@@ -134,13 +139,16 @@ class ReplicatedColumnLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight[self.rows], None if self.bias is None else self.bias[self.rows])
+        bias = None if self.bias is None else self.bias[self.rows]
+        return maybe_fp8_linear(x, self.weight[self.rows], bias, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
     """Y = X W^T + b with W split by input columns: tp rank r holds W[:, r*k:(r+1)*k] (k = in / tp) and
     multiplies X[..., r*k:(r+1)*k]; the partial products are summed over tp (all-reduce, or with sequence
     parallelism a reduce-scatter to sequence shards) and b, held whole by every rank, is added once."""
+
+    fp8: Fp8Spec | None = None  # FP8 GEMMs (parallel/fp8.py enable_fp8)
 
     def __init__(
         self,
@@ -167,10 +175,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return maybe_fp8_linear(x, self.weight, self.bias, self.fp8)
         if not self.input_is_parallel:
             x = split_last_dim(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = maybe_fp8_linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(partial, self.tp_group)
         else:

@@ -40,6 +40,7 @@ from trident.models.compile import compile_blocks
 from trident.models.gpt import GPT, init_weights
 from trident.optim import GradStep, muon_plan
 from trident.parallel.comm import GroupShape
+from trident.parallel.fp8 import enable_fp8
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
@@ -61,8 +62,8 @@ def model_chunks(
 ) -> list[GPT]:
     """This rank's model chunks: chunk c is virtual stage ``stage_of(c, pp_rank, pp, placement)`` under the schedule's
     placement (parallel/pipeline/schedules.py; the layers of each stage: parallel/pipeline/stages.py), each
-    initialised from the seed (``train.seed``) as the one-process model is, then moved, compiled
-    (``train.compile``) and wrapped for recomputation."""
+    initialised from the seed (``train.seed``) as the one-process model is, then moved, its linear layers converted
+    to FP8 GEMMs (``train.fp8``), compiled (``train.compile``) and wrapped for recomputation."""
     rng = model_parallel_rng(train.seed)
     chunks = []
     placement = stage_placement(layout.schedule)
@@ -71,6 +72,7 @@ def model_chunks(
         chunk = chunk_model(m, layout, stage, groups.tp_group, rng, groups.cp_group, groups.ep_group)
         init_weights(chunk, m, train.seed)
         chunk.to(device)
+        enable_fp8(chunk, train.fp8)
         if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
             compile_blocks(chunk, device)
         apply_activation_checkpointing(

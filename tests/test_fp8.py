@@ -1,0 +1,211 @@
+"""FP8 training (train.fp8, parallel/fp8.py): at one process a converted layer is torchao's Float8Linear bit for
+bit; the conversion rule; on real gloo groups a layer split over tp (with and without sequence parallelism) or over
+its tokens (cp) computes one process's FP8 output and gradients, which torchao's per-shard scales would not; and
+whole runs under tp, pp, ZeRO-3, cp and ep give the one-process FP8 curve, and resume across layouts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.helpers.layouts import make_config
+from trident.config import ModelConfig, MoEConfig, validate
+from trident.errors import ConfigError
+from trident.models.gpt import GPT
+from trident.parallel.fp8 import Fp8Spec, enable_fp8
+from trident.parallel.placement import placement_of
+from trident.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from trident_dev.ranks import run_distributed
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+class _Holder(nn.Module):
+    """What ``enable_fp8`` reads of a GPT: its layers, tp group and size, cp group."""
+
+    def __init__(self, layer: nn.Module, tp_group=None, cp_group=None) -> None:
+        super().__init__()
+        self.layer, self.tp_group, self.cp_group = layer, tp_group, cp_group
+        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_converted_layer_is_torchaos_float8_linear_bit_for_bit(recipe):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linear = nn.Linear(64, 48).to(torch.bfloat16)
+    ours = ColumnParallelLinear(64, 48)
+    ours.weight.data, ours.bias.data = linear.weight.data.clone(), linear.bias.data.clone()
+    assert enable_fp8(_Holder(ours), recipe) == ["layer"]
+    theirs = convert_to_float8_training(nn.Sequential(linear), config=Float8LinearConfig.from_recipe_name(recipe))
+    x, dy = _randn(3, 10, 64, seed=1).bfloat16(), _randn(3, 10, 48, seed=2).bfloat16()
+    results = []
+    for layer in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(dy)
+        weight = layer.weight if layer is ours else layer[0].weight
+        results.append((y, xi.grad, weight.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    plain = nn.functional.linear(x, linear.weight, linear.bias)
+    assert not torch.equal(results[0][0], plain)  # it did compute in FP8
+
+
+def test_the_conversion_rule_leaves_the_head_the_router_the_experts_and_unaligned_layers_in_bf16():
+    cfg = ModelConfig(name="t", n_layers=2, d_model=64, n_heads=4, seq_len=16, vocab_size=512)
+    converted = enable_fp8(GPT(cfg), "rowwise")
+    assert converted == [f"layers.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    experts = MoEConfig(experts=4, top_k=2, shared_experts=1, d_expert=32, first_dense=1)
+    moe = ModelConfig(name="m", n_layers=2, d_model=64, n_heads=4, seq_len=16, vocab_size=512, d_ff=40, moe=experts)
+    # Layer 0's dense MLP (d_ff 40, not a multiple of 16) stays bf16; layer 1's shared expert (32 wide) converts, its
+    # router and routed experts do not.
+    names = enable_fp8(GPT(moe), "tensorwise")
+    assert names == [*(f"layers.{i}.attn.{m}" for i in (0,) for m in ("qkv", "proj")), "layers.1.attn.qkv",
+                     "layers.1.attn.proj", "layers.1.mlp.shared.fc", "layers.1.mlp.shared.proj"], names  # fmt: skip
+    assert enable_fp8(GPT(cfg), "off") == []
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.fp8=rowwise"], "train.fp8=rowwise computes in fp8 around bf16 activations; set train.precision=bf16"),
+        (["train.fp8=mxfp8", "train.precision=bf16"], "train.fp8='mxfp8' is not valid; use one of off, tensorwise"),
+    ],
+)
+def test_bad_fp8_settings_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_config("model=gpt-tiny", *overrides), 1)
+
+
+def _run(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(dy)
+    return [y.detach(), x.grad, layer.weight.grad.clone()]
+
+
+def _split_case(kind: str, recipe: str, rank: int, world: int, control: bool) -> tuple[list, list]:
+    """A layer of ``kind`` split over the world (tp, tp with SP, or its tokens as cp splits them) and the same at one
+    process, both FP8: (this rank's output, input gradient and weight gradient; the one-process ones cut to match).
+    ``control``: the split layer scales each shard by its own amax, as torchao's Float8Linear would."""
+    group = dist.group.WORLD
+    b, t, d, f = 2, 8, 32, 64
+    row, sp, tokens = kind.startswith("row"), kind.endswith("sp"), kind == "tokens"
+    k, n = (f, d) if row else (d, f)
+    x, w, dy = _randn(b, t, k, seed=1), _randn(n, k, seed=2), _randn(b, t, n, seed=3)
+    make = (lambda g: RowParallelLinear(k, n, g, bias=False, sequence_parallel=sp)) if row else None
+    make = make or (lambda g: ColumnParallelLinear(k, n, g, bias=False, sequence_parallel=sp))
+    one = make(None)
+    one.weight.data.copy_(w)
+    enable_fp8(_Holder(one), recipe)
+    expected = _run(one, x, dy)
+    split = make(None if tokens else group)
+    split.weight.data.copy_(placement_of(split.weight).shard(w))
+    enable_fp8(_Holder(split, None if tokens else group, group if tokens else None), recipe)
+    if control:
+        split.fp8 = Fp8Spec(split.fp8.config, split.fp8.mm, (), (), ())
+
+    def seq(v: torch.Tensor) -> torch.Tensor:  # this rank's part of the tokens
+        return v.chunk(world, dim=1)[rank]
+
+    def cols(v: torch.Tensor) -> torch.Tensor:
+        return v.chunk(world, dim=-1)[rank]
+
+    if tokens:
+        got = _run(split, seq(x), seq(dy))
+        dist.all_reduce(got[2], group=group)  # the weight gradient: a partial sum over the tokens (dp x cp reduces)
+        return got, [seq(expected[0]), seq(expected[1]), expected[2]]
+    if row:
+        got = _run(split, cols(x), seq(dy) if sp else dy)
+        return got, [seq(expected[0]) if sp else expected[0], cols(expected[1]), cols(expected[2])]
+    got = _run(split, seq(x) if sp else x, cols(dy))
+    return got, [cols(expected[0]), seq(expected[1]) if sp else expected[1], expected[2].chunk(world, dim=0)[rank]]
+
+
+def _check_split_layers(rank: int, world: int, recipe: str) -> list[float]:
+    """Each split: the max relative difference from one process with the layout's scales, and with per-shard ones."""
+    out = []
+    for kind in ("column", "column-sp", "row", "row-sp", "tokens"):
+        for control in (False, True):
+            got, expected = _split_case(kind, recipe, rank, world, control)
+            out.append(max(float((g - e).abs().max() / e.abs().max()) for g, e in zip(got, expected, strict=True)))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_split_layer_computes_the_one_process_fp8_output_and_gradients(recipe):
+    """fp32 operands, so that only the order of sums separates a split layer from one process. Tensorwise: the same
+    scales and fp8 values, to 1e-6, where torchao's per-shard amax is FP8 rounding apart (1e-3 and more). Rowwise:
+    torchao returns a rowwise GEMM in bf16, so the partial products a split sums (a row-parallel output, a
+    column-parallel input gradient, a token split's weight gradient) are bf16-rounded (2^-8) before the sum; and its
+    power-of-2 scales make a shard's own amax change only values in FP8's subnormal range (the scales themselves:
+    the next test)."""
+    for diffs in run_distributed(_check_split_layers, 2, recipe):
+        exact, per_shard = diffs[0::2], diffs[1::2]
+        if recipe == "tensorwise":
+            assert max(exact) < 1e-6, exact
+            assert min(per_shard) > 1e-3, per_shard
+        else:
+            assert max(exact) < 2**-7, exact
+
+
+def _check_casts(rank: int, world: int) -> list[tuple]:
+    """A [16, 32] tensor split over the world along each dim, cast tensorwise and rowwise along each axis with the
+    split's groups: (whether the scales and fp8 values are the one-process cast's part; with no groups, whether the
+    scales are). Rank 1's part is 1/4 of rank 0's in magnitude, so its own amax is another."""
+    from trident.parallel.fp8 import _float8
+
+    f8 = _float8()
+    mm, group, out = f8.tensor.LinearMMConfig(), dist.group.WORLD, []
+    x = _randn(16, 32, seed=5)
+    for dim in (0, 1):
+        scaled = torch.cat([part * 0.25**r for r, part in enumerate(x.chunk(world, dim=dim))], dim=dim)
+        mine = scaled.chunk(world, dim=dim)[rank]
+        split_dims = ((group,), ()) if dim == 0 else ((), (group,))
+        for recipe in ("tensorwise", "rowwise"):
+            config = f8.recipe.from_recipe_name(recipe)
+            for axis in (0, -1):
+                spec, c = Fp8Spec(config, mm, (), (), ()), config.cast_config_input
+                cases = ((scaled, ((), ())), (mine, split_dims), (mine, ((), ())))
+                one, split, alone = (spec.cast(t, c, "input", d, axis) for t, d in cases)
+                scale = one._scale
+                if scale.dim() and axis % 2 != dim:  # rowwise along the other axis: the scales of this rank's rows
+                    scale = scale.chunk(world, dim=dim)[rank]
+                data = one._data.chunk(world, dim=dim)[rank]
+                same = torch.equal(split._scale, scale) and torch.equal(split._data.float(), data.float())
+                out.append((dim, axis, recipe, same, torch.equal(alone._scale, scale)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_split_tensor_is_cast_with_the_whole_tensors_scales():
+    """The claim itself: split along either dim, a tensor cast tensorwise or rowwise along either axis gets the
+    one-process scales and FP8 values, bit for bit; its shard's own amax would give other scales wherever the amax
+    spans the split (tensorwise, or rowwise along the split dim)."""
+    ranks = run_distributed(_check_casts, 2)
+    for cases in zip(*ranks, strict=True):
+        dim, axis, recipe = cases[0][:3]
+        assert all(same for *_, same, _ in cases), (dim, axis, recipe)
+        spans = recipe == "tensorwise" or axis % 2 == dim
+        assert all(alone for *_, alone in cases) != spans, (dim, axis, recipe, [c[-1] for c in cases])
+
+
+def test_enable_fp8_does_not_copy_the_weights():
+    """The weights stay the parameters they were (what checkpoints, ZeRO and export hold)."""
+    cfg = ModelConfig(name="t", n_layers=1, d_model=64, n_heads=4, seq_len=16, vocab_size=512)
+    model = GPT(cfg)
+    before = {name: p for name, p in model.named_parameters()}
+    snapshot = copy.deepcopy(model.state_dict())
+    enable_fp8(model, "tensorwise")
+    assert {name: p for name, p in model.named_parameters()} == before
+    assert model.state_dict().keys() == snapshot.keys()
