@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.helpers.layouts import make_config
+from tests.helpers.layouts import four_layers, make_config, train_in_process
 from trident.config import ModelConfig, MoEConfig, validate
 from trident.errors import ConfigError
 from trident.models.gpt import GPT
@@ -209,3 +209,68 @@ def test_enable_fp8_does_not_copy_the_weights():
     enable_fp8(model, "tensorwise")
     assert {name: p for name, p in model.named_parameters()} == before
     assert model.state_dict().keys() == snapshot.keys()
+
+
+# Whole runs. A layout sums some products in another order than one process (a tp all-reduce, cp's attention, a pp
+# stage's tied-embedding sum, dp's gradient reduction): one bf16 ulp (2^-8) here and there, which in bf16 alone moves
+# these curves by at most 1.1e-5 (loss) and 9.7e-4 (gradient norm) over 6 steps. FP8 turns some of those ulps into
+# FP8 ulps: a value within 2^-8 of a rounding boundary of e4m3 (an ulp of 1/8) or e5m2 (gradients, 1/4) lands on the
+# other side, ~2 * 2^-8 / 2^-3 = 6% of the values a difference touches, so two layouts' FP8 curves differ by about as
+# much as FP8 and bf16 do at one process (measured: up to 5.4e-5 and 4.1e-3 between layouts, 9.7e-5 and 3.0e-3
+# between FP8 and bf16). The tolerances are 3-5x those. (A layout that scaled by each shard's own amax measured
+# 8.5e-5 and 8e-3: the curves cannot tell it apart; the split-layer tests above do.)
+LOSS_REL, NORM_REL = 3e-4, 1.5e-2
+
+
+def _fp8_run(dataset, recipe: str, *extra: str) -> list[str]:
+    """6 steps of four-layer gpt-tiny in bf16 with FP8 matmuls, micro-batches of 2."""
+    return four_layers(dataset, 6, "train.precision=bf16", f"train.fp8={recipe}", "train.eval_every=0", *extra)
+
+
+def _assert_fp8_curve(expected: list[dict], got: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for want, have in zip(expected, got, strict=True):
+        assert have["loss"] == pytest.approx(want["loss"], rel=LOSS_REL), (want["step"], have["loss"], want["loss"])
+        norms = (want["step"], have["grad_norm"], want["grad_norm"])
+        assert have["grad_norm"] == pytest.approx(want["grad_norm"], rel=NORM_REL), norms
+
+
+FP8_LAYOUTS = {
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pp=2"],
+    "dp2-zero3": ["parallel.dp=2", "parallel.zero=3"],
+    "cp2": ["parallel.cp=2"],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("layout", list(FP8_LAYOUTS))
+def test_each_layout_gives_the_one_process_fp8_curve(tiny_dataset, tmp_path, references, recipe, layout):
+    reference = references.history(_fp8_run(tiny_dataset, recipe))
+    bf16 = references.history(four_layers(tiny_dataset, 6, "train.precision=bf16", "train.eval_every=0"))
+    assert [r["loss"] for r in reference] != [r["loss"] for r in bf16]  # FP8 is on
+    for history in train_in_process(tmp_path, _fp8_run(tiny_dataset, recipe, *FP8_LAYOUTS[layout]), world=2):
+        _assert_fp8_curve(reference, history)
+
+
+@pytest.mark.multiprocess
+def test_moe_at_ep2_gives_the_one_process_fp8_curve(tiny_dataset, tmp_path, references):
+    """moe-tiny: attention in FP8, the routed experts in bf16, each rank holding two of the four experts."""
+    overrides = _fp8_run(tiny_dataset, "tensorwise", "model=moe-tiny", "model.n_layers=2", "model.vocab_size=512")
+    reference = references.history(overrides)
+    for history in train_in_process(tmp_path, [*overrides, "parallel.ep=2", "parallel.dp=2"], world=2):
+        _assert_fp8_curve(reference, history)
+
+
+@pytest.mark.multiprocess
+def test_an_fp8_checkpoint_resumes_across_layouts_with_the_uninterrupted_losses(tiny_dataset, tmp_path, references):
+    """Saved at tp=2 with sequence parallelism after step 3, resumed at one process and at dp=2 ZeRO-3: the fp32
+    masters are the checkpoint's as in any run, and the next three steps are the uninterrupted run's."""
+    base = _fp8_run(tiny_dataset, "rowwise", "checkpoint.every=3")
+    saved = train_in_process(tmp_path / "tp2", [*base, *FP8_LAYOUTS["tp2-sp"]], world=2)[0]
+    checkpoint = tmp_path / "tp2" / "checkpoints" / "step_00000003"
+    for name, world, extra in (("one", 1, []), ("dp2-zero3", 2, FP8_LAYOUTS["dp2-zero3"])):
+        resumed = train_in_process(tmp_path / name, [*base, *extra, f"checkpoint.resume={checkpoint}"], world=world)
+        for history in resumed:
+            _assert_fp8_curve(saved[3:], history)
