@@ -130,3 +130,52 @@ def test_the_summary_says_what_each_parameter_gets() -> None:
         assert name in adamw
     assert "attn.q.weight" not in adamw
     assert optimizer_summary(cfg.model, dataclasses.replace(cfg.optim, name="adamw")) == []
+
+
+def _muon_pieces(rank: int, world: int, overrides: list[str]) -> dict:
+    from trident.parallel.groups import build_process_groups
+    from trident.parallel.topology import Topology
+
+    cfg = compose_config(REPO / "conf", overrides)
+    groups = build_process_groups(Topology(dp=world, tp=1, pp=1))
+    parts = build_parts(cfg, layout_of(cfg, groups), groups, torch.device("cpu"))
+    muon = parts.optimizer.zero.muon
+    names = {p: n for n, p in parts.chunks[0].named_parameters()}
+    return {
+        "muon": sorted(names[p.param] for p in muon.params),
+        "pieces": {names[p.param]: [(e.piece.start, e.piece.stop) for e in p.entries] for p in muon.params},
+        "numel": {names[p.param]: p.param.numel() for p in muon.params},
+        "states": sorted({k for s in muon.state.values() for k in s}),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero", [0, 3])
+def test_zero_shards_cut_the_matrices_and_muon_still_steps_every_one(zero: int) -> None:
+    """Under ZeRO-3 the matrices Muon steps are those of one process (DeepSpeed #8438: zero.Init sent every parameter
+    to AdamW), and shards cut matrices across ranks (#7807: slices across partitions), each rank stepping the
+    momentum of its part; at ZeRO 0 every rank holds every matrix whole."""
+    from trident_dev.ranks import run_distributed
+
+    overrides = ["model=llama-tiny", "optim.name=muon", f"parallel.zero={zero}", "parallel.dp=2"]
+    a, b = run_distributed(_muon_pieces, 2, overrides, timeout_s=120)
+    want = sorted(n for n, p in _one_process_matrices("llama-tiny"))
+    assert a["muon"] == b["muon"] == want
+    assert a["states"] == ["momentum_buffer"]
+    for name, numel in a["numel"].items():
+        spans = sorted(a["pieces"][name] + b["pieces"][name])
+        if zero == 0:
+            assert a["pieces"][name] == b["pieces"][name] == [(0, numel)], name
+        else:  # disjoint, together the whole parameter
+            assert sum(stop - start for start, stop in spans) == numel, name
+    if zero == 3:
+        assert any(a["pieces"][n] and b["pieces"][n] for n in want)  # a matrix cut between the two ranks
+
+
+def _one_process_matrices(model: str):
+    from trident.models.gpt import GPT
+
+    cfg = compose_config(REPO / "conf", [f"model={model}"])
+    with torch.device("meta"):
+        gpt = GPT(cfg.model)
+    return [(n, p) for n, p in gpt.named_parameters() if matrices_of(n, tuple(p.shape), cfg.model) is not None]

@@ -65,8 +65,13 @@ def _poisoned_rank(rank: int, world: int, cfg, run_dir: Path, steps: set[int]) -
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("precision", "layout", "world"),
-    [("fp32", ["parallel.tp=2", "parallel.pp=2"], 4), ("bf16", ["parallel.dp=2"], 2)],
-    ids=["fp32-tp2-pp2", "bf16-dp2"],
+    [
+        ("fp32", ["parallel.tp=2", "parallel.pp=2"], 4),
+        ("bf16", ["parallel.dp=2"], 2),
+        # Muon's momentum untouched by a skipped overflow step (DeepSpeed #8432: an fp16 overflow poisoned it)
+        ("fp16", ["parallel.dp=2", "parallel.zero=1", "optim.name=muon"], 2),
+    ],
+    ids=["fp32-tp2-pp2", "bf16-dp2", "fp16-muon-dp2-zero1"],
 )
 def test_a_nan_micro_batch_skips_its_step_bitwise_and_training_goes_on(
     tiny_dataset: Path, tmp_path: Path, precision: str, layout: list[str], world: int

@@ -295,7 +295,10 @@ class Checkpointer:
                 held = f"holds {key} with shape {list(saved[key])}" if key in saved else f"does not hold {key}"
                 raise CheckpointError(f"checkpoint {path} {held}; this model's is {list(wanted.shape)}")
         saved_optim = {k[len(OPTIM) :]: v for k, v in saved.items() if k.startswith(OPTIM)}
-        optim, install = self.optimizer.load_destinations(saved_optim)
+        optim, install = {}, lambda: None  # noqa: E731  (checkpoint.fresh_optimizer: the state starts afresh)
+        if not self.config["checkpoint"].get("fresh_optimizer", False):
+            _same_optimizer(path, config, self.config)
+            optim, install = self.optimizer.load_destinations(saved_optim)
         state.update({OPTIM + k: v for k, v in optim.items()})
         # The default generators' states (dropout derives its masks and draws from none of them; they are kept so
         # that anything else random resumes exactly) belong to a coordinate of the layout that saved them; under
@@ -314,6 +317,17 @@ class Checkpointer:
             restore_rng()
 
         return config, load
+
+
+def _same_optimizer(path: Path, saved: dict, current: dict) -> None:
+    """Refuse, in one line, to load one optimizer's state into the other (AdamW's moments are not Muon's momentum)."""
+    was, now = (c.get("optim", {}).get("name", "adamw") for c in (saved, current))
+    if was != now:
+        raise CheckpointError(
+            f"checkpoint {path} holds the state of optim.name={was}, this run steps with optim.name={now}: resume "
+            f"with optim.name={was}, or set checkpoint.fresh_optimizer=true to keep the weights and start the "
+            "optimizer state afresh"
+        )
 
 
 # Settings that shape every later step without changing parameter shapes: changing them on resume is
