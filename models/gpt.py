@@ -340,7 +340,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token ids [B, T] -> logits. At tp=1 they are [B, T, vocab_size] (padding columns dropped); at tp>1 each
     rank returns its block of the padded vocab, [B, T, padded_vocab / tp], and ``loss_sum`` computes the loss
-    from the blocks without ever gathering the vocabulary.
+    from the blocks without ever gathering the vocabulary. Given ``targets``, the summed loss instead (``head``).
 
     ``tp_group``: the tensor-parallel group (None: one process). ``sequence_parallel``: split the activations
     outside the tp regions along the sequence. ``rng``: the RNG tracker dropout derives its masks from, which
@@ -435,11 +435,16 @@ class GPT(nn.Module):
         shard = torch.arange(lo, hi, device=idx.device) if positions is None else positions[..., lo:hi].contiguous()
         return _dropped(self.drop, x + self.wpe(shard), window)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and the LM head (the embedding, or lm_head): what the last pipeline stage does after its
-        blocks. Padding rows never become real logits: dropped at tp=1, left out by the loss at tp>1.
-        """
-        return (self.lm_head if hasattr(self, "lm_head") else self.wte).logits(self.ln_f(x))
+        blocks. Padding rows never become real logits: dropped at tp=1, left out by the loss at tp>1. Given
+        ``targets``, the summed loss instead, the head fused with the loss ``model.loss_chunk_tokens`` tokens at a
+        time (``VocabParallelEmbedding.loss_sum``; 0: the whole logits, then ``loss_sum``)."""
+        lm, chunk = self.lm_head if hasattr(self, "lm_head") else self.wte, self.cfg.loss_chunk_tokens
+        if targets is None or not chunk:
+            logits = lm.logits(self.ln_f(x))
+            return logits if targets is None else self.loss_sum(logits, targets)
+        return lm.loss_sum(self.ln_f(x), targets, chunk)
 
     def forward(
         self,
@@ -449,11 +454,13 @@ class GPT(nn.Module):
         positions: torch.Tensor | None = None,
         index: torch.Tensor | None = None,
         keys: TokenSpan | None = None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token ids on the first stage, else the residual stream from the stage before. ``cache`` (generation,
-        one process): the keys and values of the tokens before ``x``, which this call extends. ``documents``
-        ``[B, T]``: the document ids of packed windows (parallel/batch.py ``document_ids``), which keep
-        attention inside each document and restart positions at each; every stage takes the micro-batch's.
+        """Token ids on the first stage, else the residual stream from the stage before. ``targets`` (the
+        runners give them): on the last stage return the summed token loss rather than the logits (``head``).
+        ``cache`` (generation, one process): the keys and values of the tokens before ``x``, which this call
+        extends. ``documents`` ``[B, T]``: the document ids of packed windows (parallel/batch.py ``document_ids``),
+        which keep attention inside each document and restart positions at each; every stage takes the micro-batch's.
         Under context parallelism, ``x`` and ``documents`` are this cp rank's part of the windows and
         ``positions`` ``[B, T / cp]`` its tokens' positions and ``index`` ``[B or 1, T / cp]`` their places in the
         window (parallel/context/batch.py), ``keys`` every cp rank's span on the host (None: gathered)."""
@@ -471,7 +478,7 @@ class GPT(nn.Module):
             x = block(x, cache, docs)
         if cache is not None:
             cache.advance(x.shape[1])
-        return self.head(x) if self.is_last else x
+        return self.head(x, targets) if self.is_last else x
 
     def set_loss_multiplier(self, multiplier: float) -> None:
         """The gradient each token's loss gets, which the runner scales the token loss by and gives the auxiliary
@@ -479,7 +486,10 @@ class GPT(nn.Module):
         set_loss_multiplier(self, multiplier)
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy in fp32 of this model's logits (the trainer's loss function)."""
+        """Summed token cross-entropy in fp32 of this model's logits (the trainer's loss function). A forward given
+        the targets returned the loss itself (a scalar), which this passes on."""
+        if logits.dim() == 0:
+            return logits
         if self.tp_size == 1:
             return lm_loss_sum(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.cfg.vocab_size)

@@ -1,4 +1,4 @@
-"""Megatron-style tensor-parallel layers and the vocab-parallel cross-entropy.
+"""Megatron-style tensor-parallel layers and the vocab-parallel cross-entropy (fused with the LM head, in chunks).
 
 Each layer takes its tp group in the constructor, holds only its slice of every split parameter, and declares
 each parameter's ``Placement`` (logical shape, split dim, tp rank and size, padding): init, checkpoints and the
@@ -232,60 +232,121 @@ class VocabParallelEmbedding(nn.Module):
         x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_region(x, self.tp_group)
         return F.linear(x, self.weight)
 
+    def loss_sum(self, x: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The summed fp32 cross-entropy of ``logits(x)`` against ``targets``, the head's matmul and the loss fused
+        ``chunk`` tokens at a time (``_LinearCrossEntropy``): never the whole logits. Computed in the autocast
+        dtype when autocast is on, as ``logits`` would be, else in the weight's."""
+        if self.tp_size > 1:
+            x = gather_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_region(x, self.tp_group)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
+        group = self.tp_group if self.tp_size > 1 else None
+        x, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+        return _LinearCrossEntropy.apply(x, self.weight, t, group, self.num_embeddings, chunk, dtype)
+
+
+def _block_loss(
+    z: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup | None, start: int, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Megatron's cross-entropy over vocab-sharded logits: ``z`` fp32 [n, real], this rank's real vocabulary
+    columns from ``start`` (overwritten), ``t`` [n] the token ids. With m the max over the whole vocab:
+    loss = log(sum_v exp(z_v - m)) - (z_target - m), the max reduced with MAX and the two sums with one SUM over tp;
+    the target logit is read on the rank whose block holds it (0 elsewhere). Returns the summed loss and, with
+    ``grad``, its gradient softmax - onehot on this rank's columns, built in ``z``."""
+    real = z.shape[-1]
+    owned = (t >= start) & (t < start + real)
+    local_t = (t - start).masked_fill(~owned, 0)
+    m = z.amax(dim=-1) if real else z.new_full((z.shape[0],), float("-inf"))  # a block of padding adds nothing
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    z = z.sub_(m.unsqueeze(-1))
+    target_z = z.new_zeros(z.shape[0])
+    if real:
+        target_z = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+    exp = z.exp_()
+    sums = torch.stack([exp.sum(dim=-1), target_z])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+    loss = (sums[0].log() - sums[1]).sum()
+    if not grad:
+        return loss, None
+    softmax = exp.div_(sums[0].unsqueeze(-1))
+    if real:
+        softmax[torch.arange(z.shape[0], device=z.device), local_t] -= owned.to(z.dtype)
+    return loss, softmax
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Megatron's cross-entropy over vocab-sharded logits. With m the max over the whole vocab:
-    loss = log(sum_v exp(z_v - m)) - (z_target - m), the max reduced with MAX and the two sums with one SUM
-    over tp; the target logit is read on the rank whose block holds it (0 elsewhere). Backward is
-    softmax - onehot on each rank's own columns."""
+    """``_block_loss`` over this rank's whole block of logits, its gradient kept for backward."""
 
     @staticmethod
     def forward(
         ctx, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, vocab_size: int
     ) -> torch.Tensor:
-        tp_rank, tp_size = rank_and_size(group)
         block = logits.shape[-1]
-        start = tp_rank * block
+        start = rank_and_size(group)[0] * block
         # Only the first ``real`` columns of this block are vocabulary; the padding never enters the sums.
         real = max(0, min(block, vocab_size - start))
         t = targets.reshape(-1)
-        z = logits.narrow(-1, 0, real).reshape(t.numel(), real).float()
-        owned = (t >= start) & (t < start + real)
-        local_t = (t - start).masked_fill(~owned, 0)
-        if real:
-            m = z.amax(dim=-1)
-        else:  # a block of padding only (a large vocab_multiple): it adds nothing
-            m = z.new_full((z.shape[0],), float("-inf"))
-        if tp_size > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = z - m.unsqueeze(-1)
-        if real:
-            target_z = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        else:
-            target_z = z.new_zeros(z.shape[0])
-        exp = z.exp_()
-        sums = torch.stack([exp.sum(dim=-1), target_z])
-        if tp_size > 1:
-            dist.all_reduce(sums, group=group)
-        sum_exp, target_z = sums
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, owned, local_t)
-        ctx.shape, ctx.dtype, ctx.real = logits.shape, logits.dtype, real
-        return (sum_exp.log() - target_z).sum()
+        z = logits.narrow(-1, 0, real).reshape(t.numel(), real).to(torch.float32, copy=True)  # built on in place
+        loss, grad_z = _block_loss(z, t, group, start, True)
+        ctx.save_for_backward(grad_z)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        softmax, owned, local_t = ctx.saved_tensors
-        # softmax is ours alone and backward runs once: build the gradient in place.
-        grad_z = softmax
-        rows = torch.arange(grad_z.shape[0], device=grad_z.device)
-        if ctx.real:
-            grad_z[rows, local_t] -= owned.to(grad_z.dtype)
-        grad_z.mul_(grad)
+        (grad_z,) = ctx.saved_tensors
+        grad_z.mul_(grad)  # ours alone, and backward runs once: in place
         block = ctx.shape[-1]
-        if ctx.real < block:
-            grad_z = F.pad(grad_z, (0, block - ctx.real))  # padding columns: zero gradient
+        if grad_z.shape[-1] < block:
+            grad_z = F.pad(grad_z, (0, block - grad_z.shape[-1]))  # padding columns: zero gradient
         return grad_z.view(ctx.shape).to(ctx.dtype), None, None, None
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The LM head's matmul fused with the cross-entropy, ``chunk`` tokens at a time: x [n, d] (at tp > 1 every
+    token, gathered), this rank's weight block [block, d], targets [n]. Per chunk the logits in ``dtype``, their
+    fp32 copy and its softmax exist only while that chunk runs (``_block_loss``); no [n, vocab] tensor ever does.
+
+    The gradients are computed in forward (as Liger's fused linear cross-entropy): per chunk grad_x[chunk] = g W
+    and grad_W += g^T x (fp32), g the chunk's softmax - onehot in ``dtype``; backward only scales them by the loss's
+    gradient. Kept from forward to backward: grad_x [n, d] and grad_W [block, d], d / (vocab / tp) of the fp32
+    logits and softmax today's loss keeps, and the head's input is not kept at all. Recomputing the logits in
+    backward instead would keep x (about grad_x's bytes) but cost one more head matmul, and under the zero-bubble
+    schedules, whose input and weight passes each run this backward, two more; here a second backward is two
+    scalings."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, group, vocab_size: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+        block = weight.shape[0]
+        start = rank_and_size(group)[0] * block
+        real = max(0, min(block, vocab_size - start))
+        w = weight[:real].to(dtype)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for lo in range(0, x.shape[0], chunk):
+            h = x[lo : lo + chunk].to(dtype)
+            loss, g = _block_loss((h @ w.T).float(), targets[lo : lo + chunk], group, start, need_x or need_w)
+            total += loss
+            if g is None:
+                continue
+            g = g.to(dtype)
+            if need_x:
+                grad_x[lo : lo + chunk] = g @ w
+            if need_w and dtype == torch.float32:
+                grad_w[:real].addmm_(g.T, h)
+            elif need_w:
+                grad_w[:real] += g.T @ h
+        ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        # Not in place: the zero-bubble schedules run this backward twice (their I and W passes).
+        return *(None if g is None else g * grad for g in ctx.saved_tensors), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

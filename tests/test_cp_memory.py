@@ -53,10 +53,9 @@ def _held(
 
     def forward() -> torch.Tensor:
         with autocast(precision, x.device), rng.context(0, batch.sample_ids):
-            logits = model(
-                batch.tokens, documents=batch.documents, positions=batch.positions, index=batch.index, keys=batch.keys
-            )
-        loss = model.loss_sum(logits, batch.targets)
+            b = batch
+            kwargs = dict(documents=b.documents, positions=b.positions, index=b.index, keys=b.keys)
+            loss = model(b.tokens, **kwargs, targets=b.targets)
         # gloo's worker thread lets go of a collective's buffers a moment after the call returns (see
         # parallel/groups.py): give it that moment, or a transient buffer would count as kept.
         time.sleep(0.1)

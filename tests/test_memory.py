@@ -282,8 +282,7 @@ def _held(
 
     def forward() -> torch.Tensor:
         with autocast(precision, x.device), rng.context(0, range(batch)):
-            logits = model(x, documents=ids)
-        return model.loss_sum(logits, y)
+            return model(x, documents=ids, targets=y)  # the loss, as the runners have it
 
     rope = [m.inv_freq for m in model.modules() if getattr(m, "inv_freq", None) is not None]  # RoPE's frequencies
     inputs = [x, y] if ids is None else [x, y, ids]
@@ -293,8 +292,8 @@ def _held(
 
 
 def _loss_backward_peak(cfg: ModelConfig, precision: str, batch: int, model: GPT | None = None) -> int:
-    """The most bytes the loss's backward (down to the logits) has allocated at once above what was allocated
-    when it started: the CPU allocator's own count, read from the profiler's memory events."""
+    """The most bytes the loss's backward (down to the head's input and weight) has allocated at once above what
+    was allocated when it started: the CPU allocator's own count, read from the profiler's memory events."""
     torch.manual_seed(0)
     model = model or GPT(cfg)
     model.to(PRECISION_DTYPES[precision])
@@ -302,11 +301,14 @@ def _loss_backward_peak(cfg: ModelConfig, precision: str, batch: int, model: GPT
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
     y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
     with autocast(precision, x.device):
-        logits = model(x)
-    loss = model.loss_sum(logits, y)
+        model.is_last = False  # the residual stream (cut off: a tied weight's path through the embedding left out),
+        hidden = model.ln_f(model(x).detach())  # then the head as GPT.head has it, its input in hand
+        model.is_last = True
+        lm = model.lm_head if hasattr(model, "lm_head") else model.wte
+        loss = lm.loss_sum(hidden, y, cfg.loss_chunk_tokens)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        (grad,) = torch.autograd.grad(loss, logits)
-    del grad
+        grads = torch.autograd.grad(loss, [hidden, lm.weight])
+    del grads
     events = sorted(
         (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
     )
@@ -321,9 +323,9 @@ def _loss_backward_peak(cfg: ModelConfig, precision: str, batch: int, model: GPT
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("cfg", [SHAPES[0], SHAPES[1], LLAMA], ids=["gpt-tiny", "odd", "llama-tiny"])
 def test_the_loss_backward_transient_is_what_the_allocator_sees(cfg: ModelConfig, precision: str) -> None:
-    """The last stage's backward allocates the loss's gradients above the held activations (8 b s V bytes at
-    tp = 1: the log-probabilities' and the fp32 logits' gradients together), to the byte; on an H100 this was
-    the 3.1 GiB the estimate of gpt-small missed."""
+    """The last stage's backward allocates the loss's gradients above the held activations (the fused loss's two
+    gradients scaled, b s d + V d; unchunked 8 b s V bytes at tp = 1, the log-probabilities' and the fp32 logits'
+    gradients together, the 3.1 GiB the estimate of gpt-small missed on an H100), to the byte."""
     layout = Layout(micro_batch_size=2, precision=precision, device="cpu")
     assert _loss_backward_peak(cfg, precision, batch=2) == loss_backward_bytes(cfg, layout) > 0
 

@@ -49,8 +49,8 @@ def _held(cfg: ModelConfig, layout: Layout, stage: int, policy: str) -> int:
         if not chunk.is_first:  # the message from the stage before, received into a buffer of the step
             x = torch.randn(b, cfg.seq_len, cfg.d_model, generator=g).to(dtype).requires_grad_()
         with autocast(layout.precision, x.device), rng.context(0, range(b)):
-            out = chunk(x)
-        return x, chunk.loss_sum(out, targets) if chunk.is_last else out
+            out = chunk(x, targets=targets)  # the last chunk's loss, as the runners have it
+        return x, out
 
     rope = [m.inv_freq for m in chunk.modules() if getattr(m, "inv_freq", None) is not None]
     gc.freeze()  # held_by_forward's collection then skips the objects older than the forward, none of it (fast)

@@ -21,7 +21,8 @@ from trident.parallel.precision import autocast
 from trident.parallel.random import dropout_context
 from trident.parallel.reducer import GradReducer
 
-# (model output, targets) -> summed token loss in fp32; the caller divides by the global token count.
+# (model output, targets) -> summed token loss in fp32; the caller divides by the global token count. The last chunk
+# is given the targets, and a GPT's then returns that loss itself, the LM head fused with it (GPT.head).
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -58,10 +59,15 @@ class LocalRunner:
             x = batch.tokens
             with autocast(self.precision, x.device), dropout_context(self.model, batch.step, batch.sample_ids):
                 output = self.model(
-                    x, documents=batch.documents, positions=batch.positions, index=batch.index, keys=batch.keys
+                    x,
+                    documents=batch.documents,
+                    positions=batch.positions,
+                    index=batch.index,
+                    keys=batch.keys,
+                    targets=batch.targets,
                 )
             loss = loss_fn(output, batch.targets)
-            del output  # the logits: the loss keeps what its backward needs (the estimator counts no more)
+            del output
             self.peak_activation_sets = max(self.peak_activation_sets, 1)
             (loss * loss_multiplier).backward()
             total += loss.detach()
@@ -80,6 +86,7 @@ class LocalRunner:
                     positions=batch.positions,
                     index=batch.index,
                     keys=batch.keys,
+                    targets=batch.targets,
                 )
             total += loss_fn(output, batch.targets)
         return total

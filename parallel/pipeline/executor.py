@@ -313,8 +313,10 @@ class _Step:
             batch, chunk = self.batches[action.micro], r.chunks[action.chunk]
             x = batch.tokens if received is None else received.requires_grad_(self.train)
             with autocast(r.precision, r.device), dropout_context(chunk, batch.step, batch.sample_ids):
-                out = chunk(x, documents=batch.documents, positions=batch.positions, index=batch.index, keys=batch.keys)
-            if stage == r.stages - 1:
+                last = stage == r.stages - 1  # given the targets, the last stage returns its loss (GPT.head)
+                kwargs = dict(documents=batch.documents, positions=batch.positions, index=batch.index, keys=batch.keys)
+                out = chunk(x, **kwargs, targets=batch.targets if last else None)
+            if last:
                 loss = self.loss_fn(out, batch.targets)
                 self.total += loss.detach()
                 out = loss * self.loss_multiplier

@@ -341,7 +341,6 @@ def validate(cfg: Config, world_size: int) -> Layout:
         adjust, kinds = opt.muon_adjust_lr, ("original", "match_rms_adamw")
         _need(adjust in kinds, f"optim.muon_adjust_lr={adjust} must be original or match_rms_adamw")
 
-
     _need(0 < cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
     _need(cfg.data.tokenizer_lines >= 1000, "data.tokenizer_lines must be >= 1000")
     _need(cfg.data.workers >= 1, f"data.workers={cfg.data.workers} must be >= 1")
@@ -428,4 +427,5 @@ def _resolve(cfg: Config, dp: int, schedule: str, vpp: int) -> Layout:
         device=device_type(tr.device),
         document_mask=cfg.data.document_mask,
         async_checkpoint=cfg.checkpoint.async_,
+        optimizer=cfg.optim.name,
     )

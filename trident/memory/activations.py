@@ -468,6 +468,9 @@ def head_bytes(m: ModelConfig, layout: Layout) -> int:
     loss's fp32 probabilities over this rank's vocab block (at tp > 1 with a bool and an int64 per token); the
     same for a tied head and an untied ``lm_head``."""
     x = _Shape.of(m, layout)
+    if m.loss_chunk_tokens:  # the fused loss: its gradients of the head's input (every token's) and weight block
+        block = padded_vocab_size(m.vocab_size, m.vocab_multiple, x.t) // x.t
+        return x.layer_norm() + x.b * x.s * x.h * x.e_norm + block * x.h * x.e + FP32
     if x.t == 1:  # log-probabilities, and nll_loss's output and total weight
         loss = FP32 * x.b * x.s * m.vocab_size + 2 * FP32
     else:  # the vocab-parallel loss's probabilities, owner mask and local ids, and the loss
@@ -545,6 +548,9 @@ def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:
     x = _Shape.of(m, layout)
     tokens = x.b * x.s
     seed = FP32  # the loss's own gradient, a scalar
+    if m.loss_chunk_tokens:  # the fused loss scales its two gradients into new tensors (by a 16-bit copy of seed)
+        block = padded_vocab_size(m.vocab_size, m.vocab_multiple, x.t) // x.t
+        return seed + (x.e if x.e != FP32 else 0) + tokens * x.h * x.e_norm + block * x.h * x.e
     if x.t == 1:
         return 2 * FP32 * tokens * m.vocab_size + seed
     padded = padded_vocab_size(m.vocab_size, m.vocab_multiple, x.t)

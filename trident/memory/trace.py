@@ -278,10 +278,10 @@ def _traced(
                 shape = (b, tokens.shape[1] // (tp if sp and tp > 1 else 1), m.d_model)
                 x = torch.empty(shape, dtype=dtype).requires_grad_()
             with autocast(precision, torch.device("cpu")), rng.context(0, range(b)):
-                out = chunk(x, documents=ids, positions=positions, index=index, keys=batch.keys)
+                out = chunk(x, documents=ids, positions=positions, index=index, keys=batch.keys, targets=targets)
             # What a runner keeps of a forward until its backward (parallel/pipeline/executor.py ``saved``): the
             # received input and the output it runs backward from, the last chunk's loss.
-            return x, chunk.loss_sum(out, targets) if last else out
+            return x, out
 
         with _ShapesOnly() if m.moe.enabled else contextlib.nullcontext():  # a mode costs every op a call
             _, held = held_by_forward(forward, [*state, *inputs])
