@@ -179,3 +179,51 @@ def _one_process_matrices(model: str):
     with torch.device("meta"):
         gpt = GPT(cfg.model)
     return [(n, p) for n, p in gpt.named_parameters() if matrices_of(n, tuple(p.shape), cfg.model) is not None]
+
+
+MUON_STATE_CASES = [(0, "fp32", None), (1, "bf16", 0.5), (2, "fp32", None), (3, "bf16", None), (3, "fp32", 1.0)]
+
+
+def _muon_states(rank: int, world: int, model: str, cases: list) -> list[dict]:
+    from tests.test_memory import _measure_states
+    from trident.parallel.groups import build_process_groups
+    from trident.parallel.topology import Topology
+
+    groups = build_process_groups(Topology(dp=world, tp=1, pp=1))
+    out = []
+    for zero, precision, ratio in cases:
+        offload = ["parallel.offload.optimizer=cpu", f"parallel.offload.ratio={ratio}"] if ratio else []
+        cfg = compose_config(
+            REPO / "conf",
+            [f"model={model}", "optim.name=muon", f"parallel.zero={zero}", f"train.precision={precision}", *offload],
+        )
+        got = _measure_states(cfg, groups, None)
+        out.append({"dp_rank": groups.dp_rank, "states": got["states"], "layout": layout_of(cfg, groups)})
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model", ["llama-tiny", "moe-tiny"])
+def test_the_estimator_counts_one_momentum_per_muon_element_to_the_byte(model: str) -> None:
+    """dp=2 at ZeRO 0-3, fp32 and bf16, offload: each rank's measured optimizer states (masters, Muon's momentum
+    for its matrices' pieces, AdamW's two moments and step counters for the rest) are the estimate to the byte, and
+    below AdamW's."""
+    import dataclasses as dc
+
+    from trident.memory.params import stage_params
+    from trident.memory.states import model_states
+    from trident_dev.ranks import run_distributed
+
+    ranks = run_distributed(_muon_states, 2, model, MUON_STATE_CASES, timeout_s=240)
+    for r in ranks:
+        for case, got in zip(MUON_STATE_CASES, r, strict=True):
+            layout = dc.replace(got["layout"], device="cpu")
+            assert layout.optimizer == "muon"
+            cfg = compose_config(REPO / "conf", [f"model={model}"]).model
+            predicted = model_states(stage_params(cfg, layout, 0), layout, got["dp_rank"])
+            for kind in ("params", "grads", "optimizer", "total"):
+                assert got["states"][kind] == predicted.figures[kind], (case, kind)
+            adamw = dc.replace(layout, optimizer="adamw")
+            below = model_states(stage_params(cfg, adamw, 0), adamw, got["dp_rank"]).figures["optimizer"]
+            assert sum(predicted.figures["optimizer"].values()) < sum(below.values()), case
+            assert predicted.optimizer_step > 0

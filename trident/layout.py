@@ -79,6 +79,7 @@ class Layout:
     device: str = "cuda"  # cuda | cpu: where the ranks compute (on a CPU run "device" memory is host memory)
     document_mask: bool = False  # data.document_mask: attention inside each packed document
     async_checkpoint: bool = False  # checkpoint.async: a host copy of what the rank saves
+    optimizer: str = "adamw"  # optim.name: adamw (two moments per element) | muon (one momentum per matrix element)
 
     def __post_init__(self) -> None:
         # A layout written by hand resolves as validate's do: the default schedule of a pipeline, none without one.

@@ -47,6 +47,7 @@ class StageEstimate:
     loss_backward: int = 0  # transient bytes of the loss's backward (the last stage only)
     checkpoint_staging: int = 0  # checkpoint.async: host memory holding a copy of what the rank saves, for the run
     activation_sets: int = 1  # the most micro-batch x chunk activation sets held at once (the schedule's walk)
+    optimizer_step: int = 0  # transient bytes of the optimizer's step (Muon: a whole matrix parameter's update)
     # A mixture-of-experts model: the activations under a balanced routing (``activations`` are the worst's, a bound).
     activations_balanced: dict[str, int] = field(default_factory=dict)
 
@@ -59,7 +60,8 @@ class StageEstimate:
         """Model states, transient buffers and activations, by place, at the schedule's peak under ``policy``."""
         out = dict(self.model_states["total"])
         transient = self.backward_transient(policy)
-        out[self.compute_place] += self.staging + self.gathered + self.activations[policy] + transient
+        passes = self.staging + self.gathered + self.activations[policy] + transient
+        out[self.compute_place] += max(passes, self.optimizer_step)  # the step runs after the passes' buffers go
         out["host"] += self.checkpoint_staging
         return out
 
@@ -108,6 +110,7 @@ def estimate(m: ModelConfig, layout: Layout, policies: Sequence[str] = POLICIES,
                 loss_backward=loss_backward_bytes(m, layout) if stage == last else 0,
                 checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
                 activation_sets=activation_sets(layout, stage),
+                optimizer_step=states.optimizer_step,
                 activations_balanced={p: activation_bytes(m, layout, stage, p, BALANCED) for p in policies}
                 if m.moe.enabled and balanced
                 else {},

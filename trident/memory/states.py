@@ -11,21 +11,24 @@ buffers a stage keeps whole. tests/test_memory.py checks it to the byte against 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from trident.layout import Layout
 from trident.memory.activations import stage_actions
 from trident.memory.measure import KINDS, PLACES, Figures
 from trident.memory.params import StageParams
+from trident.models.matrices import matrices_of
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.schedules import I, W
-from trident.parallel.placement import is_expert
+from trident.parallel.placement import is_expert, placement_of
 from trident.parallel.precision import precision_policy
 from trident.parallel.zero.grads import ShardedGradReducer
 from trident.parallel.zero.optimizer import shard_segments
 
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one element each per parameter element
+MUON_MOMENTS = 1  # momentum_buffer, fp32, per element of a matrix Muon steps (no step counter)
 STEP_COUNTER = 4  # AdamW's per-tensor step: a float32 scalar
 
 
@@ -53,6 +56,7 @@ class ModelStates:
     staging: int  # stages 2-3: fp32 staging of the bucket filling and those in flight (the largest ones)
     gathered: int  # stage 3: the most full buffers gathered at once, in the parameter dtype (``_gathered``)
     checkpoint: int  # what the rank's checkpoint holds: fp32 masters and moments of its shard, a step per piece
+    optimizer_step: int = 0  # Muon: the largest matrix parameter put together whole (fp32 U, its NS result)
 
 
 def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None) -> ModelStates:
@@ -83,7 +87,8 @@ def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None
     units = [([s.numel for s in u.blocks], [s.numel for s in u.root]) for u in chunk_units]
     # Each chunk's blocks stay gathered from I to W under the split backward, but for stage 0's (I is all of it).
     held = [layout.schedule in ("zb-h1", "zb-v") and not c.is_first for c in params.chunks]
-    states = (_rank_states(flat, layout, r, units, held, params.stage) for r in ranks)
+    muon = muon_params(params.chunks) if layout.optimizer == "muon" else {}
+    states = (_rank_states(flat, layout, r, units, held, params.stage, muon) for r in ranks)
     return max(states, key=lambda s: sum(s.figures["total"].values()))
 
 
@@ -121,6 +126,7 @@ def _rank_states(
     units: list[tuple[list[int], list[int]]],
     held: list[bool],
     stage: int,
+    muon: dict,
 ) -> ModelStates:
     fig = _figures()
     pb = precision_policy(layout.precision).param_dtype.itemsize
@@ -142,8 +148,10 @@ def _rank_states(
     for span, start, stop, on_host in shard_segments(flat, rank, shards, host_numel, expert):
         pieces = flat.pieces(span, start, stop)
         place = "host" if on_host else "device"
-        fig["optimizer"][place] += sum(p.numel for p in pieces) * ADAM_MOMENTS * FP32 + len(pieces) * STEP_COUNTER
-        checkpoint += sum(p.numel for p in pieces) * (1 + ADAM_MOMENTS) * FP32 + len(pieces) * STEP_COUNTER
+        for p in pieces:  # Muon's matrices: a momentum; AdamW's: two moments and a step counter
+            moments, counter = (MUON_MOMENTS, 0) if p.param in muon else (ADAM_MOMENTS, STEP_COUNTER)
+            fig["optimizer"][place] += p.numel * moments * FP32 + counter
+            checkpoint += p.numel * (1 + moments) * FP32 + counter
     staging = gathered = 0
     if layout.zero >= 2:
         largest = sorted((s.numel for s in flat.spans), reverse=True)
@@ -154,4 +162,16 @@ def _rank_states(
             filling = max(sum(root) + max(blocks, default=0) for blocks, root in units)
             staging = (filling + in_flight) * FP32
             gathered = _gathered(layout, flat, units, held, stage) * pb
-    return ModelStates(_place(_total(fig), layout), staging, gathered, checkpoint)
+    # Muon's step: a parameter's update whole in fp32 and its Newton-Schulz result (bf16), one parameter at a time.
+    whole = max((math.prod(placement_of(p).shape) for p in muon), default=0)
+    return ModelStates(_place(_total(fig), layout), staging, gathered, checkpoint, whole * (FP32 + 2))
+
+
+def muon_params(chunks: list) -> dict:
+    """The parameters of ``chunks`` Muon steps (trident/optim.py ``muon_plan``'s rule: models/matrices.py)."""
+    return {
+        p: m
+        for chunk in chunks
+        for name, p in chunk.named_parameters()
+        if (m := matrices_of(name, placement_of(p).shape, chunk.cfg)) is not None and placement_of(p).tied_to is None
+    }
