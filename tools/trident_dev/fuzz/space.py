@@ -24,7 +24,7 @@ LOW_PRECISION_REL = 2e-2  # bf16 / fp16 against the fp32 one-process losses
 CORPUS_PACKAGES = ("json", "email", "logging")
 CORPUS_VOCAB = 512
 # What a resumed run keeps of the case (with the model.* knobs): the math of the run, not its layout.
-KEPT_ON_RESUME = ("train.global_batch_size", "train.precision", "data.document_mask", "data.mix")
+KEPT_ON_RESUME = ("train.global_batch_size", "train.precision", "train.fp8", "data.document_mask", "data.mix")
 
 
 def launch_limit_s(world: int) -> float:
@@ -358,6 +358,11 @@ def draw_case(seed: int, index: int) -> Case:
     # compared bitwise on every rank (any difference fails the run), and the curve must still be the reference's.
     if random.Random(f"fuzz-replay:{seed}:{index}").random() < 0.15:
         knobs["train.replay_every"] = 3
+    # FP8 matmuls (train.fp8, issue 51) in half of the bf16 cases, from a stream of their own: held, as bf16 is, to
+    # the fp32 reference's losses within LOW_PRECISION_REL.
+    fp8_rng = random.Random(f"fuzz-fp8:{seed}:{index}")
+    if knobs.get("train.precision") == "bf16" and fp8_rng.random() < 0.5:
+        knobs["train.fp8"] = fp8_rng.choice(["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out,
     # but context parallelism: the planner keeps a given cp and cp_comm and chooses the rest around them.
     if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
