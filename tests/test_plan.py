@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers.plan_space import Enumeration, enumerate_layouts, grid
 from trident.config import Config, compose_config, validate
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, Layout, with_keys
@@ -32,7 +33,6 @@ from trident.plan.ops import Shape, layer_ops, layer_parts
 from trident.plan.planner import MemoryModel, fits, placement_for, plan, predict
 from trident.plan.profile import DATASHEETS, Profile, Rate, collective_key, matmul_key
 from trident.plan.report import launch_overrides
-from trident.plan.space import Enumeration, enumerate_layouts, grid
 from trident_dev.schedule_theory import bubble_formula
 
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers.plan_space import enumerate_layouts
 from tests.test_plan import cpu_profile
 from trident.config import compose_config
 from trident.layout import Layout
@@ -18,7 +19,6 @@ from trident.parallel.topology import Topology
 from trident.plan.cost import _pricer, expert_dp_across, pipeline_floor, step_floor, step_time
 from trident.plan.planner import MemoryModel, placement_for, plan, states_floor
 from trident.plan.profile import DATASHEETS, Profile
-from trident.plan.space import enumerate_layouts
 
 
 def _tight(cfg_overrides: list[str], world: int) -> Profile:

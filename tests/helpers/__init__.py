@@ -5,7 +5,8 @@
 - ``processes``: the command line as a user starts it (``train.py``, ``torchrun``), its environment, its output,
   its metrics file and its worker processes;
 - ``tools``: a ``tools/*.py`` script run in the test process;
-- ``corpus``: a generated corpus of every input kind; ``plan_profiles``: a hand-built planner profile.
+- ``corpus``: a generated corpus of every input kind; ``plan_profiles``: a hand-built planner profile;
+  ``plan_space``: the planner's whole space and the full grid of its keys.
 
 The package is importable by the pooled ranks too (trident_dev/ranks.py), which import the functions they run by
 their module names."""

@@ -7,12 +7,12 @@ model with experts: every ep dividing both the dp x cp ranks that hold the same 
 a run of them, parallel/topology.py) and the expert count (1 for a dense model).
 
 The planner's candidates are layouts: the validator resolves each combination of keys into the one ``Layout`` the
-launch would run. ``grid`` is the keys' full product over each key's domain; ``key_sets`` skips the combinations
-that only repeat another launch (a schedule named at pp = 1, an offload ratio with no offload, a gather mode below
-ZeRO 3, ...) or cannot name a launch of this world: every shape (``shapes``: cp, tp, pp, vpp, schedule, sequence
-parallelism, micro-batch, ep) with every variant (``variants``: ZeRO, offload, recomputation, gather mode).
-``Space`` has the validator judge each shape and each variant once, not each of their hundreds of thousands of
-products, and ``enumerate_layouts`` lists every candidate's verdict. tests/test_plan.py checks that what it lists
+launch would run. The candidates skip, of the keys' full product over each key's domain (the tests' ``grid``,
+tests/helpers/plan_space.py), the combinations that only repeat another launch (a schedule named at pp = 1, an
+offload ratio with no offload, a gather mode below ZeRO 3, ...) or cannot name a launch of this world: they are
+every shape (``shapes``: cp, tp, pp, vpp, schedule, sequence parallelism, micro-batch, ep) with every variant
+(``variants``: ZeRO, offload, recomputation, gather mode). ``Space`` has the validator judge each shape and each
+variant once, not each of their hundreds of thousands of products. tests/test_plan.py checks that what it accepts
 is exactly what the validator accepts of the full grid.
 """
 
@@ -21,13 +21,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from trident.config import Config, validate
 from trident.errors import ConfigError
 from trident.layout import PLANNED_KEYS, Layout, with_keys
 from trident.parallel.context.attention import CP_COMMS
-from trident.parallel.pipeline.schedules import SCHEDULES
 from trident.parallel.zero.stage3 import GATHER_MODES
 
 # (train.activation_checkpointing, train.recompute_every), one domain: no recomputation, op-level selective, full
@@ -41,36 +39,6 @@ Keys = dict[str, object]  # planned key -> value
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _keys(*values: object) -> Keys:
-    return dict(zip(PLANNED_KEYS, values, strict=True))
-
-
-def grid(cfg: Config, world: int) -> Iterator[Keys]:
-    """The full product of every planned key's domain for this model, world and global batch (dp left to the
-    world)."""
-    m, tr = cfg.model, cfg.train
-    offloads = (("none", 1.0), *(("cpu", r) for r in OFFLOAD_RATIOS))
-    for cp, comm, tp, pp, vpp, schedule, zero, (offload, ratio), sp, mbs, (
-        recompute,
-        every,
-    ), gather, ep in itertools.product(
-        divisors(world),
-        CP_COMMS,
-        divisors(world),
-        divisors(world),
-        divisors(m.n_layers),
-        (None, *SCHEDULES),
-        range(4),
-        offloads,
-        (False, True),
-        divisors(tr.global_batch_size),
-        RECOMPUTATIONS,
-        GATHER_MODES,
-        divisors(world) if m.moe.enabled else (1,),
-    ):
-        yield _keys(None, cp, comm, tp, pp, vpp, schedule, zero, offload, ratio, sp, mbs, recompute, every, gather, ep)
 
 
 # The keys a shape is (how the ranks split the model and the batch) and those a variant is (what each rank keeps and
@@ -154,15 +122,6 @@ def candidate(shape: Keys, variant: Keys) -> Keys:
     return {key: both[key] for key in PLANNED_KEYS}
 
 
-def key_sets(cfg: Config, world: int) -> Iterator[Keys]:
-    """The grid without repeats of one launch and without what cannot name a launch of this world: every shape
-    with every variant."""
-    kept = variants()
-    for shape in shapes(cfg, world):
-        for variant in kept:
-            yield candidate(shape, variant)
-
-
 class Space:
     """The candidates of a model, world and batch with the validator's verdicts, judged a shape and a variant at a
     time: each shape once with the plain variant, each variant once on the first accepted shape. A shape's keys and
@@ -235,12 +194,6 @@ def _changed(base: Layout, layout: Layout) -> dict[str, object]:
     }
 
 
-@dataclass
-class Enumeration:
-    accepted: list[tuple[Layout, Config]]  # the validator's layout, and the config that launches it
-    refused: list[tuple[Keys, str]]  # the validator's line
-
-
 def judge(cfg: Config, world: int, keys: Keys) -> tuple[Layout, Config] | str:
     """The validator's verdict on one candidate: its layout and the config that launches it, or its line."""
     try:
@@ -248,17 +201,3 @@ def judge(cfg: Config, world: int, keys: Keys) -> tuple[Layout, Config] | str:
     except ConfigError as e:
         return str(e)
     return layout, layout.apply(cfg)
-
-
-def enumerate_layouts(cfg: Config, world: int) -> Enumeration:
-    """Every candidate with the validator's verdict (as ``Space`` reads them), in ``key_sets``' order."""
-    out = Enumeration([], [])
-    space = Space(cfg, world)
-    for i in range(len(space.shapes)):
-        for j in range(len(space.variants)):
-            verdict = space.verdict(i, j)
-            if isinstance(verdict, str):
-                out.refused.append((space.keys(i, j), verdict))
-            else:
-                out.accepted.append((verdict, verdict.apply(cfg)))
-    return out
