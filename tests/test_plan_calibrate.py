@@ -28,7 +28,7 @@ from trident.plan.profile import (
 )
 from trident_dev.plan import calibrate as calibration
 from trident_dev.plan import probes
-from trident_dev.plan.calibrate import calibrate
+from trident_dev.plan.calibrate import calibrate, still_needed
 from trident_dev.plan.probes import fit_rate, time_add, time_gelu
 
 SMALL, LARGE = ("fp32", 32, 32, 32, "nt"), ("fp32", 384, 384, 384, "tn")
@@ -96,13 +96,13 @@ def test_a_gpu_times_element_wise_ops_past_its_l2_cache_and_a_cpu_at_its_own_siz
 def test_p2p_is_missing_at_group_two_only() -> None:
     profile = Profile(name="x", device="cpu", source="test", memory_bytes=1.0, units_per_node=8)
     needs = Needs(groups={2, 4})
-    assert needs.missing(profile).groups == {2, 4}
+    assert still_needed(needs, profile).groups == {2, 4}
     profile.collectives = {
         collective_key(op, 4): Rate(1e-5, 1e9) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
     }
-    assert needs.missing(profile).groups == {2}
+    assert still_needed(needs, profile).groups == {2}
     profile.collectives |= {collective_key(op, 2): Rate(1e-5, 1e9) for op in COLLECTIVES}
-    assert needs.missing(profile).groups == set()
+    assert still_needed(needs, profile).groups == set()
 
 
 def test_calibration_measures_exactly_the_needs(calibrated: tuple[Profile, Path, list[str]]) -> None:
@@ -262,7 +262,7 @@ def test_framework_share_is_a_real_block_against_its_priced_kernels(tmp_path: Pa
     needs = Needs(precisions={"fp32"}, block=block)
     profile = calibrate(needs, 1, cache=tmp_path / "p.json", log=lambda _: None)
     assert profile.block == block and 0.2 < profile.framework < 100 and profile.dispatch >= 0
-    assert needs.missing(profile).block is None
+    assert still_needed(needs, profile).block is None
 
 
 def test_the_framework_is_a_time_per_op_from_a_tiny_twin_and_a_scale_on_the_kernels_from_the_block() -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from trident.plan.conditions import BUSY_CORES, MAX_AGE_S, Conditions
-from trident.plan.profile import Needs, Profile, load_cached, save_cached
+from trident.plan.conditions import MAX_AGE_S, Conditions
+from trident.plan.profile import Needs, Profile, load_cached
 from trident_dev.plan import calibrate as calibration
-from trident_dev.plan.calibrate import calibrate
-from trident_dev.plan.contention import OtherLoad
+from trident_dev.plan.calibrate import calibrate, save_cached
+from trident_dev.plan.contention import BUSY_CORES, OtherLoad, contended, describe_conditions, describe_profile
 
 SMALL = ("fp32", 32, 32, 32, "nt")
 
@@ -30,12 +30,16 @@ def _profile(conditions: Conditions | None) -> Profile:
 def test_conditions_say_contended_stale_and_how_old() -> None:
     now = time.time()
     idle = Conditions(now - 600, 0.02, 2)
-    assert not idle.contended and not idle.stale(now)
-    assert idle.describe(now) == "taken 10 min ago, other processes busy on 0.02 of 2 cores meanwhile"
+    assert not contended(idle) and not idle.stale(now)
+    assert describe_conditions(idle, now) == "taken 10 min ago, other processes busy on 0.02 of 2 cores meanwhile"
     busy = Conditions(now - 3 * 86400, BUSY_CORES + 0.5, 2)
-    assert busy.contended and "(contended: above 0.25)" in busy.describe(now) and "3 days ago" in busy.describe(now)
+    assert (
+        contended(busy)
+        and "(contended: above 0.25)" in describe_conditions(busy, now)
+        and "3 days ago" in describe_conditions(busy, now)
+    )
     assert Conditions(now - MAX_AGE_S - 1, 0.0, 2).stale(now)
-    assert not Conditions(now, None, 2).contended  # not observable: never called contended
+    assert not contended(Conditions(now, None, 2))  # not observable: never called contended
 
 
 def test_a_cached_calibration_is_used_only_while_it_holds(tmp_path: Path) -> None:
@@ -46,7 +50,7 @@ def test_a_cached_calibration_is_used_only_while_it_holds(tmp_path: Path) -> Non
     assert load_cached("cpu", 1, 1, cache) == fresh
     # The plan's first line ends with this: which figures, when, and under what load.
     said = "[calibrated now], taken 1 min ago, other processes busy on 0.01 of 2 cores meanwhile"
-    assert fresh.describe().endswith(said)
+    assert describe_profile(fresh).endswith(said)
     for bad in (Conditions(now - MAX_AGE_S - 60, 0.01, 2), None):  # stale; saved before trident recorded conditions
         save_cached(_profile(bad), cache)
         assert load_cached("cpu", 1, 1, cache) is None, bad
@@ -91,12 +95,12 @@ def test_a_calibration_beside_a_busy_loop_is_said_and_not_cached(tmp_path: Path,
     finally:
         for pid in loops:
             os.kill(pid, signal.SIGKILL)
-    assert profile.conditions is not None and profile.conditions.contended, profile.conditions
+    assert profile.conditions is not None and contended(profile.conditions), profile.conditions
     said = [line for line in lines if "cores busy while it measured" in line]
     assert said and "not cached" in said[0] and "--accept-busy" in said[0], lines
-    assert "(contended: above 0.25)" in profile.describe()
+    assert "(contended: above 0.25)" in describe_profile(profile)
     assert not any("saved to" in line for line in lines)
     # Accepted, it is cached, and a later plan that takes it says in its first lines that it was busy.
-    assert accepted.conditions is not None and accepted.conditions.contended
+    assert accepted.conditions is not None and contended(accepted.conditions)
     again = load_cached("cpu", 1, 1, cache)
-    assert again == accepted and "(contended: above 0.25)" in again.describe()
+    assert again == accepted and "(contended: above 0.25)" in describe_profile(again)

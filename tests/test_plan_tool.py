@@ -14,7 +14,6 @@ from tests.helpers import REPO
 from trident.config import compose_config, validate
 from trident.plan.planner import plan
 from trident.plan.profile import DATASHEETS
-from trident.plan.report import launch_command
 
 TOOL = runpy.run_path(str(REPO / "tools" / "plan.py"))
 TINY = ["model=gpt-tiny", "train.global_batch_size=8"]
@@ -56,7 +55,7 @@ def test_a_launch_over_nodes_names_them_and_a_given_layout_key_is_replaced_not_r
     cfg = compose_config(REPO / "conf", given)
     result = plan(cfg, 4, DATASHEETS["a100"], nodes=2)
     best = result.best
-    command = shlex.split(launch_command(best, result, cfg, given))
+    command = shlex.split(TOOL["launch_command"](best, result, cfg, given))
     assert command[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "2"] and "--rdzv-endpoint" in command
     overrides = command[command.index("train.py") + 1 :]
     keys = [o.split("=")[0] for o in overrides]

@@ -39,14 +39,50 @@ from pathlib import Path
 from trident.config import Config
 from trident.errors import ConfigError
 from trident.memory.measure import format_bytes
-from trident.plan.machine import DEVICES, local_device
-from trident.plan.planner import Plan, given_keys, plan
-from trident.plan.report import header, launch_command, launch_overrides
+from trident.plan.machine import local_device
+from trident.plan.planner import Plan, Prediction, given_keys, plan
+from trident.plan.report import launch_overrides
 from trident_dev.plan import measure
-from trident_dev.plan.machine import profile_for
+from trident_dev.plan.contention import describe_profile
+from trident_dev.plan.machine import DEVICES, profile_for
 from trident_dev.tool_config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def launch_command(p: Prediction, plan: Plan, base: Config, given: list[str]) -> str:
+    """The whole command that launches ``p``: torchrun on the plan's nodes and ranks per node, train.py with the
+    overrides the plan was made for (``given``, but those of the keys the layout sets) and the layout's own."""
+    mine = launch_overrides(p, base)
+    keys = {o.split("=", 1)[0].lstrip("+") for o in mine}
+    kept = [o for o in given if o.split("=", 1)[0].lstrip("+") not in keys]
+    nodes, per_node = plan.placement.nodes, plan.placement.ranks_per_node
+    rendezvous = " --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id JOB" if nodes > 1 else ""
+    return f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rendezvous} train.py {' '.join([*kept, *mine])}"
+
+
+def header(plan: Plan, cfg: Config) -> list[str]:
+    m, tr, pl = cfg.model, cfg.train, plan.placement
+    nodes = f"{pl.nodes} node{'s' if pl.nodes > 1 else ''} of {pl.ranks_per_node}"
+    threads = (
+        f", {pl.threads} thread{'s' if pl.threads > 1 else ''} per rank on {pl.cores} cores"
+        if plan.profile.device == "cpu"
+        else ""
+    )
+    floored = f" ({plan.floored:,} by a lower bound of their memory)" if plan.floored else ""
+    untimed = (
+        f"; {plan.untimed:,} not estimated, their step (or its lower bound) behind the best {plan.top}"
+        if plan.untimed
+        else ""
+    )
+    return [
+        f"plan: {m.name} on {plan.world} ranks ({nodes}{threads}), {describe_profile(plan.profile)}",
+        f"batch {tr.global_batch_size} x {m.seq_len} tokens, {tr.precision}; "
+        f"{plan.examined:,} layouts accepted by the validator ({len(plan.refused):,} refused), "
+        f"{plan.do_not_fit:,} do not fit in {format_bytes(plan.profile.usable_fraction * plan.profile.memory_bytes)}"
+        f"{' per node' if plan.profile.device == 'cpu' else ' per device'}{floored}{untimed}; "
+        f"planned in {plan.seconds:.1f} s",
+    ]
 
 
 def plan_table(planned: Plan, cfg: Config, top: int, given: list[str] | None = None) -> str:
@@ -65,7 +101,8 @@ def plan_table(planned: Plan, cfg: Config, top: int, given: list[str] | None = N
         t = p.time
         assert t is not None
         mfu = f"{100 * p.mfu:5.1f}%" if p.mfu is not None else "   n/a"
-        exposed = f"{t.exposed_comm:6.3f}s {100 * t.exposed_comm / t.step:4.1f}%"
+        exposed_comm = t.tp_comm + t.p2p + t.dp_comm  # what nothing overlaps: tp collectives, p2p, exposed dp/ZeRO
+        exposed = f"{exposed_comm:6.3f}s {100 * exposed_comm / t.step:4.1f}%"
         peak = (
             format_bytes(p.peak["device"] + p.peak["host"])
             if planned.profile.device == "cpu"

@@ -38,8 +38,7 @@ from trident.config import Config, ModelConfig, ParallelConfig, TrainConfig, val
 from trident.errors import ConfigError
 from trident.layout import chunks_per_rank
 from trident.parallel.pipeline.schedules import SCHEDULES, UNIT_COSTS
-from trident.plan.machine import DEVICES
-from trident_dev.plan.machine import profile_for
+from trident_dev.plan.machine import DEVICES, profile_for
 from trident_dev.schedule_plot import (
     Panel,
     boxes_of,

@@ -307,11 +307,6 @@ class StepTime:
     # The step of the mean pipeline rank split as a profiled step is (trident_dev/plan/breakdown.py CATEGORIES).
     split: dict[str, float] = field(default_factory=dict, repr=False)
 
-    @property
-    def exposed_comm(self) -> float:
-        """Communication nothing overlaps: tensor-parallel collectives, pipeline messages and exposed dp/ZeRO."""
-        return self.tp_comm + self.p2p + self.dp_comm
-
 
 def _layers_per_chunk(m: ModelConfig, layout: Layout) -> int:
     return m.n_layers // (layout.pp * layout.vpp)
@@ -508,35 +503,12 @@ def step_time(
     )
 
 
-def _split(
-    spans: list[simulate.TimedSpan],
-    costs: dict,
-    kernels: dict,
-    layout: Layout,
-    ends: list[float],
-    synced: float,
-    optimizer: float,
-    zero3: float = 0.0,
-    sent: dict | None = None,
-    overhead: float = 0.0,
-) -> dict[str, float]:
-    """The step of the mean pipeline rank in a profiled step's categories (trident_dev/plan/breakdown.py): each
-    rank's actions' kernels by op class, the framework's share on them, and what the simulation stretched its
-    compute by beyond that (ranks sharing cores: ``core wait``); its collectives inside the passes; its time idle
-    in the schedule (bubble and p2p messages); from its last action to ``synced`` (the gradient reduction, ZeRO's
-    gathers, the step's all-reduces, waiting for the slowest rank); the optimizer. ZeRO 3's gathers (``zero3``)
-    are waited on inside the passes, before a block's forward or backward: communication in them; the CPU of the
-    pipeline's messages (``sent``, per rank and action) is pipeline wait, where a profiled step sees it, and each
-    split backward action's ``overhead`` the framework's."""
-    ranks = _rank_split(spans, costs, kernels, layout, sent or {}, overhead)
-    return _split_of(ranks, layout.pp, ends, synced, optimizer, zero3)
-
-
 def _rank_split(
     spans: list[simulate.TimedSpan], costs: dict, kernels: dict, layout: Layout, sent: dict, overhead: float
 ) -> list[tuple[float, float, float, dict[str, float]]]:
-    """``_split``'s part that reads the schedule's spans, per pipeline rank: (busy, communication, priced seconds,
-    seconds by class), one pass over the spans (layouts that share a simulation share it)."""
+    """The step split's part that reads the schedule's spans, per pipeline rank (``StepTime.split``, with
+    ``_split_of``): (busy, communication, priced seconds, seconds by class), one pass over the spans (layouts that
+    share a simulation share it)."""
     pp, where = layout.pp, stage_placement(layout.schedule)
     busy, comm, priced = [0.0] * pp, [0.0] * pp, [0.0] * pp
     classes: list[dict[str, float]] = [{} for _ in range(pp)]

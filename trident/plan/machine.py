@@ -11,8 +11,6 @@ import os
 
 from trident.plan.profile import DATASHEETS, Profile, host_memory_bytes
 
-DEVICES = ("cpu", *DATASHEETS)
-
 
 def local_device() -> str:
     """``cpu``, or the datasheet name of this machine's GPU (an unknown GPU is measured: ``cuda``)."""

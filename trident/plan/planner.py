@@ -2,8 +2,8 @@
 estimator (trident/memory/estimate.py), its step time from the step-time model (trident/plan/cost.py), ranked.
 
 Memory is predicted first, and a layout that does not fit the device is not timed: ``Plan.unfit`` lists it with
-its peak. The rest are ranked by predicted tokens per second (ties: less memory first, then the order of
-``space.key_sets``).
+its peak. The rest are ranked by predicted tokens per second (ties: less memory first, then the space's order:
+shape by shape, each with every variant).
 
 A plan of the ``top`` best (``plan(..., top=k)``: the tool's table, ``parallel.auto``) finds exactly the ranking's
 first k without estimating and timing every layout (a large model on many ranks has hundreds of thousands): on a

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trident.json_cache import add_entry, read_entries
+from trident.json_cache import read_entries
 from trident.plan.conditions import Conditions
 
 DEFAULT_CACHE = Path("~/.cache/trident/profile.json")
@@ -157,11 +157,6 @@ class Profile:
             d["conditions"] = Conditions(**d["conditions"])
         return cls(**d)
 
-    def describe(self) -> str:
-        """The figures a plan is priced with: a datasheet's, or a calibration's and the conditions it was taken in."""
-        what = f"{self.name} [{self.source}]"
-        return what if self.conditions is None else f"{what}, {self.conditions.describe()}"
-
     def peak(self, precision: str) -> float:
         """Dense FLOP/s of one rank's device in ``precision``; a precision the profile has no figure of (a CPU
         calibrated for an fp32 plan, then asked to plan an fp16 run) at its fp32 figure: every layout of a plan has
@@ -225,7 +220,8 @@ def cache_key(device: str, ranks_per_node: int, threads: int) -> str:
 
 
 def load_cached(device: str, ranks_per_node: int, threads: int, cache: Path = DEFAULT_CACHE) -> Profile | None:
-    """This machine's calibration for ``ranks_per_node`` ranks of ``threads`` threads, if one was saved."""
+    """This machine's calibration for ``ranks_per_node`` ranks of ``threads`` threads, if one was saved (by
+    trident_dev/plan/calibrate.py ``save_cached``)."""
     entry = read_entries(cache.expanduser()).get(cache_key(device, ranks_per_node, threads))
     if not isinstance(entry, dict) or entry.get("version") != VERSION:
         return None
@@ -234,16 +230,11 @@ def load_cached(device: str, ranks_per_node: int, threads: int, cache: Path = DE
     except (TypeError, KeyError):
         return None
     # Taken too long ago, or by a trident that did not record when: measured again. One accepted while the machine
-    # was busy (--accept-busy) is used, and the plan's first lines say so (``describe``).
+    # was busy (--accept-busy) is used, and the plan's first lines say so
+    # (trident_dev/plan/contention.py ``describe_profile``).
     if profile.conditions is None or profile.conditions.stale():
         return None
     return profile
-
-
-def save_cached(profile: Profile, cache: Path = DEFAULT_CACHE) -> None:
-    """Add ``profile`` to the cache (atomically: a reader sees the old file or the new one)."""
-    key = cache_key(profile.device, profile.ranks_per_node, profile.threads)
-    add_entry(cache.expanduser(), key, profile.to_dict())
 
 
 def host_memory_bytes() -> float:
@@ -274,23 +265,3 @@ class Needs:
     block: dict | None = None
     # A held-out run (trident_dev/plan/residual.py ``held_out``) whose measured step scales the model's.
     run: dict | None = None
-
-    def missing(self, profile: Profile) -> Needs:
-        """The part of this that ``profile`` has not measured."""
-        return Needs(
-            matmuls={x for x in self.matmuls if matmul_key(*x) not in profile.matmuls},
-            attention={
-                x
-                for x in self.attention
-                if any(attention_key(*x, kind) not in profile.attention for kind in ("fwd", "bwd"))
-            },
-            # Point-to-point is between two ranks: measured with the group of 2.
-            groups={
-                g
-                for g in self.groups
-                if any(collective_key(op, g) not in profile.collectives for op in COLLECTIVES if op != "p2p" or g == 2)
-            },
-            precisions={p for p in self.precisions if p not in profile.peak_tflops},
-            block=self.block if self.block is not None and self.block != profile.block else None,
-            run=self.run if self.run is not None and self.run != profile.residual_run else None,
-        )

@@ -34,8 +34,9 @@ the CPU threads a rank gets.
 This module decides what to measure and fills the profile; each measurement is a micro-benchmark of
 trident_dev/plan/probes.py.
 
-Results are cached per machine, thread count and torch version (``load_cached`` / ``save_cached``): a second
-calibration with the same needs measures nothing, and one with more needs measures only what is new.
+Results are cached per machine, thread count and torch version (trident/plan/profile.py ``load_cached``, which
+``parallel.auto`` reads, and ``save_cached`` here): a second calibration with the same needs measures nothing, and
+one with more needs measures only what is new (``still_needed``).
 """
 
 from __future__ import annotations
@@ -51,24 +52,26 @@ from pathlib import Path
 
 import torch
 
+from trident.json_cache import add_entry
 from trident.peak import cpu_model
 from trident.plan.conditions import Conditions
 from trident.plan.ops import chunk_ops
 from trident.plan.profile import (
+    COLLECTIVES,
     DEFAULT_CACHE,
     Needs,
     Profile,
     Rate,
     attention_key,
+    cache_key,
     collective_key,
     cpu_threads_per_rank,
     host_memory_bytes,
     load_cached,
     matmul_key,
-    save_cached,
 )
 from trident_dev.plan import outliers, tiny
-from trident_dev.plan.contention import OtherLoad
+from trident_dev.plan.contention import OtherLoad, contended
 from trident_dev.plan.probes import (
     AMID_CPU_KEY,
     AMID_KEY,
@@ -95,6 +98,33 @@ from trident_dev.ranks import run_distributed
 COLLECTIVE_TIMEOUT_S = 600.0
 
 
+def save_cached(profile: Profile, cache: Path = DEFAULT_CACHE) -> None:
+    """Add ``profile`` to the cache (atomically: a reader sees the old file or the new one)."""
+    key = cache_key(profile.device, profile.ranks_per_node, profile.threads)
+    add_entry(cache.expanduser(), key, profile.to_dict())
+
+
+def still_needed(needs: Needs, profile: Profile) -> Needs:
+    """The part of ``needs`` that ``profile`` has not measured."""
+    return Needs(
+        matmuls={x for x in needs.matmuls if matmul_key(*x) not in profile.matmuls},
+        attention={
+            x
+            for x in needs.attention
+            if any(attention_key(*x, kind) not in profile.attention for kind in ("fwd", "bwd"))
+        },
+        # Point-to-point is between two ranks: measured with the group of 2.
+        groups={
+            g
+            for g in needs.groups
+            if any(collective_key(op, g) not in profile.collectives for op in COLLECTIVES if op != "p2p" or g == 2)
+        },
+        precisions={p for p in needs.precisions if p not in profile.peak_tflops},
+        block=needs.block if needs.block is not None and needs.block != profile.block else None,
+        run=needs.run if needs.run is not None and needs.run != profile.residual_run else None,
+    )
+
+
 def calibrate(
     needs: Needs,
     ranks_per_node: int,
@@ -119,7 +149,7 @@ def calibrate(
     if profile is None:
         profile = new_profile(device, threads)
     profile.ranks_per_node = ranks_per_node
-    todo = needs.missing(profile)
+    todo = still_needed(needs, profile)
     precisions = sorted(todo.precisions | ({"fp32"} - profile.peak_tflops.keys()))
     groups = sorted(g for g in todo.groups if g >= 2 and ranks_per_node % g == 0)
     if set(todo.groups) - set(groups):
@@ -153,7 +183,7 @@ def calibrate(
     now = others.conditions()
     profile.conditions = now if fresh or profile.conditions is None else merged(profile.conditions, now)
     saved = ""
-    if now.contended and not accept_busy:
+    if contended(now) and not accept_busy:
         log(
             f"calibration: other processes kept {now.others_cores:.2f} of {now.cores} cores busy while it measured, "
             "so its step times are theirs as much as this machine's: not cached; plan again on an idle machine, or "

@@ -9,7 +9,7 @@ whose others kept more than ``BUSY_CORES`` busy is contended: the planner says s
 (trident_dev/plan/calibrate.py), unless told to accept it; then the plan's first lines say it was contended.
 
 A cached calibration carries its ``Conditions`` (trident/plan/conditions.py: when it was taken, the others' load
-then, ``BUSY_CORES`` and ``MAX_AGE_S``).
+then, and ``MAX_AGE_S``); ``contended`` and ``describe_conditions`` read them here, where the load is sampled.
 
 On a system without ``/proc`` nothing is sampled and the load is unknown (None): never called contended.
 """
@@ -23,9 +23,11 @@ import time
 from pathlib import Path
 
 from trident.plan.conditions import Conditions
+from trident.plan.profile import Profile
 
 PROC = Path("/proc")
 INTERVAL_S = 0.5  # a sample costs ~4 ms of this process (a walk of /proc): 1% of a core
+BUSY_CORES = 0.25  # the others' median load, in cores, above which a calibration is contended
 
 
 def _busy_jiffies() -> int:
@@ -113,3 +115,33 @@ class OtherLoad:
 
     def conditions(self) -> Conditions:
         return Conditions(taken_at=time.time(), others_cores=self.cores(), cores=os.cpu_count() or 1)
+
+
+def contended(conditions: Conditions) -> bool:
+    """Whether other processes kept more than ``BUSY_CORES`` busy while the calibration measured."""
+    return conditions.others_cores is not None and conditions.others_cores > BUSY_CORES
+
+
+def describe_conditions(conditions: Conditions, now: float | None = None) -> str:
+    """E.g. ``taken 12 min ago, other processes busy on 0.02 of 2 cores meanwhile``."""
+    age = max(0.0, (now if now is not None else time.time()) - conditions.taken_at)
+    when = (
+        f"{age / 60:.0f} min"
+        if age < 2 * 3600
+        else f"{age / 3600:.0f} h"
+        if age < 2 * 86400
+        else f"{age / 86400:.0f} days"
+    )
+    if conditions.others_cores is None:
+        load = "the machine's other load not observable (no /proc)"
+    else:
+        load = f"other processes busy on {conditions.others_cores:.2f} of {conditions.cores} cores meanwhile"
+        if contended(conditions):
+            load += f" (contended: above {BUSY_CORES})"
+    return f"taken {when} ago, {load}"
+
+
+def describe_profile(profile: Profile) -> str:
+    """The figures a plan is priced with: a datasheet's, or a calibration's and the conditions it was taken in."""
+    what = f"{profile.name} [{profile.source}]"
+    return what if profile.conditions is None else f"{what}, {describe_conditions(profile.conditions)}"

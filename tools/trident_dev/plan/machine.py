@@ -17,9 +17,12 @@ from pathlib import Path
 
 from trident.config import Config
 from trident.errors import ConfigError
-from trident.plan.machine import DEVICES, local_device, provisional
-from trident.plan.profile import DATASHEETS, DEFAULT_CACHE, Needs, Profile, save_cached
+from trident.plan.machine import local_device, provisional
+from trident.plan.profile import DATASHEETS, DEFAULT_CACHE, Needs, Profile
 from trident_dev.plan import residual
+from trident_dev.plan.contention import contended
+
+DEVICES = ("cpu", *DATASHEETS)  # what a plan may be for: this machine's CPU or a datasheet
 
 
 def profile_for(
@@ -57,14 +60,14 @@ def profile_for(
         predict(cfg, world, guess, nodes, needs=needs)  # lists what the prediction prices into ``needs``
     else:
         needs = plan(cfg, world, guess, nodes, progress=progress).needs
-    from trident_dev.plan.calibrate import calibrate  # noqa: PLC0415 (torch.distributed, only when measuring)
+    from trident_dev.plan.calibrate import calibrate, save_cached  # noqa: PLC0415 (torch.distributed, only when measuring)
 
     repo = None
     if held_out is not None and device == "cpu":
         needs.run, repo = residual.held_out(cfg, world, held_out[0]), held_out[1]
     if fresh:
         profile = calibrate(needs, placement.ranks_per_node, cache=None, log=log, accept_busy=accept_busy, repo=repo)
-        if accept_busy or profile.conditions is None or not profile.conditions.contended:
+        if accept_busy or profile.conditions is None or not contended(profile.conditions):
             with contextlib.suppress(OSError):
                 save_cached(profile, DEFAULT_CACHE)
         return profile
