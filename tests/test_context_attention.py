@@ -20,14 +20,13 @@ from trident.parallel.context.core import block_attention, default_scale
 from trident.parallel.context.ring import block_grads, fold_block, joined
 from trident.parallel.context.span import TokenSpan
 from trident.parallel.context.split import (
-    balance,
+    attended_pairs,
     balanced_order,
     head_tail_order,
-    pairs_per_rank,
+    pairs_from_order,
     rank_index,
     rank_part,
     split_error,
-    split_sequence,
     take,
 )
 from trident.parallel.context.ulysses import heads_error
@@ -36,6 +35,23 @@ from trident_dev.ranks import run_distributed
 B, H, T, D = 2, 4, 32, 8
 # Packed documents crossing the chunk borders of every cp tested (chunks of 8 at cp=2, of 4 at cp=4).
 DOC_LENGTHS = ([5, 11, 3, 13], [20, 12])
+
+
+def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim`` (the sequence dim; ``[B, T, ...]`` by default)."""
+    return x.index_select(dim, rank_index(x.shape[dim], cp, rank, x.device))
+
+
+def pairs_per_rank(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> list[int]:
+    """Attended (query, key) pairs each rank computes under the split (``balanced_order``), summed over the
+    batch."""
+    return pairs_from_order(attended_pairs(seq_len, documents), balanced_order(seq_len, cp, documents), cp)
+
+
+def balance(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> float:
+    """``cp_balance``: the most attended pairs any rank computes over their mean (1.0 is perfect)."""
+    pairs = pairs_per_rank(seq_len, cp, documents)
+    return max(pairs) * len(pairs) / sum(pairs)
 
 
 def _documents() -> torch.Tensor:

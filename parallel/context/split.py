@@ -52,11 +52,6 @@ def head_tail_order(seq_len: int, cp: int, device: torch.device | None = None) -
     return torch.cat([rank_index(seq_len, cp, r, device) for r in range(cp)])
 
 
-def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's part of ``x`` along ``dim`` (the sequence dim; ``[B, T, ...]`` by default)."""
-    return x.index_select(dim, rank_index(x.shape[dim], cp, rank, x.device))
-
-
 def positions_in_window(
     seq_len: int, documents: torch.Tensor | None = None, device: torch.device | None = None
 ) -> torch.Tensor:
@@ -141,15 +136,3 @@ def pairs_from_order(pairs: torch.Tensor, order: torch.Tensor, cp: int) -> list[
     """Attended pairs each rank computes under ``order``, summed over the batch (``pairs``: ``attended_pairs``)."""
     n = max(pairs.shape[0], order.shape[0])
     return [int(s) for s in _rank_sums(pairs.expand(n, -1), order.expand(n, -1), cp).sum(dim=0)]
-
-
-def pairs_per_rank(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> list[int]:
-    """Attended (query, key) pairs each rank computes under the split (``balanced_order``), summed over the
-    batch."""
-    return pairs_from_order(attended_pairs(seq_len, documents), balanced_order(seq_len, cp, documents), cp)
-
-
-def balance(seq_len: int, cp: int, documents: torch.Tensor | None = None) -> float:
-    """``cp_balance``: the most attended pairs any rank computes over their mean (1.0 is perfect)."""
-    pairs = pairs_per_rank(seq_len, cp, documents)
-    return max(pairs) * len(pairs) / sum(pairs)
