@@ -22,7 +22,7 @@ over ``max_seq_len``) keeps the same C for the whole sequence.
 
 The loss-free balancing bias (``Router.expert_bias``) is part of the function whatever ``bias_update_rate`` (which
 only moves it): checkpoints keep it (``buffers/<name>``, ``balancing_state``), and so do the consolidated file,
-generation and ``checkpoint.init_from`` (``load_balancing_state``).
+generation (tools/generate.py ``load_balancing_state``) and ``checkpoint.init_from``.
 
 The experts' weights are three 2-D parameters, each expert a block of ``d_expert`` rows (``[E * f, d]``): ``gate``
 and ``up`` hold W_gate and W_up (``out x in`` rows, as nn.Linear), ``down`` holds W_down transposed, so every
@@ -571,22 +571,6 @@ def balancing_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     """The loss-free balancing biases of the sparse layers in these model chunks, by name: state a checkpoint
     keeps beside the parameters (``buffers/<name>``), the same on every dp and tp rank."""
     return {f"layers.{i}.mlp.router.expert_bias": m.router.expert_bias for i, m in moe_layers(modules).items()}
-
-
-@torch.no_grad()
-def load_balancing_state(modules: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
-    """Set the sparse layers' loss-free biases from ``state`` (``balancing_state``'s names; a layer it does not
-    name keeps its bias), kept fp32 whatever the model's dtype: routing is fp32. Raises ValueError on a name that
-    is no sparse layer's or a bias of another shape."""
-    layers = {f"layers.{i}.mlp.router.expert_bias": m.router for i, m in moe_layers(modules).items()}
-    for name, tensor in state.items():
-        router = layers.get(name)
-        if router is None or tensor.shape != router.expert_bias.shape:
-            held = "no such bias" if router is None else f"shape {list(router.expert_bias.shape)}"
-            raise ValueError(f"{name} {list(tensor.shape)} does not fit this model ({held})")
-        if router.expert_bias.dtype != torch.float32:  # a model cast to its weights' dtype (tools/generate.py)
-            router.expert_bias = router.expert_bias.float()
-        router.expert_bias.copy_(tensor)  # in place: a checkpointer holds the buffer (balancing_state)
 
 
 def set_loss_multiplier(model: nn.Module, multiplier: float) -> None:

@@ -19,13 +19,14 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from trident.checkpoint.consolidated import ModelWeights, load_weights
 from trident.checkpoint.files import saved_model_config
 from trident.errors import CheckpointError, TridentError
 from trident.models.gpt import GPT
 from trident.models.kv_cache import KVCache
-from trident.models.moe import load_balancing_state, moe_layers
+from trident.models.moe import moe_layers
 from trident.parallel.placement import placement_of
 
 
@@ -94,6 +95,22 @@ def sample(
         ids.append(nxt)
         pending = [nxt]
     return ids[len(prompt) :]
+
+
+@torch.no_grad()
+def load_balancing_state(modules: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
+    """Set the sparse layers' loss-free biases from ``state`` (models/moe.py ``balancing_state``'s names; a layer
+    it does not name keeps its bias), kept fp32 whatever the model's dtype: routing is fp32. Raises ValueError on a
+    name that is no sparse layer's or a bias of another shape."""
+    layers = {f"layers.{i}.mlp.router.expert_bias": m.router for i, m in moe_layers(modules).items()}
+    for name, tensor in state.items():
+        router = layers.get(name)
+        if router is None or tensor.shape != router.expert_bias.shape:
+            held = "no such bias" if router is None else f"shape {list(router.expert_bias.shape)}"
+            raise ValueError(f"{name} {list(tensor.shape)} does not fit this model ({held})")
+        if router.expert_bias.dtype != torch.float32:  # a model cast to its weights' dtype (``main``)
+            router.expert_bias = router.expert_bias.float()
+        router.expert_bias.copy_(tensor)  # in place: a checkpointer holds the buffer (balancing_state)
 
 
 def main() -> None:
