@@ -1,40 +1,15 @@
 """The one mapping between our tensors and Hugging Face's, per architecture, that export and import both use; and
 the translation of ``model.*`` to and from a Hugging Face ``config.json``.
 
-Three Hugging Face classes hold our dense blocks:
-
-    GPT2LMHeadModel   model.norm=layernorm, model.mlp=gelu, model.position=learned, multi-head attention, heads
-                      d_model / n_heads wide
-    LlamaForCausalLM  model.norm=rmsnorm, model.mlp=swiglu, model.position=rope, any n_kv_heads and head_dim
-                      (attention_bias = mlp_bias = model.bias)
-    Qwen3ForCausalLM  Llama's block with model.qk_norm=true (per head, model.qk_norm_scope=head), no biases
-
-and three the mixture-of-experts blocks (``model.moe``, models/moe.py) with Llama's, each a softmax router with no
-shared experts, no dense first layers and no biases:
-
-    MixtralForCausalLM   every layer sparse, the top-k weights renormalised
-    Qwen3MoeForCausalLM  model.qk_norm=true per head, layers sparse every model.moe.every-th (decoder_sparse_step),
-                         renormalised or not (norm_topk_prob)
-    OlmoeForCausalLM     model.qk_norm=true over the whole projection (model.qk_norm_scope=projection), every layer
-                         sparse, renormalised or not (norm_topk_prob), heads d_model / n_heads wide
-
-``head_dim`` in config.json is ``model.head_dim`` (left None when it is hidden_size / num_attention_heads).
-
-The balancing coefficient is converted both ways, so that the loss means what the source's meant. transformers'
-``load_balancing_loss_func`` pools every sparse layer's router over the batch and adds ``router_aux_loss_coef *
-E sum_e f_e P_e`` once, with f_e the share of tokens routed to e (summing to k over the experts) and P_e the mean
-probability: k when balanced. trident adds ``aux_loss_coef * aux`` per sparse layer, aux being the same product
-per sequence with f normalised to sum 1: 1 when balanced, L (the sparse layers) in all. The gradients each puts on
-a token's probability of expert e at balance are ``router_aux_loss_coef * k / (L N)`` and ``aux_loss_coef / N``
-(N the batch's tokens), so
-
-    aux_loss_coef = router_aux_loss_coef * top_k / L
-
-(Mixtral-8x7B's 0.02 is 0.00125 here; Qwen3-30B-A3B's 0.001 is 1/6000). Away from balance the two differ by how
-unequal the layers' and sequences' loads are (ours is the mean over them of a product, theirs the product of the
-means). The router z-loss has no place in any of these classes' configs: an import leaves ``z_loss_coef`` 0, an
-export drops it (a training setting; the function exported is the same). Export refuses the router state these
-dropless families have no place for: a nonzero loss-free balancing bias and a capacity (trident/checkpoint/export.py).
+Six Hugging Face classes hold our blocks, each both ways: GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM
+the dense ones, MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM the mixture-of-experts ones (softmax
+routers, no shared experts, no dense first layers, no biases). docs/models.md ("Hugging Face in both directions")
+tables which ``model.*`` values each class fixes, and derives the balancing coefficient's conversion both ways
+(``aux_coef_from_hf`` / ``aux_coef_to_hf``: ``aux_loss_coef = router_aux_loss_coef * top_k / L``, L the sparse
+layers). ``head_dim`` in config.json is ``model.head_dim`` (left None when it is hidden_size /
+num_attention_heads). The router z-loss has no place in these configs: an import leaves ``z_loss_coef`` 0, an
+export drops it. Export refuses the router state these dropless families have no place for: a nonzero loss-free
+balancing bias and a capacity (trident/checkpoint/export.py).
 
 Any other mix has no class and is refused with a line naming the key.
 
