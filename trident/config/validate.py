@@ -171,6 +171,10 @@ def validate(cfg: Config, world_size: int) -> Layout:
         "holds the windows it trains on: raise it, or leave it out",
     )
     _need(0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)")
+    _need(
+        m.loss_chunk_tokens >= 0,
+        f"model.loss_chunk_tokens={m.loss_chunk_tokens} must be >= 0 (tokens per chunk of the loss; 0: unchunked)",
+    )
     _need(m.head_dim is None or m.head_dim >= 1, f"model.head_dim={m.head_dim} must be >= 1, or left out")
     _need(
         m.head_dim is not None or m.d_model % m.n_heads == 0,
