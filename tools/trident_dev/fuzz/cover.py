@@ -118,10 +118,13 @@ SINGLES = (
     "model.moe.aux_loss_coef>0",
     "model.moe.z_loss_coef>0",
     *_words("export", (*HF_CLASSES, None)),
+    *_words("optim.name", ("adamw", "muon")),  # Muon (issue 52), its keys drawn with it
 )
 
 # Pairs that meet in the code: each must be exercised by one trained case.
 PAIRS = (
+    # Muon's matrices put together across tp shards, ZeRO shards and stages (parallel/zero/muon.py).
+    *(("optim.name=muon", fact) for fact in ("tp>1", "sharded", "pp>1")),
     *((f"parallel.zero={z}", "pp>1") for z in range(4)),  # the optimizer over pipeline stages
     *((f"parallel.zero={z}", "dp>1") for z in (1, 2, 3)),  # sharded (over one rank, ZeRO shards nothing)
     ("parallel.zero=3", "tp>1"),
@@ -269,6 +272,7 @@ def exercised(drawn: Drawn) -> frozenset[str]:
         _is("data.document_mask", layout.document_mask),
         _is("data.mix", cfg.data.mix[0].rsplit(":", 1)[1] if cfg.data.mix else None),
         _is("model.n_kv_heads", model.kv_heads),
+        _is("optim.name", cfg.optim.name),
         *(["world>1"] if case.world > 1 else []),
     }
     keys = ["vocab_size", "n_layers", "dropout", "norm", "norm_eps", "mlp", "position", "bias", "tie_embeddings"]

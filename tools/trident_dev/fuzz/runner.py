@@ -247,10 +247,11 @@ class Fuzzer:
         return run_dir, histories
 
     def reference(self, case: Case, *extra: str) -> list[dict]:
-        """The fp32 one-process curve of the case's model and batch (one micro-batch a step), with ``extra``."""
+        """The fp32 one-process curve of the case's model, optimizer and batch (one micro-batch a step), with
+        ``extra``."""
         knobs = case.knobs
         math = ("train.global_batch_size", "data.document_mask", "data.mix")
-        key = tuple(f"{k}={v}" for k, v in knobs.items() if k.startswith("model.") or k in math)
+        key = tuple(f"{k}={v}" for k, v in knobs.items() if k.startswith(("model.", "optim.")) or k in math)
         key = (*key, *extra)
         if key not in self._references:
             batch = knobs["train.global_batch_size"]

@@ -25,6 +25,7 @@ CORPUS_PACKAGES = ("json", "email", "logging")
 CORPUS_VOCAB = 512
 # What a resumed run keeps of the case (with the model.* knobs): the math of the run, not its layout.
 KEPT_ON_RESUME = ("train.global_batch_size", "train.precision", "train.fp8", "data.document_mask", "data.mix")
+KEPT_PREFIXES = ("model.", "optim.")  # the optimizer's keys with the model's: a resume keeps its math
 
 
 def launch_limit_s(world: int) -> float:
@@ -363,12 +364,29 @@ def draw_case(seed: int, index: int) -> Case:
     fp8_rng = random.Random(f"fuzz-fp8:{seed}:{index}")
     if knobs.get("train.precision") == "bf16" and fp8_rng.random() < 0.5:
         knobs["train.fp8"] = fp8_rng.choice(["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+    knobs.update(_draw_optimizer(random.Random(f"fuzz-muon:{seed}:{index}"), knobs.get("train.precision", "fp32")))
     # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out,
     # but context parallelism: the planner keeps a given cp and cp_comm and chooses the rest around them.
     if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
         kept = {k: v for k, v in knobs.items() if k not in PLANNED_KEYS or k.startswith("parallel.cp")}
         knobs = kept | {"parallel.auto": True}
     return Case(seed, index, world, _overrides({**block, **data, **knobs}))
+
+
+def _draw_optimizer(rng: random.Random, precision: str) -> dict[str, Any]:
+    """Muon (optim.name=muon, issue 52) in a fifth of the cases with its keys drawn, from a stream of its own; at fp32
+    with fp32 Newton-Schulz, which holds the one-process curve to REL (bf16's moves with the sums' order: 5e-4 in
+    the gradient norm, tests/test_muon_layouts.py), at 16 bits either."""
+    if rng.random() >= 0.2:
+        return {}
+    return {
+        "optim.name": "muon",
+        "optim.muon_lr": rng.choice([0.01, 0.02]),
+        "optim.muon_nesterov": rng.choice([True, False]),
+        "optim.muon_ns_steps": rng.choice([3, 5]),
+        "optim.muon_adjust_lr": rng.choice(["original", "match_rms_adamw"]),
+        "optim.muon_ns_dtype": "fp32" if precision == "fp32" else rng.choice(["bf16", "fp32"]),
+    }
 
 
 def starts_from_weights(case: Case) -> bool:
@@ -380,7 +398,7 @@ def draw_resume_layout(case: Case, accepts: Callable[[int, tuple[str, ...]], boo
     """Another layout for resuming ``case``'s checkpoint: same model, batch and precision, drawn until ``accepts``
     (the validator) takes it. Deterministic per case, like the case itself."""
     rng = random.Random(f"fuzz-resume:{case.seed}:{case.index}")
-    kept = {k: v for k, v in case.knobs.items() if k.startswith("model.") or k in KEPT_ON_RESUME}
+    kept = {k: v for k, v in case.knobs.items() if k.startswith(KEPT_PREFIXES) or k in KEPT_ON_RESUME}
     for _ in range(100):
         world, knobs = _draw_knobs(rng, 0.0, kept)
         overrides = _overrides(knobs)
