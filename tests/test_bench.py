@@ -378,3 +378,28 @@ def test_replay_bench_times_replays_against_none_on_a_tp_layout() -> None:
     assert table.column("replayed steps") == ["0", "1", "3"]
     assert table.column("step time vs replay off")[0] == "1.00x"
     assert_finite(table, "tokens/s", "step time vs replay off")
+
+
+@pytest.mark.multiprocess
+def test_optim_bench_sweeps_adamw_and_muon_tables_each_run_and_draws_the_curves(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
+    png = tmp_path / "optim.png"
+    (table,) = bench(
+        "optim", "--model", "gpt-tiny", "--dp", "1", "--steps", "3", "--warmup-steps", "1", "--seq", "32",
+        "--global-batch", "4", "--eval-batches", "1", "--adamw-lr", "1e-3", "3e-3", "--muon-lr", "0.02",
+        "--base", f"data.dataset_dir={tiny_dataset}", "--plot", str(png),
+    )  # fmt: skip
+    assert table.header == [
+        "ranks", "optimizer", "lr", "AdamW lr (rest)", "train loss (last 4)", "val loss", "step time (s)",
+        "vs AdamW", "best",
+    ]  # fmt: skip
+    assert table.ok
+    assert table.column("optimizer") == ["AdamW", "AdamW", "Muon"]
+    assert table.column("lr") == ["0.001", "0.003", "0.02"]
+    assert table.column("best").count("best") == 2 and table.column("best")[2] == "best"
+    best_adamw = table.column("lr")[table.column("best")[:2].index("best")]
+    assert table.column("AdamW lr (rest)")[2] == best_adamw  # Muon's rest steps at AdamW's best lr
+    assert_finite(table, "train loss (last 4)", "val loss", "step time (s)", "vs AdamW")
+    assert any("Muon's best validation loss" in note for note in table.notes)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -22,6 +22,8 @@ rounds, every table markdown, and trident's side is built as train.py builds it 
     python tools/bench.py moe --ep 2                   # ... and training steps at ep 1 against ep 2 on 2 ranks,
                                                        #     with the time in the all-to-alls
     python tools/bench.py replay --tp 2 --pp 2             # train.replay_every=N's cost against no replay
+    python tools/bench.py optim --plot optim.png       # Muon vs AdamW at equal tokens, each at its best lr of a
+                                                       # sweep: losses, step-time overhead, loss curves
 
 ``python tools/bench.py <subcommand> --help`` says what each measures. ``--out FILE`` also writes the tables.
 """
@@ -50,6 +52,7 @@ SUBCOMMANDS = (
     "moe",
     "cp",
     "replay",
+    "optim",
 )
 
 
