@@ -46,3 +46,56 @@ def test_compile_on_a_cpu_without_a_cxx_compiler_is_refused_in_one_line(monkeypa
     ):
         check_toolchain(torch.device("cpu"))
     check_toolchain(torch.device("cuda"))  # a GPU compiles with Triton, not the host compiler
+
+
+def _graphs_per_step(rank: int, world: int, cfg, run_dir) -> list[int]:
+    """A run of ``cfg`` on this rank; after each training step, the graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    from train import run
+    from trident.loop import Trainer
+
+    real, graphs = Trainer.train_step, []
+
+    def train_step(self, step, micro_batches):
+        out = real(self, step, micro_batches)
+        graphs.append(counters["stats"]["unique_graphs"])
+        return out
+
+    Trainer.train_step = train_step
+    try:
+        run(cfg, run_dir)
+    finally:
+        Trainer.train_step = real
+    return graphs
+
+
+@pytest.mark.multiprocess
+def test_nothing_recompiles_after_the_first_step_across_layouts_micro_batches_and_resume(tiny_dataset, tmp_path):
+    """Dynamo compiles the block in the first step (and, under gradient accumulation, nothing more for the later
+    micro-batches); the steps after it compile nothing, at one process with micro-batches of 4 and at tp=2 + SP with
+    micro-batches of 2, and in a run resumed from a compiled checkpoint under a third layout (pp=2)."""
+    from tests.helpers.layouts import make_config
+    from trident_dev.ranks import run_distributed
+
+    base = tiny(tiny_dataset, "model=llama-tiny", "train.steps=4", "train.eval_every=0", "train.compile=true")
+    saved = tmp_path / "one" / "checkpoints" / "step_00000002"
+    runs = {
+        "one": (1, ["train.micro_batch_size=4", "checkpoint.every=2"]),
+        "tp2": (2, ["train.micro_batch_size=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        "resumed-pp2": (2, ["parallel.pp=2", f"checkpoint.resume={saved}"]),
+    }
+    for name, (world, extra) in runs.items():
+        cfg = make_config(*base, *extra)
+        for graphs in run_distributed(_graphs_per_step, world, cfg, tmp_path / name, timeout_s=600):
+            assert graphs[0] > 0 and all(g == graphs[0] for g in graphs), (name, graphs)  # compiled, then no more
+
+
+def test_compile_auto_compiles_on_cuda_and_stays_eager_on_a_cpu() -> None:
+    from trident.config import Config
+    from trident.models.compile import compiles
+
+    assert Config().train.compile == "auto"
+    assert compiles("auto", torch.device("cuda")) and not compiles("auto", torch.device("cpu"))
+    assert compiles("True", torch.device("cpu")) and compiles(True, torch.device("cpu"))  # Hydra's true, as a str
+    assert not compiles("false", torch.device("cuda")) and not compiles(False, torch.device("cuda"))

@@ -12,9 +12,10 @@ import torch
 from tests.helpers import REPO
 from trident.build import build_parts, layout_of
 from trident.config import compose_config
-from trident.models.matrices import Matrices, matrices_of
+from trident.models.matrices import matrices_of
 from trident.optim import lr_at, optimizer_summary
 from trident.parallel.placement import placement_of
+from trident.parallel.zero.muon import Matrices
 from trident_dev.bench.harness import random_batches
 
 

@@ -36,7 +36,7 @@ from trident.checkpoint.manager import Checkpointer
 from trident.config import Config, ModelConfig, OptimConfig, TrainConfig, validate
 from trident.layout import Layout
 from trident.models.checkpointing import apply_activation_checkpointing
-from trident.models.compile import compile_blocks
+from trident.models.compile import compile_blocks, compiles
 from trident.models.gpt import GPT, init_weights
 from trident.optim import GradStep, muon_plan
 from trident.parallel.comm import GroupShape
@@ -73,10 +73,11 @@ def model_chunks(
         init_weights(chunk, m, train.seed)
         chunk.to(device)
         enable_fp8(chunk, train.fp8)
-        if train.compile:  # before activation checkpointing, which then wraps the compiled blocks
+        compiled = compiles(train.compile, device)
+        if compiled:  # before activation checkpointing, which then wraps the compiled blocks
             compile_blocks(chunk, device)
         apply_activation_checkpointing(
-            chunk, layout.activation_checkpointing, train.compile, layout.recompute_modules, layout.recompute_every
+            chunk, layout.activation_checkpointing, compiled, layout.recompute_modules, layout.recompute_every
         )
         chunks.append(chunk)
     return chunks

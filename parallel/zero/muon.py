@@ -31,9 +31,42 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from trident.models.matrices import Matrices
 from trident.parallel.layout import Piece
 from trident.parallel.placement import Placement, placement_of
+
+
+@dataclass(frozen=True)
+class Matrices:
+    """A logical tensor ``(groups * parts * rows, cols)`` as ``parts`` matrices of ``(groups * rows, cols)``; which
+    parameter holds which is the model's knowledge (models/matrices.py ``matrices_of``)."""
+
+    groups: int = 1
+    parts: int = 1
+    transposed: bool = False
+    names: tuple[str, ...] = ()  # what each part is, for the start-up summary
+
+    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The logical tensor's matrices, each (out, in), contiguous copies."""
+        four = t.reshape(self.groups, self.parts, -1, t.shape[-1])
+        mats = [four[:, i].reshape(-1, t.shape[-1]) for i in range(self.parts)]
+        return [m.T.contiguous() if self.transposed else m.contiguous() for m in mats]
+
+    def join(self, mats: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Write ``mats`` (as ``split`` returns them) back into the logical tensor ``out``."""
+        four = out.view(self.groups, self.parts, -1, out.shape[-1])
+        for i, m in enumerate(mats):
+            four[:, i] = (m.T if self.transposed else m).reshape(self.groups, -1, out.shape[-1])
+        return out
+
+    def shape(self, logical: tuple[int, ...]) -> tuple[int, int]:
+        """One matrix's (out, in)."""
+        rows, cols = logical[0] // self.parts, logical[-1]
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    def describe(self, logical: tuple[int, ...]) -> str:
+        out, inp = self.shape(logical)
+        what = ", ".join(self.names) if self.names else f"{self.parts} matrices"
+        return f"{what} of {out}x{inp}" if self.parts > 1 else f"{out}x{inp}"
 
 
 @dataclass(frozen=True)

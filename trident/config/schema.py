@@ -211,7 +211,9 @@ class TrainConfig:
     recompute_every: int = (
         1  # recompute only every N-th block (global layers 0, N, 2N, ...): memory between none and all
     )
-    compile: bool = False  # each transformer block compiled with torch.compile (models/compile.py)
+    # Each transformer block compiled with torch.compile (models/compile.py): auto on CUDA and eager on a CPU, or
+    # true / false.
+    compile: str = "auto"
     eval_every: int = 20  # 0 disables periodic validation
     # Global batches of validation data per evaluation, at most what the validation set holds; None: up to 4.
     eval_batches: int | None = None

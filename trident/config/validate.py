@@ -318,6 +318,10 @@ def validate(cfg: Config, world_size: int) -> Layout:
     _need(tr.max_skipped_steps >= 1, f"train.max_skipped_steps={tr.max_skipped_steps} must be >= 1")
     _need(tr.max_nonfinite_losses >= 1, f"train.max_nonfinite_losses={tr.max_nonfinite_losses} must be >= 1")
     _need(tr.replay_every >= 0, f"train.replay_every={tr.replay_every} must be >= 0 (0: no replay)")
+    _need(
+        str(tr.compile).lower() in ("auto", "true", "false"),
+        f"train.compile={tr.compile} must be auto (compiled on CUDA, eager on a CPU), true or false",
+    )
     _need(tr.replay_action in ("stop", "warn"), f"train.replay_action={tr.replay_action} must be stop or warn")
     _need(
         tr.stop_grace_s > 0 and math.isfinite(tr.stop_grace_s),
