@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from trident.parallel.placement import placement_of
+
 FP8_RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 FP8_ALIGN = 16  # a layer converts when its in and out features are multiples of this
 
@@ -104,7 +106,6 @@ class _Fp8Matmul(torch.autograd.Function):
         return dx, dw.t(), None
 
 
-@torch.compiler.disable  # collectives and a tensor subclass inside: run eagerly within a compiled block
 def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Fp8Spec) -> torch.Tensor:
     on = torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
@@ -118,15 +119,19 @@ def maybe_fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Fp8Spec | None
 ) -> torch.Tensor:
     """``F.linear``, or with ``spec`` (a layer ``enable_fp8`` converted) its FP8 GEMMs."""
-    return F.linear(x, weight, bias) if spec is None else _fp8_linear(x, weight, bias, spec)
+    return F.linear(x, weight, bias) if spec is None else _eager()(x, weight, bias, spec)
+
+
+@functools.cache
+def _eager() -> Any:
+    """``_fp8_linear`` run eagerly within a compiled block (collectives, a tensor subclass): wrapped at first use, so
+    that importing the package leaves torch._dynamo unimported."""
+    return torch.compiler.disable(_fp8_linear)
 
 
 def enable_fp8(model: nn.Module, recipe: str) -> list[str]:
     """Convert ``model``'s (a GPT's) linear layers that the module docstring names to ``recipe``'s FP8 GEMMs: each
     gets its ``Fp8Spec`` (attribute ``fp8``); the names of those converted. ``off``: none."""
-    from trident.parallel.placement import placement_of
-    from trident.parallel.tensor import ColumnParallelLinear, ReplicatedColumnLinear, RowParallelLinear
-
     if recipe == "off":
         return []
     f8 = _float8()
@@ -139,11 +144,13 @@ def enable_fp8(model: nn.Module, recipe: str) -> list[str]:
     tp = (model.tp_group,) if model.tp_size > 1 else ()
     converted = []
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, ReplicatedColumnLinear, RowParallelLinear)):
+        # parallel/tensor.py's linear layers declare ``fp8``; a row-parallel one splits its weight's K (dim 1).
+        if getattr(type(module), "fp8", False) is not None:
             continue
-        if any(dim % FP8_ALIGN for dim in placement_of(module.weight).shape):
+        placement = placement_of(module.weight)
+        if any(dim % FP8_ALIGN for dim in placement.shape):
             continue
-        row = isinstance(module, RowParallelLinear)
+        row = placement.split_dim == 1
         module.fp8 = Fp8Spec(config, mm, tokens, tp if row else (), () if row else tp)
         converted.append(name)
     return converted
