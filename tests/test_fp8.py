@@ -270,6 +270,17 @@ def test_each_layout_gives_the_one_process_fp8_curve(tiny_dataset, tmp_path, ref
 
 
 @pytest.mark.multiprocess
+def test_llama_with_kv_heads_replicated_over_tp_gives_the_one_process_fp8_curve(tiny_dataset, tmp_path, references):
+    """SwiGLU's gate and up, and one kv head that both tp ranks hold whole, each using its block of rows
+    (``ReplicatedColumnLinear``: the weight's amax and its output gradient's reduced over tp too)."""
+    llama = ("model=llama-tiny", "model.n_kv_heads=1", "model.vocab_size=512")
+    overrides = _fp8_run(tiny_dataset, "rowwise", *llama)
+    reference = references.history(overrides)
+    for history in train_in_process(tmp_path, [*overrides, *FP8_LAYOUTS["tp2-sp"]], world=2):
+        _assert_fp8_curve(reference, history)
+
+
+@pytest.mark.multiprocess
 def test_moe_at_ep2_gives_the_one_process_fp8_curve(tiny_dataset, tmp_path, references):
     """moe-tiny: attention in FP8, the routed experts in bf16, each rank holding two of the four experts."""
     overrides = _fp8_run(tiny_dataset, "tensorwise", "model=moe-tiny", "model.n_layers=2", "model.vocab_size=512")
