@@ -26,19 +26,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import trident.checkpoint.consolidated as consolidated_mod
 import trident.checkpoint.dcp as format_mod
 import trident.checkpoint.files as files_mod
+import trident_dev.consolidated as consolidated_mod
 from tests.helpers.processes import tool_process
 from tests.helpers.tools import run_tool
 from trident.build import RunParts, build_checkpointer, build_parts, layout_of
-from trident.checkpoint.consolidated import (
-    ModelWeights,
-    load_weights,
-    read_consolidated,
-    read_model_tensors,
-    write_consolidated,
-)
 from trident.checkpoint.dcp import METADATA_FILE, Sharded, read_metadata
 from trident.checkpoint.files import (
     FORMAT,
@@ -60,6 +53,13 @@ from trident.parallel.layout import FlatLayout, Piece
 from trident.parallel.placement import placement_of
 from trident.parallel.topology import Topology
 from trident.parallel.zero.optimizer import ZeroOptimizer
+from trident_dev.consolidated import (
+    ModelWeights,
+    load_weights,
+    read_consolidated,
+    read_model_tensors,
+    write_consolidated,
+)
 from trident_dev.ranks import run_distributed
 
 LAYOUT = {"dp": 1, "tp": 1, "pp": 1}

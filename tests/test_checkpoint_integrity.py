@@ -13,10 +13,10 @@ import pytest
 from tests.helpers.layouts import assert_same_curve, four_layers, train_in_process
 from tests.test_checkpoint import FakeTrainer, build, checkpointer
 from trident.checkpoint import integrity
-from trident.checkpoint.consolidated import load_weights
 from trident.checkpoint.files import checkpoint_name
 from trident.checkpoint.init_from import load_init_weights, open_source
 from trident.errors import CheckpointError
+from trident_dev.consolidated import load_weights
 
 
 def _flip(file: Path, at: float = 0.5) -> None:

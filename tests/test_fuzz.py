@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
-from trident.checkpoint.consolidated import load_weights
 from trident.config import compose_config
 from trident.errors import ConfigError
+from trident_dev.consolidated import load_weights
 from trident_dev.curves import REL, curve_mismatches
 from trident_dev.fuzz import (
     LOW_PRECISION_REL,

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from trident.checkpoint.consolidated import ModelWeights
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights
 from trident.models.kv_cache import KVCache
 from trident.parallel.placement import placement_of
+from trident_dev.consolidated import ModelWeights
 
 _spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
 generate = importlib.util.module_from_spec(_spec)

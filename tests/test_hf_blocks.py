@@ -16,13 +16,13 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from tests.helpers.tools import run_tool
-from trident.checkpoint.consolidated import ModelWeights, load_weights, write_consolidated
-from trident.checkpoint.export import write_hf
-from trident.checkpoint.hf import read_box, sources, to_hf
+from trident.checkpoint.hf import read_box, sources
 from trident.config import ModelConfig
 from trident.errors import CheckpointError
 from trident.models.gpt import GPT, init_weights
 from trident.parallel.placement import Placement, placement_of
+from trident_dev.consolidated import ModelWeights, load_weights, write_consolidated
+from trident_dev.export import to_hf, write_hf
 
 GPT2_SHAPE = dict(n_layers=2, d_model=32, n_heads=4, seq_len=24, vocab_size=70, d_ff=48, init_std=0.2)
 LLAMA_BLOCK = dict(norm="rmsnorm", mlp="swiglu", position="rope", bias=False, norm_eps=1e-6, rope_theta=500.0)

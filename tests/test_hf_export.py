@@ -13,11 +13,11 @@ import transformers
 
 from tests.helpers.layouts import tiny, train_in_process
 from tests.helpers.tools import run_tool
-from trident.checkpoint.consolidated import ModelWeights, from_checkpoint, read_model_tensors
-from trident.checkpoint.export import model_config, write_hf
 from trident.config import ModelConfig
 from trident.models.gpt import GPT, init_weights
 from trident.parallel.placement import placement_of
+from trident_dev.consolidated import ModelWeights, from_checkpoint, read_model_tensors
+from trident_dev.export import model_config, write_hf
 
 
 def ours(checkpoint: Path) -> GPT:

@@ -29,12 +29,12 @@ from tests.helpers.hf_models import (
 )
 from tests.helpers.layouts import make_config
 from tests.helpers.tools import run_tool
-from trident.checkpoint.consolidated import load_weights
-from trident.checkpoint.export import write_hf
 from trident.checkpoint.hf import architecture, model_from_hf
 from trident.config import model_config_from_dict
 from trident.errors import CheckpointError
 from trident.models.gpt import ProjectionRMSNorm
+from trident_dev.consolidated import load_weights
+from trident_dev.export import write_hf
 
 # What the import makes of each family's q/k norms and heads.
 IMPORTED = {

@@ -21,14 +21,14 @@ from tests.helpers.hf_models import assert_export_matches, ours
 from tests.helpers.layouts import make_config, train_rank
 from tests.helpers.tools import run_tool
 from tests.test_init_from import adopted, first_batch, run_args
-from trident.checkpoint.consolidated import ModelWeights, load_weights, write_checkpoint
-from trident.checkpoint.export import write_hf
-from trident.checkpoint.hf import MIXTRAL, OLMOE, QWEN3_MOE, architecture, hf_config, model_from_hf
+from trident.checkpoint.hf import MIXTRAL, OLMOE, QWEN3_MOE, architecture, model_from_hf
 from trident.config import model_config_from_dict
 from trident.errors import CheckpointError
 from trident.models.gpt import GPT
 from trident.models.moe import MoE, set_loss_multiplier
 from trident.parallel.placement import placement_of
+from trident_dev.consolidated import ModelWeights, load_weights, write_checkpoint
+from trident_dev.export import hf_config, write_hf
 from trident_dev.ranks import run_distributed
 
 SHAPE = dict(

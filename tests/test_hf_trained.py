@@ -15,7 +15,7 @@ from tests.helpers.hf_models import CLASSES, FAMILIES, greedy, hf_greedy, ours, 
 from tests.helpers.layouts import train_rank
 from tests.helpers.tools import run_tool
 from tests.test_init_from import adopted, first_batch, run_args
-from trident.checkpoint.consolidated import load_weights
+from trident_dev.consolidated import load_weights
 from trident_dev.ranks import run_distributed
 
 

@@ -20,8 +20,6 @@ import transformers
 from tests.helpers import REPO
 from tests.helpers.layouts import make_config, train_in_process, train_rank
 from tests.helpers.processes import run_train
-from trident.checkpoint.consolidated import load_weights, read_model_tensors, write_checkpoint
-from trident.checkpoint.export import write_hf
 from trident.checkpoint.init_from import adopt_init_from, check_init_from, load_init_weights, open_source
 from trident.config import Config, ModelConfig
 from trident.data.dataset import open_dataset
@@ -31,6 +29,8 @@ from trident.layout import Layout
 from trident.memory.estimate import estimate
 from trident.models.gpt import GPT, init_weights, lm_loss_sum
 from trident.parallel.placement import placement_of
+from trident_dev.consolidated import load_weights, read_model_tensors, write_checkpoint
+from trident_dev.export import write_hf
 from trident_dev.ranks import run_distributed
 
 CONF = REPO / "conf"

@@ -15,7 +15,6 @@ import torch
 import trident.build
 from tests.helpers import REPO
 from tests.helpers.layouts import make_config, tiny, train_in_process, train_rank
-from trident.checkpoint.consolidated import ModelWeights, load_weights, write_checkpoint, write_consolidated
 from trident.checkpoint.dcp import read_metadata, read_sharded
 from trident.checkpoint.init_from import adopt_init_from, check_init_from
 from trident.checkpoint.manager import schedule_changes
@@ -30,6 +29,7 @@ from trident.models.kv_cache import KVCache
 from trident.models.moe import step_stats
 from trident.parallel.placement import placement_of
 from trident.parallel.precision import LossScaler
+from trident_dev.consolidated import ModelWeights, load_weights, write_checkpoint, write_consolidated
 from trident_dev.ranks import run_distributed
 
 _spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")

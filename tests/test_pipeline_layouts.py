@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
-from trident.checkpoint.consolidated import read_model_tensors
+from trident_dev.consolidated import read_model_tensors
 from trident_dev.curves import REL
 
 pytestmark = pytest.mark.multiprocess

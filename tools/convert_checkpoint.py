@@ -30,10 +30,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from trident.checkpoint.consolidated import load_weights, write_checkpoint, write_consolidated
-from trident.checkpoint.export import check_out_dir, write_hf
 from trident.checkpoint.hf_dir import is_hf_dir
 from trident.errors import TridentError
+from trident_dev.consolidated import load_weights, write_checkpoint, write_consolidated
+from trident_dev.export import check_out_dir, write_hf
 
 SOURCES = ("checkpoint", "hf")
 TARGETS = ("consolidated", "hf", "checkpoint")

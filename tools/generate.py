@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trident.checkpoint.consolidated import ModelWeights, load_weights
 from trident.checkpoint.files import saved_model_config
 from trident.errors import CheckpointError, TridentError
 from trident.models.gpt import GPT
 from trident.models.kv_cache import KVCache
 from trident.models.moe import moe_layers
 from trident.parallel.placement import placement_of
+from trident_dev.consolidated import ModelWeights, load_weights
 
 
 @torch.no_grad()

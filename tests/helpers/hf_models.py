@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from trident.checkpoint.consolidated import ModelWeights
-from trident.checkpoint.export import write_hf
 from trident.config import model_config_from_dict
 from trident.models.gpt import GPT
 from trident.parallel.placement import placement_of
+from trident_dev.consolidated import ModelWeights
+from trident_dev.export import write_hf
 
 VOCAB = 512
 SHAPE = dict(

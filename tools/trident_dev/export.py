@@ -4,7 +4,7 @@ Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM), wi
 beside it under its own name (``tokenizer.model`` or ``tokenizer.json``).
 
 The input is the logical (one-process, unpadded) tensors under their canonical names, as
-``trident.checkpoint.consolidated`` reads them from a checkpoint of any layout. Which class, the names and the
+``trident_dev.consolidated`` reads them from a checkpoint of any layout. Which class, the names and the
 row layouts are ``trident.checkpoint.hf``'s table, the one import reads through too. Notes:
 
 - GPT-2: ``activation_function = gelu_new`` (the tanh GELU our MLP computes); ``model.bias=false`` exports zero
@@ -36,13 +36,162 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from trident.checkpoint import hf
-from trident.checkpoint.consolidated import ModelWeights
 from trident.checkpoint.files import saved_model_config
+from trident.checkpoint.hf import (
+    GPT2,
+    LLAMA,
+    MIXTRAL,
+    MOE_CLASSES,
+    OLMOE,
+    QWEN3,
+    QWEN3_MOE,
+    _rounded,
+    architecture,
+    sources,
+    sparse_layers,
+)
 from trident.config import ModelConfig
 from trident.data.tokenizer import FILE_NAMES
 from trident.errors import CheckpointError, TridentError
+from trident_dev.consolidated import ModelWeights
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+MODEL_TYPES = {
+    GPT2: "gpt2",
+    LLAMA: "llama",
+    QWEN3: "qwen3",
+    MIXTRAL: "mixtral",
+    QWEN3_MOE: "qwen3_moe",
+    OLMOE: "olmoe",
+}
+
+
+def aux_coef_to_hf(cfg: ModelConfig) -> float:
+    """Hugging Face's ``router_aux_loss_coef`` for our ``model.moe.aux_loss_coef`` (the module docstring)."""
+    return _rounded(cfg.moe.aux_loss_coef * max(sparse_layers(cfg), 1) / cfg.moe.top_k)
+
+
+# --- config.json -------------------------------------------------------------------------------------------
+
+
+def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_ids: list[int] | None = None) -> dict:
+    """The ``config.json`` of the class ``architecture(cfg)`` for a model of shape ``cfg``, with these token ids
+    (one eos id is written as a number, several as a list, as Hugging Face writes them)."""
+    eos: int | list[int] | None = list(eos_ids) if eos_ids else None
+    if eos is not None and len(eos) == 1:
+        eos = eos[0]
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos, "tie_word_embeddings": cfg.tie_embeddings}
+    if architecture(cfg) == GPT2:
+        return {
+            "architectures": [GPT2],
+            "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len,
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layers,
+            "n_head": cfg.n_heads,
+            "n_inner": cfg.ffn_dim,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": cfg.norm_eps,
+            "initializer_range": cfg.init_std,
+            "resid_pdrop": cfg.dropout,
+            "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "use_cache": True,
+            "torch_dtype": "float32",
+            **ids,
+        }
+    cls = architecture(cfg)
+    moe = cfg.moe
+    extra: dict = {}
+    if cls == QWEN3:
+        extra = {"use_sliding_window": False, "sliding_window": None}
+    elif cls == MIXTRAL:
+        extra = {"num_local_experts": moe.experts, "sliding_window": None, "router_jitter_noise": 0.0}
+    elif cls == QWEN3_MOE:
+        extra = {
+            "num_experts": moe.experts,
+            "moe_intermediate_size": cfg.expert_dim,
+            "decoder_sparse_step": moe.every,
+            "mlp_only_layers": [],
+            "norm_topk_prob": moe.norm_topk,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+    elif cls == OLMOE:  # its own defaults would pad with token 1 and clip nothing: written, not left to them
+        extra = {"num_experts": moe.experts, "norm_topk_prob": moe.norm_topk, "clip_qkv": None, "pad_token_id": None}
+    if cls in MOE_CLASSES:
+        extra.update(
+            num_experts_per_tok=moe.top_k, router_aux_loss_coef=aux_coef_to_hf(cfg), output_router_logits=False
+        )
+    return {
+        "architectures": [cls],
+        "model_type": MODEL_TYPES[cls],
+        **extra,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.context_len,  # not the window it was trained on last
+        "hidden_size": cfg.d_model,
+        # Mixtral's and OLMoE's experts are intermediate_size wide (every layer sparse); Qwen3-MoE's dense layers are
+        "intermediate_size": cfg.expert_dim if cls in (MIXTRAL, OLMOE) else cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        **({} if cls == OLMOE else {"head_dim": cfg.head_size}),  # OLMoE's is always hidden / heads
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": _rope_scaling(cfg),
+        "attention_bias": cfg.bias,
+        **({"mlp_bias": cfg.bias} if cls == LLAMA else {}),
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        **ids,
+    }
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict | None:
+    """Hugging Face's ``rope_scaling`` for ``model.rope_scaling=llama3`` (Llama 3.1 / 3.2), else None."""
+    if cfg.rope_scaling is None:
+        return None
+    return {
+        "rope_type": cfg.rope_scaling,
+        "factor": cfg.rope_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_seq_len,
+    }
+
+
+def to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face's tensors (fp32, contiguous) from our logical ones; refuses a tensor set not this model's."""
+    table = sources(cfg)
+    unknown = sorted(set(tensors) - set(table))
+    if unknown:
+        raise CheckpointError(
+            f"the checkpoint holds {unknown[0]}, which {architecture(cfg)} has no place for; it is not this model's"
+        )
+    out = {}
+    for ours, source in table.items():
+        if ours in tensors:
+            t = tensors[ours].float()
+        elif ours.endswith(".bias") and not cfg.bias:  # GPT-2 always has biases: zero ones are the same function
+            t = torch.zeros(sum(source.sizes))
+        else:
+            raise CheckpointError(f"the checkpoint holds no tensor {ours}; it is not this model's")
+        if source.rows is not None:
+            stacked = torch.empty_like(t)
+            stacked[source.rows] = t
+            t = stacked
+        for name, part in zip(source.parts, t.split(list(source.sizes)), strict=True):
+            out[name] = (part.t() if source.transpose and part.dim() == 2 else part).contiguous()
+    return out
 
 
 def model_config(weights: ModelWeights) -> ModelConfig:
@@ -59,12 +208,12 @@ def config_json(cfg: ModelConfig, weights: ModelWeights | None = None) -> dict:
             bos = tokenizer.bos_id
         if eos is None and tokenizer.eos_id is not None:
             eos = [tokenizer.eos_id]
-    return hf.hf_config(cfg, bos, eos)
+    return hf_config(cfg, bos, eos)
 
 
 def hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face's tensors (fp32, contiguous) from ours; refuses a tensor set that is not this model's."""
-    return hf.to_hf(tensors, cfg)
+    return to_hf(tensors, cfg)
 
 
 def check_exportable(cfg: ModelConfig, buffers: dict[str, torch.Tensor]) -> str:

@@ -1,15 +1,16 @@
 """The one mapping between our tensors and Hugging Face's, per architecture, that export and import both use; and
-the translation of ``model.*`` to and from a Hugging Face ``config.json``.
+the translation of a Hugging Face ``config.json`` to ``model.*`` (the other way, ``hf_config``, and the tensors'
+way out, ``to_hf``, are the export's, which only tools run: tools/trident_dev/export.py).
 
 Six Hugging Face classes hold our blocks, each both ways: GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM
 the dense ones, MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM the mixture-of-experts ones (softmax
 routers, no shared experts, no dense first layers, no biases). docs/models.md ("Hugging Face in both directions")
 tables which ``model.*`` values each class fixes, and derives the balancing coefficient's conversion both ways
-(``aux_coef_from_hf`` / ``aux_coef_to_hf``: ``aux_loss_coef = router_aux_loss_coef * top_k / L``, L the sparse
+(``aux_coef_from_hf`` / the export's ``aux_coef_to_hf``: ``aux_loss_coef = router_aux_loss_coef * top_k / L``, L the sparse
 layers). ``head_dim`` in config.json is ``model.head_dim`` (left None when it is hidden_size /
 num_attention_heads). The router z-loss has no place in these configs: an import leaves ``z_loss_coef`` 0, an
 export drops it. Export refuses the router state these dropless families have no place for: a nonzero loss-free
-balancing bias and a capacity (trident/checkpoint/export.py).
+balancing bias and a capacity (tools/trident_dev/export.py).
 
 Any other mix has no class and is refused with a line naming the key.
 
@@ -54,7 +55,7 @@ Face Llama's rotate-half convention (models/rope.py), so q_proj and k_proj need 
 columns it covers: what lets each rank of a run read only its own shard.
 
 The mapping is one table both ways (every architecture's names, shapes and coefficients), so it stays whole past
-~400 lines: an import and its export are read side by side.
+~400 lines: the import and the table the export reads are read side by side.
 """
 
 from __future__ import annotations
@@ -72,15 +73,6 @@ from trident.errors import CheckpointError
 GPT2, LLAMA, QWEN3 = "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN3_MOE, OLMOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"
 MOE_CLASSES = (MIXTRAL, QWEN3_MOE, OLMOE)
-MODEL_TYPES = {
-    GPT2: "gpt2",
-    LLAMA: "llama",
-    QWEN3: "qwen3",
-    MIXTRAL: "mixtral",
-    QWEN3_MOE: "qwen3_moe",
-    OLMOE: "olmoe",
-}
-
 # What each class fixes, as (key, value) pairs of model.*; GPT-2's multi-head attention is checked apart.
 _BLOCKS = {
     GPT2: (("norm", "layernorm"), ("mlp", "gelu"), ("position", "learned")),
@@ -189,111 +181,10 @@ def _rounded(x: float) -> float:
     return float(f"{x:.12g}")
 
 
-def aux_coef_to_hf(cfg: ModelConfig) -> float:
-    """Hugging Face's ``router_aux_loss_coef`` for our ``model.moe.aux_loss_coef`` (the module docstring)."""
-    return _rounded(cfg.moe.aux_loss_coef * max(sparse_layers(cfg), 1) / cfg.moe.top_k)
-
-
 def aux_coef_from_hf(coef: float, top_k: int, sparse: int) -> float:
     """Our ``model.moe.aux_loss_coef`` for Hugging Face's ``router_aux_loss_coef`` of a model of ``sparse`` sparse
     layers routing each token to ``top_k`` experts."""
     return _rounded(coef * top_k / max(sparse, 1))
-
-
-# --- config.json -------------------------------------------------------------------------------------------
-
-
-def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_ids: list[int] | None = None) -> dict:
-    """The ``config.json`` of the class ``architecture(cfg)`` for a model of shape ``cfg``, with these token ids
-    (one eos id is written as a number, several as a list, as Hugging Face writes them)."""
-    eos: int | list[int] | None = list(eos_ids) if eos_ids else None
-    if eos is not None and len(eos) == 1:
-        eos = eos[0]
-    ids = {"bos_token_id": bos_id, "eos_token_id": eos, "tie_word_embeddings": cfg.tie_embeddings}
-    if architecture(cfg) == GPT2:
-        return {
-            "architectures": [GPT2],
-            "model_type": "gpt2",
-            "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.seq_len,
-            "n_embd": cfg.d_model,
-            "n_layer": cfg.n_layers,
-            "n_head": cfg.n_heads,
-            "n_inner": cfg.ffn_dim,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": cfg.norm_eps,
-            "initializer_range": cfg.init_std,
-            "resid_pdrop": cfg.dropout,
-            "embd_pdrop": cfg.dropout,
-            "attn_pdrop": cfg.dropout,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "use_cache": True,
-            "torch_dtype": "float32",
-            **ids,
-        }
-    cls = architecture(cfg)
-    moe = cfg.moe
-    extra: dict = {}
-    if cls == QWEN3:
-        extra = {"use_sliding_window": False, "sliding_window": None}
-    elif cls == MIXTRAL:
-        extra = {"num_local_experts": moe.experts, "sliding_window": None, "router_jitter_noise": 0.0}
-    elif cls == QWEN3_MOE:
-        extra = {
-            "num_experts": moe.experts,
-            "moe_intermediate_size": cfg.expert_dim,
-            "decoder_sparse_step": moe.every,
-            "mlp_only_layers": [],
-            "norm_topk_prob": moe.norm_topk,
-            "use_sliding_window": False,
-            "sliding_window": None,
-        }
-    elif cls == OLMOE:  # its own defaults would pad with token 1 and clip nothing: written, not left to them
-        extra = {"num_experts": moe.experts, "norm_topk_prob": moe.norm_topk, "clip_qkv": None, "pad_token_id": None}
-    if cls in MOE_CLASSES:
-        extra.update(
-            num_experts_per_tok=moe.top_k, router_aux_loss_coef=aux_coef_to_hf(cfg), output_router_logits=False
-        )
-    return {
-        "architectures": [cls],
-        "model_type": MODEL_TYPES[cls],
-        **extra,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.context_len,  # not the window it was trained on last
-        "hidden_size": cfg.d_model,
-        # Mixtral's and OLMoE's experts are intermediate_size wide (every layer sparse); Qwen3-MoE's dense layers are
-        "intermediate_size": cfg.expert_dim if cls in (MIXTRAL, OLMOE) else cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        **({} if cls == OLMOE else {"head_dim": cfg.head_size}),  # OLMoE's is always hidden / heads
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": _rope_scaling(cfg),
-        "attention_bias": cfg.bias,
-        **({"mlp_bias": cfg.bias} if cls == LLAMA else {}),
-        "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std,
-        "use_cache": True,
-        "torch_dtype": "float32",
-        **ids,
-    }
-
-
-def _rope_scaling(cfg: ModelConfig) -> dict | None:
-    """Hugging Face's ``rope_scaling`` for ``model.rope_scaling=llama3`` (Llama 3.1 / 3.2), else None."""
-    if cfg.rope_scaling is None:
-        return None
-    return {
-        "rope_type": cfg.rope_scaling,
-        "factor": cfg.rope_factor,
-        "low_freq_factor": cfg.rope_low_freq_factor,
-        "high_freq_factor": cfg.rope_high_freq_factor,
-        "original_max_position_embeddings": cfg.rope_original_seq_len,
-    }
 
 
 def _rope_scaling_keys(scaling: dict | None, where: str) -> dict:
@@ -556,31 +447,6 @@ def part_shape(source: Source, k: int, shape: tuple[int, ...]) -> tuple[int, ...
     if len(shape) == 1:
         return (rows,)
     return (shape[1], rows) if source.transpose else (rows, shape[1])
-
-
-def to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face's tensors (fp32, contiguous) from our logical ones; refuses a tensor set not this model's."""
-    table = sources(cfg)
-    unknown = sorted(set(tensors) - set(table))
-    if unknown:
-        raise CheckpointError(
-            f"the checkpoint holds {unknown[0]}, which {architecture(cfg)} has no place for; it is not this model's"
-        )
-    out = {}
-    for ours, source in table.items():
-        if ours in tensors:
-            t = tensors[ours].float()
-        elif ours.endswith(".bias") and not cfg.bias:  # GPT-2 always has biases: zero ones are the same function
-            t = torch.zeros(sum(source.sizes))
-        else:
-            raise CheckpointError(f"the checkpoint holds no tensor {ours}; it is not this model's")
-        if source.rows is not None:
-            stacked = torch.empty_like(t)
-            stacked[source.rows] = t
-            t = stacked
-        for name, part in zip(source.parts, t.split(list(source.sizes)), strict=True):
-            out[name] = (part.t() if source.transpose and part.dim() == 2 else part).contiguous()
-    return out
 
 
 Slicer = Callable[[str], object]  # a Hugging Face name -> something indexable with slices (a safetensors slice)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trident.build import build_parts, layout_of, model_chunks
-from trident.checkpoint.hf import LLAMA, architecture, hf_config, to_hf
+from trident.checkpoint.hf import LLAMA, architecture
 from trident.config import Config, compose_config
 from trident.errors import CheckpointError
 from trident.loop import Trainer
@@ -31,6 +31,7 @@ from trident.parallel.topology import Topology
 from trident_dev.bench import harness
 from trident_dev.bench.compare import Column, Comparison, Rank, Setting, Steps, batch_title, compare, losses
 from trident_dev.bench.harness import Table, number, ratio, spread
+from trident_dev.export import hf_config, to_hf
 
 HF = "transformers LlamaForCausalLM"
 

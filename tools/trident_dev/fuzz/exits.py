@@ -34,8 +34,6 @@ import torch
 import torch.distributed as dist
 
 from trident.build import build_checkpointer, build_parts
-from trident.checkpoint.consolidated import ModelWeights, load_weights, write_consolidated
-from trident.checkpoint.export import write_hf
 from trident.checkpoint.init_from import check_init_from, load_init_weights
 from trident.config import Config, ParallelConfig, validate
 from trident.data.dataset import TokenDataset, TokenWindows
@@ -45,6 +43,8 @@ from trident.models.gpt import GPT
 from trident.models.kv_cache import KVCache
 from trident.parallel.groups import ProcessGroups, build_process_groups
 from trident.parallel.topology import Topology
+from trident_dev.consolidated import ModelWeights, load_weights, write_consolidated
+from trident_dev.export import write_hf
 
 ATOL = 1e-5  # fp32 logits of the same weights: the same function, up to the order of a few sums
 WINDOWS = 2  # sequences of the fixed batch (a decode carries each its own cache rows and expert counts)
