@@ -228,3 +228,30 @@ def test_the_estimator_counts_one_momentum_per_muon_element_to_the_byte(model: s
             below = model_states(stage_params(cfg, adamw, 0), adamw, got["dp_rank"]).figures["optimizer"]
             assert sum(predicted.figures["optimizer"].values()) < sum(below.values()), case
             assert predicted.optimizer_step > 0
+
+
+def test_the_planner_prices_newton_schulz_and_the_owners_sums() -> None:
+    """Newton-Schulz's FLOPs are counted per logical matrix (llama-tiny by hand: per layer q 64x64, k and v 32x64
+    apart, o 64x64, gate, up and down 176 x 64), and a Muon step costs more optimizer time than AdamW's, the
+    Newton-Schulz FLOPs spread over the stage's ranks and their sums and broadcasts on the wire."""
+    from trident.config import validate
+    from trident.plan.cost import NS_STEPS, muon_work
+    from trident.plan.planner import predict
+    from trident.plan.profile import DATASHEETS
+
+    cfg = _cfg("llama-tiny")
+    m = cfg.model
+
+    def ns(r: int, c: int) -> int:
+        r, c = sorted((r, c))
+        return NS_STEPS * (4 * r * r * c + 2 * r**3)
+
+    per_layer = ns(64, 64) + 2 * ns(32, 64) + ns(64, 64) + 3 * ns(176, 64)
+    flops, whole = muon_work(m, validate(cfg, 1), 0)
+    assert flops == m.n_layers * per_layer
+    assert whole == m.n_layers * (64 * 64 + 64 * 64 + 64 * 64 + 3 * 176 * 64)
+    for world, extra in ((1, []), (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero=1"])):
+        muon = _cfg("llama-tiny", *extra)
+        adamw = dataclasses.replace(muon, optim=dataclasses.replace(muon.optim, name="adamw"))
+        with_muon, without = (predict(c, world, DATASHEETS["h100"]).time for c in (muon, adamw))
+        assert with_muon.optimizer > without.optimizer, (world, with_muon.optimizer, without.optimizer)

@@ -27,7 +27,9 @@
                  ZeRO 2 reduces every micro-batch, ZeRO 3 gathers each block around its forward and backward
                  (``parallel.zero3_gather=micro_batch``) or once a step (``step``), ``zero3_prefetch`` blocks ahead
     optimizer    AdamW over the rank's shard at the device's rate, its offloaded part at the host's, with the
-                 gradient and parameter copies between them
+                 gradient and parameter copies between them; under Muon (``optim.name=muon``) also Newton-Schulz
+                 on every hidden matrix, spread over the stage's ranks, at the bf16 peak, and each matrix
+                 parameter's update summed onto its owner and its result broadcast back (``muon_work``)
 
 No term is fitted to a layout the planner ranks: every rate is a measurement of the machine (``--calibrate``) or a
 datasheet figure, the framework's overheads are fitted to held-out runs of the model's tiny twin, and the step is
@@ -49,10 +51,11 @@ import numpy as np
 from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.activations import stage_actions
-from trident.memory.params import chunk_params, stage_params
+from trident.memory.params import _key, chunk_params, stage_params
+from trident.memory.states import muon_params
 from trident.models.checkpointing import recomputed_layers
 from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_grads, stage_of, stage_placement
-from trident.parallel.placement import is_expert
+from trident.parallel.placement import is_expert, placement_of
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, embedding_ops, head_ops, layer_ops, recompute_ops
 from trident.plan.profile import (
@@ -917,6 +920,37 @@ def _optimizer_time(
         gather = collective_time(p, "all_gather", layout.grad_ranks, numel * e, dp_across)
     world = placement.world
     scalars = 3 * collective_time(p, "all_reduce", world, 8, placement.nodes > 1) if world > 1 else 0.0
+    muon = muon_comm = 0.0
+    if layout.optimizer == "muon":
+        flops, whole = max(muon_work(m, layout, stage) for stage in range(layout.pp))
+        stage_ranks = layout.grad_ranks * layout.tp
+        muon = flops / stage_ranks / p.peak("bf16")
+        # A reduce of the fp32 update and a broadcast of the bf16 result per parameter: as an all-reduce of 3 bytes
+        if stage_ranks > 1:
+            muon_comm = collective_time(p, "all_reduce", stage_ranks, whole * 3, placement.nodes > 1)
     if p.device == "cpu":  # the "host" is the same cores the ranks share
         host_part /= speed
-    return (device_part + other) / speed + host_part + copies, gather + scalars
+    return (device_part + other + muon) / speed + host_part + copies, gather + scalars + muon_comm
+
+
+NS_STEPS = 5  # optim.muon_ns_steps' default: what the planner prices
+
+
+def muon_work(m: ModelConfig, layout: Layout, stage: int) -> tuple[float, int]:
+    """Newton-Schulz's FLOPs over every matrix Muon steps on pipeline stage ``stage`` (each of NS_STEPS iterations
+    on an r x c matrix, r <= c: X X^T, 2 r^2 c; the quintic's b G + c G^2, 2 r^3; and its product with X, 2 r^2 c),
+    and the logical elements of its matrix parameters (what the owners' sums and broadcasts carry)."""
+    return _muon_work(_key(m), layout.tp, layout.pp, layout.vpp, layout.sequence_parallel, stage, layout.schedule)
+
+
+@functools.lru_cache(maxsize=512)
+def _muon_work(model: tuple, tp: int, pp: int, vpp: int, sp: bool, stage: int, schedule: str | None):
+    m = ModelConfig(*model)
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, schedule=schedule)
+    flops, whole = 0.0, 0
+    for param, matrices in muon_params(stage_params(m, layout, stage).chunks).items():
+        shape = placement_of(param).shape
+        r, c = sorted(matrices.shape(shape))
+        flops += matrices.parts * NS_STEPS * (4 * r * r * c + 2 * r**3)
+        whole += math.prod(shape)
+    return flops, whole
