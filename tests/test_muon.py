@@ -255,3 +255,18 @@ def test_the_planner_prices_newton_schulz_and_the_owners_sums() -> None:
         adamw = dataclasses.replace(muon, optim=dataclasses.replace(muon.optim, name="adamw"))
         with_muon, without = (predict(c, world, DATASHEETS["h100"]).time for c in (muon, adamw))
         assert with_muon.optimizer > without.optimizer, (world, with_muon.optimizer, without.optimizer)
+
+
+def test_adamw_is_adamw_alone(one_process) -> None:
+    """optim.name=adamw (the default) builds no Muon and keeps AdamW's moments for every piece (Megatron #6642: its
+    use_muon=False was ignored)."""
+    cfg = _cfg("llama-tiny", "optim.name=adamw")
+    parts = build_parts(cfg, layout_of(cfg, one_process), one_process, torch.device("cpu"))
+    zero = parts.optimizer.zero
+    assert zero.muon is None
+    (chunk,) = parts.chunks
+    batches = random_batches(cfg.model.vocab_size, 2, 2, cfg.model.seq_len, 0, 0)
+    parts.runner.forward_backward(batches, chunk.loss_sum, 1.0)
+    parts.optimizer.step.step(1e-3)
+    kinds = {k for seg, piece in zero.pieces() for k in zero.optimizer_of(seg, piece).state[zero.master(piece)]}
+    assert kinds == {"step", "exp_avg", "exp_avg_sq"}
