@@ -113,6 +113,9 @@ def test_a_few_hundred_draws_cover_every_knob() -> None:
         "model.moe.first_dense": {"1"},
         "model.moe.grouped_mm": {"false"},
         "model.moe.d_expert": {"32", "64"},
+        "model.loss_chunk_tokens": {"0", "7", "64"},
+        "optim.name": {"muon"},
+        "optim.muon_ns_dtype": {"fp32", "bf16"},
     }
     for key, values in expected.items():
         assert values <= seen[key], (key, seen[key])

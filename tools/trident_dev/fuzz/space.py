@@ -365,6 +365,11 @@ def draw_case(seed: int, index: int) -> Case:
     if knobs.get("train.precision") == "bf16" and fp8_rng.random() < 0.5:
         knobs["train.fp8"] = fp8_rng.choice(["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     knobs.update(_draw_optimizer(random.Random(f"fuzz-muon:{seed}:{index}"), knobs.get("train.precision", "fp32")))
+    # The fused head and loss in chunks of tokens (model.loss_chunk_tokens, default 1024: one chunk here): unchunked
+    # or a chunk of a few tokens, from a stream of its own.
+    chunk_rng = random.Random(f"fuzz-loss-chunk:{seed}:{index}")
+    if chunk_rng.random() < 0.3:
+        knobs["model.loss_chunk_tokens"] = chunk_rng.choice([0, 7, 64])
     # parallel.auto: the planner chooses the layout for the world drawn, so the layout knobs drawn are left out,
     # but context parallelism: the planner keeps a given cp and cp_comm and chooses the rest around them.
     if random.Random(f"fuzz-auto:{seed}:{index}").random() < 0.1:
