@@ -16,6 +16,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", nargs="*", default=[], help="train.py overrides every run shares")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     p.add_argument("--plot", type=Path, help="draw the loss curves (loss against tokens) to this PNG")
+    p.add_argument("--keep", type=Path, help="keep the runs' directories (metrics.jsonl, ...) under this one")
 
 
 @dataclass
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> list[Table]:
     tables, results = [], []
     with tempfile.TemporaryDirectory(prefix="bench-optim-") as tmp:
         for dp in args.dp:
-            table, world = sweep(args, dp, ns_dtype, Path(tmp) / f"dp{dp}")
+            table, world = sweep(args, dp, ns_dtype, (args.keep or Path(tmp)) / f"dp{dp}")
             tables.append(table)
             results += world
             print(table.markdown(), file=sys.stderr, flush=True)
@@ -223,7 +225,7 @@ def plot(results: list[Result], title: str, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("training loss (stars: validation loss at the end)")
-    fig.suptitle(f"Muon vs AdamW: {title}", fontsize=9)
+    fig.suptitle(textwrap.fill(f"Muon vs AdamW: {title}", 75 * len(worlds)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
