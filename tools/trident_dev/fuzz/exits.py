@@ -84,7 +84,7 @@ def one_process_groups() -> Iterator[ProcessGroups]:
 
 
 def one_process_config(cfg: Config, **checkpoint: object) -> Config:
-    """``cfg``'s model and batch at world 1 in fp32, one micro-batch a step, no recomputation, with these
+    """``cfg``'s model and batch at world 1 in fp32 (no FP8), one micro-batch a step, no recomputation, with these
     ``checkpoint.*`` keys (a resume path or an init_from source) and nothing saved."""
     train = dataclasses.replace(
         cfg.train,
@@ -94,6 +94,7 @@ def one_process_config(cfg: Config, **checkpoint: object) -> Config:
         recompute_every=1,
         recompute_modules=list(SELECTIVE_MODULES),
         compile=False,
+        fp8="off",  # FP8 computes around bf16 activations; the weights it trained are plain ones
     )
     saving = {"resume": "none", "init_from": None, "async_": False, "every": 0} | checkpoint
     return dataclasses.replace(
