@@ -17,4 +17,6 @@ docs/benchmarks.md); those that train build trident's side through trident/build
     recompute   each recomputation policy: one micro-batch's activations measured and estimated, step time vs none
     moe         the experts as one grouped product against a matmul per expert; training at ep 1 against each ep
     cp          context parallelism: cp 1, 2, 4 with each exchange against dp, activation bytes per rank, tokens/s
+    replay      train.replay_every=N's step time against no replay on one layout
+    optim       Muon against AdamW, each over a small learning-rate sweep: real runs' curves (a PNG) and step times
 """
