@@ -300,3 +300,32 @@ def test_an_fp8_checkpoint_resumes_across_layouts_with_the_uninterrupted_losses(
         resumed = train_in_process(tmp_path / name, [*base, *extra, f"checkpoint.resume={checkpoint}"], world=world)
         for history in resumed:
             _assert_fp8_curve(saved[3:], history)
+
+
+def test_the_planner_prices_the_converted_layers_gemms_at_the_fp8_peak() -> None:
+    """train.fp8: the linear layers parallel/fp8.py converts run their three GEMMs at the datasheet's FP8 peak (the
+    weight gradient's in 16 bits under rowwise_with_gw_hp), the head stays bf16, and the step is shorter than bf16's
+    on an H100."""
+    from tests.helpers import REPO
+    from trident.config import compose_config, validate
+    from trident.plan.cost import _shape
+    from trident.plan.ops import chunk_ops
+    from trident.plan.planner import predict
+    from trident.plan.profile import DATASHEETS
+
+    def cfg(*extra: str):
+        return compose_config(REPO / "conf", ["model=gpt-small", "train.precision=bf16", *extra])
+
+    for recipe in ("tensorwise", "rowwise_with_gw_hp"):
+        c = cfg(f"train.fp8={recipe}")
+        layout = validate(c, 1)
+        assert layout.fp8 == recipe
+        ops = [o for o in chunk_ops(c.model, _shape(c.model, layout), 2, True, True, "none") if o.kind == "matmul"]
+        low = [o for o in ops if o.shape[4] == "fp8"]
+        # 4 linear layers a block (qkv, proj, fc, proj) x 2 blocks x (F, I, W); the head's three and the
+        # attention's stay 16-bit
+        assert sum(o.count for o in low) == 4 * 2 * (3 if recipe == "tensorwise" else 2), recipe
+        assert all(o.shape[1] != c.model.vocab_size for o in low)
+    h100 = DATASHEETS["h100"]
+    bf16, fp8 = (predict(c, 1, h100).time for c in (cfg(), cfg("train.fp8=tensorwise")))
+    assert fp8.compute < bf16.compute and fp8.step < bf16.step

@@ -80,6 +80,7 @@ class Layout:
     document_mask: bool = False  # data.document_mask: attention inside each packed document
     async_checkpoint: bool = False  # checkpoint.async: a host copy of what the rank saves
     optimizer: str = "adamw"  # optim.name: adamw (two moments per element) | muon (one momentum per matrix element)
+    fp8: str = "off"  # train.fp8: the recipe of the linear layers' FP8 GEMMs (parallel/fp8.py), or off
 
     def __post_init__(self) -> None:
         # A layout written by hand resolves as validate's do: the default schedule of a pipeline, none without one.

@@ -436,4 +436,5 @@ def _resolve(cfg: Config, dp: int, schedule: str, vpp: int) -> Layout:
         document_mask=cfg.data.document_mask,
         async_checkpoint=cfg.checkpoint.async_,
         optimizer=cfg.optim.name,
+        fp8=tr.fp8,
     )

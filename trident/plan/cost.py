@@ -198,7 +198,10 @@ class Pricer:
         """What prices a collective besides its op: each group's size and whether it crosses a node."""
         return (self.tp_across_nodes, self.cp, self.cp_across_nodes, self.ep, self.ep_across_nodes)
 
-    def matmul(self, m: int, n: int, k: int, layout: str = "nn") -> float:
+    def matmul(self, m: int, n: int, k: int, layout: str = "nn", low: str | None = None) -> float:
+        if low is not None:  # an FP8 GEMM (train.fp8): at the profile's FP8 peak, never a calibrated 16-bit time
+            floor = self.profile.elementwise.time((m * k + k * n) * BYTES[low] + m * n * BYTES[self.precision])
+            return max(floor, flops_matmul(m, n, k) / (self.profile.peak(low) * self.profile.matmul_efficiency))
         self.needs.matmuls.add((self.precision, m, n, k, layout))
         measured = self.profile.matmuls.get(matmul_key(self.precision, m, n, k, layout))
         if measured is not None:
@@ -747,6 +750,7 @@ def _shape(m: ModelConfig, layout: Layout) -> Shape:
         layout.cp,
         layout.cp_comm,
         layout.ep,
+        layout.fp8,
     )
 
 

@@ -39,7 +39,7 @@ from trident.memory.params import local_heads
 from trident.models.checkpointing import parse_label
 from trident.models.gpt import padded_vocab_size
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 PASSES = ("F", "I", "W")
 
 
@@ -72,6 +72,7 @@ class Shape:
     cp: int = 1  # context parallelism: ``seq`` is this rank's part of the sequence, 1 / cp of it
     cp_comm: str = "ring"
     ep: int = 1  # expert parallelism: a sparse layer's experts over ep ranks, its pairs exchanged by all-to-all
+    fp8: str = "off"  # train.fp8's recipe: the linear layers' GEMMs in FP8 (``_linear``)
 
     @property
     def tokens(self) -> int:
@@ -82,14 +83,16 @@ class Shape:
         return BYTES[self.precision]
 
 
-def _linear(s: Shape, out: int, inp: int) -> list[Op]:
+def _linear(s: Shape, out: int, inp: int, fp8: bool = True) -> list[Op]:
     """A linear layer of ``out x inp`` local weights on the micro-batch's tokens (bias fused into the matmul; its
-    gradient a reduction over the tokens)."""
+    gradient a reduction over the tokens). Under ``train.fp8`` (``fp8``: a layer parallel/fp8.py converts, its
+    dims multiples of 16) its GEMMs are FP8's, the weight gradient's too but under ``rowwise_with_gw_hp``."""
     t = s.tokens
+    low = "fp8" if fp8 and s.fp8 != "off" and out % 16 == 0 and inp % 16 == 0 else None
     return [
-        Op("matmul", "F", (t, out, inp, "nt")),
-        Op("matmul", "I", (t, inp, out, "nn")),
-        Op("matmul", "W", (out, inp, t, "tn")),
+        Op("matmul", "F", (t, out, inp, "nt", low)),
+        Op("matmul", "I", (t, inp, out, "nn", low)),
+        Op("matmul", "W", (out, inp, t, "tn", None if s.fp8 == "rowwise_with_gw_hp" else low)),
     ]
 
 
@@ -369,7 +372,7 @@ def head_ops(m: ModelConfig, s: Shape) -> list[Op]:
     # At tp = 1 the head drops the padding rows (parallel/tensor.py ``logits``); a tp rank's block keeps them.
     vocab = m.vocab_size if s.tp == 1 else padded_vocab_size(m.vocab_size, m.vocab_multiple, s.tp) // s.tp
     logits = t * vocab * 4
-    ops = _elementwise(2 * t_sp * d * e, 1) + _linear(s, vocab, d)
+    ops = _elementwise(2 * t_sp * d * e, 1) + _linear(s, vocab, d, fp8=False)  # the head stays 16-bit
     ops += [Op("elementwise", "F", (), 4 * logits, 4), Op("elementwise", "I", (), 3 * logits, 3)]
     ops += [
         Op("elementwise", "F", ("transcendental",), 2 * logits, 2),

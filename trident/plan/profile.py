@@ -175,6 +175,7 @@ def _gpu(
     nvlink_gb_s: float,
     ib_gb_s: float,
     pcie_gb_s: float,
+    fp8_tflops: float | None = None,
 ) -> Profile:
     """A node of 8 GPUs from the datasheet. Bus bandwidths are ~80% of a link's one-way rate (what NCCL's tests
     report for large all-reduces), matmuls reach 70% of the dense peak, flash attention 45%; AdamW is
@@ -186,7 +187,8 @@ def _gpu(
         source=f"datasheet ({name.upper()} SXM, 8 per node)",
         memory_bytes=memory_gb * 1e9,
         units_per_node=8,
-        peak_tflops={"bf16": bf16_tflops, "fp16": bf16_tflops, "fp32": bf16_tflops / 2},
+        # FP8 (Hopper's dense e4m3 / e5m2 peak, twice bf16's; an A100 has none and runs FP8 GEMMs no faster)
+        peak_tflops={"bf16": bf16_tflops, "fp16": bf16_tflops, "fp32": bf16_tflops / 2, "fp8": fp8_tflops or bf16_tflops},  # noqa: E501
         elementwise=Rate(4e-6, 0.8 * hbm_tb_s * 1e12),
         intra=Rate(1.5e-5, 0.8 * nvlink_gb_s * 1e9),
         inter=Rate(3e-5, 0.8 * ib_gb_s * 1e9),
@@ -199,8 +201,8 @@ def _gpu(
 # NVLink one-way per GPU: 450 GB/s (H100/H200, NVLink 4), 300 GB/s (A100, NVLink 3); InfiniBand: one NDR 400 Gb/s
 # (50 GB/s) NIC per H100/H200, one HDR 200 Gb/s (25 GB/s) per A100; PCIe Gen5 x16 64 GB/s, Gen4 32 GB/s.
 DATASHEETS = {
-    "h100": _gpu("h100", 989.0, 80, 3.35, 450, 50, 64),
-    "h200": _gpu("h200", 989.0, 141, 4.8, 450, 50, 64),
+    "h100": _gpu("h100", 989.0, 80, 3.35, 450, 50, 64, fp8_tflops=1979.0),
+    "h200": _gpu("h200", 989.0, 141, 4.8, 450, 50, 64, fp8_tflops=1979.0),
     "a100": _gpu("a100", 312.0, 80, 2.0, 300, 25, 32),
 }
 
