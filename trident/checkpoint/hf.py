@@ -6,8 +6,8 @@ Six Hugging Face classes hold our blocks, each both ways: GPT2LMHeadModel, Llama
 the dense ones, MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM the mixture-of-experts ones (softmax
 routers, no shared experts, no dense first layers, no biases). docs/models.md ("Hugging Face in both directions")
 tables which ``model.*`` values each class fixes, and derives the balancing coefficient's conversion both ways
-(``aux_coef_from_hf`` / the export's ``aux_coef_to_hf``: ``aux_loss_coef = router_aux_loss_coef * top_k / L``, L the sparse
-layers). ``head_dim`` in config.json is ``model.head_dim`` (left None when it is hidden_size /
+(``aux_coef_from_hf`` / the export's ``aux_coef_to_hf``: ``aux_loss_coef = router_aux_loss_coef * top_k / L``, L
+the sparse layers). ``head_dim`` in config.json is ``model.head_dim`` (left None when it is hidden_size /
 num_attention_heads). The router z-loss has no place in these configs: an import leaves ``z_loss_coef`` 0, an
 export drops it. Export refuses the router state these dropless families have no place for: a nonzero loss-free
 balancing bias and a capacity (tools/trident_dev/export.py).

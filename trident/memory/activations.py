@@ -550,7 +550,12 @@ def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:
     seed = FP32  # the loss's own gradient, a scalar
     if m.loss_chunk_tokens:  # the fused loss scales its two gradients into new tensors (by a 16-bit copy of seed)
         block = padded_vocab_size(m.vocab_size, m.vocab_multiple, x.t) // x.t
-        return seed + (x.e if x.e != FP32 else 0) + tokens * x.h * x.e_norm + block * x.h * x.e
+        # At tp > 1 the head's input gradient then leaves the tp region: an all-reduced copy (parallel/comm.py
+        # ``CopyToRegion``), or under sequence parallelism its reduce-scattered shard.
+        # (allocated once the 16-bit copy of the seed is gone).
+        region = 0 if x.t == 1 else tokens * x.h * x.e_norm // (x.t if layout.sequence_parallel else 1)
+        copy = x.e if x.e != FP32 else 0
+        return seed + tokens * x.h * x.e_norm + block * x.h * x.e + max(copy, region)
     if x.t == 1:
         return 2 * FP32 * tokens * m.vocab_size + seed
     padded = padded_vocab_size(m.vocab_size, m.vocab_multiple, x.t)
