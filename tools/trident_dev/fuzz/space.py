@@ -357,8 +357,13 @@ def draw_case(seed: int, index: int) -> Case:
         data.pop("data.tokenizer", None)
     # The replay check (trident/replay.py), from a stream of its own: with STEPS 4, step 3 is computed twice and
     # compared bitwise on every rank (any difference fails the run), and the curve must still be the reference's.
-    if random.Random(f"fuzz-replay:{seed}:{index}").random() < 0.15:
+    replay_rng = random.Random(f"fuzz-replay:{seed}:{index}")
+    if replay_rng.random() < 0.15:
         knobs["train.replay_every"] = 3
+        # What a mismatch does (a healthy run has none either way), and the bound on skipped non-finite steps, which
+        # a healthy run never meets.
+        knobs["train.replay_action"] = replay_rng.choice(["stop", "warn"])
+        knobs["train.max_skipped_steps"] = replay_rng.choice([STEPS + 1, 10])
     # FP8 matmuls (train.fp8, issue 51) in half of the bf16 cases, from a stream of their own: held, as bf16 is, to
     # the fp32 reference's losses within LOW_PRECISION_REL.
     fp8_rng = random.Random(f"fuzz-fp8:{seed}:{index}")
