@@ -73,17 +73,19 @@ def _graphs_per_step(rank: int, world: int, cfg, run_dir) -> list[int]:
 @pytest.mark.multiprocess
 def test_nothing_recompiles_after_the_first_step_across_layouts_micro_batches_and_resume(tiny_dataset, tmp_path):
     """Dynamo compiles the block in the first step (and, under gradient accumulation, nothing more for the later
-    micro-batches); the steps after it compile nothing, at one process with micro-batches of 4 and at tp=2 + SP with
-    micro-batches of 2, and in a run resumed from a compiled checkpoint under a third layout (pp=2)."""
+    micro-batches); the steps after it compile nothing, at tp=2 + SP with micro-batches of 2, and in a run resumed
+    from its compiled checkpoint under another layout (one process) with micro-batches of 4."""
     from tests.helpers.layouts import make_config
     from trident_dev.ranks import run_distributed
 
     base = tiny(tiny_dataset, "model=llama-tiny", "train.steps=4", "train.eval_every=0", "train.compile=true")
-    saved = tmp_path / "one" / "checkpoints" / "step_00000002"
+    saved = tmp_path / "tp2" / "checkpoints" / "step_00000002"
     runs = {
-        "one": (1, ["train.micro_batch_size=4", "checkpoint.every=2"]),
-        "tp2": (2, ["train.micro_batch_size=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-        "resumed-pp2": (2, ["parallel.pp=2", f"checkpoint.resume={saved}"]),
+        "tp2": (
+            2,
+            ["train.micro_batch_size=2", "parallel.tp=2", "parallel.sequence_parallel=true", "checkpoint.every=2"],
+        ),
+        "resumed-one": (1, ["train.micro_batch_size=4", f"checkpoint.resume={saved}"]),
     }
     for name, (world, extra) in runs.items():
         cfg = make_config(*base, *extra)
