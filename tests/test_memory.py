@@ -309,13 +309,31 @@ def _loss_backward_peak(cfg: ModelConfig, precision: str, batch: int, model: GPT
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         grads = torch.autograd.grad(loss, [hidden, lm.weight])
     del grads
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
-    allocated = [e.nbytes() for e in events]  # signed: a free is negative
+    return _window_peak(prof)
+
+
+def _window_peak(prof: torch.profiler.profile) -> int:
+    """The most bytes allocated at once inside a profiled window, counting only blocks allocated in it: a block
+    allocated before (say a gloo work object's buffer, let go on gloo's thread while the window runs) is not freed
+    against the window's own allocations."""
+    from torch._C._profiler import _EventType
+
+    def walk(events):
+        for e in events:
+            yield e
+            yield from walk(e.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    allocations = sorted((e for e in walk(tree) if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    live: dict[int, int] = {}
     running, peak = 0, 0
-    for n in allocated:
-        running += n
+    for e in allocations:
+        size, ptr = e.extra_fields.alloc_size, e.extra_fields.ptr
+        if size > 0:
+            live[ptr] = size
+            running += size
+        elif ptr in live:
+            running -= live.pop(ptr)
         peak = max(peak, running)
     return peak
 
