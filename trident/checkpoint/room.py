@@ -46,8 +46,17 @@ def mount_of(path: Path) -> Path:
     return path
 
 
-def used_bytes(directory: Path) -> int:  # a partial save's, given back when it is removed
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
+def used_bytes(directory: Path) -> int:
+    """A partial save's bytes, given back when it is removed; another rank may be removing it as it is counted, so
+    files and folders that vanish mid-walk count as nothing."""
+    total = 0
+    for folder, _, names in os.walk(directory):  # os.walk skips a folder it can no longer list
+        for name in names:
+            try:
+                total += os.stat(os.path.join(folder, name), follow_symlinks=False).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def full_line(where: Path, needed: int, freed: int = 0) -> str:
