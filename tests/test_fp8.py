@@ -270,6 +270,29 @@ def test_each_layout_gives_the_one_process_fp8_curve(tiny_dataset, tmp_path, ref
 
 
 @pytest.mark.multiprocess
+def test_the_high_precision_weight_gradient_recipe_gives_the_one_process_curve_under_tp(
+    tiny_dataset, tmp_path, references
+):
+    """rowwise_with_gw_hp: its weight-gradient GEMM in bf16 (no cast of the output gradient or the input along the
+    tokens), the other two in FP8 with their amax reduced over tp, at tp=2 with sequence parallelism."""
+    overrides = _fp8_run(tiny_dataset, "rowwise_with_gw_hp")
+    reference = references.history(overrides)
+    assert [r["loss"] for r in reference] != [r["loss"] for r in references.history(_fp8_run(tiny_dataset, "rowwise"))]
+    for history in train_in_process(tmp_path, [*overrides, *FP8_LAYOUTS["tp2-sp"]], world=2):
+        _assert_fp8_curve(reference, history)
+
+
+@pytest.mark.multiprocess
+def test_fp8_composes_with_compiled_blocks(tiny_dataset, tmp_path, references):
+    """train.compile=true with train.fp8: each block compiled around its FP8 linear layers (eager islands: their
+    collectives and torchao's tensor subclass), the eager FP8 curve to the FP8 tolerance (inductor's own fusions of
+    the bf16 arithmetic between them move values across FP8 rounding boundaries as another order of sums does)."""
+    overrides = _fp8_run(tiny_dataset, "rowwise")
+    (compiled,) = train_in_process(tmp_path, [*overrides, "train.compile=true"])
+    _assert_fp8_curve(references.history(overrides), compiled)
+
+
+@pytest.mark.multiprocess
 def test_llama_with_kv_heads_replicated_over_tp_gives_the_one_process_fp8_curve(tiny_dataset, tmp_path, references):
     """SwiGLU's gate and up, and one kv head that both tp ranks hold whole, each using its block of rows
     (``ReplicatedColumnLinear``: the weight's amax and its output gradient's reduced over tp too)."""
