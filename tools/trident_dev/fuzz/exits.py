@@ -243,8 +243,13 @@ class Exits:
             return []
         import transformers  # a second or more to import: only where an export loads
 
+        # The experts' eager loop: transformers' default grouped_mm on a CPU fails in torch's kernel ("strides should
+        # be multiple of 16 bytes") at an expert width whose rows are not (d_expert 30 in fp32), which transformers
+        # checks only up to torch 2.10 (docs/checkpoints.md says so to users).
         with contextlib.redirect_stderr(io.StringIO()):
-            model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                out, dtype=torch.float32, experts_implementation="eager"
+            ).eval()
         return _differs(f"exit hf ({type(model).__name__})", model(ids).logits.float(), truth)
 
 
