@@ -45,6 +45,8 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from trident.parallel.fp8 import is_fp8_gemm
+
 if TYPE_CHECKING:
     from trident.models.gpt import GPT
     from trident.parallel.random import RNGTracker
@@ -120,7 +122,9 @@ def _policy(regions: _Regions, modules: frozenset[str]) -> Callable:
         recompute = CheckpointPolicy.PREFER_RECOMPUTE
         # Work under no_grad (a sparse layer's routing statistics) is no input of the backward and is not repeated in
         # the recomputation: kept, it would shift the cache of its op by one and hand a later call the wrong output.
-        if not torch.is_grad_enabled():
+        # But an FP8 layer's GEMM (train.fp8), in its autograd.Function's grad-less forward, is repeated: kept as a
+        # bf16 layer's is (recomputed, selective+FP8 ran every converted layer's forward GEMM twice); its casts rerun.
+        if not torch.is_grad_enabled() and not is_fp8_gemm(op, args):
             return recompute
         # Views alias what they view (keeping one would keep a recomputed tensor's storage); a mutating op (a
         # collective writing its output) must run again.

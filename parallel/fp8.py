@@ -84,6 +84,13 @@ class Fp8Spec:
         return f8.tensor.hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, self.mm, gemm_role, axis_or_none)
 
 
+def is_fp8_gemm(op: Any, args: tuple) -> bool:
+    """Whether ``op`` is one of the GEMMs of ``_Fp8Matmul``'s forward (an ``aten.mm`` of Float8 tensors), which runs
+    with grad mode off, as an autograd.Function's forward does: for selective recomputation to keep it as it keeps
+    a bf16 layer's (models/checkpointing.py)."""
+    return op is torch.ops.aten.mm.default and any(type(a).__name__ == "Float8TrainingTensor" for a in args)
+
+
 class _Fp8Matmul(torch.autograd.Function):
     """``x @ w_t`` (``x`` [tokens, K], ``w_t`` [K, N]) and its two gradient GEMMs in fp8: torchao's
     ``matmul_with_hp_or_float8_args``, each cast's amax reduced over the layout's split (``Fp8Spec.cast``)."""

@@ -39,23 +39,36 @@ class _Holder(nn.Module):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_a_converted_layer_is_torchaos_float8_linear_bit_for_bit(recipe):
+    """Ours (emulated on a CPU: the fp8 operands and scales multiplied in fp32, parallel/fp8.py) equals torchao's
+    Float8Linear emulated bit for bit, and its ``torch._scaled_mm`` to the fp32 sums' order (the CPU kernel is a
+    reference loop: the order a BLAS mm picks can move a sum's last bit and so its bf16 rounding; 5e-7 seen after
+    other tests ran)."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     linear = nn.Linear(64, 48).to(torch.bfloat16)
     ours = ColumnParallelLinear(64, 48)
     ours.weight.data, ours.bias.data = linear.weight.data.clone(), linear.bias.data.clone()
     assert enable_fp8(_Holder(ours), recipe) == ["layer"]
-    theirs = convert_to_float8_training(nn.Sequential(linear), config=Float8LinearConfig.from_recipe_name(recipe))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    layers = [ours]
+    for emulate in (True, False):
+        theirs = convert_to_float8_training(
+            nn.Sequential(copy.deepcopy(linear)), config=dataclasses.replace(config, emulate=emulate)
+        )
+        layers.append(theirs)
     x, dy = _randn(3, 10, 64, seed=1).bfloat16(), _randn(3, 10, 48, seed=2).bfloat16()
     results = []
-    for layer in (ours, theirs):
+    for layer in layers:
         xi = x.clone().requires_grad_()
         y = layer(xi)
         y.backward(dy)
         weight = layer.weight if layer is ours else layer[0].weight
         results.append((y, xi.grad, weight.grad))
-    for a, b in zip(*results, strict=True):  # ours emulated on a CPU (parallel/fp8.py), theirs through _scaled_mm
+    for a, b, c in zip(*results, strict=True):
         assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=2**-7, atol=1e-5)  # a bf16 rounding of a sum a last bit apart
     plain = nn.functional.linear(x, linear.weight, linear.bias)
     assert not torch.equal(results[0][0], plain)  # it did compute in FP8
 
@@ -198,6 +211,51 @@ def test_a_split_tensor_is_cast_with_the_whole_tensors_scales():
         assert all(same for *_, same, _ in cases), (dim, axis, recipe)
         spans = recipe == "tensorwise" or axis % 2 == dim
         assert all(alone for *_, alone in cases) != spans, (dim, axis, recipe, [c[-1] for c in cases])
+
+
+def _backward_gemms(policy: str, recipe: str) -> tuple[int, list[torch.Tensor]]:
+    """The aten.mm calls of one backward of two-layer gpt-tiny (bf16) under ``policy``, and the gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trident.models.checkpointing import apply_activation_checkpointing
+    from trident.models.gpt import init_weights
+    from trident.parallel.precision import autocast
+    from trident.parallel.random import model_parallel_rng
+
+    class Count(TorchDispatchMode):
+        mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.mm += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    cfg = ModelConfig(name="t", n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=512)
+    torch.manual_seed(0)
+    rng = model_parallel_rng(0)
+    model = GPT(cfg, rng=rng)
+    init_weights(model, cfg, 0)
+    model.to(torch.bfloat16)
+    enable_fp8(model, recipe)
+    apply_activation_checkpointing(model, policy)
+    x, y = torch.randint(0, 512, (2, 2, 32), generator=torch.Generator().manual_seed(1))
+    with autocast("bf16", x.device), rng.context(0, range(2)):
+        loss = model(x, targets=y)
+    with Count() as count:
+        loss.backward()
+    return count.mm, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_selective_recomputation_keeps_the_fp8_gemms_as_it_keeps_bf16s(recipe):
+    """Selective recomputation keeps every matrix product's output (models/checkpointing.py); an FP8 layer's runs in
+    its autograd.Function's grad-less forward, which the policy once recomputed like routing statistics: the
+    backward then ran each converted layer's forward GEMM again. Now as many GEMMs as without recomputation, and the
+    same gradients."""
+    kept, grads = _backward_gemms("none", recipe)
+    selective, again = _backward_gemms("selective", recipe)
+    assert selective == kept
+    assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+    assert _backward_gemms("full", recipe)[0] > kept  # full recomputation reruns them, as it should
 
 
 def test_enable_fp8_does_not_copy_the_weights():

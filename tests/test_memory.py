@@ -381,6 +381,28 @@ def test_activation_prediction_with_packed_documents_matches_a_forward(cfg: Mode
     assert all(predicted[p] > activation_bytes(cfg, plain, 0, p) for p in POLICIES)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("cfg", [TINY, LLAMA], ids=lambda c: c.name)
+def test_fp8_holds_the_bf16_activations_the_estimator_predicts(cfg: ModelConfig, recipe: str) -> None:
+    """train.fp8's layers (parallel/fp8.py) keep their bf16 input and weight for backward and cast them to FP8 in
+    each GEMM (a transient of that GEMM, as in torchao's Float8Linear): a forward holds what bf16's does, so the
+    estimator's bf16 count is FP8's too, per recomputation policy, measured on the converted model."""
+    from trident.parallel.fp8 import enable_fp8
+
+    def converted() -> GPT:
+        torch.manual_seed(0)
+        model = GPT(cfg, rng=model_parallel_rng(0))
+        init_weights(model, cfg, 0)
+        per_block = 6 if cfg.mlp == "swiglu" else 4  # q, kv, the output, gate, up, down; GPT-2's fused qkv
+        assert len(enable_fp8(model, recipe)) == per_block * cfg.n_layers
+        return model
+
+    held = {p: _held(cfg, p, batch=2, model=converted(), precision="bf16") for p in POLICIES}
+    layout = Layout(micro_batch_size=2, precision="bf16", device="cpu", fp8=recipe)
+    assert held == {p: activation_bytes(cfg, layout, 0, p) for p in POLICIES}
+    assert held == {p: _held(cfg, p, batch=2, precision="bf16") for p in POLICIES}  # bf16's, unconverted
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("cfg", ACTIVATION_SHAPES, ids=[c.name for c in ACTIVATION_SHAPES])
 def test_activation_prediction_matches_a_forward(cfg: ModelConfig, precision: str) -> None:
