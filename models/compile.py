@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trident.errors import ConfigError
+from trident.parallel.random import Dropout
 
 
 def compiles(setting: str | bool, device: torch.device) -> bool:
@@ -50,5 +51,10 @@ def compile_blocks(model: nn.Module, device: torch.device) -> None:
         # Hashing and seeding in Python: an eager island inside the compiled block. Marked here, on this run's
         # tracker, not with a decorator, which would import dynamo into every process that imports the model.
         rng.keep_mask = torch.compiler.disable(rng.keep_mask)
+    for module in model.modules():  # a dropout reads its layer and kind, ints dynamo would specialize on: compiled,
+        # its frame recompiled for every (layer, kind) pair, 8 C++ builds and then the cache limit at 8 layers; eager,
+        # each dropout is one island (it was one already: the mask's draw)
+        if isinstance(module, Dropout) and "forward" not in vars(module):
+            module.forward = torch.compiler.disable(module.forward)
     for block in model.layers.values():
         block.forward = torch.compile(block.forward, options={"fallback_random": True})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.layouts import assert_same_curve, tiny, train_in_process
+from tests.helpers.layouts import assert_same_curve, make_config, tiny, train_in_process
 from trident.errors import ConfigError
 from trident.models.compile import check_toolchain
 
@@ -91,6 +91,37 @@ def test_nothing_recompiles_after_the_first_step_across_layouts_micro_batches_an
         cfg = make_config(*base, *extra)
         for graphs in run_distributed(_graphs_per_step, world, cfg, tmp_path / name, timeout_s=600):
             assert graphs[0] > 0 and all(g == graphs[0] for g in graphs), (name, graphs)  # compiled, then no more
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_a_deeper_model_compiles_no_more_graphs(model, monkeypatch) -> None:
+    """One compilation serves every block: the graphs dynamo builds in a forward and backward with dropout do not
+    grow with the layers (a dropout's layer index once made its frame recompile per layer, up to dynamo's cache
+    limit). Dynamo's graphs, counted with its eager backend (no C++: the backend does not change what is traced)."""
+    from torch._dynamo.utils import counters
+
+    from trident.models.compile import compile_blocks
+    from trident.models.gpt import GPT, init_weights
+    from trident.parallel.random import model_parallel_rng
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, options=None: real(fn, backend="eager"))
+
+    def graphs(layers: int) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        cfg = make_config(f"model={model}", f"model.n_layers={layers}", "model.dropout=0.1").model
+        rng = model_parallel_rng(0)
+        gpt = GPT(cfg, rng=rng)
+        init_weights(gpt, cfg, 0)
+        compile_blocks(gpt, torch.device("cpu"))
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+        with rng.context(0, range(2)):
+            gpt(x, targets=x).backward()
+        return counters["stats"]["unique_graphs"]
+
+    two = graphs(2)
+    assert two > 0 and graphs(6) == two
 
 
 def test_compile_auto_compiles_on_cuda_and_stays_eager_on_a_cpu() -> None:
