@@ -43,9 +43,16 @@ def check_toolchain(device: torch.device) -> None:
         )
 
 
-def compile_blocks(model: nn.Module, device: torch.device) -> None:
-    """Compile the forward of every block in ``model.layers`` (a model chunk: all layers, or a pipeline stage's)."""
+def compile_blocks(model: nn.Module, device: torch.device, retains_graph: bool = False) -> None:
+    """Compile the forward of every block in ``model.layers`` (a model chunk: all layers, or a pipeline stage's).
+    ``retains_graph``: backward runs in passes over a retained graph (zb-h1's and zb-v's I then W), which a compiled
+    backward that donates its saved buffers refuses ("non-empty donated buffers requires ... retain_graph=False"):
+    AOTAutograd's buffer donation is then turned off for the process (a run's: it holds one model)."""
     check_toolchain(device)
+    if retains_graph:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
     rng = getattr(model, "rng", None)
     if rng is not None and "keep_mask" not in vars(rng):  # the tracker is shared by a rank's chunks: once
         # Hashing and seeding in Python: an eager island inside the compiled block. Marked here, on this run's

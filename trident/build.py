@@ -44,7 +44,7 @@ from trident.parallel.fp8 import enable_fp8
 from trident.parallel.groups import ProcessGroups
 from trident.parallel.layout import FlatLayout
 from trident.parallel.pipeline.executor import PipelineRunner
-from trident.parallel.pipeline.schedules import stage_of, stage_placement
+from trident.parallel.pipeline.schedules import SPLIT_BACKWARD, stage_of, stage_placement
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.placement import is_expert, placement_of
 from trident.parallel.precision import LossScaler, PrecisionPolicy, precision_policy
@@ -75,7 +75,7 @@ def model_chunks(
         enable_fp8(chunk, train.fp8)
         compiled = compiles(train.compile, device)
         if compiled:  # before activation checkpointing, which then wraps the compiled blocks
-            compile_blocks(chunk, device)
+            compile_blocks(chunk, device, retains_graph=layout.schedule in SPLIT_BACKWARD)
         apply_activation_checkpointing(
             chunk, layout.activation_checkpointing, compiled, layout.recompute_modules, layout.recompute_every
         )

@@ -39,6 +39,8 @@ from typing import NamedTuple
 F, B, I, W = "F", "B", "I", "W"  # noqa: E741 (I is the zero-bubble paper's name for the input backward)
 KINDS = (F, B, I, W)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+# The schedules whose backward is two passes, input gradients (I) then weights (W), the graph retained between them.
+SPLIT_BACKWARD = ("zb-h1", "zb-v")
 LOOP, V = "loop", "v"
 PLACEMENTS = (LOOP, V)
 
