@@ -188,7 +188,12 @@ def _gpu(
         memory_bytes=memory_gb * 1e9,
         units_per_node=8,
         # FP8 (Hopper's dense e4m3 / e5m2 peak, twice bf16's; an A100 has none and runs FP8 GEMMs no faster)
-        peak_tflops={"bf16": bf16_tflops, "fp16": bf16_tflops, "fp32": bf16_tflops / 2, "fp8": fp8_tflops or bf16_tflops},  # noqa: E501
+        peak_tflops={
+            "bf16": bf16_tflops,
+            "fp16": bf16_tflops,
+            "fp32": bf16_tflops / 2,
+            "fp8": fp8_tflops or bf16_tflops,
+        },
         elementwise=Rate(4e-6, 0.8 * hbm_tb_s * 1e12),
         intra=Rate(1.5e-5, 0.8 * nvlink_gb_s * 1e9),
         inter=Rate(3e-5, 0.8 * ib_gb_s * 1e9),
