@@ -83,6 +83,8 @@ def main() -> int:
     start_fork_server(RANK_PRELOAD)
     exits = (lambda case: False) if args.no_exits else (lambda case: True)
     fuzzer = Fuzzer(REPO, prepare_corpus(args.cache_dir), timeout_s=args.timeout, exits_of=exits)
+    if not fuzzer.compiles:
+        print("no C++ compiler found: the cases drawn with train.compile=true run eager (train.compile=false)")
     start = time.monotonic()
     results, refused, launches = [], 0, []
     for index in indices:

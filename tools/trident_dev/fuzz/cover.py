@@ -119,6 +119,12 @@ SINGLES = (
     "model.moe.z_loss_coef>0",
     *_words("export", (*HF_CLASSES, None)),
     *_words("optim.name", ("adamw", "muon")),  # Muon (issue 52), its keys drawn with it
+    # Issue 51's keys: FP8's recipes (with bf16), compiled blocks, the loss in chunks of tokens (one chunk of the
+    # default 1024 here, unchunked, or a few tokens a chunk); and the replay check.
+    *_words("train.fp8", ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")),
+    *_words("train.compile", ("auto", True)),
+    *_words("model.loss_chunk_tokens", (1024, 0, 7, 64)),
+    *_words("train.replay_every", (0, 3)),
 )
 
 # Pairs that meet in the code: each must be exercised by one trained case.
@@ -194,6 +200,10 @@ PAIRS = (
     ("model.moe.shared_experts>0", "tp>1"),
     ("model.moe.capacity_factor=0.5", "cp>1"),
     ("model.moe.capacity_factor=0.5", "tp>1"),
+    # FP8's scales over the whole logical tensor: amaxes reduced over tp, and over ZeRO's weight shards.
+    ("fp8", "tp>1"),
+    ("fp8", "sharded"),
+    ("model.loss_chunk_tokens=7", "tp>1"),  # the vocab-parallel head's loss in chunks
 )
 
 # What the trained cases whose exits a short sweep checks must exercise between them (tests/test_fuzz.py checks
@@ -273,6 +283,11 @@ def exercised(drawn: Drawn) -> frozenset[str]:
         _is("data.mix", cfg.data.mix[0].rsplit(":", 1)[1] if cfg.data.mix else None),
         _is("model.n_kv_heads", model.kv_heads),
         _is("optim.name", cfg.optim.name),
+        _is("train.fp8", cfg.train.fp8),
+        _is("train.compile", str(cfg.train.compile).lower()),
+        _is("model.loss_chunk_tokens", model.loss_chunk_tokens),
+        _is("train.replay_every", cfg.train.replay_every),
+        *(["fp8"] if cfg.train.fp8 != "off" else []),
         *(["world>1"] if case.world > 1 else []),
     }
     keys = ["vocab_size", "n_layers", "dropout", "norm", "norm_eps", "mlp", "position", "bias", "tie_embeddings"]
@@ -348,6 +363,10 @@ def _run_seconds(layout: Layout, layers: int, batch: int, steps: int) -> float:
     return 0.8 + ranks + 0.0032 * steps * batch * (layers * recompute + 2)
 
 
+# A compiled run's C++ (tests/test_compile.py's tp=2 runs: about 10 s more than eager), plus a second a rank.
+COMPILE_SECONDS = 10.0
+
+
 def estimated_seconds(drawn: Drawn) -> float:
     """What running the case costs (the runner's order: the one-process reference, the run, the resume, and for a
     third of the cases a run from the checkpoint's weights with its own reference); a refusal costs nothing."""
@@ -358,6 +377,8 @@ def estimated_seconds(drawn: Drawn) -> float:
     reference = _run_seconds(Layout(), *model, STEPS)
     _, resumed = drawn.resume
     seconds = reference + _run_seconds(drawn.layout, *model, STEPS) + _run_seconds(resumed, *model, STEPS - SAVE_AT)
+    if str(drawn.cfg.train.compile).lower() == "true":  # the run's C++ compilation (its resume runs eager)
+        seconds += COMPILE_SECONDS + drawn.case.world
     if starts_from_weights(drawn.case):
         seconds += reference + _run_seconds(resumed, *model, STEPS)
     return seconds + _exit_seconds(drawn.cfg)

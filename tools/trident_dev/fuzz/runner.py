@@ -20,9 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from trident.config import Config, DataConfig, compose_config, validate
 from trident.data.prepare import resolve_dataset
+from trident.errors import ConfigError
 from trident.layout import Layout
+from trident.models.compile import check_toolchain
 from trident.plan.auto import choose as choose_layout
 from trident_dev.curves import curve_mismatches
 from trident_dev.fuzz.exits import Exits
@@ -163,6 +167,15 @@ def _first_line(error: BaseException) -> str:
     return head if tail in ("", head) else f"{head} ... {tail}"
 
 
+def _has_compiler() -> bool:
+    """Whether inductor finds the C++ compiler it needs on a CPU (models/compile.py's check)."""
+    try:
+        check_toolchain(torch.device("cpu"))
+    except ConfigError:
+        return False
+    return True
+
+
 class Fuzzer:
     """Runs cases on one dataset; keeps the one-process references of a sweep."""
 
@@ -186,12 +199,15 @@ class Fuzzer:
         self._exits: Exits | None = None
         self._second: Path | None = None
         self._runs = 0
+        self.compiles = _has_compiler()  # train.compile=true cases run eager without one
 
     def overrides(self, overrides: tuple[str, ...] | list[str]) -> list[str]:
         """train.py's command line for a case's overrides on this sweep's dataset."""
         paths = {DATASET_TOKENIZER: str(self.dataset / "tokenizer.model"), MIX_FIRST: str(self.dataset)}
 
         def fill(override: str) -> str:
+            if override == "train.compile=true" and not self.compiles:
+                return "train.compile=false"  # said once, when the sweep starts (tools/fuzz_layouts.py)
             if MIX_SECOND in override:
                 override = override.replace(MIX_SECOND, str(self.second_dataset()))
             for placeholder, path in paths.items():

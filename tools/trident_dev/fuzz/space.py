@@ -369,6 +369,11 @@ def draw_case(seed: int, index: int) -> Case:
     fp8_rng = random.Random(f"fuzz-fp8:{seed}:{index}")
     if knobs.get("train.precision") == "bf16" and fp8_rng.random() < 0.5:
         knobs["train.fp8"] = fp8_rng.choice(["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+    # Compiled blocks (train.compile=true, issue 51) in a twentieth of the cases, from a stream of their own: the
+    # eager reference's curve at the layouts' tolerance, and the compiled run's checkpoint resumed eagerly (the resume
+    # layout does not keep the key). Where no C++ compiler is found the runner runs the case eager (runner.py).
+    if random.Random(f"fuzz-compile:{seed}:{index}").random() < 0.05:
+        knobs["train.compile"] = True
     knobs.update(_draw_optimizer(random.Random(f"fuzz-muon:{seed}:{index}"), knobs.get("train.precision", "fp32")))
     # The fused head and loss in chunks of tokens (model.loss_chunk_tokens, default 1024: one chunk here): unchunked
     # or a chunk of a few tokens, from a stream of its own.
