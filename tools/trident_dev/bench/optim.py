@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> list[Table]:
             results += world
             print(table.markdown(), file=sys.stderr, flush=True)
     if args.plot:
-        plot(results, tables[0].title.split(";")[0], args.plot)
+        plot(results, tables[0].title.split(";")[0].rsplit(", ", 1)[0], args.plot)  # each panel names its world
     return tables
 
 
