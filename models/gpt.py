@@ -122,9 +122,8 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = heads // tp_size  # this rank's query heads
         self.n_kv_heads = kv_heads // tp_size if kv_heads % tp_size == 0 else 1  # and the kv heads they read
         # RoPE's frequencies, fp32 whatever the parameters' dtype: not a buffer, which a cast of the model would round;
-        # a copy per device the model runs on.
+        # moved with the model (``_apply``).
         self.inv_freq = rope_frequencies(cfg) if cfg.position == "rope" else None
-        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
         self.dropout = cfg.dropout
         self.drop = Dropout(cfg.dropout, rng, layer, ATTENTION, shard_dim=0, rank=tp_rank, parts=tp_size)
         d, sp = cfg.d_model, sequence_parallel
@@ -152,6 +151,15 @@ class CausalSelfAttention(nn.Module):
                 if tp_size > 1:  # each rank's backward saw only its own heads: the gradient is a partial sum
                     add_grad_sum(p, "tp")
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
+        """``.to``, ``.cuda``, ...: RoPE's frequencies take the device and keep fp32. (They were copied per device in
+        forward, into a dict whose state, empty at the first call and full after, made dynamo recompile the
+        compiled block at the second step.)"""
+        out = super()._apply(fn, recurse)
+        if self.inv_freq is not None:
+            self.inv_freq = self.inv_freq.to(fn(self.inv_freq).device)
+        return out
+
     def project(
         self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,9 +174,7 @@ class CausalSelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.inv_freq is not None:
-            inv_freq = self._inv_freq_on.get(q.device)
-            if inv_freq is None:
-                inv_freq = self._inv_freq_on[q.device] = self.inv_freq.to(q.device)
+            inv_freq = self.inv_freq
             if positions is None:
                 positions = torch.arange(start, start + q.shape[-2], device=q.device)
             cos, sin = rope_tables(positions, inv_freq)
