@@ -10,8 +10,8 @@ them checkpoints) do not change.
 Apply it *before* activation checkpointing: ``full`` and ``selective`` then checkpoint the compiled block (selective's
 contexts keep and replay the same outputs as in an eager block), and ``attention`` leaves the recomputed attention
 core as an eager island inside it (dynamo cannot trace a checkpoint whose ``context_fn`` restores the RNG tracker's
-micro-batch). Dropout masks are drawn eagerly (``RNGTracker.keep_mask``
-is an eager island), so they, and their replay in recomputation, are the eager ones; inductor's
+micro-batch). Each dropout runs eagerly (an island: its layer and kind are ints dynamo would specialize on, one
+recompilation per layer), so its masks, and their replay in recomputation, are the eager ones; inductor's
 ``fallback_random`` would keep any other random op as eager draws it.
 """
 
@@ -53,14 +53,9 @@ def compile_blocks(model: nn.Module, device: torch.device, retains_graph: bool =
         import torch._functorch.config as functorch_config
 
         functorch_config.donated_buffer = False
-    rng = getattr(model, "rng", None)
-    if rng is not None and "keep_mask" not in vars(rng):  # the tracker is shared by a rank's chunks: once
-        # Hashing and seeding in Python: an eager island inside the compiled block. Marked here, on this run's
-        # tracker, not with a decorator, which would import dynamo into every process that imports the model.
-        rng.keep_mask = torch.compiler.disable(rng.keep_mask)
-    for module in model.modules():  # a dropout reads its layer and kind, ints dynamo would specialize on: compiled,
-        # its frame recompiled for every (layer, kind) pair, 8 C++ builds and then the cache limit at 8 layers; eager,
-        # each dropout is one island (it was one already: the mask's draw)
+    for module in model.modules():  # the module docstring's eager dropouts (compiled, their frame recompiled for
+        # every (layer, kind) pair: 8 C++ builds and then the cache limit at 8 layers). Marked here, on this run's
+        # modules, not with a decorator, which would import dynamo into every process that imports the model.
         if isinstance(module, Dropout) and "forward" not in vars(module):
             module.forward = torch.compiler.disable(module.forward)
     for block in model.layers.values():

@@ -54,7 +54,14 @@ from trident.memory.activations import stage_actions
 from trident.memory.params import _key, chunk_params, stage_params
 from trident.memory.states import muon_params
 from trident.models.checkpointing import recomputed_layers
-from trident.parallel.pipeline.schedules import Action, holder_of, makes_weight_grads, stage_of, stage_placement
+from trident.parallel.pipeline.schedules import (
+    SPLIT_BACKWARD,
+    Action,
+    holder_of,
+    makes_weight_grads,
+    stage_of,
+    stage_placement,
+)
 from trident.parallel.placement import is_expert, placement_of
 from trident.plan import simulate
 from trident.plan.ops import BYTES, Op, Shape, chunk_ops, embedding_ops, head_ops, layer_ops, recompute_ops
@@ -709,7 +716,7 @@ def step_floor(
     where = stage_placement(layout.schedule)
     # Without a split backward a rank's last action is a backward, after which the gradient still passes every
     # stage below it (at least those below the rank's first stage); zb's last actions may be weight passes.
-    drains = layout.schedule not in ("zb-h1", "zb-v")
+    drains = layout.schedule not in SPLIT_BACKWARD
     worst = lead = 0.0  # lead: the stages below rank r, forward (and backward, where it drains)
     for r in range(pp):
         work = layout.micro_batches * sum(both[stage_of(c, r, pp, where)] for c in range(vpp))
@@ -776,7 +783,7 @@ def _pipeline(
         ops.append(_accumulate(m, layout, stage))
         by_class: dict[str, dict[str, float]] = {"F": {}, "I": {}, "W": {}}
         f, i, w = (pricer.ops(ops, layout.tp, ph, by_class[ph]) for ph in ("F", "I", "W"))
-        if layout.schedule in ("zb-h1", "zb-v") and recomputed and stage > 0:
+        if layout.schedule in SPLIT_BACKWARD and recomputed and stage > 0:
             # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
             # I's backward: W's backward recomputes once more (not on the first stage, whose I is its whole
             # backward). And it is one backward for all the chunk's weights (``backward_weight``'s ``together``:

@@ -16,9 +16,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from trident.checkpoint.hf import GPT2, LLAMA, MIXTRAL, OLMOE, QWEN3, QWEN3_MOE
 from trident.config import Config, compose_config
 from trident.layout import Layout, override_value
+from trident.models.compile import compiles
 from trident.parallel.zero.stage3 import GATHER_MODES
 from trident_dev.fuzz.exits import export_class
 from trident_dev.fuzz.refusals import REFUSALS, unsupported_entry
@@ -377,7 +380,7 @@ def estimated_seconds(drawn: Drawn) -> float:
     reference = _run_seconds(Layout(), *model, STEPS)
     _, resumed = drawn.resume
     seconds = reference + _run_seconds(drawn.layout, *model, STEPS) + _run_seconds(resumed, *model, STEPS - SAVE_AT)
-    if str(drawn.cfg.train.compile).lower() == "true":  # the run's C++ compilation (its resume runs eager)
+    if compiles(drawn.cfg.train.compile, torch.device("cpu")):  # the run's C++ compilation (its resume runs eager)
         seconds += COMPILE_SECONDS + drawn.case.world
     if starts_from_weights(drawn.case):
         seconds += reference + _run_seconds(resumed, *model, STEPS)
