@@ -12,57 +12,9 @@ outputs are summed with the router's weights, and ``shared_experts`` (if any) se
     combine     each pair's output times its weight, added back into its token's row (``index_add_``, pairs of a
                 token in expert order)
 
-A capacity (``capacity_factor``) is one function of each sequence, however its tokens are fed: an expert takes at
-most ``C = ceil(capacity_factor * seq_len * top_k / experts)`` of a sequence's pairs, ``seq_len`` the model's
-training window (the config's, not the length of the call), and keeps them in token order, the later ones dropped.
-That rule is causal, so a prefix's forward gives the full forward's first tokens, and a KV-cache decode computes the
-same (the cache holds, per sparse layer, each sequence's pairs per expert so far: models/kv_cache.py). Training,
-evaluation, generation and a full forward compute one function; a context longer than ``seq_len`` (generation
-over ``max_seq_len``) keeps the same C for the whole sequence.
-
-The loss-free balancing bias (``Router.expert_bias``) is part of the function whatever ``bias_update_rate`` (which
-only moves it): checkpoints keep it (``buffers/<name>``, ``balancing_state``), and so do the consolidated file,
-generation (tools/generate.py ``load_balancing_state``) and ``checkpoint.init_from``.
-
-The experts' weights are three 2-D parameters, each expert a block of ``d_expert`` rows (``[E * f, d]``): ``gate``
-and ``up`` hold W_gate and W_up (``out x in`` rows, as nn.Linear), ``down`` holds W_down transposed, so every
-expert's block is ``[f, d]``. A checkpoint sees plain matrices and a Hugging Face model's per-expert tensors
-stack into them row-wise (trident/checkpoint/hf.py). GELU experts (``model.mlp=gelu``) have no ``gate``.
-
-The auxiliary losses (load balancing, z-loss) never pass through the model's output: ``AuxLoss`` hands each its
-gradient in backward, scaled like the token loss (the runner's ``loss_multiplier`` times this micro-batch's
-tokens, set by ``set_loss_multiplier``), so every runner and pipeline schedule trains on
-``mean token loss + sum over sparse layers of (aux_loss_coef * aux + z_loss_coef * z)``, each averaged over the
-global batch's micro-batches by tokens. What the trainer logs and the loss-free bias need (tokens per expert,
-dropped pairs, the aux loss) is added up over a step's training forwards, counted once however often
-recomputation repeats a forward, and read by ``step_stats`` after the optimizer step.
-
-The experts are held whole by every tensor-parallel rank (under sequence parallelism each rank routes its own
-tokens, and the GPT marks their gradients for a sum over tp, as every replicated parameter's).
-
-A sequence split over ranks (``TokenSplit``: context parallelism's head-tail chunks over cp, and under sequence
-parallelism each rank's part cut in tp contiguous shards): routing is token-wise, so each rank routes and computes
-its own tokens; what is per sequence is summed over the split. The balancing statistics (each sequence's pairs
-per expert, the scores summed over its tokens) go in one all-reduce over each group (identity backward: every rank
-computes the same aux loss and its gradient reaches each rank's own tokens, whose router gradients the layout
-sums, over tp as SP's replicated parameters, over cp with dp). With a capacity, which pairs are kept depends on
-the order of the whole sequence: every rank gathers the sequence's chosen experts (k small integers a token) and
-keeps its own pairs by their place in the whole sequence, as one process does.
-
-Expert parallelism (``ep_group`` of ep ranks, parallel.ep): ep rank r holds experts ``[r*E/ep, (r+1)*E/ep)`` (their
-rows of the stacked weights; placement ``ep_size``, so init, checkpoints, the norm and the reducer read it). Each
-rank routes its own tokens as above; its pairs, already sorted by expert, go in one run per owning rank by
-all-to-all, with each expert's count: padded to the most rows a rank can send an owner, behind a header of the
-counts, in one exchange where that is small (``PADDED_DISPATCH_BYTES``: latency costs more than the padding), else
-the counts first in a small all-to-all of their own. The rows travel while the balancing statistics and the shared
-experts compute; the received rows, source by source, are put expert-major (stable over sources; one gather out of the
-received buffer, its padding and headers skipped), computed, put back, and returned by the reverse all-to-all, each
-pair's output to the row it left from (``ToExperts``, ``FromExperts``: two autograd nodes, the reverse exchanges in
-backward). Only the order of the rows the experts see changes, so the result is the one-process one.
-
-The memory estimator traces this layer on fake tensors (trident/memory/trace.py), which have no values to read: the
-sizes the layer reads of its routing on the host (the rows each expert takes, the exchange's counts) are then given
-(``MoE.traced``, a ``TracedRouting``; None in a run, which reads them from its data as above).
+Capacity, the balancing bias and its exits, the experts' weight layout, the auxiliary losses, tensor, sequence and
+context parallelism's token splits, expert parallelism's all-to-all and the estimator's traced routing: docs/models.md
+("How the MoE layer computes").
 
 The layer is one file read top to bottom (router, experts, dispatch, combine, balancing), as models/gpt.py is, so
 it stays whole past ~400 lines.

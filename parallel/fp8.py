@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trident.parallel.placement import placement_of
+from trident.parallel.wgrad import WeightGradStore, deferred_linear
 
 FP8_RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 FP8_ALIGN = 16  # a layer converts when its in and out features are multiples of this
@@ -124,10 +125,19 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def maybe_fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Fp8Spec | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: Fp8Spec | None,
+    store: WeightGradStore | None = None,
 ) -> torch.Tensor:
-    """``F.linear``, or with ``spec`` (a layer ``enable_fp8`` converted) its FP8 GEMMs."""
-    return F.linear(x, weight, bias) if spec is None else _eager()(x, weight, bias, spec)
+    """``F.linear``, or with ``spec`` (a layer ``enable_fp8`` converted) its FP8 GEMMs, or with ``store`` (the
+    zero-bubble schedules' W, parallel/wgrad.py) its weight gradient deferred."""
+    if spec is not None:
+        return _eager()(x, weight, bias, spec)
+    if store is not None and weight.is_leaf and weight.requires_grad and torch.is_grad_enabled():
+        return deferred_linear(x, weight, bias, store)
+    return F.linear(x, weight, bias)
 
 
 @functools.cache

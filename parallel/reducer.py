@@ -125,6 +125,8 @@ class GradReducer:
         self._syncing = self._syncing | set(chunks) if enabled else self._syncing - set(chunks)
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # a weight whose gradient waits for W (parallel/wgrad.py): autograd gave it nothing
+            return
         self._grad[param].add_(param.grad)
         param.grad = None
         bucket = self._bucket_of[param]

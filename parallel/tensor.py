@@ -32,6 +32,7 @@ from trident.parallel.comm import (
 )
 from trident.parallel.fp8 import Fp8Spec, maybe_fp8_linear
 from trident.parallel.placement import Placement, set_placement
+from trident.parallel.wgrad import WeightGradStore
 
 
 def tp_split_error(key: str, value: int, tp: int) -> str | None:
@@ -75,6 +76,7 @@ class ColumnParallelLinear(nn.Module):
     or with sequence parallelism as a sequence shard that is all-gathered."""
 
     fp8: Fp8Spec | None = None  # FP8 GEMMs (parallel/fp8.py enable_fp8)
+    wgrad: WeightGradStore | None = None  # the weight gradient deferred to W (parallel/wgrad.py)
 
     def __init__(
         self,
@@ -109,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output columns of an input already entered."""
-        y = maybe_fp8_linear(x, self.weight, self.bias, self.fp8)
+        y = maybe_fp8_linear(x, self.weight, self.bias, self.fp8, self.wgrad)
         return gather_last_dim(y, self.tp_group) if self.gather_output and self.tp_size > 1 else y
 
 
@@ -149,6 +151,7 @@ class RowParallelLinear(nn.Module):
     parallelism a reduce-scatter to sequence shards) and b, held whole by every rank, is added once."""
 
     fp8: Fp8Spec | None = None  # FP8 GEMMs (parallel/fp8.py enable_fp8)
+    wgrad: WeightGradStore | None = None  # the weight gradient deferred to W (parallel/wgrad.py)
 
     def __init__(
         self,
@@ -175,10 +178,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return maybe_fp8_linear(x, self.weight, self.bias, self.fp8)
+            return maybe_fp8_linear(x, self.weight, self.bias, self.fp8, self.wgrad)
         if not self.input_is_parallel:
             x = split_last_dim(x, self.tp_group)
-        partial = maybe_fp8_linear(x, self.weight, None, self.fp8)
+        partial = maybe_fp8_linear(x, self.weight, None, self.fp8, self.wgrad)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(partial, self.tp_group)
         else:

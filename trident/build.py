@@ -50,6 +50,7 @@ from trident.parallel.placement import is_expert, placement_of
 from trident.parallel.precision import LossScaler, PrecisionPolicy, precision_policy
 from trident.parallel.random import RNGTracker, model_parallel_rng
 from trident.parallel.reducer import GradReducer, bucket_numel
+from trident.parallel.wgrad import WeightGradStore, defer_weight_grads
 from trident.parallel.zero.grads import ScatterReducer, ShardedGradReducer
 from trident.parallel.zero.optimizer import Masters, ZeroOptimizer
 from trident.parallel.zero.params import FlatParams, ShardedParams
@@ -206,12 +207,23 @@ def flat_layout(chunks: list[GPT], layout: Layout, dp_size: int) -> tuple[FlatLa
 
 
 def build_runner(
-    chunks: list[GPT], layout: Layout, groups: ProcessGroups, optimizer: Optimizer, timings: Path | None = None
+    chunks: list[GPT],
+    layout: Layout,
+    groups: ProcessGroups,
+    optimizer: Optimizer,
+    timings: Path | None = None,
+    compiled: bool = False,
 ) -> Runner:
     """The local runner at pp=1, else the layout's pipeline schedule over this rank's chunks.
     ``timings``: a file to record each pipeline action's start and end in (``logging.pipeline_timings``)."""
     if layout.schedule is None:
         return LocalRunner(chunks, optimizer.reducer, layout.precision)
+    wgrad = None
+    if layout.schedule in SPLIT_BACKWARD and not compiled:  # W as the weight GEMMs alone (parallel/wgrad.py)
+        wgrad, placement = WeightGradStore(), stage_placement(layout.schedule)
+        for c, chunk in enumerate(chunks):  # not stage 0's: its I is the whole backward
+            if stage_of(c, groups.pp_rank, layout.pp, placement) > 0:
+                defer_weight_grads(chunk, wgrad)
     return PipelineRunner(
         chunks,
         layout.schedule,
@@ -224,6 +236,7 @@ def build_runner(
         seq_divisor=layout.seq_divisor,
         timings=timings,
         recomputed=layout.activation_checkpointing != "none",
+        wgrad=wgrad,
     )
 
 
@@ -256,7 +269,8 @@ def build_parts(
     optimizer = build_optimizer(chunks, layout, cfg.optim, groups)
     record = timings_dir is not None and groups.dp_rank == 0 and groups.tp_rank == 0
     timings = timings_dir / f"rank{groups.rank}.jsonl" if record else None
-    return RunParts(layout, device, chunks, optimizer, build_runner(chunks, layout, groups, optimizer, timings))
+    runner = build_runner(chunks, layout, groups, optimizer, timings, compiles(cfg.train.compile, device))
+    return RunParts(layout, device, chunks, optimizer, runner)
 
 
 def layout_of(cfg: Config, groups: ProcessGroups) -> Layout:

@@ -3,7 +3,8 @@
     F  receive the input activation (stage > 0; tokens on stage 0), run the chunk, send its output on (or, on
        the last stage, compute the loss)
     B  receive the output gradient (or start from the loss), backward, send the input gradient back
-    I  as B, but for the input gradient only: the weights' part is kept for W (torch's stage_backward_input)
+    I  as B, but the linear layers' weight gradients wait for W (parallel/wgrad.py); a compiled chunk's I is
+       torch's stage_backward_input, all of its weights' part kept for W (``backward_weight``)
     W  the weight gradients from what I kept, without redoing the backward
 
 Point-to-point messages go through ``dist.batch_isend_irecv`` on global ranks of this pipeline, planned from
@@ -60,23 +61,17 @@ from trident.parallel.pipeline.schedules import (
 from trident.parallel.precision import autocast
 from trident.parallel.random import dropout_context
 from trident.parallel.reducer import GradReducer
+from trident.parallel.wgrad import WeightGradStore, weight_pass
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def backward_weight(param_groups: list[dict], together: bool = False) -> None:
-    """The weight gradients of a chunk from what ``stage_backward_input`` kept: backward from the saved
-    gradients of the intermediates to the weights only. Unlike torch's ``stage_backward_weight`` (which writes
-    ``.grad`` itself) this accumulates through autograd, so the reducer's post-accumulate hooks see every one.
-
-    One backward per group (as torch does), each to its own weights only: the engine then runs just the weight
-    branches of the group's intermediates. A single backward over all the groups would also walk the input-gradient
-    path from each intermediate down to the earlier ones (they lead to earlier weights), redoing most of the I pass
-    only for the prehooks below to throw it away: I + W cost 1.5 backwards' FLOPs, not one
-    (tests/test_zb_weight_pass.py).
-    ``together``: one backward for all the groups all the same, for recomputed chunks: under activation
-    checkpointing every separate backward recomputes the checkpointed block again (its saved tensors are unpacked
-    anew in each graph task), which would make W cost several forwards."""
+    """A compiled chunk's W: backward from the gradients ``stage_backward_input`` kept for the intermediates to the
+    weights, through autograd (the reducer's hooks see every weight), one backward per group as torch's
+    ``stage_backward_weight`` (one over all groups would redo the input-gradient path between them,
+    tests/test_zb_weight_pass.py). ``together``: one for all groups, for recomputed chunks (each backward would
+    recompute the block again)."""
     groups, nodes, seen = [], [], set()
     for group in param_groups:
         edges, grads = [], []
@@ -135,9 +130,10 @@ class PipelineRunner:
         seq_divisor: int = 1,
         timings: Path | None = None,
         recomputed: bool = False,
+        wgrad: WeightGradStore | None = None,
     ) -> None:
         self.chunks, self.schedule = list(chunks), schedule
-        self.recomputed = recomputed
+        self.recomputed, self.wgrad = recomputed, wgrad
         self.pp_rank, self.pp_ranks, self.pp_group = pp_rank, tuple(pp_ranks), pp_group
         self.pp, self.vpp = len(self.pp_ranks), len(self.chunks)
         self.stages, self.placement = self.pp * self.vpp, stage_placement(schedule)
@@ -328,10 +324,19 @@ class _Step:
                 self.saved[key] = (x, out)
             return sends, [out.detach() for _ in sends]
         if action.kind == W:
-            backward_weight(self.kept.pop(key), together=r.recomputed)
+            kept = self.kept.pop(key)
+            weight_pass(kept) if r.wgrad is not None else backward_weight(kept, together=r.recomputed)
             return sends, []
         x, out = self.saved.pop(key)
-        if action.kind == B or stage == 0:
+        if action.kind == I and stage > 0 and r.wgrad is not None:
+            r.wgrad.deferring = True
+            try:
+                torch.autograd.backward(out, grad_tensors=received)
+            finally:
+                r.wgrad.deferring = False
+            self.kept[key] = r.wgrad.take()
+            dx = x.grad
+        elif action.kind == B or stage == 0:
             # On stage 0 (token ids in, no input gradient) I is the whole backward and W has nothing left.
             torch.autograd.backward(out, grad_tensors=received)
             if action.kind == I:

@@ -149,6 +149,8 @@ class ShardedGradReducer:
         return staging
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # a weight whose gradient waits for W (parallel/wgrad.py): autograd gave it nothing
+            return
         span = self.layout.span_of[param]
         i = span.index
         if self._staging[i] is None:

@@ -1,102 +1,11 @@
 """Activations predicted, per rank: kept for backward at the schedule's peak.
 
-Where trident/memory/trace.py covers a layout (a CPU layout: every chunk of a pipeline, tp, cp and ep over fake
-groups, sparse layers under the routing asked for) a chunk's bytes, and the layer a recomputation replays, are traced
-from the real model; the formula below is kept for GPU layouts (device ``cuda``, which a CPU build of torch cannot
-trace) and context parallelism (trident/memory/trace.py says why; under recomputation its cp figures overcount what
-the recomputed core keeps: tests/test_cp_memory.py measures the trace there, and the formula without
-recomputation). Its CPU terms stay so that the tests can compare it with the trace and with real forwards
-(tests/test_memory_trace.py, tests/test_memory.py). What only a traced CPU layout met (packed documents' dense mask
-and SDPA's float copy of it) is counted by the trace alone.
-
-They follow Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"): count, per
-transformer layer and micro-batch, the tensors each operator saves for backward, then multiply by the micro-batches
-in flight on a pipeline stage. Counted for this model's operators rather than Megatron's: attention runs a fused
-kernel (flash / memory-efficient, taking grouped-query k and v as they are) that saves q, k, v, its output and an
-fp32 logsumexp, never the s x s scores, so Korthikanti's 5as/h term is absent, and recomputing the attention core
-alone saves only the logsumexp. With s tokens, b sequences, h the model width, f the MLP width, a
-heads, t = tp, t_sp = t under sequence parallelism (else 1), e the activation dtype's bytes, e_n a LayerNorm's
-(fp32 under 16-bit autocast on CUDA, where layer_norm is an fp32 op; the activation dtype on CPU, where it is not),
-q = h / t this rank's query width and k its key width (its kv heads x head_dim):
-
-    per layer, no recomputation   LayerNorm inputs, mean, rstd    2 sb (h + 2) e_n / t_sp
-                                  RMSNorm instead                 2 sb (h + 1) 4 / t_sp on CUDA (the fused kernel's
-                                                                  input and rstd, fp32 under autocast), 2 sb (2h + 1)
-                                                                  4 / t_sp on a CPU (the composite's fp32 input, its
-                                                                  normalised copy and rstd)
-                                  qkv and fc inputs               2 sbh e    (whole: all-gathered under SP)
-                                  q, k, v, attention output       multi-head: 4 sbq e (the fused qkv output, which
-                                                                  the q, k, v views keep, and the output), 6 sbq e
-                                                                  with RoPE (the rotated q and k besides);
-                                                                  grouped-query: sb (2q + 2k) e, sb (2q + 3k) e with
-                                                                  RoPE (the kv output and the rotated q and k)
-                                  RoPE's cos and sin tables       2 s (h / a) 4 (fp32; two 16-bit casts each in 16 bits)
-                                  attention logsumexp             4 abs / t
-                                  fc output, GELU output          2 sbf e / t
-                                  SwiGLU instead                  4 sbf e / t (gate and up outputs, silu(gate), product)
-                                  dropout masks (p > 0)           2 sbh / t_sp  (bool)
-                                  with dropout (p > 0), training runs attention explicitly (SDPA's dropout draws from
-                                  the global generator): instead of the logsumexp, the probabilities and their
-                                  dropped copy 2 a b s^2 e / t, the keep mask a b s^2 / t and the causal mask s^2;
-                                  its matmuls keep q, k and v at the query heads' width, 4 sbq e in all with the
-                                  output (k and v repeated, views copied contiguous), instead of the projections'
-    attention recomputation       the same without the logsumexp (or the explicit core's s^2 tensors)
-    selective recomputation       op-level (torch's selective checkpoint contexts): the layer's input sbh e / t_sp,
-                                  the outputs of qkv (or q and kv) sb (3q or q + 2k) e and of the output projection
-                                  sbh e (whole: tp's partial sums), and of the modules train.recompute_modules does
-                                  not list: the core's output and fp32 logsumexp sbq e + 4 abs / t (the explicit
-                                  core's scores a b s^2 e / t and output), the MLP's matmuls (sbf e / t, two with
-                                  SwiGLU, and sbh e), its activation (the same hidden bytes again), the norms'
-                                  outputs (``_selective_layer_bytes``); the default recomputes norms and activations
-    full recomputation            the layer's input, sbh e / t_sp, plus one layer recomputed during backward
-    every N-th block              the policy's bytes for global layers 0, N, 2N, ..., none's for the others
-    packed documents              per layer RoPE's tables per sample (b x); per chunk under recomputation the int64
-                                  positions 8 b s its arguments keep; the learned position ids are per sample (b x);
-                                  flex attention's block mask, whose few block indices are not counted (on a CPU
-                                  the trace counts the dense mask and SDPA's float copy of it)
-    context parallelism (cp)      s is a rank's seq_len / cp tokens; attention keeps what its exchange keeps
-                                  (``_Shape.context_attention``: the core's fp32 output, allgather's gathered k, v
-                                  and mask, ulysses' head-split q, k, v and mask) instead of the fused kernel's;
-                                  RoPE's tables per sample; the batch's positions; per chunk the ring's gathered
-                                  spans, which its layers share (``context_bytes``).
-                                  With dropout the explicit core over the gathered keys, whatever the exchange.
-                                  Checked to the byte on a CPU without recomputation (tests/test_cp_memory.py).
-    sparse layers (model.moe)     the MLP's input and hidden replaced by what the router, the dispatch, the experts
-                                  and the shared experts keep (``moe_bytes``): per token routed, per (token, expert)
-                                  pair sent and per row this rank's experts receive. Routing decides the rows under
-                                  ep and with a capacity; the figure is the worst routing's (``routed_rows``: every
-                                  token's pairs on one ep rank's experts), a bound no routing exceeds, reached by
-                                  that routing; a balanced routing's is reported beside it. At ep = 1 without a
-                                  capacity every routing keeps the same bytes. Checked to the byte on a CPU for every
-                                  recomputation, tp with and without SP, and at ep 2 with the routing forced
-                                  (tests/test_moe_memory.py).
-
-For f = 4h, fp32 and t = 1 that is 16 sbh elements per layer, Korthikanti's 34 sbh bytes of 16-bit activations
-without their two dropout masks. The first stage adds the position ids with learned positions (and at tp > 1 the
-vocab-parallel lookup's mask and local ids), the last stage the final norm, the head's whole input and the loss's
-fp32 probabilities over this rank's vocab block, 4 b s V (tied or untied head alike). Under a pipeline the runner
-keeps of each forward its output (every chunk but the last) and its received input (every chunk but the first), sbh
-e / t_sp each, the input only where the chunk's first layer keeps a cast copy of it (``stream_bytes``; checked on a
-real chunk, tests/test_memory_pipeline.py). Micro-batches in flight come from walking the rank's own action list,
-the one the executor runs (parallel/pipeline/schedules.py ``build_schedule``, ``activation_peak``): a chunk's bytes
-are taken at its forward and given back at the action that finishes its backward (B; under zb-h1 and zb-v its W,
-which keeps the weight path's inputs after I). GPipe holds all M, 1F1B min(pp - r, M) on stage r, zb-h1 more (its W
-passes are delayed), zb-v up to 2 pp chunks of half a 1F1B stage on every rank (1F1B's first stage), interleaved its
-warm-up + 1 chunk forwards (on the first stage Korthikanti's L (1 + (pp - 1) / (pp vpp)) layers when M is a multiple
-of pp). On a CPU the prediction is checked to the byte against a real forward (tests/test_memory.py, the cp, MoE and
-pipeline memory tests); the CUDA terms (LayerNorm and RMSNorm in fp32 under autocast, fused attention for every head
-layout) are from the kernels' signatures, not measured here. Not counted: allocator fragmentation, communication
-buffers, the CUDA context and workspaces.
-
-Above the held activations, backward allocates transients: under recomputation one layer recomputed
-(``recompute_bytes``); on the last stage the loss's backward (``loss_backward_bytes``), the larger of the two,
-since they never run together. The loss's backward at tp = 1: nll_loss's gradient of the log-probabilities and
-log_softmax's gradient of the fp32 logits, 4 b s V each and alive together, 8 b s V (the cast back to 16-bit
-logits comes once the first is freed: 4 + 2 < 8). gpt-small at micro-batch 8 x 1024 tokens: 3.1 GiB, what the
-estimate missed on an H100 before it was counted (10.1 GiB measured, 6.2 predicted). The runners keep no
-reference to the logits themselves while backward runs.
-
-The formula is one table's terms, each beside the bytes it counts, so it stays whole past ~400 lines.
+Traced from the real model where trident/memory/trace.py covers a layout (CPU layouts); the formula here is for GPU
+layouts and context parallelism, its CPU terms kept so the tests can compare it with the trace and real forwards.
+The formula (per layer and micro-batch, the tensors each operator saves, after Korthikanti et al. 2022, counted
+for this model's kernels; the micro-batches in flight from the rank's own action list; the backward's transients)
+is written out term by term in docs/planning.md ("The activation formula"). It is one table's terms, each beside the
+bytes it counts, so it stays whole past ~400 lines.
 """
 
 from __future__ import annotations

@@ -783,28 +783,8 @@ def _pipeline(
         ops.append(_accumulate(m, layout, stage))
         by_class: dict[str, dict[str, float]] = {"F": {}, "I": {}, "W": {}}
         f, i, w = (pricer.ops(ops, layout.tp, ph, by_class[ph]) for ph in ("F", "I", "W"))
-        if layout.schedule in SPLIT_BACKWARD and recomputed and stage > 0:
-            # The executor's W pass backs up from what I kept, but a checkpointed block's saved tensors were freed by
-            # I's backward: W's backward recomputes once more (not on the first stage, whose I is its whole
-            # backward). And it is one backward for all the chunk's weights (``backward_weight``'s ``together``:
-            # separate ones would each recompute), which walks the input-gradient path between them again: every
-            # layer's I (its kernels, its collectives and cp's exchange), whose results the saved gradients replace.
-            dense_input = [o for o in layer_ops(m, shape) if o.phase == "I"]
-            sparse_input = [o for o in layer_ops(m, shape, sparse=True) if o.phase == "I"]
-            redone = (
-                (recompute_ops(m, shape, policy), recomputed - sparse[1]),
-                (recompute_ops(m, shape, policy, True), sparse[1]),
-                (dense_input, layers - sparse[0]),
-                (sparse_input, sparse[0]),
-            )
-            for again_ops, k in redone:
-                if not k:
-                    continue
-                into: dict[str, float] = {}
-                compute, comm = pricer.ops(again_ops, layout.tp, "I", into)
-                for kind, t in into.items():
-                    by_class["W"][kind] = by_class["W"].get(kind, 0.0) + k * t
-                w = (w[0] + k * compute, w[1] + k * comm)
+        # Under zb-h1 and zb-v a recomputed block is recomputed in I only: W is its linear layers' weight GEMMs from
+        # what I kept (parallel/wgrad.py), no backward through the block.
         costs[(stage, "F")], costs[(stage, "I")], costs[(stage, "W")] = f, i, w
         costs[(stage, "B")] = (i[0] + w[0], i[1] + w[1])
         for kind in ("F", "I", "W"):
