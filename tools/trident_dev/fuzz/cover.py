@@ -225,6 +225,76 @@ EXIT_FACTS = (
     "model.moe.every=2",
 )
 
+# What the trained cases whose resume a short sweep checks must exercise between them (tests/test_fuzz.py resumes
+# a covering few of its sample's cases, not all): each layout dimension and ZeRO stage on the side that saves and
+# on the side that resumes, and the state a checkpoint carries across them (the 16-bit runs' loss scale and fp32
+# masters, the experts' balancing bias, Muon's momentum, FP8, a mixture's loader, dropout's random streams, the
+# padded vocabulary split over tp, the tied head over stages, a background save). Resuming at cp > 1 or ep > 1 is
+# not among them: no resume of the CI sample (all of its trained cases' resumes) draws either, and tests/
+# test_cp_layouts.py (cp 2 to cp 4) and tests/test_moe_ep.py (ep 2 to ep 4 x pp 2) hold them.
+_RESUME_SIDES = tuple(
+    f"{side} {fact}"
+    for side in ("saved", "resumed")
+    for fact in (
+        *(f"{axis}>1" for axis in ("dp", "tp", "pp", *(("cp", "ep") if side == "saved" else ()))),
+        *(f"parallel.zero={z}" for z in range(4)),
+        "sharded",
+        "parallel.vpp=2",
+        "parallel.offload.optimizer=cpu",
+        "parallel.sequence_parallel=true",
+        "model.vocab_size=515 tp>1",
+        "model.tie_embeddings=true pp>1",
+    )
+)
+RESUME_FACTS = (
+    *_RESUME_SIDES,
+    "saved checkpoint.async=true",
+    *_words("train.precision", ("fp32", "bf16", "fp16")),
+    "experts",
+    "model.moe.bias_update_rate>0",
+    "optim.name=muon",
+    "fp8",
+    "data.mix",
+    "model.dropout=0.1",
+)
+
+
+def _layout_facts(layout: Layout, cfg: Config) -> set[str]:
+    facts = {f"{axis}>1" for axis in ("dp", "tp", "pp", "cp", "ep") if getattr(layout, axis) > 1}
+    facts |= {_is("parallel.zero", layout.zero), _is("parallel.vpp", layout.vpp)}
+    facts |= {"sharded"} if layout.zero >= 1 and layout.dp > 1 else set()
+    facts |= {"parallel.offload.optimizer=cpu"} if layout.offload != "none" else set()
+    facts |= {"parallel.sequence_parallel=true"} if layout.sequence_parallel else set()
+    facts |= {"model.vocab_size=515 tp>1"} if cfg.model.vocab_size == 515 and layout.tp > 1 else set()
+    facts |= {"model.tie_embeddings=true pp>1"} if cfg.model.tie_embeddings and layout.pp > 1 else set()
+    return facts
+
+
+def resumed_facts(drawn: Drawn) -> frozenset[str]:
+    """What a trained case's resume exercises (``draw_facts(..., with_resume=True)``): the saving layout's facts and
+    the resuming one's (``RESUME_FACTS``), and the math a resume keeps."""
+    layout, cfg = drawn.layout, drawn.cfg
+    assert layout is not None and drawn.resume is not None, "a trained case, drawn with_resume=True"
+    _, resumed = drawn.resume
+    facts = {f"saved {f}" for f in _layout_facts(layout, cfg)} | {f"resumed {f}" for f in _layout_facts(resumed, cfg)}
+    facts |= {"saved checkpoint.async=true"} if layout.async_checkpoint else set()
+    facts.add(_is("train.precision", layout.precision))
+    facts |= {"experts"} if cfg.model.moe.enabled else set()
+    facts |= {"model.moe.bias_update_rate>0"} if cfg.model.moe.enabled and cfg.model.moe.bias_update_rate > 0 else set()
+    facts |= {"optim.name=muon"} if cfg.optim.name == "muon" else set()
+    facts |= {"fp8"} if cfg.train.fp8 != "off" else set()
+    facts |= {"data.mix"} if cfg.data.mix else set()
+    facts |= {"model.dropout=0.1"} if cfg.model.dropout > 0 else set()
+    return frozenset(facts) & frozenset(RESUME_FACTS)
+
+
+def resume_seconds(drawn: Drawn) -> float:
+    """What a trained case's resume costs by ``estimated_seconds``'s estimate (its steps after the save)."""
+    assert drawn.resume is not None, "draw_facts(..., with_resume=True)"
+    model = (drawn.cfg.model.n_layers, drawn.cfg.train.global_batch_size)
+    return _run_seconds(drawn.resume[1], *model, STEPS - SAVE_AT)
+
+
 REQUIRED: tuple[tuple[str, ...], ...] = (
     *((fact,) for fact in SINGLES),
     *PAIRS,

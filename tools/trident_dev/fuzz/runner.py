@@ -186,10 +186,13 @@ class Fuzzer:
         timeout_s: float = 180.0,
         work_dir: Path | None = None,
         exits_of: Callable[[Case], bool] = lambda case: True,
+        resumes_of: Callable[[Case], bool] = lambda case: True,
     ) -> None:
-        """``exits_of``: whether a trained case also checks its model's exits (all of them do by default)."""
+        """``exits_of``: whether a trained case also checks its model's exits; ``resumes_of``: whether it also
+        resumes its mid-run checkpoint under another layout (all of them do both by default)."""
         self.repo = repo
         self.exits_of = exits_of
+        self.resumes_of = resumes_of
         self.train_py = str(repo / "train.py")
         self.dataset = dataset
         self.timeout_s = timeout_s
@@ -314,10 +317,14 @@ class Fuzzer:
         # and the resume and the run from its weights are checked all the same.
         final = run_dir / "checkpoints" / f"step_{STEPS:08d}"
         exits = self.exits.problems(self.config(case.overrides), final) if self.exits_of(case) else []
+        if not (self.resumes_of(case) or starts_from_weights(case)):
+            return exits
         world, overrides = draw_resume_layout(case, self.accepts)
         checkpoint = run_dir / "checkpoints" / f"step_{SAVE_AT:08d}"
         resume = (f"checkpoint.resume={checkpoint}",)
-        problems = self._rerun(case, world, overrides, resume, lambda: histories[0][SAVE_AT:], "resumed")
+        problems = []
+        if self.resumes_of(case):
+            problems = self._rerun(case, world, overrides, resume, lambda: histories[0][SAVE_AT:], "resumed")
         if problems or not starts_from_weights(case):
             return exits + problems
         # checkpoint.init_from: the saved weights, a fresh optimizer at step 0, under the other layout, against
