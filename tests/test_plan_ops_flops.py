@@ -27,6 +27,7 @@ from trident.models.checkpointing import apply_activation_checkpointing, parse_l
 from trident.models.gpt import GPT
 from trident.models.moe import MoE, set_loss_multiplier
 from trident.parallel.random import RNGTracker
+from trident.parallel.wgrad import WeightGradStore, defer_weight_grads, weight_pass
 from trident.plan.cost import flops_matmul
 from trident.plan.ops import Shape, chunk_ops
 
@@ -45,15 +46,17 @@ MODELS = {
 MATMULS = ("aten.mm", "aten.addmm", "aten.bmm")
 
 
-def _planned(m: ModelConfig, batch: int, tp: int, sp: bool, policy: str) -> float:
+def _planned(m: ModelConfig, batch: int, tp: int, sp: bool, policy: str, deferred: bool = False) -> float:
     sparse = sum(m.moe.is_sparse(i) for i in range(m.n_layers))
-    ops = chunk_ops(m, Shape(batch, m.seq_len, tp, sp, "fp32"), m.n_layers, True, True, policy, sparse=(sparse, sparse))
+    shape = Shape(batch, m.seq_len, tp, sp, "fp32")
+    ops = chunk_ops(m, shape, m.n_layers, True, True, policy, sparse=(sparse, sparse), deferred=deferred)
     return sum(flops_matmul(*o.shape[:3]) * o.count for o in ops if o.kind == "matmul")
 
 
-def _counted(m: ModelConfig, batch: int, tp: int, sp: bool, policy: str) -> float:
+def _counted(m: ModelConfig, batch: int, tp: int, sp: bool, policy: str, deferred: bool = False) -> float:
     """Matmul FLOPs torch counts in one micro-batch's forward and backward; a sparse layer routed as the planner
-    prices it, balanced (trident/memory/activations.py ``routed_rows``)."""
+    prices it, balanced (trident/memory/activations.py ``routed_rows``). ``deferred``: the backward as a zero-bubble
+    I then W of its linear layers' deferred weight GEMMs (parallel/wgrad.py)."""
     layout = Layout(tp=tp, sequence_parallel=sp, micro_batch_size=batch, device="cpu")
     rows = routed_rows(m, layout, BALANCED) if m.moe.enabled else None
     with _fake_groups(tp, 1, 1) as (tp_group, _, _), FakeTensorMode():
@@ -64,10 +67,17 @@ def _counted(m: ModelConfig, batch: int, tp: int, sp: bool, policy: str) -> floa
         set_loss_multiplier(model, 1.0)
         name, modules, every = parse_label(policy)
         apply_activation_checkpointing(model, name, modules=modules, every=every)
+        store = WeightGradStore()
+        if deferred:
+            defer_weight_grads(model, store)
         tokens = torch.zeros(batch, m.seq_len, dtype=torch.long)
         counter = FlopCounterMode(display=False)
         with _ShapesOnly(), counter:
-            model.loss_sum(model(tokens), tokens).backward()
+            loss = model.loss_sum(model(tokens), tokens)
+            store.deferring = deferred
+            loss.backward()
+            store.deferring = False
+            weight_pass(store.take())
     counts = counter.get_flop_counts()["Global"]
     return sum(v for op, v in counts.items() if str(op).startswith(MATMULS))
 
@@ -91,3 +101,18 @@ def test_the_estimators_recomputed_flops_are_the_matmuls_the_backward_reruns(nam
     attention = m.n_layers * 4.0 * 2 * m.seq_len * m.seq_len * m.d_model / tp
     rerun = _counted(m, 2, tp, False, "full") - _counted(m, 2, tp, False, "none")
     assert recompute_flops(m, layout, 0, "full") - attention == rerun
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "moe-shared"])
+def test_the_deferred_weight_passes_run_the_planned_matmuls(name: str, policy: str) -> None:
+    """Past stage 0 of zb-h1 and zb-v the linear layers defer their weight GEMMs to W (parallel/wgrad.py): I + W
+    run the planner's matmuls for such a chunk, under full recomputation each dense layer's output projection once
+    more (its saved tensors are packed after its GEMM), which the estimator's recomputed FLOPs count too."""
+    m = MODELS[name]
+    assert _planned(m, 2, 1, False, policy, deferred=True) == _counted(m, 2, 1, False, policy, deferred=True)
+    if policy == "full" and not m.moe.enabled:
+        layout = Layout(pp=2, schedule="zb-h1", micro_batch_size=2, device="cpu")
+        attention = m.n_layers * 4.0 * 2 * m.seq_len * m.seq_len * m.d_model
+        rerun = _counted(m, 2, 1, False, "full", deferred=True) - _counted(m, 2, 1, False, "none")
+        assert 2 * recompute_flops(m, layout, 1, "full") - attention == rerun  # stage 1: half the layers

@@ -509,7 +509,8 @@ def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | No
     (``flops_per_token``'s convention) under ``full``; the attention core's under ``attention`` or a selective
     list with ``attn_core``; the MLP's matmuls with ``mlp`` (a sparse layer's: the router's, the experts' on a
     balanced routing's rows, the shared experts'); none under the default ``selective``. Under zb-h1 and zb-v a
-    chunk after virtual stage 0 recomputes twice (its I and its W pass)."""
+    chunk after virtual stage 0 recomputes in I only, the MLP's output projection included under ``full`` (its
+    layers' deferred GEMMs are saved after they run: parallel/wgrad.py)."""
     policy = policy or layout.recompute
     name, modules, every = parse_label(policy)
     if name == "none":
@@ -543,6 +544,7 @@ def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | No
     total = 0.0
     for c in rank_chunks(layout, stage):
         for i in recomputed_layers(range(c * layers, (c + 1) * layers), name, every):
-            times = 2 if zero_bubble and c > 0 else 1
-            total += times * per_layer(m.moe.is_sparse(i))
+            sparse_layer = m.moe.is_sparse(i)
+            deferred = zero_bubble and c > 0 and name == "full" and not sparse_layer
+            total += per_layer(sparse_layer) + (down if deferred else 0.0)
     return total * layout.micro_batches

@@ -779,7 +779,8 @@ def _pipeline(
         recomputed = len(again_in)
         # The mixture-of-experts layers among them, and among the recomputed ones.
         sparse = (sum(map(m.moe.is_sparse, held)), sum(map(m.moe.is_sparse, again_in)))
-        ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, policy, recomputed, sparse)
+        deferred = layout.schedule in SPLIT_BACKWARD and stage > 0  # parallel/wgrad.py
+        ops = chunk_ops(m, shape, layers, stage == 0, stage == stages - 1, policy, recomputed, sparse, deferred)
         ops.append(_accumulate(m, layout, stage))
         by_class: dict[str, dict[str, float]] = {"F": {}, "I": {}, "W": {}}
         f, i, w = (pricer.ops(ops, layout.tp, ph, by_class[ph]) for ph in ("F", "I", "W"))

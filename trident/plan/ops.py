@@ -282,10 +282,11 @@ def layer_ops(m: ModelConfig, s: Shape, sparse: bool = False) -> list[Op]:
 _ALWAYS = ("residual", "rope", "qk_norm", "copy", "collectives", "dispatch", "cp_exchange")
 
 
-def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -> list[Op]:
+def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False, deferred: bool = False) -> list[Op]:
     """What backward recomputes for one recomputed layer under ``policy`` (a recomputation label without ``/N``):
     every forward op (``full``), the attention core and its cp exchange (``attention``), or selective's modules and
-    the cheap work between them."""
+    the cheap work between them. ``deferred``: the layer's linear GEMMs defer their weight gradients
+    (parallel/wgrad.py, zb past stage 0), whose saved tensors are packed after the GEMM runs."""
     name, modules, _ = parse_label(policy)
     parts = layer_parts(m, s, sparse)
     if name == "full":
@@ -298,7 +299,7 @@ def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -
         return []
     again = [o.in_phase("I") for part in dict.fromkeys(chosen) for o in parts[part] if o.phase == "F"]
     if name == "full" and not sparse:
-        again = _early_stopped(again, parts)
+        again = _early_stopped(again, parts, deferred)
     if "attn_core" not in chosen:  # the core's kernels are kept: the ring's messages rerun with nothing to hide behind
         again = [_alone(o) for o in again]
     work = [Op("framework", "I", ("recompute",), 0.0, 1)]  # and the checkpoint's own work (cost.py)
@@ -308,15 +309,17 @@ def recompute_ops(m: ModelConfig, s: Shape, policy: str, sparse: bool = False) -
     return [*work, *again]
 
 
-def _early_stopped(again: list[Op], parts: dict[str, list[Op]]) -> list[Op]:
+def _early_stopped(again: list[Op], parts: dict[str, list[Op]], deferred: bool = False) -> list[Op]:
     """A dense layer's forward recomputed whole, less what comes after the last tensor its backward saved: torch's
     non-reentrant checkpoint (models/checkpointing.py) stops recomputing there, so the MLP's output projection, the
     collective leaving its tp region and the last residual add are not run again (the matmuls checked against
-    torch's count of a real backward: tests/test_plan_ops_flops.py)."""
+    torch's count of a real backward: tests/test_plan_ops_flops.py). A ``deferred`` projection saves its tensors
+    after its GEMM (an autograd.Function's, parallel/wgrad.py): that GEMM is run again."""
     down = next(o for o in reversed(parts["mlp"]) if o.phase == "F").in_phase("I")
     residual = parts["residual"][0].in_phase("I")
     out = list(again)
-    out.remove(down)
+    if not deferred:
+        out.remove(down)
     for i, o in enumerate(out):
         leaving = o.kind == "collective" and o.shape[:2] in (("all_reduce", "tp"), ("reduce_scatter", "tp"))
         if leaving:  # one message of the count fewer; each is nbytes
@@ -399,15 +402,16 @@ def chunk_ops(
     policy: str,
     recomputed: int | None = None,
     sparse: tuple[int, int] = (0, 0),
+    deferred: bool = False,
 ) -> list[Op]:
     """One micro-batch through a chunk of ``layers`` layers (with the embedding on the first chunk, the head and
     loss on the last), ``recomputed`` of them (default: all) under recomputation ``policy``; ``sparse``: how many
-    of the layers, and of the recomputed ones, are mixture-of-experts layers."""
+    of the layers, and of the recomputed ones, are mixture-of-experts layers; ``deferred``: ``recompute_ops``'."""
     recomputed = layers if recomputed is None else recomputed
     ops = [o.times(layers - sparse[0]) for o in layer_ops(m, s)]
     ops += [o.times(sparse[0]) for o in layer_ops(m, s, sparse=True)] if sparse[0] else []
     if recomputed - sparse[1]:
-        ops += [o.times(recomputed - sparse[1]) for o in recompute_ops(m, s, policy)]
+        ops += [o.times(recomputed - sparse[1]) for o in recompute_ops(m, s, policy, deferred=deferred)]
     if sparse[1]:
         ops += [o.times(sparse[1]) for o in recompute_ops(m, s, policy, sparse=True)]
     if first:
