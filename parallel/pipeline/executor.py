@@ -332,10 +332,10 @@ class _Step:
             r.wgrad.deferring = True
             try:
                 torch.autograd.backward(out, grad_tensors=received)
-            finally:
+            finally:  # a failed pass leaves nothing behind for a later W
                 r.wgrad.deferring = False
-            self.kept[key] = r.wgrad.take()
-            dx = x.grad
+                kept = r.wgrad.take()
+            self.kept[key], dx = kept, x.grad
         elif action.kind == B or stage == 0:
             # On stage 0 (token ids in, no input gradient) I is the whole backward and W has nothing left.
             torch.autograd.backward(out, grad_tensors=received)
