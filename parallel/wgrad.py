@@ -74,26 +74,25 @@ def deferred_linear(
         return _DeferredLinear.apply(x, weight, bias, store, torch.get_autocast_dtype(kind))
 
 
-class _WeightGrads(torch.autograd.Function):
-    """A root whose backward is the kept GEMMs, summed per weight: autograd accumulates each sum as its weight's
-    gradient (the weight's hooks run) and, holding the only reference to it, takes it without the copy that a gradient
-    handed to ``torch.autograd.backward`` would cost."""
+class _WeightGrad(torch.autograd.Function):
+    """A root whose backward is one weight's kept GEMMs, summed: autograd accumulates the sum as the weight's gradient
+    (its hooks run) right after, so about one weight's gradient exists at a time, and, holding the only reference to
+    it, takes it without the copy that a gradient handed to ``torch.autograd.backward`` would cost."""
 
     @staticmethod
-    def forward(ctx, pairs: list[list], *weights: torch.Tensor):  # type: ignore[override]
-        ctx.pairs, ctx.dtypes = pairs, [w.dtype for w in weights]
-        return weights[0].new_zeros(())
+    def forward(ctx, weight: torch.Tensor, uses: list) -> torch.Tensor:  # type: ignore[override]
+        ctx.uses, ctx.dtype = uses, weight.dtype
+        return weight.new_zeros(())
 
     @staticmethod
     def backward(ctx, _):  # type: ignore[override]
-        pairs, ctx.pairs = ctx.pairs, None
-        grads = []
-        for uses, dtype in zip(pairs, ctx.dtypes, strict=True):
-            g = uses[0][1].t().mm(uses[0][0])
-            for x, dy in uses[1:]:
-                g.addmm_(dy.t(), x)
-            grads.append(g.to(dtype))
-        return None, *grads
+        uses, ctx.uses = ctx.uses, None
+        x, dy = uses.pop()
+        g = dy.t().mm(x)
+        while uses:  # each pair let go once added in
+            x, dy = uses.pop()
+            g.addmm_(dy.t(), x)
+        return g.to(ctx.dtype), None
 
 
 def weight_pass(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -102,9 +101,10 @@ def weight_pass(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> 
     for weight, x, dy in kept:
         uses.setdefault(id(weight), (weight, []))[1].append((x, dy))
     kept.clear()
-    if uses:
-        weights, pairs = zip(*uses.values(), strict=True)
-        _WeightGrads.apply(list(pairs), *weights).backward()
+    roots = [_WeightGrad.apply(weight, pairs) for weight, pairs in uses.values()]
+    uses.clear()
+    if roots:
+        torch.autograd.backward(roots)
 
 
 def defer_weight_grads(model: nn.Module, store: WeightGradStore) -> int:

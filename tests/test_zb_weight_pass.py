@@ -173,3 +173,23 @@ def test_a_weight_used_twice_gets_the_sum_of_its_uses_once():
     weight_pass(store.take())
     assert calls == [False, True]  # autograd calls the hook with nothing in I, then once with the sum in W
     torch.testing.assert_close(lin.weight.grad, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_the_weight_pass_accumulates_each_gradient_before_the_next_gemm(monkeypatch):
+    """W's peak is about one weight's gradient, not a chunk's: each weight's GEMMs, then its accumulation (the
+    reducer's hook takes and frees it), then the next weight's."""
+    from trident.parallel import wgrad
+
+    log = []
+    weights = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(5)]
+    for w in weights:
+        w.register_post_accumulate_grad_hook(lambda p: log.append("accumulated"))
+    backward = wgrad._WeightGrad.backward
+
+    def logged(ctx, grad):  # noqa: ANN001, ANN202
+        log.append("gemm")
+        return backward(ctx, grad)
+
+    monkeypatch.setattr(wgrad._WeightGrad, "backward", staticmethod(logged))
+    weight_pass([(w, torch.randn(3, 8), torch.randn(3, 8)) for w in weights])
+    assert log == ["gemm", "accumulated"] * 5
