@@ -88,7 +88,7 @@ def _launches(rank: int, world: int, schedule: str, vpp: int, per_chunk: bool, t
 
 
 def _last_weight_span(spans: list, chunk: int, stage0: bool) -> int:
-    kinds = ("B", "I") if stage0 else ("B", "W")  # stage 0's I is its whole backward, its W empty
+    kinds = ("B", "W", "I") if stage0 else ("B", "W")
     return max(i for i, (k, _, c, _, _) in enumerate(spans) if c == chunk and k in kinds)
 
 

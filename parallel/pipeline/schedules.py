@@ -76,12 +76,10 @@ def holder_of(stage: int, pp: int, placement: str = LOOP) -> tuple[int, int]:
 
 
 def makes_weight_grads(action: Action, rank: int, pp: int, placement: str = LOOP) -> bool:
-    """Whether ``action`` on pipeline rank ``rank`` produces weight gradients of its chunk: B, W past stage 0, or I
-    on stage 0, where I is the whole backward (token ids in, no input gradient) and W has nothing left. A chunk's last
-    such action is where its gradients are complete (the executor starts their dp reduction there)."""
-    if action.kind in (I, W):
-        return (action.kind == I) == (stage_of(action.chunk, rank, pp, placement) == 0)
-    return action.kind == B
+    """Whether ``action`` on pipeline rank ``rank`` produces weight gradients of its chunk: B, W, or I on stage 0,
+    where I is the whole backward (token ids in, no input gradient) and W has nothing left. A chunk's last such
+    action is where its gradients are complete (the executor starts their dp reduction there)."""
+    return action.kind in (B, W) or (action.kind == I and stage_of(action.chunk, rank, pp, placement) == 0)
 
 
 def activation_peak(
