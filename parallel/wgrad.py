@@ -57,8 +57,8 @@ class _DeferredLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dy2.mm(wc).view(ctx.shape).to(ctx.x_dtype)
         db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)
-        if ctx.store.deferring:
-            ctx.store.keep(weight, x2, dy2)
+        if ctx.store.deferring:  # detached: the saved input's graph would keep the chunk's input and its gradient
+            ctx.store.keep(weight, x2.detach(), dy2)
             return dx, None, db, None, None
         return dx, dy2.t().mm(x2).to(weight.dtype), db, None, None
 

@@ -11,16 +11,17 @@ import gc
 import pytest
 import torch
 
-from tests.test_memory import DROPOUT, LLAMA, SHAPES
+from tests.test_memory import DROPOUT, LLAMA, MOE, SHAPES
 from trident.build import chunk_model
 from trident.config import ModelConfig
 from trident.layout import Layout
-from trident.memory.activations import POLICIES, activation_bytes
+from trident.memory.activations import POLICIES, activation_bytes, weight_pass_bytes
 from trident.memory.measure import held_by_forward
 from trident.models.checkpointing import apply_activation_checkpointing, parse_label
 from trident.models.gpt import init_weights
 from trident.parallel.precision import autocast
 from trident.parallel.random import RNGTracker
+from trident.parallel.wgrad import WeightGradStore, defer_weight_grads
 from trident.peak import PRECISION_DTYPES
 
 # Three layers over pp = 3: a first chunk (the embedding), a middle one and a last (the head and loss), one layer
@@ -28,6 +29,7 @@ from trident.peak import PRECISION_DTYPES
 # a received stream itself in either precision, Llama's RMSNorm its fp32 copy in bf16 (with dropout's explicit core).
 GPT, ODD, LLAMA3 = (dataclasses.replace(c, n_layers=3) for c in (SHAPES[0], DROPOUT, LLAMA))
 LLAMA_DROPOUT = dataclasses.replace(LLAMA3, name="llama-dropout", dropout=0.1)
+MOE3 = dataclasses.replace(MOE, n_layers=3)  # layer 0 dense, 1 and 2 sparse with a shared expert
 CASES = [(GPT, "fp32"), (ODD, "bf16"), (LLAMA3, "fp32"), (LLAMA3, "bf16"), (LLAMA_DROPOUT, "bf16")]
 
 
@@ -71,3 +73,68 @@ def test_a_pipeline_chunk_keeps_what_is_predicted(cfg: ModelConfig, precision: s
         held = {p: _held(cfg, layout, stage, p) for p in POLICIES}
         assert {p: activation_bytes(cfg, layout, stage, p) for p in POLICIES} == held, stage
         assert {p: activation_bytes(cfg, layout, stage, p, traced=False) for p in POLICIES} == held, stage
+
+
+def _kept_for_w(cfg: ModelConfig, layout: Layout, stage: int, policy: str) -> int:
+    """What virtual stage ``stage``'s chunk keeps of one micro-batch after the executor's deferred I (zb-h1 and
+    zb-v past stage 0): the bytes alive after a forward and an I whose weight GEMMs wait in the store, gradients
+    of the parameters that got theirs in I dropped (model state, not activations)."""
+    rng, dtype, b = RNGTracker(0), PRECISION_DTYPES[layout.precision], layout.micro_batch_size
+    torch.manual_seed(0)
+    chunk = chunk_model(cfg, layout, stage, None, rng)
+    init_weights(chunk, cfg, 0)
+    chunk.to(dtype)
+    name, modules, every = parse_label(policy)
+    apply_activation_checkpointing(chunk, name, modules=modules, every=every)
+    store = WeightGradStore()
+    assert defer_weight_grads(chunk, store) > 0
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=g)
+
+    def forward_and_input_pass() -> list:
+        x = torch.randn(b, cfg.seq_len, cfg.d_model, generator=g).to(dtype).requires_grad_()  # a received stream
+        with autocast(layout.precision, x.device), rng.context(0, range(b)):
+            out = chunk(x, targets=targets if chunk.is_last else None)
+        store.deferring = True
+        torch.autograd.backward(out, torch.ones_like(out))  # the gradient received from the next stage
+        store.deferring = False
+        assert x.grad is not None  # sent back, then let go
+        for p in chunk.parameters():
+            p.grad = None
+        return store.take()
+
+    gc.freeze()
+    try:
+        return held_by_forward(forward_and_input_pass, [*chunk.parameters(), *chunk.buffers(), targets])[1]
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.parametrize("cfg,precision", [*CASES, (MOE3, "fp32")], ids=[*[f"{c.name}-{p}" for c, p in CASES], "moe"])
+def test_a_deferred_input_pass_keeps_for_w_what_is_predicted(cfg: ModelConfig, precision: str) -> None:
+    """After a deferred I (parallel/wgrad.py) a chunk past stage 0 keeps only its linear layers' inputs and output
+    gradients, the same under every recomputation (not the received stream and its gradient, which a kept input's
+    graph held until W before); the trace and the formula predict it to the byte, for a middle and the last chunk,
+    and the zero-bubble walk holds it from I to W, a forward's bytes before."""
+    layout = Layout(pp=3, micro_batches=1, micro_batch_size=2, precision=precision, schedule="zb-h1", device="cpu")
+    for stage in (1, 2):
+        kept = {p: _kept_for_w(cfg, layout, stage, p) for p in ("none", "full")}
+        assert kept["none"] == kept["full"] == weight_pass_bytes(cfg, layout, stage), stage
+        assert weight_pass_bytes(cfg, layout, stage, traced=False) == kept["none"], stage
+        # One micro-batch: F, I, W on every stage; the peak is the larger of the two holds.
+        for p in POLICIES:
+            forward = activation_bytes(cfg, dataclasses.replace(layout, schedule="1f1b"), stage, p)
+            assert activation_bytes(cfg, layout, stage, p) == max(forward, kept["none"]), (stage, p)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, True)])
+@pytest.mark.parametrize("cfg", [GPT, LLAMA3, MOE3], ids=["gpt", "llama", "moe"])
+def test_what_w_waits_for_under_tp_is_traced_and_formula_alike(cfg: ModelConfig, tp: int, sp: bool) -> None:
+    """Under tp (a fake group's ranks) the formula counts what the trace of a real chunk finds: inputs gathered
+    whole under sequence parallelism, kv heads replicated at tp 4 over llama's 2 (whose gradient comes in I), a
+    sparse layer's shared experts but not its routed ones."""
+    layout = Layout(
+        pp=3, tp=tp, sequence_parallel=sp, micro_batch_size=3, precision="bf16", schedule="zb-h1", device="cpu"
+    )
+    for stage in (1, 2):
+        assert weight_pass_bytes(cfg, layout, stage) == weight_pass_bytes(cfg, layout, stage, traced=False) > 0

@@ -378,3 +378,17 @@ def test_zb_v_message_plan_keeps_the_turn_local_and_never_stalls(pp, micro):
         sent = {m for plan in plans for step in plan for m, _ in step.sends}
         assert sent and all(holder_of(m[2], pp, V)[0] != sender_of(m, pp, V) for m in sent)
         assert not {("act", m, pp) for m in range(micro)} & sent
+
+
+def test_the_activation_walk_gives_each_set_back_once_and_holds_what_i_keeps_until_w():
+    """Stage 0's I is its whole backward: its set goes back there and its W gives back nothing (given back twice, a
+    later peak read low). Past stage 0 a set is held until W, or with ``kept`` (a deferred I's bytes,
+    parallel/wgrad.py) swapped at I for what it keeps until W."""
+    stage0 = [Action(F, 0), Action(I, 0), Action(W, 0), Action(F, 1), Action(F, 2), Action(I, 2), Action(I, 1)]
+    assert activation_peak(stage0, 0, 2) == 2
+    later = [Action(F, 0), Action(F, 1), Action(I, 0), Action(W, 0), Action(I, 1), Action(F, 2), Action(W, 1)]
+    assert activation_peak(later, 1, 2) == 2  # F 0 and F 1 held together; each until its W
+    assert activation_peak(later, 1, 2, lambda _: 10, kept=lambda _: 3) == 20  # both forwards
+    assert activation_peak(later, 1, 2, lambda _: 1, kept=lambda _: 5) == 6  # after I 0 (1 + 5), after F 2 (5 + 1)
+    # zb-h1's lists: every rank holds pp sets at once (its W waits), which the executor measures (memory.json).
+    assert [activation_peak(ops, r, 4) for r, ops in enumerate(build_schedule("zb-h1", 4, 1, 8))] == [4, 4, 4, 4]

@@ -83,19 +83,29 @@ def makes_weight_grads(action: Action, rank: int, pp: int, placement: str = LOOP
 
 
 def activation_peak(
-    actions: Sequence[Action], rank: int, pp: int, size: Callable[[int], int] = lambda _: 1, placement: str = LOOP
+    actions: Sequence[Action],
+    rank: int,
+    pp: int,
+    size: Callable[[int], int] = lambda _: 1,
+    placement: str = LOOP,
+    kept: Callable[[int], int] | None = None,
 ) -> int:
     """The most a pipeline rank holds for backward at once, walking its ``actions``: each forward takes
-    ``size(chunk)`` (default: one activation set, a micro-batch x model chunk), kept until the action that finishes
-    its backward (``makes_weight_grads``: B, W, or I on stage 0), which gives it back. The executor keeps a forward's
-    tensors exactly that long (parallel/pipeline/executor.py), and the memory estimator walks the same lists."""
+    ``size(chunk)`` (default: one activation set, a micro-batch x model chunk) until its B, its I on stage 0 (the
+    whole backward there), else its W; with ``kept``, what a deferred I keeps for W (parallel/wgrad.py) from I to W
+    instead. The executor keeps its tensors that long (parallel/pipeline/executor.py); the estimator walks the same."""
     held = peak = 0
     for a in actions:
+        first = stage_of(a.chunk, rank, pp, placement) == 0
         if a.kind == F:
             held += size(a.chunk)
-            peak = max(peak, held)
-        elif makes_weight_grads(a, rank, pp, placement):
+        elif a.kind == B or (a.kind == I and first):
             held -= size(a.chunk)
+        elif a.kind == I and kept is not None:
+            held += kept(a.chunk) - size(a.chunk)
+        elif a.kind == W and not first:
+            held -= size(a.chunk) if kept is None else kept(a.chunk)
+        peak = max(peak, held)
     return peak
 
 

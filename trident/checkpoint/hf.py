@@ -15,37 +15,8 @@ balancing bias and a capacity (tools/trident_dev/export.py).
 Any other mix has no class and is refused with a line naming the key.
 
 Each of our logical tensors (one-process, unpadded, canonical name) is a ``Source``: Hugging Face tensors stacked
-along our dim 0, each transposed first when it is GPT-2's ``Conv1D`` (``[in, out]``), then its rows reordered:
-
-    ours                     GPT-2 (transformer.*)                Llama (model.*)
-    wte.weight               wte.weight                           embed_tokens.weight
-    wpe.weight               wpe.weight                           -
-    layers.i.ln_1.*          h.i.ln_1.*                           layers.i.input_layernorm.weight
-    layers.i.ln_2.*          h.i.ln_2.*                           layers.i.post_attention_layernorm.weight
-    layers.i.attn.qkv.*      h.i.attn.c_attn.* (T), (three h dh)  [q_proj; k_proj; v_proj], (three h dh)
-    layers.i.attn.q.*        -                                    q_proj
-    layers.i.attn.kv.*       -                                    [k_proj; v_proj], (two g dh)
-    layers.i.attn.proj.*     h.i.attn.c_proj.* (T)                o_proj
-    layers.i.mlp.fc.*        h.i.mlp.c_fc.* (T)                   -
-    layers.i.mlp.gate.*      -                                    gate_proj
-    layers.i.mlp.up.*        -                                    up_proj
-    layers.i.mlp.proj.*      h.i.mlp.c_proj.* (T)                 down_proj
-    ln_f.*                   ln_f.*                               norm.weight
-    lm_head.weight (untied)  lm_head.weight                       lm_head.weight
-
-(T): transposed, GPT-2's Conv1D. Llama's projections are under layers.i.self_attn. and layers.i.mlp.
-
-A sparse layer's MLP (Mixtral: layers.i.block_sparse_moe.; Qwen3-MoE and OLMoE: layers.i.mlp.), expert e's
-tensors stacked row-wise (Hugging Face's save_pretrained writes each expert's own, in every family):
-
-    ours                     Mixtral                              Qwen3-MoE, OLMoE
-    layers.i.mlp.router.weight   gate.weight                      gate.weight
-    layers.i.mlp.experts.gate    [experts.e.w1.weight]            [experts.e.gate_proj.weight]
-    layers.i.mlp.experts.up      [experts.e.w3.weight]            [experts.e.up_proj.weight]
-    layers.i.mlp.experts.down    [experts.e.w2.weight (T)]        [experts.e.down_proj.weight (T)]
-
-and the q/k norms (Qwen3, Qwen3-MoE: one gain of head_dim; OLMoE: a gain per unit of the projection, heads x head_dim
-for q and kv heads x head_dim for k): ``layers.i.attn.q_norm.weight`` is ``self_attn.q_norm.weight`` (and k_norm).
+along our dim 0, each transposed first when it is GPT-2's ``Conv1D`` (``[in, out]``), then its rows reordered. The
+names each family gives ours are tabled in docs/models.md ("The tensors' names").
 
 Our rows are laid out so that a tp block of rows holds whole heads: qkv ``(h three dh)``, kv ``(g two dh)``; the
 stacked Hugging Face rows are regrouped to that. RoPE is Hugging

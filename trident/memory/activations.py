@@ -23,7 +23,8 @@ from trident.memory.trace import traceable
 from trident.models.checkpointing import parse_label, recomputed_layers
 from trident.models.gpt import padded_vocab_size
 from trident.models.moe import grouped_mm_fits
-from trident.parallel.pipeline.schedules import activation_peak, build_schedule, stage_placement
+from trident.parallel.pipeline.schedules import SPLIT_BACKWARD, activation_peak, build_schedule, stage_placement
+from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.precision import precision_policy
 
 FP32 = 4
@@ -432,7 +433,35 @@ def activation_bytes(
             + stream_bytes(m, layout, kept if held[0] in recomputed else "none", c == 0, c == last)
         )
     placement = stage_placement(layout.schedule)
-    return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
+    if layout.schedule not in SPLIT_BACKWARD:
+        return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
+    # An eager chunk past stage 0 keeps its linear layers' inputs and output gradients from I to W.
+    kept = [weight_pass_bytes(m, layout, c, routing, traced) if c > 0 else 0 for c in chunks]
+    actions = stage_actions(layout, stage)
+    return activation_peak(actions, stage, layout.pp, lambda c: chunk_bytes[c], placement, lambda c: kept[c])
+
+
+def weight_pass_bytes(m: ModelConfig, layout: Layout, chunk: int, routing: str = WORST, traced: bool = True) -> int:
+    """What virtual stage ``chunk`` keeps per micro-batch from its deferred I to its W (zb past stage 0,
+    parallel/wgrad.py): each deferred linear layer's input as it entered the tp region and its output gradient
+    (docs/planning.md, "Zero-bubble schedules"); traced where the trace covers the layout, or ``traced=False``."""
+    held = stage_layers(m.n_layers, layout.pp, layout.vpp, chunk)
+    if traced and traceable(m, layout):
+        rows = routed_rows(m, layout, routing) if m.moe.enabled else None
+        return sum(
+            trace.traced_weight_pass_bytes(m, layout, m.moe.is_sparse(i), rows and (rows.sent, rows.received))
+            for i in held
+        )
+    x = _Shape.of(m, layout)
+    kv = 2 * x.kv if m.kv_heads % layout.tp == 0 else 0  # else ReplicatedColumnLinear's (parallel/tensor.py)
+    attention = 2 * x.h + 2 * x.q + kv  # qkv's input and gradient, the projection's input and gradient
+    mats = 3 if m.mlp == "swiglu" else 2
+
+    def mlp(width: int) -> int:  # its input, the up projections' gradients, the down projection's input and gradient
+        return 2 * x.h + mats * width if width else 0
+
+    dense, shared = mlp(x.f // x.t), mlp(m.moe.shared_experts * m.expert_dim // x.t)
+    return x.s * x.b * x.e * sum(attention + (shared if m.moe.is_sparse(i) else dense) for i in held)
 
 
 def stage_actions(layout: Layout, stage: int) -> list:

@@ -4,9 +4,8 @@ A chunk (trident/build.py ``chunk_model``'s GPT of a virtual stage's layers, wit
 the final norm, head and loss on the last) is built and run for one micro-batch under torch's ``FakeTensorMode``,
 under the recomputation policy applied as a run applies it (models/checkpointing.py), and measured with the
 runtime's own tool (trident/memory/measure.py ``held_by_forward``): the storages created during the forward and
-alive after it. So the prediction is by construction the count a real forward's measurement makes, and a model
-feature (a norm, a head width, a recomputation module) is counted with no estimator code. Fake tensors have shapes,
-dtypes and devices but no data: a trace of llama-8b's layer allocates nothing.
+alive after it: by construction the count a real forward's measurement makes, a model feature (a norm, a head
+width, a recomputation module) counted with no estimator code. Fake tensors have no data: nothing is allocated.
 
 A chunk's layers differ only by their kind (recomputed or not, dense or sparse), and what one keeps depends neither
 on the others nor on the chunk's place, so a chunk is traced with one layer of each kind it holds (its first among
@@ -33,19 +32,9 @@ at once, their outputs shaped as a real group's). It is made the default group o
 (``_own_world``), so a process with groups of its own (a training run's launch estimate) traces too, its groups set
 aside for the trace and given back.
 
-A context-parallel chunk traces as a cp rank runs it: the exchanges read their masks' forms from every rank's span
-on the host (the micro-batch's ``keys``, parallel/context/batch.py: numpy arrays, which fake tensors leave alone),
-so the traced rank plans its ring as a real one does; the device masks are built on fake tensors. Its bytes equal a
-real rank's under every recomputation (tests/test_cp_memory.py), where the formula's are off (it overcounts what
-the attention core keeps once the core, or the layer, is recomputed: 5-7% of gpt-tiny's activations at cp 2, up to
-20% under attention recomputation with allgather). The estimator does not use it yet (``traceable``): a cp chunk's
-trace costs 30-80 ms here and the planner's CPU space holds many cp shapes (gpt-tiny at world 4 planned in 21 s
-with them traced, 11 s without), which wants the traces kept across processes first.
-
-Not traced (``traceable``; the formula stays in activations.py): a GPU layout (device ``cuda``). A CPU build of
-torch cannot run autograd over fake CUDA tensors (it aborts looking up the CUDA device guard when a leaf that
-requires grad is first used), and the kernels' choice (SDPA's CUDA flash and efficient kernels, fp32 norms under
-CUDA autocast, flex attention) reads the real device.
+A context-parallel chunk traces as a real cp rank runs it, to the byte (tests/test_cp_memory.py); a GPU layout cannot
+trace on a CPU build of torch. Both keep the formula (``traceable``; docs/planning.md, "Memory before launch", says
+why). A zero-bubble chunk's deferred I is traced for what it keeps until W (``traced_weight_pass_bytes``).
 """
 
 from __future__ import annotations
@@ -74,6 +63,7 @@ from trident.parallel.context.batch import context_part
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.precision import autocast
 from trident.parallel.random import RNGTracker
+from trident.parallel.wgrad import WeightGradStore, defer_weight_grads
 from trident.peak import PRECISION_DTYPES
 
 EOS = 1  # packed documents' separator in the traced batch: an eos every 7 tokens, documents crossing cp chunks
@@ -144,7 +134,8 @@ class _ShapesOnly(TorchDispatchMode):
     """What fake tensors cannot run for a sparse layer, by its shapes alone: ``bincount`` (its length depends on
     the largest value; every count of models/moe.py has ``minlength`` above its values, so that length, the values
     left unknown as fake tensors leave them all) and ``_grouped_mm`` outside bf16 (torch's meta function has only
-    the CUDA kernel's dtype check; the CPU kernel takes fp32 too, with the same [rows, out] result)."""
+    the CUDA kernel's dtype check; the CPU kernel takes fp32 too, shaped alike: [rows, out], a weight's gradient
+    [groups, in, out])."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -153,6 +144,8 @@ class _ShapesOnly(TorchDispatchMode):
             return torch.zeros(minlength, dtype=torch.int64, device=x.device)
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             a, b = args[0], args[1]
+            if a.dim() == b.dim() == 2:  # the weights' gradient, a group per offset
+                return a.new_empty((len(kwargs["offs"] if "offs" in kwargs else args[2]), a.shape[0], b.shape[1]))
             if a.dim() != 2 or b.dim() != 3:
                 raise NotImplementedError(f"the trace runs _grouped_mm of 2-D rows by 3-D weights, not {func}")
             return a.new_empty((a.shape[0], b.shape[-1]))
@@ -221,10 +214,11 @@ def _trace(
     layers: tuple[int, ...],
     policy: str,
     rows: tuple[int, int] | None = None,
+    weight_pass: bool = False,
 ) -> int:
     """Bytes the chunk of global ``layers`` (with the embedding if ``first``, the head and loss if ``last``) keeps
     for backward after one micro-batch's forward under recomputation ``policy`` (a label with ``/N``); its sparse
-    layers routed as ``rows`` says (pairs kept, rows received: ``traced_routing``)."""
+    layers routed as ``rows`` says (``traced_routing``); with ``weight_pass`` what it keeps after a deferred I."""
     m = ModelConfig(*model)
     layout = Layout(
         micro_batch_size=b, tp=tp, sequence_parallel=sp, cp=cp, cp_comm=cp_comm, document_mask=documents, ep=ep
@@ -236,7 +230,7 @@ def _trace(
     # leaves the count unchanged.
     gc.freeze()
     try:
-        return _traced(m, layout, batch, precision, first, last, layers, policy, routing)
+        return _traced(m, layout, batch, precision, first, last, layers, policy, routing, weight_pass)
     finally:
         gc.unfreeze()
 
@@ -251,6 +245,7 @@ def _traced(
     layers: tuple[int, ...],
     policy: str,
     routing: TracedRouting | None,
+    weight_pass: bool = False,
 ) -> int:
     b, tp, sp, cp, ep = layout.micro_batch_size, layout.tp, layout.sequence_parallel, layout.cp, layout.ep
     dtype = PRECISION_DTYPES[precision]
@@ -264,6 +259,9 @@ def _traced(
         _fake_cast(chunk, dtype)
         set_loss_multiplier(chunk, 1.0)  # as a runner has it: the auxiliary losses' graph kept
         apply_activation_checkpointing(chunk, name, modules=modules, every=every)
+        store = WeightGradStore()
+        if weight_pass:
+            defer_weight_grads(chunk, store)
         tokens, targets = mode.from_tensor(batch.tokens), mode.from_tensor(batch.targets)
         ids = None if batch.documents is None else mode.from_tensor(batch.documents)
         positions = None if batch.positions is None else mode.from_tensor(batch.positions)
@@ -281,7 +279,13 @@ def _traced(
                 out = chunk(x, documents=ids, positions=positions, index=index, keys=batch.keys, targets=targets)
             # What a runner keeps of a forward until its backward (parallel/pipeline/executor.py ``saved``): the
             # received input and the output it runs backward from, the last chunk's loss.
-            return x, out
+            if not weight_pass:
+                return x, out
+            store.deferring = True  # the executor's deferred I: what it keeps for W alone outlives it
+            torch.autograd.backward(out, torch.ones_like(out))
+            for p in chunk.parameters():
+                p.grad = None
+            return store.take()
 
         with _ShapesOnly() if m.moe.enabled else contextlib.nullcontext():  # a mode costs every op a call
             _, held = held_by_forward(forward, [*state, *inputs])
@@ -388,3 +392,15 @@ def traced_layer_bytes(
         return _trace_layers(m, layout, layers, policy, rows, True, True)
 
     return trace((*others, layer)) - trace(others)
+
+
+def traced_weight_pass_bytes(m: ModelConfig, layout: Layout, sparse: bool, rows: tuple[int, int] | None = None) -> int:
+    """What a deferred I keeps for W of one layer of a kind per micro-batch (parallel/wgrad.py), traced on a middle
+    chunk of it: a row per token each, so b times one sequence's (traced at b = 1 where the routing's rows split)."""
+    layer = next(i for i in range(m.n_layers) if m.moe.is_sparse(i) == sparse)
+    b = layout.micro_batch_size
+    n = 1 if rows is None or not (rows[0] % b or rows[1] % b) else b
+    routed = None if rows is None else (rows[0] // b * n, rows[1] // b * n)
+    sp, comm = layout.sequence_parallel and layout.tp > 1, layout.cp_comm if layout.cp > 1 else "ring"
+    shape = (layout.tp, sp, layout.cp, comm, layout.precision, layout.document_mask, layout.ep)
+    return b // n * _trace(_key(m), n, *shape, False, False, (layer,), "none", routed, True)
