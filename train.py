@@ -97,8 +97,9 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
             for line in optimizer_summary(cfg.model, cfg.optim):  # optim.name=muon: what each parameter gets
                 print(line, flush=True)
         # memory.json: each rank's model-state bytes beside the prediction made before launch, which the logging
-        # rank alone writes and so alone makes (its activations are traced: about 0.4 s of a core for gpt-tiny).
-        predicted = estimate(cfg.model, layout).to_dict() if groups.is_logging_rank else None
+        # rank alone writes and so alone makes, for the run's own recomputation (tools/estimate_memory.py prices the
+        # others): its activations are traced, a trace per policy (gpt-tiny: ~0.3 s of a core for one, ~1 s for all).
+        predicted = estimate(cfg.model, layout, policies=()).to_dict() if groups.is_logging_rank else None
         # memory.json: the most activation sets this rank held in its first step, beside the schedule walk's count.
         sets = activation_sets(layout, groups.pp_rank)
         config_dict = dataclasses.asdict(cfg)
