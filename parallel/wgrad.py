@@ -7,10 +7,9 @@ its input and bias gradients only, and keeps its input and output gradient for t
 (W) does those GEMMs and hands their sums to autograd in one engine call on the weights themselves, so each weight's
 gradient is accumulated once, through its post-accumulate hooks (the reducers'; autograd also calls them in I with
 no gradient, which they ignore). Outside ``deferring`` the layer computes both gradients, as ``F.linear`` does. Every
-other parameter (norms, embeddings, the LM head, experts, FP8 layers) gets its gradient in I. Against torch's split
-(one backward per parameter group, each walking the graph below it) I + W cost one backward's FLOPs (under full
-recomputation one GEMM a block more: tests/test_zb_weight_pass.py). A compiled block keeps torch's split: the
-store's side effect in backward would break its graph at every layer.
+other parameter (norms, embeddings, the LM head, experts, FP8 layers) gets its gradient in I. I + W cost one
+backward's FLOPs (full recomputation: a GEMM a block more), torch's split more (docs/benchmarks.md). A compiled
+block keeps torch's split: the store's side effect in backward would break its graph at every layer.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from trident.memory.trace import traceable
 from trident.models.checkpointing import parse_label, recomputed_layers
 from trident.models.gpt import padded_vocab_size
 from trident.models.moe import grouped_mm_fits
+from trident.parallel.fp8 import FP8_ALIGN
 from trident.parallel.pipeline.schedules import SPLIT_BACKWARD, activation_peak, build_schedule, stage_placement
 from trident.parallel.pipeline.stages import stage_layers
 from trident.parallel.precision import precision_policy
@@ -432,13 +433,11 @@ def activation_bytes(
             + context_bytes(m, layout)
             + stream_bytes(m, layout, kept if held[0] in recomputed else "none", c == 0, c == last)
         )
-    placement = stage_placement(layout.schedule)
-    if layout.schedule not in SPLIT_BACKWARD:
-        return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement)
-    # An eager chunk past stage 0 keeps its linear layers' inputs and output gradients from I to W.
-    kept = [weight_pass_bytes(m, layout, c, routing, traced) if c > 0 else 0 for c in chunks]
-    actions = stage_actions(layout, stage)
-    return activation_peak(actions, stage, layout.pp, lambda c: chunk_bytes[c], placement, lambda c: kept[c])
+    placement, zero_bubble = stage_placement(layout.schedule), layout.schedule in SPLIT_BACKWARD
+    # Under zb-h1 and zb-v an eager chunk past stage 0 keeps its linear layers' inputs and gradients from I to W.
+    kept = [weight_pass_bytes(m, layout, c, routing, traced) if zero_bubble and c > 0 else 0 for c in chunks]
+    walk = (lambda c: kept[c]) if zero_bubble else None
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement, walk)
 
 
 def weight_pass_bytes(m: ModelConfig, layout: Layout, chunk: int, routing: str = WORST, traced: bool = True) -> int:
@@ -446,21 +445,26 @@ def weight_pass_bytes(m: ModelConfig, layout: Layout, chunk: int, routing: str =
     parallel/wgrad.py): each deferred linear layer's input as it entered the tp region and its output gradient
     (docs/planning.md, "Zero-bubble schedules"); traced where the trace covers the layout, or ``traced=False``."""
     held = stage_layers(m.n_layers, layout.pp, layout.vpp, chunk)
-    if traced and traceable(m, layout):
+    if traced and traceable(m, layout) and layout.fp8 == "off":
         rows = routed_rows(m, layout, routing) if m.moe.enabled else None
-        return sum(
-            trace.traced_weight_pass_bytes(m, layout, m.moe.is_sparse(i), rows and (rows.sent, rows.received))
-            for i in held
-        )
-    x = _Shape.of(m, layout)
-    kv = 2 * x.kv if m.kv_heads % layout.tp == 0 else 0  # else ReplicatedColumnLinear's (parallel/tensor.py)
-    attention = 2 * x.h + 2 * x.q + kv  # qkv's input and gradient, the projection's input and gradient
+        key = rows and (rows.sent, rows.received)
+        return sum(trace.traced_weight_pass_bytes(m, layout, m.moe.is_sparse(i), key) for i in held)
+    x, d, q = _Shape.of(m, layout), m.d_model, m.n_heads * m.head_size
+
+    def kept(width: int, layers: list[tuple[int, int, int]]) -> int:  # one input into layers (out, in, local out)
+        # Its bytes and each deferred layer's output gradient's; an FP8 layer (train.fp8) defers nothing.
+        grads = [local for out, inp, local in layers if layout.fp8 == "off" or out % FP8_ALIGN or inp % FP8_ALIGN]
+        return width + sum(grads) if grads else 0
+
+    kv = [(2 * m.kv_heads * m.head_size, d, 2 * x.kv)] if m.kv_heads % layout.tp == 0 else []  # else replicated
+    qkv = [(3 * q, d, 3 * x.q)] if m.kv_heads == m.n_heads else [(q, d, x.q), *kv]
+    attention = kept(x.h, qkv) + kept(x.q, [(d, q, x.h)])
     mats = 3 if m.mlp == "swiglu" else 2
 
-    def mlp(width: int) -> int:  # its input, the up projections' gradients, the down projection's input and gradient
-        return 2 * x.h + mats * width if width else 0
+    def mlp(f: int) -> int:  # its up projections (and gate) of width f, then the down projection
+        return kept(x.h, [(f, d, f // x.t)] * (mats - 1)) + kept(f // x.t, [(d, f, x.h)]) if f else 0
 
-    dense, shared = mlp(x.f // x.t), mlp(m.moe.shared_experts * m.expert_dim // x.t)
+    dense, shared = mlp(m.ffn_dim), mlp(m.moe.shared_experts * m.expert_dim)
     return x.s * x.b * x.e * sum(attention + (shared if m.moe.is_sparse(i) else dense) for i in held)
 
 

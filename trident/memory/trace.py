@@ -396,11 +396,8 @@ def traced_layer_bytes(
 
 def traced_weight_pass_bytes(m: ModelConfig, layout: Layout, sparse: bool, rows: tuple[int, int] | None = None) -> int:
     """What a deferred I keeps for W of one layer of a kind per micro-batch (parallel/wgrad.py), traced on a middle
-    chunk of it: a row per token each, so b times one sequence's (traced at b = 1 where the routing's rows split)."""
+    chunk of that layer alone; its sparse layers routed as ``rows`` says."""
     layer = next(i for i in range(m.n_layers) if m.moe.is_sparse(i) == sparse)
-    b = layout.micro_batch_size
-    n = 1 if rows is None or not (rows[0] % b or rows[1] % b) else b
-    routed = None if rows is None else (rows[0] // b * n, rows[1] // b * n)
     sp, comm = layout.sequence_parallel and layout.tp > 1, layout.cp_comm if layout.cp > 1 else "ring"
     shape = (layout.tp, sp, layout.cp, comm, layout.precision, layout.document_mask, layout.ep)
-    return b // n * _trace(_key(m), n, *shape, False, False, (layer,), "none", routed, True)
+    return _trace(_key(m), layout.micro_batch_size, *shape, False, False, (layer,), "none", rows, True)
