@@ -638,6 +638,16 @@ def test_a_run_logs_its_model_states_beside_the_prediction(tiny_dataset: Path, t
         (4, ["parallel.pp=4", "parallel.schedule=zb-h1", "model.n_layers=4", "train.global_batch_size=6"]),
         (2, ["parallel.dp=2", "train.global_batch_size=6"]),
         (
+            2,
+            [
+                "parallel.pp=2",
+                "parallel.schedule=zb-h1",
+                "model.n_layers=4",
+                "train.precision=bf16",
+                "train.fp8=rowwise",
+            ],
+        ),
+        (
             4,
             [
                 "parallel.pp=4",
@@ -648,7 +658,14 @@ def test_a_run_logs_its_model_states_beside_the_prediction(tiny_dataset: Path, t
             ],
         ),
     ],
-    ids=["interleaved-pp4-vpp2-m6", "interleaved-pp2-vpp3-m5", "zb-h1-pp4-m6", "dp2-accumulation", "zb-v-pp4-m6"],
+    ids=[
+        "interleaved-pp4-vpp2-m6",
+        "interleaved-pp2-vpp3-m5",
+        "zb-h1-pp4-m6",
+        "dp2-accumulation",
+        "zb-h1-fp8",
+        "zb-v-pp4-m6",
+    ],
 )
 def test_memory_json_activation_sets_measured_equal_predicted(
     tiny_dataset: Path, tmp_path: Path, world: int, layout: list[str]
@@ -656,7 +673,8 @@ def test_memory_json_activation_sets_measured_equal_predicted(
     """Every rank's row of memory.json has the most activation sets (micro-batch x chunk) its executor held in a
     training step, beside the estimator's walk of the same actions: equal on every rank, for the interleaved
     schedule's rounds (where a copy of Megatron's order under-counted), zb-h1's delayed W, zb-v's two chunks in a V
-    (the turn's activation handed over on the rank) and plain accumulation."""
+    (the turn's activation handed over on the rank), plain accumulation, and zb-h1 under FP8 (every layer of
+    gpt-tiny converted: I defers no weight GEMM and keeps nothing for W, which the walk once counted until W)."""
     overrides = tiny(tiny_dataset, "train.steps=1", "train.micro_batch_size=1", "train.eval_every=0", *layout)
     train_in_process(tmp_path, overrides, world=world)
     rows = json.loads((tmp_path / "memory.json").read_text())["ranks"]

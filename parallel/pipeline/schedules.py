@@ -25,9 +25,6 @@ Bubble (idle time over busy time on each rank, F and B of a chunk costing f and 
                     ((P - 1) * (f + i) - (M - 1) * w) / (M * (f + i + w))   for M < P
     zb-v            (P - 1) / (6 M)   for M >= 2P - 1 and f = i = w (half of zb-h1's; f, i, w a half-stage chunk's);
                     for M <= P zb-h1's, in between below it (the simulator's, tests/test_pipeline_schedules.py)
-
-Every schedule's action lists, the placement they share and their simulator are one idea (what a rank runs and
-when), kept whole past ~400 lines so the schedules are read side by side.
 """
 
 from __future__ import annotations

@@ -449,7 +449,7 @@ def weight_pass_bytes(m: ModelConfig, layout: Layout, chunk: int, routing: str =
         rows = routed_rows(m, layout, routing) if m.moe.enabled else None
         key = rows and (rows.sent, rows.received)
         return sum(trace.traced_weight_pass_bytes(m, layout, m.moe.is_sparse(i), key) for i in held)
-    x, d, q = _Shape.of(m, layout), m.d_model, m.n_heads * m.head_size
+    x, d, q, mats = _Shape.of(m, layout), m.d_model, m.n_heads * m.head_size, 3 if m.mlp == "swiglu" else 2
 
     def kept(width: int, layers: list[tuple[int, int, int]]) -> int:  # one input into layers (out, in, local out)
         # Its bytes and each deferred layer's output gradient's; an FP8 layer (train.fp8) defers nothing.
@@ -459,7 +459,6 @@ def weight_pass_bytes(m: ModelConfig, layout: Layout, chunk: int, routing: str =
     kv = [(2 * m.kv_heads * m.head_size, d, 2 * x.kv)] if m.kv_heads % layout.tp == 0 else []  # else replicated
     qkv = [(3 * q, d, 3 * x.q)] if m.kv_heads == m.n_heads else [(q, d, x.q), *kv]
     attention = kept(x.h, qkv) + kept(x.q, [(d, q, x.h)])
-    mats = 3 if m.mlp == "swiglu" else 2
 
     def mlp(f: int) -> int:  # its up projections (and gate) of width f, then the down projection
         return kept(x.h, [(f, d, f // x.t)] * (mats - 1)) + kept(f // x.t, [(d, f, x.h)]) if f else 0
@@ -474,10 +473,14 @@ def stage_actions(layout: Layout, stage: int) -> list:
     return build_schedule(layout.schedule or "1f1b", layout.pp, layout.vpp, layout.micro_batches)[stage]
 
 
-def activation_sets(layout: Layout, stage: int) -> int:
+def activation_sets(layout: Layout, stage: int, m: ModelConfig | None = None, compiled: bool = False) -> int:
     """The most activation sets (micro-batch x model chunk) pipeline stage ``stage`` holds at once; memory.json
-    writes it beside the count the executor measured."""
-    return activation_peak(stage_actions(layout, stage), stage, layout.pp, placement=stage_placement(layout.schedule))
+    writes it beside the count the executor measured. Given ``m``, a zero-bubble chunk that defers no weight GEMM
+    (train.fp8 converted every layer) holds none from I to W; a ``compiled`` one keeps torch's split's graph."""
+    chunks, placement = rank_chunks(layout, stage), stage_placement(layout.schedule)
+    defers = m is not None and layout.schedule in SPLIT_BACKWARD and not compiled
+    kept = (lambda c: int(weight_pass_bytes(m, layout, chunks[c], traced=False) > 0)) if defers else None
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp, placement=placement, kept=kept)
 
 
 def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:

@@ -109,7 +109,7 @@ def estimate(m: ModelConfig, layout: Layout, policies: Sequence[str] = POLICIES,
                 recompute_flops={p: recompute_flops(m, layout, stage, p) for p in policies},
                 loss_backward=loss_backward_bytes(m, layout) if stage == last else 0,
                 checkpoint_staging=states.checkpoint if layout.async_checkpoint else 0,
-                activation_sets=activation_sets(layout, stage),
+                activation_sets=activation_sets(layout, stage, m),
                 optimizer_step=states.optimizer_step,
                 activations_balanced={p: activation_bytes(m, layout, stage, p, BALANCED) for p in policies}
                 if m.moe.enabled and balanced
