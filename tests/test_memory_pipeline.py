@@ -11,15 +11,13 @@ import gc
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from tests.test_memory import DROPOUT, LLAMA, MOE, SHAPES
 from trident.build import chunk_model
 from trident.config import ModelConfig
 from trident.layout import Layout
 from trident.memory.activations import POLICIES, activation_bytes, weight_pass_bytes
-from trident.memory.measure import held_by_forward
+from trident.memory.measure import _Created, held_by_forward
 from trident.models.checkpointing import apply_activation_checkpointing, parse_label
 from trident.models.gpt import init_weights
 from trident.parallel.fp8 import enable_fp8
@@ -160,23 +158,9 @@ def test_fp8_layers_keep_nothing_for_w_and_the_formula_knows_which(recipe: str) 
         assert (0 < kept < plain) if some else kept == 0
 
 
-class _Alive(TorchDispatchMode):
-    """Weak references to every storage an operator returns, to sum those alive at any point."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                ref = StorageWeakRef(t.untyped_storage())
-                self.refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
-        return out
-
-    def bytes(self, skip: set[int]) -> int:
-        return sum(n for key, (ref, n) in self.refs.items() if not ref.expired() and key not in skip)
+def _alive_bytes(mode: _Created, skip: set[int]) -> int:
+    """The bytes of the storages ``mode`` saw created that are still alive, each once, ``skip``'s aside."""
+    return sum({ref.cdata: n for ref, n in mode.refs if not ref.expired() and ref.cdata not in skip}.values())
 
 
 def _peak_held(cfg: ModelConfig, layout: Layout, rank: int, policy: str) -> int:
@@ -203,7 +187,7 @@ def _peak_held(cfg: ModelConfig, layout: Layout, rank: int, policy: str) -> int:
     saved, kept, peak = {}, {}, 0
     gc.freeze()
     try:
-        with _Alive() as alive:
+        with _Created() as alive:
             for a in build_schedule(layout.schedule, layout.pp, layout.vpp, layout.micro_batches)[rank]:
                 chunk, key = chunks[a.chunk], (a.micro, a.chunk)
                 if a.kind == F:
@@ -221,7 +205,7 @@ def _peak_held(cfg: ModelConfig, layout: Layout, rank: int, policy: str) -> int:
                     weight_pass(kept.pop(key))
                 gc.collect()
                 grads = {StorageWeakRef(p.grad.untyped_storage()).cdata for p in params if p.grad is not None}
-                peak = max(peak, alive.bytes(skip | grads))
+                peak = max(peak, _alive_bytes(alive, skip | grads))
     finally:
         gc.unfreeze()
     return peak

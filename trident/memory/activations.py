@@ -474,13 +474,13 @@ def stage_actions(layout: Layout, stage: int) -> list:
 
 
 def activation_sets(layout: Layout, stage: int, m: ModelConfig | None = None, compiled: bool = False) -> int:
-    """The most activation sets (micro-batch x model chunk) pipeline stage ``stage`` holds at once; memory.json
-    writes it beside the count the executor measured. Given ``m``, a zero-bubble chunk that defers no weight GEMM
-    (train.fp8 converted every layer) holds none from I to W; a ``compiled`` one keeps torch's split's graph."""
+    """The most activation sets (micro-batch x model chunk) stage ``stage`` holds at once, beside the executor's count
+    in memory.json; given ``m``, a zb chunk deferring no GEMM (all FP8) holds none from I to W, unless ``compiled``."""
     chunks, placement = rank_chunks(layout, stage), stage_placement(layout.schedule)
     defers = m is not None and layout.schedule in SPLIT_BACKWARD and not compiled
-    kept = (lambda c: int(weight_pass_bytes(m, layout, chunks[c], traced=False) > 0)) if defers else None
-    return activation_peak(stage_actions(layout, stage), stage, layout.pp, placement=placement, kept=kept)
+    sets = [int(defers and c > 0 and weight_pass_bytes(m, layout, c, traced=False) > 0) for c in chunks]
+    walk = (lambda c: sets[c]) if defers else None
+    return activation_peak(stage_actions(layout, stage), stage, layout.pp, placement=placement, kept=walk)
 
 
 def loss_backward_bytes(m: ModelConfig, layout: Layout) -> int:
