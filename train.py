@@ -35,7 +35,6 @@ from trident.memory.activations import activation_sets
 from trident.memory.estimate import estimate
 from trident.memory.measure import log_model_states
 from trident.metrics import MetricsLogger, announce_run
-from trident.models.compile import compiles
 from trident.optim import optimizer_summary
 from trident.parallel.groups import (
     build_process_groups,
@@ -102,7 +101,7 @@ def run(cfg: Config, run_dir: Path, given: Sequence[str] = ()) -> list[dict]:
         # others): its activations are traced, a trace per policy (gpt-tiny: ~0.3 s of a core for one, ~1 s for all).
         predicted = estimate(cfg.model, layout, policies=()).to_dict() if groups.is_logging_rank else None
         # memory.json: the most activation sets this rank held in its first step, beside the schedule walk's count.
-        sets = activation_sets(layout, groups.pp_rank, cfg.model, compiles(cfg.train.compile, device))
+        sets = activation_sets(layout, groups.pp_rank, cfg.model)
         config_dict = dataclasses.asdict(cfg)
         profiler = None
         if cfg.logging.profile_step:

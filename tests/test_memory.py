@@ -723,8 +723,10 @@ def test_a_llama_pipeline_run_logs_the_predicted_model_states(
 
 # --- ZeRO-3 under pipeline parallelism: model states and the gathered parameters -------------------------------
 
-# (model, schedule, vpp, zero3_gather, zero3_prefetch, precision): the tied embedding and its copy in buckets of
-# their own, interleaved chunks (one without a root), zb-h1's blocks held from I to W, both gather modes.
+# (model, schedule, vpp, zero3_gather, zero3_prefetch, precision[, train.compile]): the tied embedding and its copy in
+# buckets of their own, interleaved chunks (one without a root), both gather modes; under zb-h1 and zb-v an eager
+# chunk's blocks freed at the end of their I (W reads no weight), a compiled chunk's held from I to W (torch's split
+# reruns the backward graph, which reads them).
 ZERO3_PP_CASES = [
     (
         dataclasses.replace(LLAMA, name="llama-tied", tie_embeddings=True, n_layers=6),
@@ -741,12 +743,14 @@ ZERO3_PP_CASES = [
     # Unchunked: with the fused chunked loss (model.loss_chunk_tokens, the default) zb-v's stage 0 gathers 68 KiB
     # (14%) more at its peak than ``gathered`` says (measured 547,328 against 478,976 bytes), not yet modelled.
     (dataclasses.replace(SHAPES[0], n_layers=4, loss_chunk_tokens=0), "zb-v", 2, "micro_batch", 1, "fp32"),
+    (dataclasses.replace(LLAMA, n_layers=6), "zb-h1", 1, "micro_batch", 1, "fp32", "true"),
 ]
 
 
 def _zero3_pp_config(case: tuple) -> Config:
-    cfg, schedule, vpp, mode, prefetch, precision = case
+    cfg, schedule, vpp, mode, prefetch, precision, *compiled = case
     config = Config(model=cfg)
+    config.train.compile = compiled[0] if compiled else "false"
     par = config.parallel
     par.zero, par.pp, par.vpp, par.schedule, par.zero3_gather, par.zero3_prefetch = 3, 2, vpp, schedule, mode, prefetch
     config.train.precision = precision

@@ -160,7 +160,7 @@ def build_optimizer(chunks: list[nn.Module], layout: Layout, opt: OptimConfig, g
             dp_group,
             policy.reduce_dtype,
             device,
-            on_reduced=sharding.released,
+            on_reduced=sharding.reduced,
             on_finish=sharding.end_step,
             chains=chains,
             expert_group=expert_group,
@@ -212,18 +212,19 @@ def build_runner(
     groups: ProcessGroups,
     optimizer: Optimizer,
     timings: Path | None = None,
-    compiled: bool = False,
 ) -> Runner:
     """The local runner at pp=1, else the layout's pipeline schedule over this rank's chunks.
     ``timings``: a file to record each pipeline action's start and end in (``logging.pipeline_timings``)."""
     if layout.schedule is None:
         return LocalRunner(chunks, optimizer.reducer, layout.precision)
     wgrad = None
-    if layout.schedule in SPLIT_BACKWARD and not compiled:  # W as the weight GEMMs alone (parallel/wgrad.py)
+    if layout.schedule in SPLIT_BACKWARD and not layout.compiled:  # W as the weight GEMMs alone (parallel/wgrad.py)
         wgrad, placement = WeightGradStore(), stage_placement(layout.schedule)
-        for c, chunk in enumerate(chunks):  # not stage 0's: its I is the whole backward
-            if stage_of(c, groups.pp_rank, layout.pp, placement) > 0:
+        for c, chunk in enumerate(chunks):
+            if layout.defers_weight_grads(stage_of(c, groups.pp_rank, layout.pp, placement)):
                 defer_weight_grads(chunk, wgrad)
+                if optimizer.sharding is not None:  # ZeRO-3: W reads no weight, so none stays gathered for it
+                    optimizer.sharding.release_after_input(c)
     return PipelineRunner(
         chunks,
         layout.schedule,
@@ -269,7 +270,7 @@ def build_parts(
     optimizer = build_optimizer(chunks, layout, cfg.optim, groups)
     record = timings_dir is not None and groups.dp_rank == 0 and groups.tp_rank == 0
     timings = timings_dir / f"rank{groups.rank}.jsonl" if record else None
-    runner = build_runner(chunks, layout, groups, optimizer, timings, compiles(cfg.train.compile, device))
+    runner = build_runner(chunks, layout, groups, optimizer, timings)
     return RunParts(layout, device, chunks, optimizer, runner)
 
 

@@ -17,8 +17,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from trident.models.checkpointing import SELECTIVE_MODULES, recompute_label
-from trident.parallel.pipeline.schedules import resolve_schedule
+from trident.models.compile import compiles
+from trident.parallel.pipeline.schedules import SPLIT_BACKWARD, resolve_schedule
 
 if TYPE_CHECKING:  # trident/config/validate.py imports this module to build layouts
     from trident.config.schema import Config
@@ -81,6 +84,7 @@ class Layout:
     async_checkpoint: bool = False  # checkpoint.async: a host copy of what the rank saves
     optimizer: str = "adamw"  # optim.name: adamw (two moments per element) | muon (one momentum per matrix element)
     fp8: str = "off"  # train.fp8: the recipe of the linear layers' FP8 GEMMs (parallel/fp8.py), or off
+    compile: str = "false"  # train.compile: auto (on cuda) | true | false: blocks compiled (models/compile.py)
 
     def __post_init__(self) -> None:
         # A layout written by hand resolves as validate's do: the default schedule of a pipeline, none without one.
@@ -115,6 +119,14 @@ class Layout:
     def recompute(self) -> str:
         """The recomputation in one word (``selective``, ``full/2``, ...): how the estimator keys it."""
         return recompute_label(self.activation_checkpointing, self.recompute_modules, self.recompute_every)
+
+    @property
+    def compiled(self) -> bool:
+        return compiles(self.compile, torch.device(self.device))
+
+    def defers_weight_grads(self, stage: int) -> bool:
+        """Whether virtual stage ``stage``'s W is its deferred weight GEMMs (parallel/wgrad.py): zb past 0, eager."""
+        return self.schedule in SPLIT_BACKWARD and stage > 0 and not self.compiled
 
     @property
     def seq_divisor(self) -> int:

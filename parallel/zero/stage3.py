@@ -1,33 +1,11 @@
 """ZeRO stage 3: a transformer block's parameters exist whole only while the block runs.
 
-The flat layout has, per model chunk (a pipeline rank may hold several), one bucket per block, in the order
-backward finishes them (the last block first), then the chunk's other parameters (the "root": embeddings, final
-norm, LM head; under pipeline parallelism a tied embedding or its copy in a bucket of its own, and none on a
-chunk that has neither). ``ShardedParams`` keeps each bucket as this rank's shard; hooks on the modules gather it
-when needed and free it after. Each bucket counts its holders, and is freed when the last lets go:
-
-    forward   root: held from the chunk's forward to the reduce-scatter of its gradients, prefetch blocks 0..d-1
-              block i: held while it runs (prefetch i+1..i+d); after it, a hook armed on its output
-    backward  the hook on block i's output (its gradient arrives before block i's backward runs, and before
-              activation checkpointing recomputes the block): hold block i, prefetch i-1..i-d; the hold ends when
-              the bucket's gradients are all in and reduce-scattered (ShardedGradReducer's ``on_reduced``)
-    no grad   (evaluation) every hold ends with the forward that took it
-
-Holds, not a gathered/freed flag, because a pipeline interleaves the forwards and backwards of several
-micro-batches (1F1B, interleaved chunks): block i may run micro-batch 3's forward while micro-batch 1's backward
-still needs it later, and under zb-h1 a block is held from its input-gradient pass (I) to its weight pass (W),
-across the other actions between them. ``d`` is ``parallel.zero3_prefetch`` (0: no prefetch).
-
-``parallel.zero3_gather`` chooses when a training forward's buckets are freed:
-
-    micro_batch  as above: gathered for each micro-batch's forward and again for its backward; the least memory
-                 (the roots and a few blocks), 2 all-gathers of every block per micro-batch
-    step         every bucket used in the step stays gathered until the step's last backward is reduced (the
-                 reducer's ``on_finish``), as FSDP's reshard_after_forward=False: one all-gather of each bucket per
-                 step, and all of this rank's parameters whole during the step
-
-The root stays gathered from a chunk's forward to the end of its backward in both, as the root module does under
-FSDP.
+One bucket per block (the last block first) and one for each chunk's other parameters (its root), each kept as this
+rank's shard; hooks on the modules gather a bucket when needed and free it when its last holder lets go: a block
+while its forward runs and from its output's gradient to its reduce-scatter (an eager zb chunk past stage 0: to its
+input's gradient, as W reads no weight), the root from the chunk's forward to its reduce-scatter;
+``parallel.zero3_gather=step`` keeps every bucket to the step's end. Holds, not a flag, as a pipeline interleaves
+several micro-batches' passes. The whole table: docs/parallelism.md, "How stage 3 holds its buckets".
 """
 
 from __future__ import annotations
@@ -85,7 +63,7 @@ class ParameterSharding:
     """Gather and free ``store``'s buckets around the chunks' forwards and backwards (see the module docstring).
 
     ``chunks``: (chunk, its blocks) with their ``ChunkUnits``; ``mode``: one of ``GATHER_MODES``; ``prefetch``:
-    how many blocks ahead to gather. ``released(span)`` ends a backward's hold (the reducer's ``on_reduced``),
+    how many blocks ahead to gather. ``reduced(span)`` ends a backward's hold (the reducer's ``on_reduced``),
     ``end_step()`` frees every bucket (its ``on_finish``)."""
 
     def __init__(
@@ -101,12 +79,13 @@ class ParameterSharding:
         self.store, self.mode, self.depth = store, mode, prefetch
         self._holds = [0] * len(store.layout.spans)
         self._kept: set[int] = set()  # step mode: buckets held until the step's end
+        self.units, self._early, self._armed = units, set[int](), set[tuple[int, int]]()  # release_after_input's
         self._handles: list[RemovableHandle] = []
         for (model, blocks), unit in zip(chunks, units, strict=True):
             self._handles.append(model.register_forward_pre_hook(lambda m, a, u=unit: self._before_chunk(u)))
             self._handles.append(model.register_forward_hook(lambda m, a, out, u=unit: self._after_chunk(u, out)))
             for i, block in enumerate(blocks):
-                pre = lambda m, a, u=unit, i=i: self._before_block(u, i)  # noqa: E731
+                pre = lambda m, a, u=unit, i=i: self._before_block(u, i, a)  # noqa: E731
                 post = lambda m, a, out, u=unit, i=i: self._after_block(u, i, out)  # noqa: E731
                 self._handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
 
@@ -123,6 +102,15 @@ class ParameterSharding:
         if self._holds[span.index] <= 0:
             self._holds[span.index] = 0
             self.store.free(span)
+
+    def reduced(self, span: BucketSpan) -> None:
+        """``span``'s gradients are reduce-scattered: its backward hold ends, unless its input gradient ended it."""
+        if span.index not in self._early:
+            self.released(span)
+
+    def release_after_input(self, chunk: int) -> None:
+        """Chunk ``chunk``'s W reads no weight: each block's backward hold ends with the block's input gradient."""
+        self._early.update(span.index for span in self.units[chunk].blocks)
 
     def end_step(self) -> None:
         """The step's backward is reduced: every bucket is freed (step mode's, and any a pass left held)."""
@@ -149,16 +137,31 @@ class ParameterSharding:
             for span in unit.root:
                 self.released(span)
 
-    def _before_block(self, unit: ChunkUnits, i: int) -> None:
-        self._hold(unit.blocks[i])
+    def _before_block(self, unit: ChunkUnits, i: int, args: tuple) -> None:
+        span, x = unit.blocks[i], args[0] if args else None
+        self._hold(span)
         self._prefetch(unit, range(i + 1, i + 1 + self.depth))
+        key = (span.index, id(x))
+        early = span.index in self._early and x is not None and torch.is_grad_enabled() and x.requires_grad
+        if early and key not in self._armed:  # once per input: a recomputation runs the block again on it
+            self._armed.add(key)
+            if i == 0:  # else block i - 1's backward starts with it, before its hold (_before_block_backward)
+                x.register_hook(lambda grad: self._input_grad(key))
+
+    def _input_grad(self, key: tuple[int, int]) -> None:
+        if key in self._armed:
+            self._armed.discard(key)
+            self.released(self.store.layout.spans[key[0]])
 
     def _after_block(self, unit: ChunkUnits, i: int, output: torch.Tensor) -> None:
         self.released(unit.blocks[i])
-        if output.requires_grad:
-            output.register_hook(lambda grad: self._before_block_backward(unit, i))
+        if output.requires_grad:  # the next block's input, if it is one
+            after = (unit.blocks[i + 1].index, id(output)) if i + 1 < len(unit.blocks) else None
+            output.register_hook(lambda grad: self._before_block_backward(unit, i, after))
 
-    def _before_block_backward(self, unit: ChunkUnits, i: int) -> None:
+    def _before_block_backward(self, unit: ChunkUnits, i: int, after: tuple[int, int] | None) -> None:
+        if after is not None:
+            self._input_grad(after)
         self._hold(unit.blocks[i])
         self._prefetch(unit, range(i - 1, i - 1 - self.depth, -1))
 

@@ -437,4 +437,5 @@ def _resolve(cfg: Config, dp: int, schedule: str, vpp: int) -> Layout:
         async_checkpoint=cfg.checkpoint.async_,
         optimizer=cfg.optim.name,
         fp8=tr.fp8,
+        compile=str(tr.compile).lower(),
     )

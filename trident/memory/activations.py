@@ -433,10 +433,11 @@ def activation_bytes(
             + context_bytes(m, layout)
             + stream_bytes(m, layout, kept if held[0] in recomputed else "none", c == 0, c == last)
         )
-    placement, zero_bubble = stage_placement(layout.schedule), layout.schedule in SPLIT_BACKWARD
-    # Under zb-h1 and zb-v an eager chunk past stage 0 keeps its linear layers' inputs and gradients from I to W.
-    kept = [weight_pass_bytes(m, layout, c, routing, traced) if zero_bubble and c > 0 else 0 for c in chunks]
-    walk = (lambda c: kept[c]) if zero_bubble else None
+    # Under zb-h1 and zb-v an eager chunk past stage 0 keeps its linear layers' inputs and gradients from I to W; a
+    # compiled one its whole set (torch's split), as the walk counts without ``kept``.
+    placement, split = stage_placement(layout.schedule), layout.schedule in SPLIT_BACKWARD and not layout.compiled
+    kept = [weight_pass_bytes(m, layout, c, routing, traced) if layout.defers_weight_grads(c) else 0 for c in chunks]
+    walk = (lambda c: kept[c]) if split else None
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, lambda c: chunk_bytes[c], placement, walk)
 
 
@@ -473,13 +474,14 @@ def stage_actions(layout: Layout, stage: int) -> list:
     return build_schedule(layout.schedule or "1f1b", layout.pp, layout.vpp, layout.micro_batches)[stage]
 
 
-def activation_sets(layout: Layout, stage: int, m: ModelConfig | None = None, compiled: bool = False) -> int:
+def activation_sets(layout: Layout, stage: int, m: ModelConfig | None = None) -> int:
     """The most activation sets (micro-batch x model chunk) stage ``stage`` holds at once, beside the executor's count
-    in memory.json; given ``m``, a zb chunk deferring no GEMM (all FP8) holds none from I to W, unless ``compiled``."""
+    in memory.json; given ``m``, an eager zb chunk deferring no GEMM (all FP8) holds none from I to W."""
     chunks, placement = rank_chunks(layout, stage), stage_placement(layout.schedule)
-    defers = m is not None and layout.schedule in SPLIT_BACKWARD and not compiled
-    sets = [int(defers and c > 0 and weight_pass_bytes(m, layout, c, traced=False) > 0) for c in chunks]
-    walk = (lambda c: sets[c]) if defers else None
+    split = m is not None and layout.schedule in SPLIT_BACKWARD and not layout.compiled
+    defers = [split and layout.defers_weight_grads(c) for c in chunks]
+    sets = [int(d and weight_pass_bytes(m, layout, c, traced=False) > 0) for c, d in zip(chunks, defers, strict=True)]
+    walk = (lambda c: sets[c]) if split else None
     return activation_peak(stage_actions(layout, stage), stage, layout.pp, placement=placement, kept=walk)
 
 
@@ -576,11 +578,10 @@ def recompute_flops(m: ModelConfig, layout: Layout, stage: int, policy: str | No
         }[name]
 
     layers = m.n_layers // (layout.pp * layout.vpp)
-    zero_bubble = layout.schedule in ("zb-h1", "zb-v")
     total = 0.0
     for c in rank_chunks(layout, stage):
         for i in recomputed_layers(range(c * layers, (c + 1) * layers), name, every):
             sparse_layer = m.moe.is_sparse(i)
-            deferred = zero_bubble and c > 0 and name == "full" and not sparse_layer
+            deferred = layout.defers_weight_grads(c) and name == "full" and not sparse_layer
             total += per_layer(sparse_layer) + (down if deferred else 0.0)
     return total * layout.micro_batches

@@ -20,7 +20,7 @@ from trident.memory.measure import KINDS, PLACES, Figures
 from trident.memory.params import StageParams
 from trident.models.matrices import matrices_of
 from trident.parallel.layout import FlatLayout
-from trident.parallel.pipeline.schedules import I, W
+from trident.parallel.pipeline.schedules import SPLIT_BACKWARD, I, W
 from trident.parallel.placement import is_expert, placement_of
 from trident.parallel.precision import precision_policy
 from trident.parallel.zero.grads import ShardedGradReducer
@@ -85,8 +85,9 @@ def model_states(params: StageParams, layout: Layout, dp_rank: int | None = None
     ranks = range(layout.grad_ranks if layout.zero >= 1 else 1) if dp_rank is None else [dp_rank]
     # Stage 3: each chunk's (its blocks' bucket numels, its root buckets' numels).
     units = [([s.numel for s in u.blocks], [s.numel for s in u.root]) for u in chunk_units]
-    # Each chunk's blocks stay gathered from I to W under the split backward, but for stage 0's (I is all of it).
-    held = [layout.schedule in ("zb-h1", "zb-v") and not c.is_first for c in params.chunks]
+    # Compiled blocks (torch's split, rerunning the backward graph) stay gathered from I to W, but for stage 0's (I is
+    # all of it); an eager chunk's W reads no weight (parallel/zero/stage3.py, release_after_input).
+    held = [layout.compiled and layout.schedule in SPLIT_BACKWARD and not c.is_first for c in params.chunks]
     muon = muon_params(params.chunks) if layout.optimizer == "muon" else {}
     states = (_rank_states(flat, layout, r, units, held, params.stage, muon) for r in ranks)
     return max(states, key=lambda s: sum(s.figures["total"].values()))

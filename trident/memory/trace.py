@@ -7,34 +7,15 @@ runtime's own tool (trident/memory/measure.py ``held_by_forward``): the storages
 alive after it: by construction the count a real forward's measurement makes, a model feature (a norm, a head
 width, a recomputation module) counted with no estimator code. Fake tensors have no data: nothing is allocated.
 
-A chunk's layers differ only by their kind (recomputed or not, dense or sparse), and what one keeps depends neither
-on the others nor on the chunk's place, so a chunk is traced with one layer of each kind it holds (its first among
-them), and each further layer of a kind adds that kind's bytes: a one-chunk model with the layer less the same
-without it (``layer_bytes``, shared by every chunk, pipeline stage and policy that runs the kind alike, and by the
-recomputation's transient). What the chunk keeps once (the embedding's, the head's and loss's, the recomputed
-chunk's mask and positions under packed documents, the received stream) is in its own trace. Each trace is cached
-by what shapes it: the model, micro-batch size, tp, sequence parallelism, ep, precision, packed documents, the
-chunk's place, its layers' kinds in order and the routing's sizes (``_trace``).
-
 A pipeline's chunk is run as the executor runs it (parallel/pipeline/executor.py): after the first from a residual
 stream received into a buffer that requires grad, and counted with what the executor keeps of the forward until its
 backward, the received buffer and the output (the last chunk's loss), as a real chunk keeps them
 (tests/test_memory_pipeline.py).
 
-A sparse layer (models/moe.py) reads its routing on the host: the rows each expert takes, and under ep the rows each
-rank sends each expert. The trace gives it those sizes (``MoE.traced``: a ``TracedRouting`` built from the routing
-asked for, ``traced_routing``), the worst routing's, a bound, or a balanced one's (trident/memory/activations.py
-``routed_rows``), and the rest of the layer runs as it does on real data. Two of its ops fake tensors cannot shape
-are shaped here (``_ShapesOnly``: ``bincount``, and ``_grouped_mm`` in fp32 on a CPU).
-
-Tensor, context and expert parallelism run over a fake process group (torch's ``fake`` backend: collectives return
-at once, their outputs shaped as a real group's). It is made the default group of a world of the trace's own
-(``_own_world``), so a process with groups of its own (a training run's launch estimate) traces too, its groups set
-aside for the trace and given back.
-
 A context-parallel chunk traces as a real cp rank runs it, to the byte (tests/test_cp_memory.py); a GPU layout cannot
 trace on a CPU build of torch. Both keep the formula (``traceable``; docs/planning.md, "Memory before launch", says
-why). A zero-bubble chunk's deferred I is traced for what it keeps until W (``traced_weight_pass_bytes``).
+why). A zero-bubble chunk's deferred I is traced for what it keeps until W (``traced_weight_pass_bytes``). How layers
+of a kind, sparse layers' routing and the fake process group are traced: docs/planning.md, "How a chunk is traced".
 """
 
 from __future__ import annotations
