@@ -60,8 +60,7 @@ def unit_layout(
 
 
 class ParameterSharding:
-    """Gather and free ``store``'s buckets around the chunks' forwards and backwards (see the module docstring).
-
+    """Gather and free ``store``'s buckets around the chunks' forwards and backwards (see the module docstring):
     ``chunks``: (chunk, its blocks) with their ``ChunkUnits``; ``mode``: one of ``GATHER_MODES``; ``prefetch``:
     how many blocks ahead to gather. ``reduced(span)`` ends a backward's hold (the reducer's ``on_reduced``),
     ``end_step()`` frees every bucket (its ``on_finish``)."""
@@ -115,6 +114,7 @@ class ParameterSharding:
     def end_step(self) -> None:
         """The step's backward is reduced: every bucket is freed (step mode's, and any a pass left held)."""
         self._kept.clear()
+        self._armed.clear()  # a forward whose backward never ran (a failed step) leaves its key
         for span in self.store.layout.spans:
             self._holds[span.index] = 0
             self.store.free(span)
