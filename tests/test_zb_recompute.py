@@ -39,9 +39,7 @@ def _count_block_forwards(rank: int, world: int, cfg, run_dir: Path) -> int:  # 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_each_block_is_recomputed_once_per_backward_pass(
-    tiny_dataset: Path, tmp_path: Path, schedule: str
-) -> None:
+def test_each_block_is_recomputed_once_per_backward_pass(tiny_dataset: Path, tmp_path: Path, schedule: str) -> None:
     """Per micro-batch and block: the forward, then one recomputation in B (1f1b) or in I (zb-h1), none in W."""
     overrides = tiny(
         tiny_dataset,
